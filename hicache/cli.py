@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {}
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hicache",
-        description="hicache: a tiered KV cache for LLM inference (HBM, host memory, shared storage).",
+        description="hicache: a tiered KV cache for LLM inference.",
     )
     parser.add_argument(
         "--log-level",

@@ -61,3 +61,10 @@ def test_module_does_not_import_torch(module):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"importing {module} pulled in {result.stdout.strip()}"
+
+
+def test_ruff_finds_nothing():
+    ruff = shutil.which("ruff")
+    assert ruff is not None, "ruff is part of the dev extra"
+    result = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
