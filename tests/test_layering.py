@@ -33,6 +33,9 @@ TORCH_FREE_MODULES = [
     "radix",
     "storage_backends",
     "hicache.cli",
+    "tiers",
+    "tiers.layout",
+    "tiers.allocator",
 ]
 
 # Modules that later issues add; checked as soon as they exist.
