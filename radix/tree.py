@@ -1,0 +1,578 @@
+"""The radix index: which KV pages exist, per namespace, and which tiers hold them.
+
+`RadixTree` maps token prefixes to runs of full pages. It knows page ids (L1 device ids,
+L2 host ids) and whether L3 holds a run, and it chooses what to evict; it never touches
+memory, storage or torch. The controller (`hicache`) owns one tree and drives it.
+
+Walking a request costs one dict lookup per node and one bytes comparison per run, not a
+Python step per page or per token. Page keys are computed only when asked for (L3 lookups
+and writes) and then kept on the node.
+
+Contracts:
+- Only full pages are indexed; a trailing partial page is ignored.
+- Node objects returned by the tree stay valid while locked: `lock(node)` pins the node and
+  every ancestor in every tier, and a split never replaces the deeper half of a run, so a
+  locked node keeps its identity and its pages.
+- The tree is not thread-safe; its owner serialises calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from radix.errors import RadixError
+from radix.eviction import CandidateHeap, eviction_key_function
+from radix.keys import TOKEN_BYTES, Namespace, chain_keys, encode_tokens
+from radix.node import NO_TIER, Node, Tier
+
+DEFAULT_NAMESPACE = Namespace(model_id="default", layout="default")
+
+Tokens = Sequence[int] | np.ndarray | bytes
+
+
+class MatchResult(NamedTuple):
+    """The cached prefix of a request, split by the fastest tier holding each run.
+
+    The runs come in order: `l1_nodes` (pages usable now), then `l2_nodes` (only in host
+    memory), then `l3_nodes` (known to be in L3 only). Page ids are safe to use only while
+    `last_node` is locked.
+    """
+
+    matched_pages: int
+    matched_tokens: int
+    device_page_ids: list[int]
+    l1_nodes: list[Node]
+    l2_nodes: list[Node]
+    l3_nodes: list[Node]
+    last_node: Node
+    remainder_keys: list[bytes] | None  # keys of the unmatched full pages, when asked for
+
+    @property
+    def num_l1_pages(self) -> int:
+        return len(self.device_page_ids)
+
+    @property
+    def num_l2_pages(self) -> int:
+        return sum(node.num_pages for node in self.l2_nodes)
+
+    @property
+    def num_l3_pages(self) -> int:
+        return sum(node.num_pages for node in self.l3_nodes)
+
+    @property
+    def host_page_ids(self) -> list[int]:
+        return [page for node in self.l2_nodes for page in node.host_page_ids]
+
+
+class InsertResult(NamedTuple):
+    """What `insert` did. The caller frees `duplicate_device_page_ids`: its own pages for
+    runs that L1 already held under other ids."""
+
+    num_present_pages: int  # leading pages the tree already indexed (in any tier)
+    num_new_pages: int
+    duplicate_device_page_ids: list[int]
+    last_node: Node
+
+
+class RadixTree:
+    """A compressed radix tree over full pages, with per-tier residency and eviction."""
+
+    def __init__(self, page_size: int = 64, eviction_policy: str = "lru") -> None:
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.page_size = page_size
+        self.eviction_policy = eviction_policy
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._roots: dict[bytes, Node] = {}
+        self._clock = 0
+        self._num_nodes = 0
+        self._pages = [0, 0, 0, 0]  # pages held per Tier
+        self._locked_pages = [0, 0, 0, 0]  # of those, pages in locked nodes
+        key = eviction_key_function(eviction_policy)
+        self._heaps = {tier: CandidateHeap(tier, key, self._is_candidate) for tier in Tier}
+
+    # ------------------------------------------------------------------ queries
+
+    def num_pages(self, tier: Tier) -> int:
+        """Pages of `tier` the index holds."""
+        return self._pages[tier]
+
+    def num_evictable_pages(self, tier: Tier) -> int:
+        """Pages of `tier` in unlocked nodes (an upper bound on what `evict` can free)."""
+        return self._pages[tier] - self._locked_pages[tier]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def root(self, namespace: Namespace | None = None) -> Node:
+        """The empty run at the top of a namespace (created on first use)."""
+        digest = (namespace or DEFAULT_NAMESPACE).digest
+        root = self._roots.get(digest)
+        if root is None:
+            root = Node(None, b"", 0)
+            root.namespace_digest = digest
+            self._roots[digest] = root
+        return root
+
+    def match_prefix(
+        self,
+        tokens: Tokens,
+        namespace: Namespace | None = None,
+        *,
+        remainder_keys: bool = False,
+    ) -> MatchResult:
+        """The longest indexed prefix of `tokens`, in whole pages.
+
+        A match that ends inside a run splits it, so `last_node` covers exactly the match.
+        Matched runs count as accessed (eviction order) and hit (LFU, selective writes).
+        With `remainder_keys`, the keys of the unmatched full pages are computed too.
+        """
+        data = encode_tokens(tokens)
+        page_bytes = self._page_bytes
+        limit = len(data) - len(data) % page_bytes
+        node = self.root(namespace)
+        path: list[Node] = []
+        offset = 0
+        while offset < limit:
+            child = node.children.get(data[offset : offset + page_bytes])
+            if child is None:
+                break
+            end = offset + len(child.data)
+            if end <= limit and data.startswith(child.data, offset):
+                path.append(child)
+                node, offset = child, end
+                continue
+            common = self._common_pages(child.data, data, offset, limit)
+            node = self._split(child, common)
+            path.append(node)
+            offset += common * page_bytes
+            break
+        self._clock += 1
+        for matched in path:
+            matched.last_access = self._clock
+            matched.hit_count += 1
+        keys = None
+        if remainder_keys:
+            previous = self._last_key(node)
+            keys = chain_keys(
+                previous, data[offset:limit], self.page_size, (limit - offset) // page_bytes
+            )
+        return self._match_result(path, node, offset // page_bytes, keys)
+
+    def _match_result(
+        self, path: list[Node], last: Node, matched_pages: int, keys: list[bytes] | None
+    ) -> MatchResult:
+        device_ids: list[int] = []
+        runs: tuple[list[Node], list[Node], list[Node]] = ([], [], [])
+        for node in path:
+            level = node.level
+            runs[level - 1].append(node)
+            if level == Tier.L1:
+                device_ids.extend(node.device_page_ids)
+        return MatchResult(
+            matched_pages=matched_pages,
+            matched_tokens=matched_pages * self.page_size,
+            device_page_ids=device_ids,
+            l1_nodes=runs[0],
+            l2_nodes=runs[1],
+            l3_nodes=runs[2],
+            last_node=last,
+            remainder_keys=keys,
+        )
+
+    def keys(self, node: Node) -> list[bytes]:
+        """The page keys of a run (computed once, then kept on the node)."""
+        pending = []
+        walk = node
+        while walk.num_pages and walk.keys is None:
+            pending.append(walk)
+            walk = walk.parent
+        for todo in reversed(pending):
+            todo.keys = chain_keys(
+                self._last_key(todo.parent), todo.data, self.page_size, todo.num_pages
+            )
+        return node.keys if node.num_pages else []
+
+    def _last_key(self, node: Node) -> bytes:
+        if node.num_pages == 0:
+            return node.namespace_digest
+        return self.keys(node)[-1]
+
+    def _common_pages(self, run: bytes, data: bytes, offset: int, limit: int) -> int:
+        """Leading whole pages of `run` equal to `data[offset:limit]`."""
+        count = min(len(run), limit - offset) // TOKEN_BYTES
+        ours = np.frombuffer(run, dtype=np.uint32, count=count)
+        theirs = np.frombuffer(data, dtype=np.uint32, count=count, offset=offset)
+        differ = np.flatnonzero(ours != theirs)
+        equal_tokens = int(differ[0]) if differ.size else count
+        return equal_tokens // self.page_size
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(
+        self, tokens: Tokens, device_page_ids: Sequence[int], namespace: Namespace | None = None
+    ) -> InsertResult:
+        """Index a request's full pages, held in L1 under `device_page_ids` (one per page).
+
+        Runs already indexed but not in L1 adopt the caller's pages; runs already in L1
+        keep theirs, and the caller's ids for them come back as duplicates to free.
+        """
+        data = encode_tokens(tokens)
+        num_pages = len(data) // self._page_bytes
+        if len(device_page_ids) < num_pages:
+            raise RadixError(
+                f"insert needs one device page id per full page: {num_pages} pages, "
+                f"{len(device_page_ids)} ids"
+            )
+        return self._insert(data, num_pages, namespace, Tier.L1, list(device_page_ids))
+
+    def insert_l3(
+        self, tokens: Tokens, namespace: Namespace | None = None, *, num_pages: int | None = None
+    ) -> InsertResult:
+        """Index the first `num_pages` full pages of `tokens` (default: all) as held by L3.
+
+        For pages an L3 lookup found beyond the matched prefix; runs already indexed are
+        left as they are.
+        """
+        data = encode_tokens(tokens)
+        available = len(data) // self._page_bytes
+        if num_pages is None:
+            num_pages = available
+        if not 0 <= num_pages <= available:
+            raise RadixError(f"num_pages must be in [0, {available}], got {num_pages}")
+        return self._insert(data, num_pages, namespace, Tier.L3, None)
+
+    def _insert(
+        self,
+        data: bytes,
+        num_pages: int,
+        namespace: Namespace | None,
+        tier: Tier,
+        ids: list[int] | None,
+    ) -> InsertResult:
+        page_bytes = self._page_bytes
+        limit = num_pages * page_bytes
+        node = self.root(namespace)
+        self._clock += 1
+        duplicates: list[int] = []
+        offset = 0
+        while offset < limit:
+            child = node.children.get(data[offset : offset + page_bytes])
+            if child is None:
+                break
+            end = offset + len(child.data)
+            if end > limit or not data.startswith(child.data, offset):
+                child = self._split(child, self._common_pages(child.data, data, offset, limit))
+                end = offset + len(child.data)
+            if tier == Tier.L1:
+                first = offset // page_bytes
+                self._adopt_device(child, ids[first : first + child.num_pages], duplicates)
+            child.last_access = self._clock
+            node, offset = child, end
+        present = offset // page_bytes
+        if offset < limit:
+            node = self._new_node(
+                node, data[offset:limit], tier, ids[present:num_pages] if ids else None
+            )
+            node.last_access = self._clock
+        return InsertResult(present, num_pages - present, duplicates, node)
+
+    def _adopt_device(self, node: Node, ids: list[int], duplicates: list[int]) -> None:
+        if node.device_page_ids is None:
+            self.set_device(node, ids)
+        elif ids != node.device_page_ids:
+            duplicates.extend(
+                mine for mine, held in zip(ids, node.device_page_ids, strict=True) if mine != held
+            )
+
+    def _new_node(self, parent: Node, data: bytes, tier: Tier, ids: list[int] | None) -> Node:
+        node = Node(parent, data, len(data) // self._page_bytes)
+        self._assign(node, tier, True if tier == Tier.L3 else ids)
+        parent.children[data[: self._page_bytes]] = node
+        parent.children_at_level[tier] += 1
+        self._pages[tier] += node.num_pages
+        self._num_nodes += 1
+        self._refresh(node)
+        self._refresh(parent)
+        return node
+
+    # ------------------------------------------------------------------ residency
+
+    def set_device(self, node: Node, device_page_ids: Sequence[int]) -> None:
+        """Record that L1 holds the run under these device page ids."""
+        self._add_copy(node, Tier.L1, list(device_page_ids))
+
+    def clear_device(self, node: Node) -> list[int]:
+        """Forget the run's L1 copy; returns its device page ids (the caller frees them)."""
+        return self._drop_copy(node, Tier.L1)
+
+    def set_host(self, node: Node, host_page_ids: Sequence[int]) -> None:
+        """Record that L2 holds the run under these host page ids."""
+        self._add_copy(node, Tier.L2, list(host_page_ids))
+
+    def clear_host(self, node: Node) -> list[int]:
+        """Forget the run's L2 copy; returns its host page ids (the caller frees them)."""
+        return self._drop_copy(node, Tier.L2)
+
+    def set_l3(self, node: Node) -> None:
+        """Record that L3 holds the run (setting it twice is harmless)."""
+        if not node.in_l3:
+            self._add_copy(node, Tier.L3, True)
+
+    def clear_l3(self, node: Node) -> None:
+        """Forget that L3 holds the run (L3 evicted it, or returned a corrupt page)."""
+        if node.in_l3:
+            self._drop_copy(node, Tier.L3)
+
+    def _add_copy(self, node: Node, tier: Tier, value: list[int] | bool) -> None:
+        self._check_live(node)
+        if value is not True:
+            self._check_ids(node, value, tier)
+        if self._holds(node, tier):
+            raise RadixError(f"{node} is already in {tier.name}")
+        parent = node.parent
+        if parent.num_pages and parent.level > min(node.level, tier):
+            raise RadixError(
+                f"{node}: its parent run is not in {tier.name} or a faster tier "
+                "(each tier must hold whole prefixes)"
+            )
+        self._set_residency(node, tier, value)
+
+    def _drop_copy(self, node: Node, tier: Tier) -> list[int] | bool:
+        if not self._holds(node, tier):
+            raise RadixError(f"{node} is not in {tier.name}")
+        self._check_can_lower(node, tier)
+        held = node.device_page_ids if tier == Tier.L1 else node.host_page_ids
+        self._set_residency(node, tier, False if tier == Tier.L3 else None)
+        return held
+
+    def _check_live(self, node: Node) -> None:
+        if not node.num_pages:
+            raise RadixError("a namespace root holds no pages")
+        parent = node.parent
+        if parent is None or parent.children.get(node.data[: self._page_bytes]) is not node:
+            raise RadixError(f"{node} is no longer in the tree")
+
+    @staticmethod
+    def _check_ids(node: Node, ids: list[int], tier: Tier) -> None:
+        if len(ids) != node.num_pages:
+            raise RadixError(f"{len(ids)} {tier.name} page ids for a run of {node.num_pages} pages")
+
+    def _check_can_lower(self, node: Node, tier: Tier) -> None:
+        """Refuse a change that would leave a child in a faster tier than its parent."""
+        if node.lock_ref:
+            raise RadixError(f"{node} is locked; its pages can't leave tier {tier.name}")
+        holds = {
+            Tier.L1: node.device_page_ids is not None,
+            Tier.L2: node.host_page_ids is not None,
+            Tier.L3: node.in_l3,
+        }
+        holds[tier] = False
+        new_level = next((t for t in Tier if holds[t]), NO_TIER)
+        faster_children = sum(node.children_at_level[1:new_level])
+        if faster_children:
+            raise RadixError(
+                f"{node}: {faster_children} child runs are in faster tiers than it would be"
+                f" without tier {tier.name}; evict those first"
+            )
+
+    def _set_residency(self, node: Node, tier: Tier, value: list[int] | bool | None) -> None:
+        old_level = node.level
+        was_held = self._holds(node, tier)
+        self._assign(node, tier, value)
+        delta = node.num_pages * (int(self._holds(node, tier)) - int(was_held))
+        self._pages[tier] += delta
+        if node.lock_ref:
+            self._locked_pages[tier] += delta
+        new_level = node.level
+        parent = node.parent
+        if new_level != old_level:
+            parent.children_at_level[old_level] -= 1
+            parent.children_at_level[new_level] += 1
+        if new_level == NO_TIER:
+            self._detach(node)
+        else:
+            self._refresh(node)
+        self._refresh(parent)
+
+    @staticmethod
+    def _assign(node: Node, tier: Tier, value: list[int] | bool | None) -> None:
+        if tier == Tier.L1:
+            node.device_page_ids = value
+        elif tier == Tier.L2:
+            node.host_page_ids = value
+        else:
+            node.in_l3 = value
+
+    @staticmethod
+    def _holds(node: Node, tier: Tier) -> bool:
+        if tier == Tier.L1:
+            return node.device_page_ids is not None
+        if tier == Tier.L2:
+            return node.host_page_ids is not None
+        return node.in_l3
+
+    # ------------------------------------------------------------------ locks
+
+    def lock(self, node: Node) -> None:
+        """Pin `node` and its ancestors: none of their pages leaves any tier until unlocked."""
+        node.direct_locks += 1
+        walk = node
+        while walk is not None:
+            if walk.lock_ref == 0:
+                self._count_locked(walk, +1)
+            walk.lock_ref += 1
+            walk = walk.parent
+
+    def unlock(self, node: Node) -> None:
+        if node.direct_locks <= 0:
+            raise RadixError(f"unlock of {node}, which holds no lock of its own")
+        node.direct_locks -= 1
+        walk = node
+        while walk is not None:
+            walk.lock_ref -= 1
+            if walk.lock_ref == 0:
+                self._count_locked(walk, -1)
+                self._refresh(walk)
+            walk = walk.parent
+
+    def _count_locked(self, node: Node, sign: int) -> None:
+        for tier in Tier:
+            if self._holds(node, tier):
+                self._locked_pages[tier] += sign * node.num_pages
+
+    def set_priority(self, node: Node, priority: int) -> None:
+        """Eviction priority for the `priority` policy: lower is evicted first."""
+        lowered = priority < node.priority
+        node.priority = priority
+        if lowered:
+            for tier in Tier:
+                if node.in_heap[tier]:
+                    self._heaps[tier].push(node, force=True)
+
+    # ------------------------------------------------------------------ eviction
+
+    def take_victim(self, tier: Tier, max_pages: int) -> Node | None:
+        """The next run to evict from `tier`, cut to at most `max_pages` pages, or None.
+
+        The caller clears `tier` on it (after writing it back, if it must); a victim it
+        decides to keep goes back with `requeue`.
+        """
+        if max_pages <= 0:
+            return None
+        node = self._heaps[tier].pop()
+        if node is not None and node.num_pages > max_pages:
+            self._split(node, node.num_pages - max_pages)
+        return node
+
+    def requeue(self, node: Node) -> None:
+        """Hand back a victim from `take_victim` that was not evicted."""
+        self._refresh(node)
+
+    def evict(self, tier: Tier, num_pages: int) -> list[int]:
+        """Free up to `num_pages` pages of L1 or L2; returns their ids in eviction order
+        (deepest page of each run first).
+
+        Never touches locked runs. A run that no tier holds afterwards leaves the index.
+        Evicting 0 pages is always safe.
+        """
+        if tier == Tier.L3:
+            raise RadixError("L3 holds no page ids; use forget_l3 to drop L3 runs from the index")
+        clear = self.clear_device if tier == Tier.L1 else self.clear_host
+        freed: list[int] = []
+        while len(freed) < num_pages:
+            node = self.take_victim(tier, num_pages - len(freed))
+            if node is None:
+                break
+            freed.extend(reversed(clear(node)))  # deepest page first
+        return freed
+
+    def forget_l3(self, num_pages: int) -> int:
+        """Drop up to `num_pages` L3-only pages from the index (L3 itself is untouched)."""
+        forgotten = 0
+        while forgotten < num_pages:
+            node = self.take_victim(Tier.L3, num_pages - forgotten)
+            if node is None:
+                break
+            forgotten += node.num_pages
+            self.clear_l3(node)
+        return forgotten
+
+    def _is_candidate(self, node: Node, tier: Tier) -> bool:
+        if node.lock_ref or not node.num_pages or node.parent is None:
+            return False
+        below = node.children_at_level
+        if tier == Tier.L1:
+            if node.device_page_ids is None or below[Tier.L1]:
+                return False
+            if node.host_page_ids is not None:
+                return True
+            return not below[Tier.L2] if node.in_l3 else not node.children
+        if tier == Tier.L2:
+            if node.device_page_ids is not None or node.host_page_ids is None or below[Tier.L2]:
+                return False
+            return node.in_l3 or not node.children
+        return node.level == Tier.L3 and not node.children
+
+    def _refresh(self, node: Node) -> None:
+        for tier, heap in self._heaps.items():
+            if not node.in_heap[tier] and self._is_candidate(node, tier):
+                heap.push(node)
+
+    # ------------------------------------------------------------------ structure
+
+    def split(self, node: Node, num_pages: int) -> Node:
+        """Cut a run after its first `num_pages` pages; returns the new first half.
+
+        `node` keeps its identity (and its locks) as the second half.
+        """
+        if not 0 < num_pages < node.num_pages:
+            raise RadixError(f"split point must be in (0, {node.num_pages}), got {num_pages}")
+        return self._split(node, num_pages)
+
+    def _split(self, node: Node, num_pages: int) -> Node:
+        cut = num_pages * self._page_bytes
+        parent = node.parent
+        head = Node(parent, node.data[:cut], num_pages)
+        head.last_access = node.last_access
+        head.hit_count = node.hit_count
+        head.priority = node.priority
+        head.lock_ref = node.lock_ref
+        head.meta = node.meta
+        head.in_l3 = node.in_l3
+        if node.device_page_ids is not None:
+            head.device_page_ids = node.device_page_ids[:num_pages]
+            node.device_page_ids = node.device_page_ids[num_pages:]
+        if node.host_page_ids is not None:
+            head.host_page_ids = node.host_page_ids[:num_pages]
+            node.host_page_ids = node.host_page_ids[num_pages:]
+        if node.keys is not None:
+            head.keys = node.keys[:num_pages]
+            node.keys = node.keys[num_pages:]
+        node.data = node.data[cut:]
+        node.num_pages -= num_pages
+        node.parent = head
+        head.children[node.data[: self._page_bytes]] = node
+        head.children_at_level[node.level] = 1
+        parent.children[head.data[: self._page_bytes]] = head
+        self._num_nodes += 1
+        return head
+
+    def _detach(self, node: Node) -> None:
+        parent = node.parent
+        del parent.children[node.data[: self._page_bytes]]
+        parent.children_at_level[NO_TIER] -= 1
+        self._num_nodes -= 1
+        node.parent = None
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        """Recompute every invariant from scratch; raise InvariantError naming the first broken."""
+        from radix.invariants import check_tree
+
+        check_tree(self)

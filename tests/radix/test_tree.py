@@ -1,0 +1,260 @@
+import pytest
+
+from radix.errors import RadixError
+from radix.keys import Namespace, page_keys
+from radix.node import Tier
+from radix.tree import DEFAULT_NAMESPACE, RadixTree
+
+P = 4  # tokens per page in these tests
+
+
+def seq(*pages: int, tail: int = 0) -> list[int]:
+    """Tokens made of whole pages, page k being [k*10, k*10+1, ...]; `tail` extra tokens."""
+    tokens = [page * 10 + j for page in pages for j in range(P)]
+    return tokens + [999] * tail
+
+
+@pytest.fixture
+def tree():
+    tree = RadixTree(page_size=P)
+    yield tree
+    tree.check_invariants()
+
+
+def test_empty_tree_matches_nothing(tree):
+    match = tree.match_prefix(seq(1, 2))
+    assert match.matched_pages == 0 and match.matched_tokens == 0
+    assert match.device_page_ids == [] and match.l2_nodes == [] and match.l3_nodes == []
+
+
+def test_insert_then_match_full_and_partial(tree):
+    result = tree.insert(seq(1, 2, 3, tail=2), [10, 11, 12])
+    assert result.num_present_pages == 0 and result.num_new_pages == 3
+    assert tree.num_pages(Tier.L1) == 3
+    match = tree.match_prefix(seq(1, 2, 3, 4))
+    assert match.matched_pages == 3 and match.matched_tokens == 3 * P
+    assert match.device_page_ids == [10, 11, 12]
+    partial = tree.match_prefix(seq(1, 2, 7))
+    assert partial.device_page_ids == [10, 11]
+    assert partial.last_node.num_pages == 2  # the run was split at the match's end
+    assert tree.num_nodes == 2
+    tree.check_invariants()
+
+
+def test_match_inside_a_page_counts_whole_pages_only(tree):
+    tree.insert(seq(1, 2), [0, 1])
+    tokens = seq(1, 2)
+    tokens[P + 1] = 12345  # differs inside the second page
+    assert tree.match_prefix(tokens).matched_pages == 1
+    assert tree.match_prefix(seq(1, tail=P - 1)).matched_pages == 1
+
+
+def test_insert_reports_present_pages_and_duplicates(tree):
+    tree.insert(seq(1, 2), [0, 1])
+    result = tree.insert(seq(1, 2, 3), [0, 7, 8])
+    assert result.num_present_pages == 2 and result.num_new_pages == 1
+    assert result.duplicate_device_page_ids == [7]  # page 1 was already held under id 1
+    assert tree.match_prefix(seq(1, 2, 3)).device_page_ids == [0, 1, 8]
+
+
+def test_insert_needs_an_id_per_page(tree):
+    with pytest.raises(RadixError, match="one device page id per full page"):
+        tree.insert(seq(1, 2), [0])
+
+
+def test_divergent_branches_share_their_prefix(tree):
+    tree.insert(seq(1, 2, 3), [0, 1, 2])
+    tree.insert(seq(1, 2, 5, 6), [0, 1, 3, 4])
+    assert tree.num_pages(Tier.L1) == 5
+    assert tree.match_prefix(seq(1, 2, 5, 6)).device_page_ids == [0, 1, 3, 4]
+    assert tree.match_prefix(seq(1, 2, 3)).device_page_ids == [0, 1, 2]
+
+
+def test_namespaces_are_isolated(tree):
+    other = Namespace(model_id="other", layout="x")
+    tree.insert(seq(1, 2), [0, 1])
+    assert tree.match_prefix(seq(1, 2), other).matched_pages == 0
+    tree.insert(seq(1, 2), [5, 6], other)
+    assert tree.match_prefix(seq(1, 2), other).device_page_ids == [5, 6]
+    assert tree.match_prefix(seq(1, 2)).device_page_ids == [0, 1]
+
+
+def test_remainder_keys_continue_the_chain(tree):
+    tree.insert(seq(1, 2), [0, 1])
+    match = tree.match_prefix(seq(1, 2, 3, 4, tail=1), remainder_keys=True)
+    expected = page_keys(seq(1, 2, 3, 4), DEFAULT_NAMESPACE, P)
+    assert match.remainder_keys == expected[2:]
+    assert tree.keys(match.last_node) == expected[:2]
+
+
+def test_lru_evicts_least_recently_used_leaf_first(tree):
+    tree.insert(seq(1, 2), [0, 1])
+    tree.insert(seq(3, 4), [2, 3])
+    tree.insert(seq(5), [4])
+    tree.match_prefix(seq(1, 2))  # now (3, 4) is the oldest
+    assert tree.evict(Tier.L1, 2) == [3, 2]
+    assert tree.evict(Tier.L1, 1) == [4]
+    assert tree.match_prefix(seq(3, 4)).matched_pages == 0  # L1-only pages leave the index
+
+
+def test_evict_cuts_a_run_to_the_exact_count_from_its_tail(tree):
+    tree.insert(seq(1, 2, 3, 4), [0, 1, 2, 3])
+    assert tree.evict(Tier.L1, 3) == [3, 2, 1]
+    assert tree.match_prefix(seq(1, 2, 3, 4)).device_page_ids == [0]
+
+
+def test_evicting_zero_is_safe_and_lock_protects_the_path(tree):
+    tree.insert(seq(1, 2), [0, 1])
+    tree.insert(seq(1, 3), [0, 2])
+    assert tree.evict(Tier.L1, 0) == []
+    match = tree.match_prefix(seq(1, 2))
+    tree.lock(match.last_node)
+    assert tree.num_evictable_pages(Tier.L1) == 1
+    assert tree.evict(Tier.L1, 10) == [2]  # only the branch nobody holds
+    tree.unlock(match.last_node)
+    assert sorted(tree.evict(Tier.L1, 10)) == [0, 1]
+    with pytest.raises(RadixError, match="holds no lock"):
+        tree.unlock(match.last_node)
+
+
+def test_lfu_keeps_frequently_hit_runs():
+    tree = RadixTree(page_size=P, eviction_policy="lfu")
+    tree.insert(seq(1), [0])
+    tree.insert(seq(2), [1])
+    for _ in range(3):
+        tree.match_prefix(seq(1))
+    tree.match_prefix(seq(2))  # more recent, but hit less often
+    assert tree.evict(Tier.L1, 1) == [1]
+    tree.check_invariants()
+
+
+def test_priority_policy_evicts_low_priority_first():
+    tree = RadixTree(page_size=P, eviction_policy="priority")
+    a = tree.insert(seq(1), [0]).last_node
+    b = tree.insert(seq(2), [1]).last_node
+    tree.set_priority(a, 5)
+    tree.set_priority(b, 1)
+    assert tree.evict(Tier.L1, 1) == [1]
+    tree.set_priority(a, 0)
+    tree.check_invariants()
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="eviction policy must be one of"):
+        RadixTree(eviction_policy="fifo")
+
+
+def test_l2_backup_survives_l1_eviction_and_reports_as_l2(tree):
+    node = tree.insert(seq(1, 2), [0, 1]).last_node
+    tree.set_host(node, [50, 51])
+    assert tree.evict(Tier.L1, 2) == [1, 0]
+    match = tree.match_prefix(seq(1, 2, 3))
+    assert match.device_page_ids == [] and match.host_page_ids == [50, 51]
+    assert match.num_l2_pages == 2 and match.l2_nodes == [node]
+    # Loading back: the run adopts new device pages.
+    tree.set_device(node, [7, 8])
+    assert tree.match_prefix(seq(1, 2)).device_page_ids == [7, 8]
+
+
+def test_l3_runs_follow_l2_runs_in_a_match(tree):
+    node = tree.insert(seq(1, 2), [0, 1]).last_node
+    tree.set_host(node, [50, 51])
+    tree.set_l3(node)
+    tree.evict(Tier.L1, 2)
+    assert tree.evict(Tier.L2, 1) == [51]
+    match = tree.match_prefix(seq(1, 2))
+    assert match.host_page_ids == [50] and match.num_l3_pages == 1
+    assert tree.num_pages(Tier.L3) == 2
+
+
+def test_insert_l3_indexes_pages_found_in_storage(tree):
+    tree.insert(seq(1), [0])
+    result = tree.insert_l3(seq(1, 2, 3))
+    assert result.num_present_pages == 1 and result.num_new_pages == 2
+    match = tree.match_prefix(seq(1, 2, 3))
+    assert match.device_page_ids == [0] and match.num_l3_pages == 2
+    assert tree.forget_l3(5) == 2
+    assert tree.match_prefix(seq(1, 2, 3)).matched_pages == 1
+
+
+def test_insert_adopts_device_pages_for_runs_only_in_l2(tree):
+    node = tree.insert(seq(1, 2), [0, 1]).last_node
+    tree.set_host(node, [50, 51])
+    tree.evict(Tier.L1, 2)
+    result = tree.insert(seq(1, 2, 3), [4, 5, 6])
+    assert result.num_present_pages == 2 and result.duplicate_device_page_ids == []
+    assert tree.match_prefix(seq(1, 2, 3)).device_page_ids == [4, 5, 6]
+
+
+def test_residency_changes_keep_prefixes_whole(tree):
+    parent = tree.insert(seq(1), [0]).last_node
+    child = tree.insert(seq(1, 2), [0, 1]).last_node
+    with pytest.raises(RadixError, match="faster tiers"):
+        tree.clear_device(parent)  # the child is still in L1
+    tree.set_host(child, [9])
+    tree.clear_device(child)
+    with pytest.raises(RadixError, match="faster tiers"):
+        tree.clear_device(parent)  # would leave an L2 child below a run no tier holds
+    with pytest.raises(RadixError, match="already in L2"):
+        tree.set_host(child, [9])
+    with pytest.raises(RadixError, match="L2 page ids for a run"):
+        tree.set_host(parent, [1, 2])
+
+
+def test_locked_runs_cannot_leave_a_tier(tree):
+    node = tree.insert(seq(1), [0]).last_node
+    tree.lock(node)
+    with pytest.raises(RadixError, match="locked"):
+        tree.clear_device(node)
+    tree.unlock(node)
+    assert tree.clear_device(node) == [0]
+    with pytest.raises(RadixError, match="no longer in the tree"):
+        tree.set_device(node, [0])
+
+
+def test_l2_eviction_cascade_order(tree):
+    # An L1 run cannot lose its backup; an L2-only leaf can.
+    a = tree.insert(seq(1), [0]).last_node
+    tree.set_host(a, [10])
+    b = tree.insert(seq(2), [1]).last_node
+    tree.set_host(b, [11])
+    tree.evict(Tier.L1, 1)  # a is older: it goes to L2-only
+    assert tree.evict(Tier.L2, 5) == [10]
+    assert tree.num_pages(Tier.L2) == 1 and tree.num_pages(Tier.L1) == 1
+
+
+def test_take_victim_and_requeue(tree):
+    tree.insert(seq(1, 2), [0, 1])
+    victim = tree.take_victim(Tier.L1, 1)
+    assert victim.device_page_ids == [1]
+    tree.requeue(victim)
+    tree.check_invariants()
+    assert tree.evict(Tier.L1, 1) == [1]
+
+
+def test_check_invariants_catches_corruption(tree):
+    from radix.errors import InvariantError
+
+    node = tree.insert(seq(1, 2), [0, 1]).last_node
+    node.lock_ref += 1
+    with pytest.raises(InvariantError, match="lock_ref"):
+        tree.check_invariants()
+    node.lock_ref -= 1
+    tree._pages[Tier.L1] += 1
+    with pytest.raises(InvariantError, match="L1 page count"):
+        tree.check_invariants()
+    tree._pages[Tier.L1] -= 1
+
+
+def test_a_run_cannot_enter_l1_before_its_parent(tree):
+    parent = tree.insert(seq(1), [0]).last_node
+    child = tree.insert(seq(1, 2), [0, 1]).last_node
+    tree.set_host(child, [5])
+    tree.set_host(parent, [4])
+    tree.clear_device(child)
+    tree.clear_device(parent)
+    with pytest.raises(RadixError, match="parent run is not in L1"):
+        tree.set_device(child, [9])
+    tree.set_device(parent, [8])
+    tree.set_device(child, [9])
+    assert tree.match_prefix(seq(1, 2)).device_page_ids == [8, 9]
