@@ -1,0 +1,201 @@
+"""Transfers between the device pool and the host pool, off the compute stream.
+
+`TransferEngine` owns one dedicated CUDA copy stream. Work on it is ordered:
+
+- every transfer first waits for the work already queued on the caller's current stream, so
+  a backup reads device pages only after the forward pass that wrote them, and a load never
+  overwrites a page an earlier kernel is still reading;
+- transfers run in the order they were issued (one stream), so a backup issued after a load
+  of the same device pages copies the loaded data.
+
+`load_async` issues one `load_layer` per layer, in layer order, and records one CUDA event
+after each: the engine calls `handle.wait_layer(i)` before layer i attends, which makes its
+current stream wait for layer i only, so the copy of layer i+1 overlaps the compute of layer
+i. `backup_async` issues one launch for all layers and records one event.
+
+What the engine does not order for you: the caller keeps the pages of a transfer allocated and
+unwritten (device pages of a backup, host pages of a load) until its handle is done, and waits
+on a load before reading the pages it fills.
+
+On the CPU the same API runs synchronously: every handle is done when it is returned.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tiers import kernels
+from tiers.device_pool import DevicePool
+from tiers.errors import KVTensorError
+from tiers.host_pool import HostPool
+from tiers.kernels import DEFAULT_COPY_CONFIG, CopyConfig, PageIds
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("auto", "triton", "reference")
+
+
+class LoadHandle:
+    """A load of all layers, issued layer by layer; one event per layer (None on the CPU)."""
+
+    def __init__(
+        self, num_layers: int, events: list | None, device=None, keep_alive: tuple = ()
+    ) -> None:
+        self.num_layers = num_layers
+        self._events = events
+        self._device = device
+        self._keep_alive = keep_alive  # id tensors the copy stream still reads
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the caller's current stream wait until layer `layer` is loaded (non-blocking
+        for the CPU thread). On the CPU the load is already complete."""
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int, got {layer!r}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        if self._events is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._events[layer])
+
+    def is_done(self) -> bool:
+        """True once every layer is loaded (a non-blocking poll)."""
+        return self._events is None or self._events[-1].query()
+
+    def wait(self) -> None:
+        """Block the CPU thread until every layer is loaded."""
+        if self._events is not None:
+            self._events[-1].synchronize()
+
+
+class BackupHandle:
+    """A backup of a batch of pages, all layers; one event (None on the CPU)."""
+
+    def __init__(self, event=None, keep_alive: tuple = ()) -> None:
+        self._event = event
+        self._keep_alive = keep_alive
+
+    def is_done(self) -> bool:
+        """True once the host pages hold the data (a non-blocking poll)."""
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        """Block the CPU thread until the host pages hold the data."""
+        if self._event is not None:
+            self._event.synchronize()
+
+
+class TransferEngine:
+    """Moves pages between `device_pool` and `host_pool`, which must share one layout.
+
+    kernel: "triton" (the copy kernels; on the CPU only under TRITON_INTERPRET=1),
+            "reference" (plain torch indexing and copies), or "auto": the kernels on CUDA
+            with a pinned host pool, the reference otherwise.
+    config: launch shape of the kernels (SM budget, warps, tile size).
+
+    Not thread-safe: one scheduler thread issues transfers and polls handles.
+    """
+
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        *,
+        kernel: str = "auto",
+        config: CopyConfig = DEFAULT_COPY_CONFIG,
+    ) -> None:
+        if device_pool.layout != host_pool.layout:
+            raise KVTensorError(
+                f"pools hold different layouts: device {device_pool.layout.descriptor()}, "
+                f"host {host_pool.layout.descriptor()}"
+            )
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.config = config
+        self.device = device_pool.device
+        self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda and not host_pool.pinned:
+            if kernel == "triton":
+                raise KVTensorError("kernel='triton' on CUDA needs a pinned host pool")
+            if kernel == "auto":
+                logger.warning("host pool is not pinned: transfers use the plain torch path")
+        if kernel == "auto":
+            kernel = "triton" if self.on_cuda and host_pool.pinned else "reference"
+        if kernel == "triton" and not self.on_cuda and not kernels.triton_interpreting():
+            raise KVTensorError("kernel='triton' on the CPU needs TRITON_INTERPRET=1")
+        self.kernel = kernel
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+
+    def load_async(self, host_page_ids: PageIds, device_page_ids: PageIds) -> LoadHandle:
+        """Copy every layer of `host_page_ids[i]` into `device_page_ids[i]`, layer by layer.
+
+        Raises `PageIdError` (issuing nothing) for ids out of range, lists of different
+        lengths, or a device page listed twice.
+        """
+        host_ids, dev_ids = kernels.check_page_ids(
+            host_page_ids, device_page_ids, self.host_pool.num_pages, self.device_pool.num_pages
+        )
+        num_layers = self.device_pool.layout.num_layers
+        if host_ids.numel() == 0:
+            return LoadHandle(num_layers, None)
+        if not self.on_cuda:
+            for layer in range(num_layers):
+                self._load_layer(layer, host_ids, dev_ids)
+            return LoadHandle(num_layers, None)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            host_ids, dev_ids = self._to_device(host_ids, dev_ids)
+            events = []
+            for layer in range(num_layers):
+                self._load_layer(layer, host_ids, dev_ids)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+                events.append(event)
+        return LoadHandle(num_layers, events, self.device, keep_alive=(host_ids, dev_ids))
+
+    def backup_async(self, device_page_ids: PageIds, host_page_ids: PageIds) -> BackupHandle:
+        """Copy every layer of `device_page_ids[i]` into `host_page_ids[i]`, one launch.
+
+        Raises `PageIdError` (issuing nothing) as `load_async` does, for a host page listed
+        twice.
+        """
+        dev_ids, host_ids = kernels.check_page_ids(
+            device_page_ids, host_page_ids, self.device_pool.num_pages, self.host_pool.num_pages
+        )
+        if dev_ids.numel() == 0:
+            return BackupHandle(None)
+        if not self.on_cuda:
+            self._backup(dev_ids, host_ids)
+            return BackupHandle(None)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            dev_ids, host_ids = self._to_device(dev_ids, host_ids)
+            self._backup(dev_ids, host_ids)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return BackupHandle(event, keep_alive=(dev_ids, host_ids))
+
+    def _to_device(self, *ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Checked CPU ids -> the device, for the kernels; the reference path indexes with the
+        CPU tensors. Called on the copy stream, so the tensors belong to it."""
+        if self.kernel != "triton":
+            return ids
+        return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in ids)
+
+    def _load_layer(self, layer: int, host_ids: torch.Tensor, dev_ids: torch.Tensor) -> None:
+        host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
+        if self.kernel == "triton":
+            kernels.load_layer(
+                host_kv, dev_kv, layer, host_ids, dev_ids, config=self.config, check_ids=False
+            )
+        else:
+            kernels.load_layer_reference(host_kv, dev_kv, layer, host_ids, dev_ids)
+
+    def _backup(self, dev_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
+        host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
+        if self.kernel == "triton":
+            kernels.backup(dev_kv, host_kv, dev_ids, host_ids, config=self.config, check_ids=False)
+        else:
+            kernels.backup_reference(dev_kv, host_kv, dev_ids, host_ids)
