@@ -124,11 +124,13 @@ class RadixTree:
         namespace: Namespace | None = None,
         *,
         remainder_keys: bool = False,
+        touch: bool = True,
     ) -> MatchResult:
         """The longest indexed prefix of `tokens`, in whole pages.
 
         A match that ends inside a run splits it, so `last_node` covers exactly the match.
-        Matched runs count as accessed (eviction order) and hit (LFU, selective writes).
+        Matched runs count as accessed (eviction order) and hit (LFU, selective writes),
+        unless `touch` is False (a second look at the same request).
         With `remainder_keys`, the keys of the unmatched full pages are computed too.
         """
         data = encode_tokens(tokens)
@@ -151,10 +153,11 @@ class RadixTree:
             path.append(node)
             offset += common * page_bytes
             break
-        self._clock += 1
-        for matched in path:
-            matched.last_access = self._clock
-            matched.hit_count += 1
+        if touch:
+            self._clock += 1
+            for matched in path:
+                matched.last_access = self._clock
+                matched.hit_count += 1
         keys = None
         if remainder_keys:
             previous = self._last_key(node)
@@ -500,6 +503,24 @@ class RadixTree:
                 break
             forgotten += node.num_pages
             self.clear_l3(node)
+        return forgotten
+
+    def forget_all_l3(self) -> int:
+        """Drop every L3 mark (the L3 backend was detached); returns the pages forgotten.
+
+        Runs held only by L3 leave the index; they must not be locked.
+        """
+        forgotten = 0
+        for root in self._roots.values():
+            stack = [(root, False)]
+            while stack:  # post-order: children before their parent
+                node, expanded = stack.pop()
+                if not expanded:
+                    stack.append((node, True))
+                    stack.extend((child, False) for child in node.children.values())
+                elif node.in_l3:
+                    forgotten += node.num_pages
+                    self.clear_l3(node)
         return forgotten
 
     def _is_candidate(self, node: Node, tier: Tier) -> bool:

@@ -258,3 +258,22 @@ def test_a_run_cannot_enter_l1_before_its_parent(tree):
     tree.set_device(parent, [8])
     tree.set_device(child, [9])
     assert tree.match_prefix(seq(1, 2)).device_page_ids == [8, 9]
+
+
+def test_forget_all_l3_keeps_faster_copies(tree):
+    node = tree.insert(seq(1, 2), [0, 1]).last_node
+    tree.set_host(node, [5, 6])
+    tree.set_l3(node)
+    tree.insert_l3(seq(1, 2, 3, 4))
+    tree.insert_l3(seq(7, 8))
+    assert tree.forget_all_l3() == 6
+    assert tree.num_pages(Tier.L3) == 0
+    match = tree.match_prefix(seq(1, 2, 3, 4))
+    assert match.matched_pages == 2 and match.device_page_ids == [0, 1]
+
+
+def test_a_second_look_does_not_count_as_a_hit(tree):
+    node = tree.insert(seq(1), [0]).last_node
+    tree.match_prefix(seq(1))
+    tree.match_prefix(seq(1), touch=False)
+    assert node.hit_count == 1
