@@ -152,19 +152,24 @@ def _register(kv: torch.Tensor) -> str | None:
         return "no CUDA device"
     nbytes = kv.numel() * kv.element_size()
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(kv.data_ptr(), nbytes, 0)
-    if int(err) != 0:
+    err = _error_code(cudart.cudaHostRegister(kv.data_ptr(), nbytes, 0))
+    if err != 0:
         # The runtime also records the error as the thread's last error, which the next
         # kernel launch check would report as its own; clear it where the binding allows.
         clear = getattr(cudart, "cudaGetLastError", None)
         if clear is not None:
             clear()
-        return f"cudaHostRegister failed with CUDA error {int(err)}"
+        return f"cudaHostRegister failed with CUDA error {err}"
     logger.info("pinned %d bytes of host memory for the host pool", nbytes)
     return None
 
 
 def _unregister(kv: torch.Tensor) -> None:
-    err = torch.cuda.cudart().cudaHostUnregister(kv.data_ptr())
-    if int(err) != 0:
-        logger.warning("cudaHostUnregister failed with CUDA error %d", int(err))
+    err = _error_code(torch.cuda.cudart().cudaHostUnregister(kv.data_ptr()))
+    if err != 0:
+        logger.warning("cudaHostUnregister failed with CUDA error %d", err)
+
+
+def _error_code(result) -> int:
+    """cudaError_t as returned by torch's cudart binding (an enum, or an int) -> int."""
+    return int(getattr(result, "value", result))

@@ -39,7 +39,7 @@ from tiers.errors import KVTensorError, PageIdError
 PageIds = Sequence[int] | np.ndarray | torch.Tensor
 
 _WIDE_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_MAX_ROWS = 2**31 - 1  # kernel row indices are int32
+_MAX_ROWS = 2**30  # kernel row indices are int32, and run one step past the end
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,13 @@ class CopyConfig:
     num_warps:    warps per program.
     tile_bytes:   bytes one program moves per loop step (power of two); more bytes in flight
                   hide the latency of PCIe reads, at the cost of registers.
+    prefetch:     issue the loads of the next tile before the stores of this one.
     """
 
     max_programs: int = 16
     num_warps: int = 8
     tile_bytes: int = 32768
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_programs <= 4096:
@@ -98,6 +100,44 @@ class CopyPlan:
 
 
 @triton.jit
+def _tile_offsets(
+    first,
+    num_rows,
+    src_page_ids_ptr,
+    dst_page_ids_ptr,
+    src_base,
+    src_page_stride,
+    src_layer_stride,
+    dst_base,
+    dst_page_stride,
+    dst_layer_stride,
+    NUM_LAYERS: tl.constexpr,
+    ROWS_PER_CHUNK: tl.constexpr,
+    ROW_ELEMS: tl.constexpr,
+    ROWS_PER_TILE: tl.constexpr,
+):
+    """Element offsets of the tile rows `first ..` in source and destination, and their mask.
+
+    Row r of a launch is part (r % ROWS_PER_CHUNK) of layer (r // ROWS_PER_CHUNK) % NUM_LAYERS
+    of the (r // ROWS_PER_CHUNK) // NUM_LAYERS-th page pair; consecutive rows walk one page's
+    layers in order, which is one contiguous block on the host side.
+    """
+    row = first + tl.arange(0, ROWS_PER_TILE)  # (R,)
+    valid = row < num_rows
+    part = row % ROWS_PER_CHUNK
+    chunk = row // ROWS_PER_CHUNK
+    layer = (chunk % NUM_LAYERS).to(tl.int64)
+    item = chunk // NUM_LAYERS
+    src_page = tl.load(src_page_ids_ptr + item, mask=valid, other=0)  # (R,) int64
+    dst_page = tl.load(dst_page_ids_ptr + item, mask=valid, other=0)
+    src_off = src_base + src_page * src_page_stride + layer * src_layer_stride
+    dst_off = dst_base + dst_page * dst_page_stride + layer * dst_layer_stride
+    src_off = tl.multiple_of(src_off + part * ROW_ELEMS, ROW_ELEMS)
+    dst_off = tl.multiple_of(dst_off + part * ROW_ELEMS, ROW_ELEMS)
+    return src_off, dst_off, valid
+
+
+@triton.jit
 def _copy_chunks_kernel(
     src_ptr,  # flat wide-int view of the source pool
     dst_ptr,  # flat wide-int view of the destination pool
@@ -114,29 +154,41 @@ def _copy_chunks_kernel(
     ROWS_PER_CHUNK: tl.constexpr,
     ROW_ELEMS: tl.constexpr,
     ROWS_PER_TILE: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    # Row r of the launch is part (r % ROWS_PER_CHUNK) of layer (r // ROWS_PER_CHUNK) %
-    # NUM_LAYERS of page (r // ROWS_PER_CHUNK) // NUM_LAYERS. Consecutive rows walk one page's
-    # layers in order, which is one contiguous block on the host side.
+    # Each program strides over the tiles of the launch (a persistent grid of <= 16 programs).
+    # With PREFETCH, the loads of tile k+1 (page ids and data) are issued before the stores of
+    # tile k, so two tiles per program are in flight: PCIe reads of host memory take
+    # microseconds, and bytes in flight are what keeps the link busy.
     pid = tl.program_id(0)
     step = tl.num_programs(0) * ROWS_PER_TILE
-    tile_rows = tl.arange(0, ROWS_PER_TILE)
-    cols = tl.arange(0, ROW_ELEMS)
-    for first in range(pid * ROWS_PER_TILE, num_rows, step):
-        row = first + tile_rows  # (R,)
-        valid = row < num_rows
-        part = row % ROWS_PER_CHUNK
-        chunk = row // ROWS_PER_CHUNK
-        layer = (chunk % NUM_LAYERS).to(tl.int64)
-        item = chunk // NUM_LAYERS
-        src_page = tl.load(src_page_ids_ptr + item, mask=valid, other=0)  # (R,) int64
-        dst_page = tl.load(dst_page_ids_ptr + item, mask=valid, other=0)
-        src_off = src_base + src_page * src_page_stride + layer * src_layer_stride
-        dst_off = dst_base + dst_page * dst_page_stride + layer * dst_layer_stride
-        src_off = tl.multiple_of(src_off + part * ROW_ELEMS, ROW_ELEMS)
-        dst_off = tl.multiple_of(dst_off + part * ROW_ELEMS, ROW_ELEMS)
-        values = tl.load(src_ptr + (src_off[:, None] + cols[None, :]), mask=valid[:, None])
-        tl.store(dst_ptr + (dst_off[:, None] + cols[None, :]), values, mask=valid[:, None])
+    cols = tl.arange(0, ROW_ELEMS)[None, :]  # (1, C)
+    start = pid * ROWS_PER_TILE
+    if PREFETCH:
+        src_off, dst_off, valid = _tile_offsets(
+            start, num_rows, src_page_ids_ptr, dst_page_ids_ptr, src_base, src_page_stride,
+            src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
+            NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
+        )  # fmt: skip
+        values = tl.load(src_ptr + (src_off[:, None] + cols), mask=valid[:, None])  # (R, C)
+        for first in range(start, num_rows, step):
+            next_src, next_dst, next_valid = _tile_offsets(
+                first + step, num_rows, src_page_ids_ptr, dst_page_ids_ptr, src_base,
+                src_page_stride, src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
+                NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
+            )  # fmt: skip
+            next_values = tl.load(src_ptr + (next_src[:, None] + cols), mask=next_valid[:, None])
+            tl.store(dst_ptr + (dst_off[:, None] + cols), values, mask=valid[:, None])
+            values, dst_off, valid = next_values, next_dst, next_valid
+    else:
+        for first in range(start, num_rows, step):
+            src_off, dst_off, valid = _tile_offsets(
+                first, num_rows, src_page_ids_ptr, dst_page_ids_ptr, src_base, src_page_stride,
+                src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
+                NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
+            )  # fmt: skip
+            values = tl.load(src_ptr + (src_off[:, None] + cols), mask=valid[:, None])
+            tl.store(dst_ptr + (dst_off[:, None] + cols), values, mask=valid[:, None])
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -371,6 +423,7 @@ def _launch(
         ROWS_PER_CHUNK=chunk // plan.row_elems,
         ROW_ELEMS=plan.row_elems,
         ROWS_PER_TILE=plan.rows_per_tile,
+        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
     )
     return plan

@@ -108,6 +108,8 @@ def test_load_layer_matches_reference(kind, page_size, dtype, kvh):
         CopyConfig(max_programs=1, tile_bytes=8),  # one row of one access per step
         CopyConfig(max_programs=3, tile_bytes=128),  # tiles span chunks; ragged last tile
         CopyConfig(max_programs=5, tile_bytes=2048),
+        CopyConfig(max_programs=3, tile_bytes=128, prefetch=False),
+        CopyConfig(max_programs=1, tile_bytes=16, prefetch=False),
     ],
 )
 def test_launch_shapes_that_split_and_join_chunks(config, kvh):

@@ -1,0 +1,35 @@
+"""benchmarks/bench_transfer.py runs end to end (tiny sizes, CPU) and prints its JSON lines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_transfer_smoke_prints_one_json_line_per_case_and_op():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--smoke", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(r["case"], r["op"]) for r in lines] == [
+        ("smoke-mha", "load_layer"),
+        ("smoke-mha", "backup"),
+        ("smoke-mla", "load_layer"),
+        ("smoke-mla", "backup"),
+    ]
+    for r in lines:
+        assert r["bench"] == "transfer" and r["git_rev"] and r["device"] == "cpu"
+        assert r["bytes"] == r["num_pages"] * r["chunk_bytes"] * int(
+            r["layout"].split("layers=")[1].split(";")[0]
+        )
+        assert r["gbps"] > 0 and r["ceiling_gbps"] > 0 and r["baseline_gbps"] > 0
+        assert 1 <= r["num_programs"] <= 16
+    assert "x chunk" in result.stdout.splitlines()[-6]  # the table comes last
