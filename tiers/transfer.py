@@ -144,8 +144,8 @@ class TransferEngine:
             for layer in range(num_layers):
                 self._load_layer(layer, host_ids, dev_ids)
             return LoadHandle(num_layers, None)
+        self._wait_for_caller()
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             host_ids, dev_ids = self._to_device(host_ids, dev_ids)
             events = []
             for layer in range(num_layers):
@@ -169,13 +169,20 @@ class TransferEngine:
         if not self.on_cuda:
             self._backup(dev_ids, host_ids)
             return BackupHandle(None)
+        self._wait_for_caller()
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             dev_ids, host_ids = self._to_device(dev_ids, host_ids)
             self._backup(dev_ids, host_ids)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return BackupHandle(event, keep_alive=(dev_ids, host_ids))
+
+    def _wait_for_caller(self) -> None:
+        """Order the copy stream after the work queued so far on the caller's stream.
+
+        Read the caller's stream before entering the copy stream's context: inside it, the
+        current stream is the copy stream itself and the wait would be a no-op."""
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def _to_device(self, *ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Checked CPU ids -> the device, for the kernels; the reference path indexes with the

@@ -275,10 +275,9 @@ def gpu_pools(layout, device, pool_bytes=1 << 30):
 
 
 def fill_random_cuda_(kv: torch.Tensor, seed: int) -> None:
+    """Random bytes, drawn on the device (fast at GiB sizes)."""
     gen = torch.Generator(device=kv.device).manual_seed(seed)
-    flat = kv.view(-1).view(torch.int32) if kv.numel() * kv.element_size() % 4 == 0 else None
-    assert flat is not None
-    flat.random_(generator=gen)
+    kv.view(-1).view(torch.uint8).random_(0, 256, generator=gen)
 
 
 @pytest.mark.gpu
@@ -316,23 +315,34 @@ def test_gpu_backup_and_load_match_reference(name, cuda_device, kvh):
     assert bool((reloaded[:, untouched].view(-1).view(torch.uint8) == kvh.POISON_BYTE).all())
 
 
+GPU_CONFIGS = {
+    "default": CopyConfig(),
+    "wide-reads": CopyConfig(wide_reads=True),
+    "no-prefetch": CopyConfig(prefetch=False, tile_bytes=16384, num_warps=4),
+    "8-programs": CopyConfig(max_programs=8, tile_bytes=65536, num_warps=16, wide_reads=True),
+}
+
+
 @pytest.mark.gpu
-def test_gpu_reference_path_agrees_with_kernels(cuda_device, kvh):
-    layout = GPU_LAYOUTS["mla-dsv3-p16-bf16"]
+@pytest.mark.parametrize("config_name", list(GPU_CONFIGS))
+@pytest.mark.parametrize("name", ["mla-dsv3-p16-bf16", "gqa-8b-p16-fp16", "mha-p1-fp32"])
+def test_gpu_reference_path_agrees_with_kernels(name, config_name, cuda_device, kvh):
+    layout, config = GPU_LAYOUTS[name], GPU_CONFIGS[config_name]
     device_kv, host_kv, num = gpu_pools(layout, cuda_device, pool_bytes=256 << 20)
     gen = torch.Generator().manual_seed(3)
     dev_ids, host_ids = gapped_ids(gen, num, device_kv.shape[1], host_kv.shape[0])
     fill_random_cuda_(device_kv, 2)
     kvh.poison_(host_kv)
     expected = host_kv.clone()
-    backup(device_kv, host_kv, dev_ids, host_ids)
+    plan = backup(device_kv, host_kv, dev_ids, host_ids, config=config)
     torch.cuda.synchronize()
+    assert plan.num_programs <= config.max_programs
     backup_reference(device_kv, expected, dev_ids, host_ids)
     assert kvh.same_bytes(host_kv, expected)
     reloaded = kvh.poison_(torch.empty_like(device_kv))
     expected_dev = reloaded.clone()
-    for layer in (0, 30, 60):
-        load_layer(host_kv, reloaded, layer, host_ids, dev_ids)
+    for layer in (0, layout.num_layers // 2, layout.num_layers - 1):
+        load_layer(host_kv, reloaded, layer, host_ids, dev_ids, config=config)
         load_layer_reference(host_kv, expected_dev, layer, host_ids, dev_ids)
     torch.cuda.synchronize()
     assert kvh.same_bytes(reloaded, expected_dev)

@@ -126,6 +126,7 @@ def test_gpu_backup_waits_for_the_compute_stream(cuda_device, kvh):
     device_pool, host_pool = pools(GQA_8B, 64, 96, device=cuda_device)
     engine = TransferEngine(device_pool, host_pool)
     assert engine.kernel == "triton" and host_pool.pinned
+    engine.backup_async([0], [0]).wait()  # warm: kernels compiled, pinned id buffers cached
     kvh.poison_(host_pool.kv)
     dev_ids, host_ids = [3, 40, 17], [90, 2, 55]
     for d in dev_ids:
@@ -165,6 +166,7 @@ def test_gpu_load_waits_for_earlier_readers_and_backups_follow_loads(cuda_device
     device_pool, host_pool = pools(GQA_8B, 8, 8, device=cuda_device)
     engine = TransferEngine(device_pool, host_pool)
     kvh.fill_random_(host_pool.kv, torch.Generator().manual_seed(4))
+    engine.load_async([6], [2]).wait()  # warm: kernels compiled, pinned id buffers cached
     device_pool.kv.fill_(1.0)
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)
