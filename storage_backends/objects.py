@@ -1,0 +1,338 @@
+"""The self-describing L3 object: one page, framed so that a wrong page is never served.
+
+Every page a backend stores is one object (little-endian):
+
+    offset  bytes  field
+    0       4      magic b"HCKV"
+    4       2      format version (1)
+    6       1      compression: 0 none, 1 lz4 (block format; the raw length is in the header)
+    7       1      flags (0; readers reject anything else until a version defines them)
+    8       2      L, length of the layout descriptor in bytes (UTF-8)
+    10      6      reserved (zero)
+    16      16     page key
+    32      8      stored payload length (after compression)
+    40      8      raw payload length (before compression)
+    48      8      xxh3-64 of bytes [0, 48), the layout descriptor and the stored payload
+    56      L      layout descriptor, an opaque string such as "mha;layers=32;page=64;..."
+    56+L    N      stored payload
+
+The checksum covers every byte of the object except itself, so a flipped byte anywhere, a
+page copied under another key, a truncated or an extended object is always detected. A read
+names what was wrong with a `CorruptReason`; it never returns bytes that failed a check.
+
+This module knows bytes and buffers only: not what a layout means, not where objects live.
+An object may arrive as one buffer or as several parts whose concatenation is the object
+(a Redis hash of header and chunks, a header read apart from its payload); every reader here
+takes either, so backends never join parts just to check them.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import xxhash
+
+MAGIC = b"HCKV"
+FORMAT_VERSION = 1
+KEY_BYTES = 16
+HEADER_FIXED_BYTES = 56
+MAX_LAYOUT_BYTES = 0xFFFF
+
+_FIXED = struct.Struct("<4sHBBH6x16sQQQ")
+_CHECKSUM_OFFSET = 48
+_CHECKSUM = struct.Struct("<Q")
+assert _FIXED.size == HEADER_FIXED_BYTES
+
+Buffer = bytes | bytearray | memoryview
+ObjectParts = Buffer | Sequence[Buffer]
+
+
+class Compression(enum.IntEnum):
+    NONE = 0
+    LZ4 = 1
+
+    @classmethod
+    def parse(cls, name: str | Compression) -> Compression:
+        if isinstance(name, Compression):
+            return name
+        try:
+            return cls[str(name).upper()]
+        except KeyError:
+            raise ValueError(f"compression must be 'none' or 'lz4', got {name!r}") from None
+
+
+class CorruptReason(str, enum.Enum):
+    """Why a stored object was refused. The value is the counter name in `BackendStats`."""
+
+    MAGIC = "magic"  # not an hicache object at all
+    VERSION = "version"  # a format version (or flags) this reader does not know
+    KEY = "key"  # the object belongs to another page key
+    LAYOUT = "layout"  # written under another KV layout descriptor
+    LENGTH = "length"  # longer than its header says, or not the size the reader expects
+    TRUNCATED = "truncated"  # shorter than its header says
+    CHECKSUM = "checksum"  # some byte changed after it was written
+    COMPRESSION = "compression"  # unknown codec, or the payload does not decompress
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    key: bytes
+    layout: bytes  # the descriptor as stored (UTF-8 bytes)
+    compression: Compression
+    stored_bytes: int  # payload bytes in the object
+    raw_bytes: int  # payload bytes once decompressed
+    checksum: int
+
+    @property
+    def header_bytes(self) -> int:
+        return HEADER_FIXED_BYTES + len(self.layout)
+
+    @property
+    def object_bytes(self) -> int:
+        return self.header_bytes + self.stored_bytes
+
+
+class FramedObject(NamedTuple):
+    """An encoded object as two parts, so a page is framed without copying it."""
+
+    header: bytes  # fixed header + layout descriptor
+    payload: memoryview | bytes  # the caller's page (uncompressed) or the lz4 block
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + len(self.payload)
+
+
+# -- buffers and arguments -------------------------------------------------------------------
+
+
+def byte_view(buf: Buffer, *, writable: bool = False, what: str = "buffer") -> memoryview:
+    """A flat unsigned-byte view of `buf` (any C-contiguous buffer: bytes, array, numpy...)."""
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if writable and view.readonly:
+        raise ValueError(f"{what} must be writable (got a read-only {type(buf).__name__})")
+    if not view.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B")
+
+
+def check_key(key: bytes, *, what: str = "page key") -> bytes:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        got = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise ValueError(f"{what} must be {KEY_BYTES} bytes, got {got}")
+    return key
+
+
+def layout_bytes(layout: str) -> bytes:
+    if not isinstance(layout, str):
+        raise ValueError(f"layout descriptor must be a str, got {type(layout).__name__}")
+    encoded = layout.encode()
+    if len(encoded) > MAX_LAYOUT_BYTES:
+        raise ValueError(f"layout descriptor is {len(encoded)} bytes; at most {MAX_LAYOUT_BYTES}")
+    return encoded
+
+
+def header_size(layout: str) -> int:
+    """Bytes of the header an object of this layout carries in front of its payload."""
+    return HEADER_FIXED_BYTES + len(layout_bytes(layout))
+
+
+# -- encoding --------------------------------------------------------------------------------
+
+
+def frame_object(
+    key: bytes, layout: str, payload: Buffer, compression: str | Compression = "none"
+) -> FramedObject:
+    """Frame one page without copying it (unless lz4 is asked for and saves space)."""
+    return _frame(check_key(key), layout_bytes(layout), payload, Compression.parse(compression))
+
+
+def encode_object(
+    key: bytes, layout: str, payload: Buffer, compression: str | Compression = "none"
+) -> bytes:
+    """The whole object as one `bytes` (one copy of the payload). lz4 is kept only if smaller."""
+    framed = frame_object(key, layout, payload, compression)
+    return b"".join((framed.header, framed.payload))
+
+
+def _frame(key: bytes, layout: bytes, payload: Buffer, compression: Compression) -> FramedObject:
+    raw = byte_view(payload, what="page")
+    stored: memoryview | bytes = raw
+    if compression is Compression.LZ4 and len(raw) > 0:
+        import lz4.block  # optional codec, imported when first used
+
+        packed = lz4.block.compress(raw, store_size=False)
+        if len(packed) < len(raw):
+            stored = packed
+        else:
+            compression = Compression.NONE
+    elif compression is not Compression.NONE:
+        compression = Compression.NONE
+    fixed = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, compression, 0, len(layout), key, len(stored), len(raw), 0
+    )
+    hasher = xxhash.xxh3_64(fixed[:_CHECKSUM_OFFSET])
+    hasher.update(layout)
+    hasher.update(stored)
+    header = b"".join((fixed[:_CHECKSUM_OFFSET], _CHECKSUM.pack(hasher.intdigest()), layout))
+    return FramedObject(header, stored)
+
+
+# -- decoding --------------------------------------------------------------------------------
+
+
+def parse_header(buf: Buffer) -> ObjectHeader | CorruptReason:
+    """Parse the header at the start of `buf` (fixed part and layout). Checks no payload."""
+    view = byte_view(buf)
+    if len(view) < HEADER_FIXED_BYTES:
+        start = bytes(view[: len(MAGIC)])
+        return CorruptReason.TRUNCATED if MAGIC.startswith(start) else CorruptReason.MAGIC
+    magic, version, codec, flags, layout_len, key, stored, raw, checksum = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        return CorruptReason.MAGIC
+    if version != FORMAT_VERSION or flags != 0:
+        return CorruptReason.VERSION
+    if codec not in (Compression.NONE, Compression.LZ4):
+        return CorruptReason.COMPRESSION
+    if len(view) < HEADER_FIXED_BYTES + layout_len:
+        return CorruptReason.TRUNCATED
+    layout = bytes(view[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + layout_len])
+    return ObjectHeader(key, layout, Compression(codec), stored, raw, checksum)
+
+
+def _as_parts(obj: ObjectParts) -> list[memoryview]:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return [byte_view(obj)]
+    return [byte_view(part) for part in obj]
+
+
+def _check(
+    obj: ObjectParts, expected_key: bytes, expected_layout: bytes | None
+) -> tuple[ObjectHeader, list[memoryview]] | CorruptReason:
+    """Every check but the reader's expected size. Returns the header and the payload parts."""
+    parts = _as_parts(obj)
+    if not parts:
+        return CorruptReason.TRUNCATED
+    first = parts[0]
+    header = parse_header(first)
+    if header is CorruptReason.TRUNCATED and len(parts) > 1:
+        # The header straddles parts (no backend here splits it; tolerate it anyway).
+        first = memoryview(b"".join(parts))
+        parts = [first]
+        header = parse_header(first)
+    if isinstance(header, CorruptReason):
+        return header
+    if header.key != expected_key:
+        return CorruptReason.KEY
+    if expected_layout is not None and header.layout != expected_layout:
+        return CorruptReason.LAYOUT
+    payload = [first[header.header_bytes :], *parts[1:]]
+    total = sum(len(p) for p in payload)
+    if total < header.stored_bytes:
+        return CorruptReason.TRUNCATED
+    if total > header.stored_bytes:
+        return CorruptReason.LENGTH
+    if header.compression is Compression.NONE and header.raw_bytes != header.stored_bytes:
+        return CorruptReason.LENGTH
+    hasher = xxhash.xxh3_64(first[:_CHECKSUM_OFFSET])
+    hasher.update(header.layout)
+    for part in payload:
+        hasher.update(part)
+    if hasher.intdigest() != header.checksum:
+        return CorruptReason.CHECKSUM
+    return header, payload
+
+
+def verify_object(obj: ObjectParts, expected_key: bytes) -> CorruptReason | None:
+    """Check an object for `expected_key` without knowing its layout (the daemon's check).
+
+    None when it is intact. The layout descriptor is covered by the checksum but not compared:
+    the reader compares it when it decodes.
+    """
+    checked = _check(obj, expected_key, None)
+    return checked if isinstance(checked, CorruptReason) else None
+
+
+def decode_object(
+    blob: Buffer, expected_key: bytes, expected_layout: str
+) -> memoryview | bytes | CorruptReason:
+    """The payload of a verified object, or why it was refused.
+
+    Uncompressed payloads come back as a memoryview into `blob` (no copy); lz4 payloads as the
+    decompressed `bytes`.
+    """
+    checked = _check(blob, expected_key, layout_bytes(expected_layout))
+    if isinstance(checked, CorruptReason):
+        return checked
+    header, payload = checked
+    if header.compression is Compression.NONE:
+        return payload[0]
+    return _decompress(header, payload)
+
+
+def decode_object_into(
+    obj: ObjectParts, expected_key: bytes, expected_layout: str | bytes, into: Buffer
+) -> CorruptReason | None:
+    """Verify an object and copy its payload into `into` (exactly the raw payload's size).
+
+    Returns None on success. On any CorruptReason `into` is left untouched: the payload is
+    checked before a byte is copied.
+    """
+    target = byte_view(into, writable=True, what="destination buffer")
+    layout = (
+        expected_layout if isinstance(expected_layout, bytes) else layout_bytes(expected_layout)
+    )
+    checked = _check(obj, expected_key, layout)
+    if isinstance(checked, CorruptReason):
+        return checked
+    header, payload = checked
+    if header.raw_bytes != len(target):
+        return CorruptReason.LENGTH
+    if header.compression is Compression.LZ4:
+        raw = _decompress(header, payload)
+        if isinstance(raw, CorruptReason):
+            return raw
+        payload = [memoryview(raw)]
+    offset = 0
+    for part in payload:
+        target[offset : offset + len(part)] = part
+        offset += len(part)
+    return None
+
+
+def _decompress(header: ObjectHeader, payload: list[memoryview]) -> bytes | CorruptReason:
+    import lz4.block
+
+    packed = payload[0] if len(payload) == 1 else b"".join(payload)
+    try:
+        raw = lz4.block.decompress(packed, uncompressed_size=header.raw_bytes)
+    except lz4.block.LZ4BlockError:
+        return CorruptReason.COMPRESSION
+    if len(raw) != header.raw_bytes:
+        return CorruptReason.COMPRESSION
+    return raw
+
+
+def split_object(blob: Buffer) -> FramedObject | CorruptReason:
+    """An encoded object as (header, payload) views into `blob`, without copying it."""
+    view = byte_view(blob)
+    header = parse_header(view)
+    if isinstance(header, CorruptReason):
+        return header
+    return FramedObject(view[: header.header_bytes], view[header.header_bytes :])
+
+
+def join_parts(obj: ObjectParts) -> bytes:
+    """The object as one `bytes`: free when it already is one, else one copy."""
+    if isinstance(obj, bytes):
+        return obj
+    parts = _as_parts(obj)
+    if len(parts) == 1 and isinstance(parts[0].obj, bytes) and len(parts[0]) == len(parts[0].obj):
+        return parts[0].obj
+    return b"".join(parts)

@@ -1,0 +1,186 @@
+"""The L3 object format: round trips, every refusal reason, and no corruption ever accepted."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import hypothesis.strategies as st
+import pytest
+import xxhash
+from hypothesis import given, settings
+
+from storage_backends.objects import (
+    HEADER_FIXED_BYTES,
+    MAGIC,
+    Compression,
+    CorruptReason,
+    decode_object,
+    decode_object_into,
+    encode_object,
+    frame_object,
+    header_size,
+    join_parts,
+    parse_header,
+    split_object,
+    verify_object,
+)
+
+KEY = bytes(range(16))
+LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"
+
+
+def test_header_fields_are_where_the_format_says():
+    payload = os.urandom(300)
+    blob = encode_object(KEY, LAYOUT, payload)
+    layout = LAYOUT.encode()
+    assert len(blob) == HEADER_FIXED_BYTES + len(layout) + len(payload) == header_size(LAYOUT) + 300
+    magic, version, codec, flags, layout_len = struct.unpack_from("<4sHBBH", blob)
+    assert (magic, version, codec, flags, layout_len) == (MAGIC, 1, 0, 0, len(layout))
+    assert blob[10:16] == bytes(6)
+    assert blob[16:32] == KEY
+    assert struct.unpack_from("<QQQ", blob, 32)[:2] == (300, 300)
+    expected = xxhash.xxh3_64_intdigest(blob[:48] + layout + payload)
+    assert struct.unpack_from("<Q", blob, 48)[0] == expected
+    assert blob[56 : 56 + len(layout)] == layout
+    assert blob[-300:] == payload
+
+
+def test_round_trip_returns_a_view_without_copying():
+    payload = os.urandom(1000)
+    blob = encode_object(KEY, LAYOUT, payload)
+    out = decode_object(blob, KEY, LAYOUT)
+    assert isinstance(out, memoryview) and out.obj is blob
+    assert bytes(out) == payload
+
+
+def test_frame_object_keeps_the_callers_buffer():
+    page = bytearray(os.urandom(512))
+    framed = frame_object(KEY, LAYOUT, page)
+    assert framed.payload.obj is page  # no copy on the write path
+    assert framed.nbytes == header_size(LAYOUT) + 512
+    assert join_parts(framed) == encode_object(KEY, LAYOUT, page)
+
+
+def test_decode_into_accepts_parts_and_fills_the_buffer():
+    payload = os.urandom(5000)
+    blob = encode_object(KEY, LAYOUT, payload)
+    cut = header_size(LAYOUT)
+    parts = [blob[:cut], blob[cut : cut + 1000], blob[cut + 1000 :]]
+    into = bytearray(5000)
+    assert decode_object_into(parts, KEY, LAYOUT, into) is None
+    assert into == payload
+
+
+def test_lz4_only_when_smaller():
+    compressible = b"\x01\x02" * 4096
+    packed = encode_object(KEY, LAYOUT, compressible, "lz4")
+    assert parse_header(packed).compression is Compression.LZ4
+    assert len(packed) < len(compressible) // 10
+    assert decode_object(packed, KEY, LAYOUT) == compressible
+    noise = os.urandom(4096)
+    kept_raw = encode_object(KEY, LAYOUT, noise, "lz4")
+    assert parse_header(kept_raw).compression is Compression.NONE
+    assert kept_raw == encode_object(KEY, LAYOUT, noise)
+
+
+def _flip(blob: bytes, offset: int, bit: int = 0) -> bytes:
+    out = bytearray(blob)
+    out[offset] ^= 1 << bit
+    return bytes(out)
+
+
+def test_each_refusal_names_its_reason():
+    payload = os.urandom(2000)
+    blob = encode_object(KEY, LAYOUT, payload)
+    other_key = bytes(16)
+    cases = {
+        CorruptReason.MAGIC: b"GARBAGE!" * 20,
+        CorruptReason.VERSION: blob[:4] + b"\x02\x00" + blob[6:],
+        CorruptReason.KEY: encode_object(other_key, LAYOUT, payload),
+        CorruptReason.LAYOUT: encode_object(KEY, LAYOUT + ";x=1", payload),
+        CorruptReason.TRUNCATED: blob[:-1],
+        CorruptReason.LENGTH: blob + b"\0",
+        CorruptReason.CHECKSUM: _flip(blob, len(blob) - 1),
+        CorruptReason.COMPRESSION: blob[:6] + b"\x07" + blob[7:],
+    }
+    for reason, bad in cases.items():
+        assert decode_object(bad, KEY, LAYOUT) is reason, reason
+        into = bytearray(b"\xa5" * 2000)
+        assert decode_object_into(bad, KEY, LAYOUT, into) is reason, reason
+        assert into == b"\xa5" * 2000  # untouched on refusal
+    assert decode_object(b"", KEY, LAYOUT) is CorruptReason.TRUNCATED
+    assert decode_object(MAGIC + b"\x01", KEY, LAYOUT) is CorruptReason.TRUNCATED
+
+
+def test_verify_object_checks_all_but_the_layout():
+    blob = encode_object(KEY, "some other layout", b"x" * 100)
+    assert verify_object(blob, KEY) is None
+    assert verify_object(blob, bytes(16)) is CorruptReason.KEY
+    assert verify_object(_flip(blob, 60), KEY) is CorruptReason.CHECKSUM  # layout byte
+    assert verify_object(blob[:-3], KEY) is CorruptReason.TRUNCATED
+
+
+def test_a_destination_of_another_size_is_a_length_miss():
+    blob = encode_object(KEY, LAYOUT, b"y" * 64)
+    assert decode_object_into(blob, KEY, LAYOUT, bytearray(63)) is CorruptReason.LENGTH
+    assert decode_object_into(blob, KEY, LAYOUT, bytearray(65)) is CorruptReason.LENGTH
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="16 bytes, got 15 bytes"):
+        encode_object(KEY[:15], LAYOUT, b"x")
+    with pytest.raises(ValueError, match="compression must be 'none' or 'lz4'"):
+        encode_object(KEY, LAYOUT, b"x", "zstd")
+    with pytest.raises(ValueError, match="layout descriptor must be a str"):
+        encode_object(KEY, b"bytes", b"x")
+    with pytest.raises(ValueError, match="must be writable"):
+        decode_object_into(encode_object(KEY, LAYOUT, b"x"), KEY, LAYOUT, b"x")
+
+
+def test_split_object_is_views_into_the_blob():
+    blob = encode_object(KEY, LAYOUT, b"z" * 10)
+    header, payload = split_object(blob)
+    assert header.obj is blob and payload.obj is blob
+    assert bytes(payload) == b"z" * 10
+    assert split_object(b"nope") is CorruptReason.MAGIC
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    payload=st.binary(min_size=0, max_size=3000),
+    layout=st.text(max_size=40),
+    key=st.binary(min_size=16, max_size=16),
+    compression=st.sampled_from(["none", "lz4"]),
+)
+def test_property_round_trip(payload, layout, key, compression):
+    blob = encode_object(key, layout, payload, compression)
+    assert bytes(decode_object(blob, key, layout)) == payload
+    into = bytearray(len(payload))
+    assert decode_object_into(blob, key, layout, into) is None
+    assert into == payload
+    assert verify_object(blob, key) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    payload=st.binary(min_size=1, max_size=2000),
+    compression=st.sampled_from(["none", "lz4"]),
+    data=st.data(),
+)
+def test_property_any_flipped_bit_is_refused(payload, compression, data):
+    """The checksum covers every byte but itself, so one flipped bit is never accepted."""
+    blob = encode_object(KEY, LAYOUT, payload, compression)
+    offset = data.draw(st.integers(0, len(blob) - 1), label="offset")
+    bit = data.draw(st.integers(0, 7), label="bit")
+    bad = _flip(blob, offset, bit)
+    assert isinstance(decode_object(bad, KEY, LAYOUT), CorruptReason)
+    assert isinstance(verify_object(bad, KEY), CorruptReason)
+
+
+@settings(max_examples=100, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=2000), cut=st.integers(0, 10_000))
+def test_property_any_truncation_is_refused(payload, cut):
+    blob = encode_object(KEY, LAYOUT, payload)
+    short = blob[: cut % len(blob)]
+    assert isinstance(decode_object(short, KEY, LAYOUT), CorruptReason)
