@@ -1,4 +1,64 @@
 """storage_backends: L3, bytes in and bytes out by page key (memory, file, redis, grpc).
 
-Never imports torch: pages are bytes and memoryviews.
+Never imports torch: pages are bytes and memoryviews. Page keys are opaque 16-byte strings
+(radix computes them); the KV layout is an opaque descriptor string (tiers defines it).
+Every stored page is a self-describing object (`objects`), verified on every read.
+
+    backend = open_backend("file:///data/kv?capacity=100GiB", layout=layout.descriptor())
+    ok = await backend.batch_put(keys, pages)
+    n = await backend.batch_exists(keys)
+    found = await backend.batch_get(keys[:n], into=host_page_views)
+
+Client libraries (redis) are imported only when a URL of their scheme is opened.
 """
+
+from .base import BackendStats, PageStatus, StorageBackend, Usage
+from .errors import (
+    BackendClosedError,
+    BackendConfigError,
+    BackendUnavailableError,
+    StorageError,
+)
+from .objects import (
+    Compression,
+    CorruptReason,
+    FramedObject,
+    ObjectHeader,
+    decode_object,
+    decode_object_into,
+    encode_object,
+    frame_object,
+    parse_header,
+    verify_object,
+)
+from .options import BackendOptions, parse_duration, parse_size
+from .registry import known_schemes, open_backend, register_backend
+from .sync import SyncBackend
+
+__all__ = [
+    "BackendClosedError",
+    "BackendConfigError",
+    "BackendOptions",
+    "BackendStats",
+    "BackendUnavailableError",
+    "Compression",
+    "CorruptReason",
+    "FramedObject",
+    "ObjectHeader",
+    "PageStatus",
+    "StorageBackend",
+    "StorageError",
+    "SyncBackend",
+    "Usage",
+    "decode_object",
+    "decode_object_into",
+    "encode_object",
+    "frame_object",
+    "known_schemes",
+    "open_backend",
+    "parse_duration",
+    "parse_header",
+    "parse_size",
+    "register_backend",
+    "verify_object",
+]

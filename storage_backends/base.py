@@ -1,0 +1,521 @@
+"""StorageBackend: the batched, async L3 interface, and everything the backends share.
+
+The public calls are implemented once, here: argument checks, framing pages into objects and
+verifying them on the way back, the per-call deadline, turning faults into misses, the
+counters, rate-limited warnings, connecting on first use and reconnecting on the call after a
+fault. A backend only implements a handful of raw primitives over framed objects (`_open`,
+`_close`, `_exists`, `_fetch`, `_store`, `_delete`, `_usage`), so two backends cannot drift
+apart on what a miss, a corrupt page or a timeout means.
+
+Contracts every backend keeps (the contract suite in tests/storage_backends checks them):
+
+- A page is returned only after its key, its layout descriptor and its checksum were checked.
+  Anything else is a miss, counted under `BackendStats.num_corrupt[reason]`, never data.
+- No call outlives `options.timeout_s` (plus the copy of pages already fetched). A fault (a
+  timeout, a connection error, an I/O error) becomes misses / `False` / 0, one error or
+  timeout count and a rate-limited warning; the next call reconnects.
+- After `batch_get` returns, the backend never writes into the caller's buffers again, and
+  after `batch_put` returns it keeps no reference to the caller's pages.
+- The first use of a backend that cannot be reached raises `BackendUnavailableError` (a wrong
+  URL fails loudly); once it has worked, outages are faults as above.
+- Calls may run concurrently on one event loop. A backend object belongs to one event loop;
+  use `SyncBackend` from threads.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import logging
+import time
+import types
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple, TypeVar
+
+from .errors import BackendClosedError, BackendUnavailableError
+from .objects import (
+    Buffer,
+    Compression,
+    CorruptReason,
+    FramedObject,
+    ObjectParts,
+    byte_view,
+    check_key,
+    decode_object_into,
+    frame_object,
+    join_parts,
+    layout_bytes,
+    split_object,
+    verify_object,
+)
+from .options import BackendOptions
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class PageStatus(enum.Enum):
+    """Per-page outcomes of the raw primitives, besides data."""
+
+    STORED = "stored"
+    REJECTED = "rejected"  # no room: larger than the capacity, or nothing left to evict
+    ERROR = "error"  # this page alone failed (an I/O error on one file, an error reply)
+
+
+# A fetched object: its bytes (to be verified), a per-page error, a reason the backend found it
+# corrupt without reading it all, or None when absent.
+Fetched = ObjectParts | PageStatus | CorruptReason | None
+
+
+class Usage(NamedTuple):
+    """What a backend knows about its own contents (None where it cannot know cheaply)."""
+
+    num_objects: int | None
+    stored_bytes: int | None
+    capacity_bytes: int | None
+    num_evictions: int = 0
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """Counters since the backend was built. Frozen: a snapshot, safe to hand to metrics."""
+
+    backend: str  # the URL, password removed
+    num_objects: int | None  # objects stored (None: the backend cannot count, e.g. Redis)
+    stored_bytes: int | None  # bytes stored, headers included
+    capacity_bytes: int | None
+    num_hits: int  # pages batch_get / batch_get_objects returned
+    num_misses: int  # pages they did not (absent, corrupt, or lost to a fault)
+    num_puts: int  # pages stored
+    num_put_rejected: int  # pages refused: no room, or (objects API) failed verification
+    num_errors: int  # faults: failed calls, and pages that failed on their own
+    num_timeouts: int  # calls that hit the deadline
+    num_reconnects: int
+    num_evictions: int
+    num_corrupt: Mapping[str, int]  # refused reads (and object puts) by CorruptReason value
+    read_bytes: int  # payload bytes returned
+    written_bytes: int  # object bytes stored
+
+    @property
+    def num_corrupt_total(self) -> int:
+        return sum(self.num_corrupt.values())
+
+
+class _RateLimitedWarnings:
+    """At most one warning per kind per interval; the next one says how many were held back."""
+
+    def __init__(self, name: str, interval_s: float) -> None:
+        self._name = name
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+
+    def warn(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval_s:
+            self._held[kind] += 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        suffix = f" ({held} similar warnings suppressed)" if held else ""
+        logger.warning("%s: %s%s", self._name, message, suffix)
+
+
+class _Fault:
+    """Returned by `_call` instead of a result when the call failed as a whole."""
+
+
+_FAULT = _Fault()
+
+
+class StorageBackend(abc.ABC):
+    """An L3 store of page objects, addressed by 16-byte page keys. See the module docstring.
+
+    `layout` is the KV layout descriptor pages are written and expected under; a backend
+    opened without one (the cache-server daemon, which stores for clients of every layout)
+    can only use the `*_objects` calls.
+    """
+
+    scheme: ClassVar[str]
+    transient_errors: ClassVar[tuple[type[BaseException], ...]] = (OSError,)
+
+    def __init__(self, options: BackendOptions, layout: str | None, *, name: str = "") -> None:
+        self.options = options
+        self.layout = layout
+        self.name = name or f"{self.scheme}://"
+        self._layout_bytes = layout_bytes(layout) if layout is not None else None
+        self._compression = Compression.parse(options.compression)
+        self._warnings = _RateLimitedWarnings(self.name, options.warn_interval_s)
+        self._connect_lock = asyncio.Lock()
+        self._connected = False
+        self._ever_connected = False
+        self._closed = False
+        self._counts: Counter[str] = Counter()
+        self._corrupt: Counter[str] = Counter()
+
+    # -- primitives a backend implements ---------------------------------------------------
+
+    @abc.abstractmethod
+    async def _open(self) -> None:
+        """Connect (or create what is needed). Raise a transient error if unreachable."""
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Release connections and files; must not raise for an already broken connection."""
+
+    @abc.abstractmethod
+    async def _exists(self, keys: list[bytes]) -> int:
+        """How many of `keys`, counted from the first, are stored (stop at the first absent)."""
+
+    @abc.abstractmethod
+    async def _fetch(self, keys: list[bytes], sizes: list[int] | None) -> list[Fetched]:
+        """The stored objects of `keys`, as they are: the caller verifies them.
+
+        `sizes` are the payload sizes the caller expects (reads into buffers); None when the
+        caller keeps the returned bytes (the objects API). The results may point into
+        buffers the backend reuses after `_release` is called on them.
+        """
+
+    @abc.abstractmethod
+    async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
+        """Store framed objects; the payload parts may be the caller's buffers (copy them)."""
+
+    @abc.abstractmethod
+    async def _delete(self, keys: list[bytes]) -> int:
+        """Remove `keys`; return how many were stored."""
+
+    def _usage(self) -> Usage:
+        return Usage(None, None, None)
+
+    def _release(self, fetched: list[Fetched]) -> None:
+        """Called once the results of `_fetch` have been consumed (buffer pools)."""
+        del fetched  # nothing is pooled by default
+
+    async def _reconnect(self) -> None:
+        """Drop the connection state after a fault and open again."""
+        await self._close()
+        await self._open()
+
+    # -- public API -----------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Check the backend now: raises `BackendUnavailableError` if it cannot be used.
+
+        Optional: the first call of any other method does the same.
+        """
+        self._check_open()
+        await self._ensure_connected()
+
+    async def batch_exists(self, keys: Sequence[bytes]) -> int:
+        """How many keys, counted from the first, are present. Stops at the first miss.
+
+        Presence only: a present object that turns out corrupt is a miss of `batch_get`.
+        A fault returns 0.
+        """
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        result = await self._call("batch_exists", lambda: self._exists(keys))
+        return 0 if result is _FAULT else result
+
+    async def batch_get(self, keys: Sequence[bytes], into: Sequence[Buffer]) -> list[bool]:
+        """Read pages into caller buffers (e.g. slices of the pinned L2 pool); one bool per key.
+
+        `into[i]` must be exactly the page's size. True: `into[i]` holds the verified page.
+        False: a miss (absent, corrupt, or lost to a fault); `into[i]` is then unspecified
+        (usually untouched) and must not be used. The backend never writes `into` after
+        returning.
+        """
+        keys = _check_keys(keys)
+        views = [byte_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(into)]
+        _check_same_length("into", keys, views)
+        expected_layout = self._require_layout("batch_get")
+        if not keys:
+            return []
+        sizes = [len(view) for view in views]
+        fetched = await self._call("batch_get", lambda: self._fetch(keys, sizes))
+        if fetched is _FAULT:
+            self._counts["misses"] += len(keys)
+            return [False] * len(keys)
+        found = []
+        corrupt: Counter[str] = Counter()
+        for key, view, item in zip(keys, views, fetched, strict=True):
+            found.append(self._decode_one(key, view, item, expected_layout, corrupt))
+        self._release(fetched)
+        failed = sum(1 for item in fetched if item is PageStatus.ERROR)
+        if failed:
+            self._warnings.warn("page_error:batch_get", f"{failed} pages failed to read")
+        self._count_reads(
+            found, sum(len(v) for v, ok in zip(views, found, strict=True) if ok), corrupt
+        )
+        return found
+
+    async def batch_put(self, keys: Sequence[bytes], pages: Sequence[Buffer]) -> list[bool]:
+        """Store pages under keys; one bool per key (True: stored, and readable until evicted).
+
+        Pages may be the caller's buffers: they are framed without a copy and not referenced
+        after the call returns. A page whose call timed out may still reach storage later,
+        checked by its checksum like any other.
+        """
+        keys = _check_keys(keys)
+        views = [byte_view(page, what=f"pages[{i}]") for i, page in enumerate(pages)]
+        _check_same_length("pages", keys, views)
+        self._require_layout("batch_put")
+        if not keys:
+            return []
+        framed = await self._frame_all(keys, views)
+        return await self._store_counted("batch_put", keys, framed)
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove keys; returns how many were stored (0 on a fault)."""
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        result = await self._call("delete", lambda: self._delete(keys))
+        return 0 if result is _FAULT else result
+
+    async def batch_put_objects(
+        self, keys: Sequence[bytes], blobs: Sequence[Buffer], *, verify: bool = True
+    ) -> list[bool]:
+        """Store already-encoded objects of any layout (the cache-server daemon's put).
+
+        With `verify` (the default) each object is checked against its key first (magic,
+        version, key, lengths, checksum: `verify_object`); a bad one is refused alone, counted
+        under `num_corrupt` and `num_put_rejected`.
+        """
+        keys = _check_keys(keys)
+        _check_same_length("blobs", keys, blobs)
+        framed: list[FramedObject | None] = []
+        corrupt: Counter[str] = Counter()
+        for key, blob in zip(keys, blobs, strict=True):
+            reason = verify_object(blob, key) if verify else None
+            split = split_object(blob) if reason is None else reason
+            if isinstance(split, CorruptReason):
+                corrupt[split.value] += 1
+                framed.append(None)
+            else:
+                framed.append(split)
+        if corrupt:
+            self._corrupt.update(corrupt)
+            self._counts["put_rejected"] += sum(corrupt.values())
+            self._warnings.warn("corrupt_put", f"refused objects on put: {_describe(corrupt)}")
+        good = [i for i, obj in enumerate(framed) if obj is not None]
+        stored = [False] * len(keys)
+        if good:
+            results = await self._store_counted(
+                "batch_put_objects", [keys[i] for i in good], [framed[i] for i in good]
+            )
+            for i, ok in zip(good, results, strict=True):
+                stored[i] = ok
+        return stored
+
+    async def batch_get_objects(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Encoded objects of any layout, verified against their keys (not their layout)."""
+        keys = _check_keys(keys)
+        if not keys:
+            return []
+        fetched = await self._call("batch_get_objects", lambda: self._fetch(keys, None))
+        if fetched is _FAULT:
+            self._counts["misses"] += len(keys)
+            return [None] * len(keys)
+        blobs: list[bytes | None] = []
+        corrupt: Counter[str] = Counter()
+        for key, item in zip(keys, fetched, strict=True):
+            if item is None or isinstance(item, PageStatus):
+                if item is PageStatus.ERROR:
+                    self._counts["errors"] += 1
+                blobs.append(None)
+                continue
+            reason = item if isinstance(item, CorruptReason) else verify_object(item, key)
+            if reason is not None:
+                corrupt[reason.value] += 1
+                blobs.append(None)
+            else:
+                blobs.append(join_parts(item))
+        self._release(fetched)
+        hits = [blob is not None for blob in blobs]
+        self._count_reads(hits, sum(len(b) for b in blobs if b is not None), corrupt)
+        return blobs
+
+    def stats(self) -> BackendStats:
+        usage = self._usage()
+        c = self._counts
+        return BackendStats(
+            backend=self.name,
+            num_objects=usage.num_objects,
+            stored_bytes=usage.stored_bytes,
+            capacity_bytes=usage.capacity_bytes,
+            num_hits=c["hits"],
+            num_misses=c["misses"],
+            num_puts=c["puts"],
+            num_put_rejected=c["put_rejected"],
+            num_errors=c["errors"],
+            num_timeouts=c["timeouts"],
+            num_reconnects=c["reconnects"],
+            num_evictions=usage.num_evictions,
+            num_corrupt=types.MappingProxyType(dict(self._corrupt)),
+            read_bytes=c["read_bytes"],
+            written_bytes=c["written_bytes"],
+        )
+
+    async def close(self) -> None:
+        """Release connections and files. Idempotent; later calls raise BackendClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._connected:
+            self._connected = False
+            try:
+                await self._close()
+            except self.transient_errors as exc:
+                logger.debug("%s: error while closing: %s", self.name, exc)
+
+    async def __aenter__(self) -> StorageBackend:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, layout={self.layout!r})"
+
+    # -- shared machinery -----------------------------------------------------------------
+
+    async def _call(self, op: str, make: Callable[[], Awaitable[T]]) -> T | _Fault:
+        """Run one primitive under the deadline, connecting first; a fault becomes _FAULT."""
+        self._check_open()
+
+        async def connected_then_run() -> T:
+            await self._ensure_connected()
+            return await make()
+
+        try:
+            return await asyncio.wait_for(connected_then_run(), self.options.timeout_s)
+        except asyncio.TimeoutError:
+            if not self._ever_connected:
+                raise BackendUnavailableError(
+                    f"{self.name}: no answer within {self.options.timeout_s}s on first use"
+                ) from None
+            self._counts["timeouts"] += 1
+            self._fault(op, f"timed out after {self.options.timeout_s}s")
+        except self.transient_errors as exc:
+            self._counts["errors"] += 1
+            self._fault(op, f"{type(exc).__name__}: {exc}")
+        return _FAULT
+
+    def _fault(self, op: str, what: str) -> None:
+        self._connected = False  # reconnect on the next call
+        self._warnings.warn(f"fault:{op}", f"{op} failed, returning misses: {what}")
+
+    async def _ensure_connected(self) -> None:
+        if self._connected:
+            return
+        async with self._connect_lock:
+            if self._connected or self._closed:
+                return
+            if not self._ever_connected:
+                try:
+                    await self._open()
+                except self.transient_errors as exc:
+                    raise BackendUnavailableError(
+                        f"{self.name}: cannot be reached: {type(exc).__name__}: {exc}"
+                    ) from exc
+                self._ever_connected = True
+            else:
+                self._counts["reconnects"] += 1
+                await self._reconnect()
+            self._connected = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosedError(f"{self.name}: backend is closed")
+
+    def _require_layout(self, op: str) -> bytes:
+        if self._layout_bytes is None:
+            raise ValueError(
+                f"{self.name}: {op} needs the backend opened with a layout descriptor "
+                "(open_backend(url, layout=...)); without one only the *_objects calls work"
+            )
+        return self._layout_bytes
+
+    async def _frame_all(self, keys: list[bytes], views: list[memoryview]) -> list[FramedObject]:
+        layout = self.layout
+        assert layout is not None
+        if self._compression is Compression.NONE:
+            return [frame_object(k, layout, v) for k, v in zip(keys, views, strict=True)]
+        loop = asyncio.get_running_loop()  # lz4 releases the GIL: keep it off the event loop
+        return await loop.run_in_executor(
+            None,
+            lambda: [
+                frame_object(k, layout, v, self._compression)
+                for k, v in zip(keys, views, strict=True)
+            ],
+        )
+
+    async def _store_counted(
+        self, op: str, keys: list[bytes], objects: list[FramedObject]
+    ) -> list[bool]:
+        statuses = await self._call(op, lambda: self._store(keys, objects))
+        if statuses is _FAULT:
+            return [False] * len(keys)
+        stored = [status is PageStatus.STORED for status in statuses]
+        tally = Counter(statuses)
+        self._counts["puts"] += tally[PageStatus.STORED]
+        self._counts["put_rejected"] += tally[PageStatus.REJECTED]
+        self._counts["errors"] += tally[PageStatus.ERROR]
+        self._counts["written_bytes"] += sum(
+            o.nbytes for o, ok in zip(objects, stored, strict=True) if ok
+        )
+        if tally[PageStatus.ERROR]:
+            self._warnings.warn(f"page_error:{op}", f"{tally[PageStatus.ERROR]} pages failed")
+        return stored
+
+    def _decode_one(
+        self,
+        key: bytes,
+        view: memoryview,
+        item: Fetched,
+        expected_layout: bytes,
+        corrupt: Counter[str],
+    ) -> bool:
+        if item is None:
+            return False
+        if isinstance(item, PageStatus):
+            self._counts["errors"] += 1
+            return False
+        reason = item if isinstance(item, CorruptReason) else None
+        reason = reason or decode_object_into(item, key, expected_layout, view)
+        if reason is not None:
+            corrupt[reason.value] += 1
+            return False
+        return True
+
+    def _count_reads(self, found: list[bool], read_bytes: int, corrupt: Counter[str]) -> None:
+        hits = sum(found)
+        self._counts["hits"] += hits
+        self._counts["misses"] += len(found) - hits
+        self._counts["read_bytes"] += read_bytes
+        if corrupt:
+            self._corrupt.update(corrupt)
+            self._warnings.warn("corrupt", f"refused corrupt pages on read: {_describe(corrupt)}")
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    keys = list(keys)
+    for i, key in enumerate(keys):
+        check_key(key, what=f"keys[{i}]")
+    return keys
+
+
+def _check_same_length(name: str, keys: list[bytes], values: Sequence[object]) -> None:
+    if len(values) != len(keys):
+        raise ValueError(f"{name} has {len(values)} entries for {len(keys)} keys")
+
+
+def _describe(corrupt: Mapping[str, int]) -> str:
+    return ", ".join(f"{count} {reason}" for reason, count in sorted(corrupt.items()))
