@@ -1,0 +1,365 @@
+"""`file:///path?capacity=100GiB`: one file per page in a directory many processes may share.
+
+Layout: `<path>/ab/cd/<32 hex digits of the key>` holds one encoded object. A page is written
+to `<final name>.tmp.<pid>.<n>` and renamed into place, so a reader (in this process or in any
+other on the same local, NFS or 3FS directory) sees the old page, the new page or nothing,
+never a partial one. Capacity and LRU across processes are `file_space`'s job.
+
+I/O runs on a small thread pool with plain `os` calls, each worker doing a slice of the
+batch: a page costs one open, one vectored write (header and caller's page, no join) or one
+read, and one close, instead of a thread hop per call as with `aiofiles`.
+
+Reads land in a pooled staging buffer and are copied into the caller's buffer on the event
+loop after verification. Reading straight into the caller's buffer would save that copy,
+but a read stuck on a hung mount could then write into an L2 page after `batch_get` gave
+up on it and the engine reused the page for something else. The copy is what lets a
+timeout be final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+from .base import Fetched, PageStatus, StorageBackend, Usage
+from .errors import BackendConfigError
+from .file_space import DirectorySpace, Staged, page_path, temp_path, unlink_quiet
+from .objects import CorruptReason, FramedObject, header_size
+from .options import BackendOptions, check_range, options_from_query, url_option
+
+_MAX_OBJECT_BYTES = 1 << 34  # a sanity bound for objects read without an expected size
+
+
+@dataclass(frozen=True)
+class FileOptions(BackendOptions):
+    path: str = ""
+    capacity_bytes: int = url_option("capacity", "size", 0, doc="bytes on disk, all processes")
+    fsync: bool = url_option("fsync", "bool", False, doc="fsync pages and directories on put")
+    io_threads: int = url_option("io_threads", "int", 4, doc="parallel file operations")
+    scan_interval_s: float = url_option(
+        "scan_interval", "duration", 300.0, doc="directory rescan (LRU index, ledger check)"
+    )
+    touch_interval_s: float = url_option(
+        "touch_interval", "duration", 1.0, doc="a read refreshes a page's mtime older than this"
+    )
+    stale_temp_s: float = url_option(
+        "stale_temp", "duration", 600.0, doc="temporary files older than this are removed"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.path or not os.path.isabs(self.path):
+            raise BackendConfigError(f"file:// needs an absolute path, got {self.path!r}")
+        if self.capacity_bytes <= 0:
+            raise BackendConfigError(
+                "file:// needs ?capacity=<size>, e.g. file:///data/kv?capacity=100GiB"
+            )
+        check_range("io_threads", self.io_threads, low=1, high=256)
+        check_range("scan_interval", self.scan_interval_s, low=0.001)
+        check_range("touch_interval", self.touch_interval_s, low=0.0)
+        check_range("stale_temp", self.stale_temp_s, low=1.0)
+
+
+class _StagingBuffers:
+    """Reusable read buffers: a fresh 2 MiB bytearray costs page faults and zeroing each time."""
+
+    def __init__(self, max_buffers: int) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+        self._max_buffers = max_buffers
+
+    def take(self, nbytes: int) -> bytearray:
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        return buf if buf is not None and len(buf) >= nbytes else bytearray(nbytes)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < self._max_buffers:
+                self._free.append(buf)
+
+
+class FileBackend(StorageBackend):
+    scheme = "file"
+    transient_errors = (OSError,)
+
+    def __init__(self, options: FileOptions, layout: str | None = None, *, name: str = "") -> None:
+        super().__init__(options, layout, name=name)
+        self.options: FileOptions = options
+        self.root = options.path
+        self._space = DirectorySpace(
+            options.path, options.capacity_bytes, stale_temp_s=options.stale_temp_s
+        )
+        self._header_bytes = header_size(layout) if layout is not None else 0
+        self._staging = _StagingBuffers(max_buffers=256)
+        self._serial = itertools.count()
+        self._io: concurrent.futures.ThreadPoolExecutor | None = None
+        self._scanner: concurrent.futures.ThreadPoolExecutor | None = None
+        self._scan: concurrent.futures.Future | None = None
+        self._next_scan_at = 0.0
+
+    # -- primitives -------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        if self._io is None:
+            self._io = concurrent.futures.ThreadPoolExecutor(
+                self.options.io_threads, thread_name_prefix="hicache-file-io"
+            )
+            self._scanner = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="hicache-file-scan"
+            )
+        await self._run(self._space.open)
+        if self._scan is None:
+            self._next_scan_at = time.monotonic() + self.options.scan_interval_s
+            self._scan = self._scanner.submit(self._space.initial_scan)
+
+    async def _reconnect(self) -> None:
+        """Reopen the ledger (a stale NFS handle, a remounted directory); keep the index."""
+        await self._run(self._space.close)
+        await self._run(self._space.open)
+
+    async def _close(self) -> None:
+        io, scanner = self._io, self._scanner
+        self._io = self._scanner = None
+        loop = asyncio.get_running_loop()
+        for pool in (io, scanner):
+            if pool is not None:  # finish in-flight commits: never leave temporary files
+                await loop.run_in_executor(None, pool.shutdown, True)
+        self._space.close()
+
+    async def _exists(self, keys: list[bytes]) -> int:
+        def count() -> int:
+            for i, key in enumerate(keys):
+                if not os.path.exists(page_path(self.root, key)):
+                    return i
+            return len(keys)
+
+        return await self._run(count)
+
+    async def _fetch(self, keys: list[bytes], sizes: list[int] | None) -> list[Fetched]:
+        self._maybe_rescan()
+        items = list(zip(keys, sizes if sizes is not None else [None] * len(keys), strict=True))
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(
+            *(loop.run_in_executor(self._io, self._read_group, g) for g in self._split(items))
+        )
+        return [fetched for group in parts for fetched in group]
+
+    async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
+        self._maybe_rescan()
+        done = self._submit_store(list(zip(keys, objects, strict=True)))
+        return await asyncio.wrap_future(done)
+
+    async def _delete(self, keys: list[bytes]) -> int:
+        return await self._run(lambda: self._space.remove(keys))
+
+    def _usage(self) -> Usage:
+        state = self._space.last_state
+        return Usage(
+            state.num_objects, state.used_bytes, self.options.capacity_bytes, state.num_evictions
+        )
+
+    def _release(self, fetched: list[Fetched]) -> None:
+        for item in fetched:
+            if isinstance(item, memoryview) and isinstance(item.obj, bytearray):
+                self._staging.give(item.obj)
+
+    # -- public extras ------------------------------------------------------------------------
+
+    async def rescan(self) -> None:
+        """Rescan the directory now: refresh the LRU index, fix the ledger if it drifted,
+        remove temporary files of dead writers. Runs by itself every `scan_interval`."""
+        self._check_open()
+        await self._ensure_connected()
+        await asyncio.wrap_future(self._scanner.submit(self._space.refresh))
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _read_group(self, items: list[tuple[bytes, int | None]]) -> list[Fetched]:
+        return [self._read_page(key, size) for key, size in items]
+
+    def _read_page(self, key: bytes, size: int | None) -> Fetched:
+        path = page_path(self.root, key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return PageStatus.ERROR
+        try:
+            st = os.fstat(fd)
+            if size is None:
+                fetched: Fetched = _read_bytes(fd, min(st.st_size, _MAX_OBJECT_BYTES))
+            elif st.st_size > 4 * (self._header_bytes + size) + (1 << 20):
+                fetched = CorruptReason.LENGTH  # far too large to be this page: don't read it
+            else:
+                view = memoryview(self._staging.take(st.st_size))[: st.st_size]
+                fetched = view[: _read_into(fd, view)]
+        except OSError:
+            return PageStatus.ERROR
+        finally:
+            os.close(fd)
+        self._touch(key, path, st.st_mtime_ns)
+        return fetched
+
+    def _touch(self, key: bytes, path: str, mtime_ns: int) -> None:
+        """Mark a page used: its mtime is the LRU clock every process shares."""
+        now_ns = time.time_ns()
+        if now_ns - mtime_ns < self.options.touch_interval_s * 1e9:
+            return
+        try:
+            os.utime(path)
+        except OSError:
+            return  # evicted since the read, or a read-only mount: the read still counts
+        self._space.index.note(key, now_ns)
+
+    def _write_group(self, items: list[tuple[bytes, FramedObject]]) -> list[Staged | None]:
+        return [self._write_page(key, obj) for key, obj in items]
+
+    def _write_page(self, key: bytes, obj: FramedObject) -> Staged | None:
+        final = page_path(self.root, key)
+        tmp = temp_path(final, next(self._serial))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
+            try:
+                _write_all(fd, [obj.header, obj.payload])
+                if self.options.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            unlink_quiet(tmp)
+            return None
+        return Staged(key, tmp, obj.nbytes)
+
+    def _commit(self, staged: list[Staged | None]) -> list[PageStatus]:
+        statuses = self._space.commit(staged)
+        if self.options.fsync:
+            dirs = {os.path.dirname(s.temp_path) for s in staged if s is not None}
+            for directory in sorted(dirs):
+                _fsync_dir(directory)
+        return statuses
+
+    def _submit_store(self, items: list[tuple[bytes, FramedObject]]) -> concurrent.futures.Future:
+        """Write groups in parallel, then commit them all under one ledger lock.
+
+        Chained with callbacks, not awaited: a store whose caller timed out still commits or
+        removes its temporary files, so none are left behind.
+        """
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_running_or_notify_cancel()  # the caller may stop waiting, not stop the work
+        writes = [self._io.submit(self._write_group, g) for g in self._split(items)]
+        remaining = [len(writes)]
+        lock = threading.Lock()
+
+        def written(_: concurrent.futures.Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            try:
+                staged = [s for w in writes for s in w.result()]
+                commit = self._io.submit(self._commit, staged)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+                done.set_exception(exc)
+                return
+            commit.add_done_callback(lambda f: _copy_outcome(f, done))
+
+        for write in writes:
+            write.add_done_callback(written)
+        return done
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _split(self, items: list) -> list[list]:
+        """Contiguous slices, one per worker, so results come back in order."""
+        if not items:
+            return []
+        num = min(self.options.io_threads, len(items))
+        step = -(-len(items) // num)
+        return [items[i : i + step] for i in range(0, len(items), step)]
+
+    async def _run(self, fn: Callable[[], object]):
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn)
+
+    def _maybe_rescan(self) -> None:
+        now = time.monotonic()
+        if now < self._next_scan_at or (self._scan is not None and not self._scan.done()):
+            return
+        if self._scan is not None and self._scan.exception() is not None:
+            exc = self._scan.exception()
+            self._warnings.warn("scan", f"directory scan failed: {type(exc).__name__}: {exc}")
+        self._next_scan_at = now + self.options.scan_interval_s
+        self._scan = self._scanner.submit(self._space.refresh)
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _read_bytes(fd: int, nbytes: int) -> bytes:
+    chunks = []
+    got = 0
+    while got < nbytes:
+        chunk = os.read(fd, nbytes - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _write_all(fd: int, buffers: list) -> None:
+    """writev until every byte is written (a write may stop short, e.g. on a signal)."""
+    views = [memoryview(b) for b in buffers if len(b)]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_outcome(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
+
+
+def open_url(url: str, *, layout: str | None = None, name: str = "") -> FileBackend:
+    """`file:///abs/path?capacity=100GiB&fsync=false&io_threads=4&timeout=5s&compression=none`."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise BackendConfigError(f"{url}: file:// takes a local path (file:///path), not a host")
+    path = unquote(parts.path)
+    options = options_from_query(FileOptions, parts.query, url=name or url, path=path)
+    return FileBackend(options, layout, name=name or url)
