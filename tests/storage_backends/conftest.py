@@ -1,0 +1,267 @@
+"""Real servers and backend URLs for the storage-backend tests.
+
+The contract suite runs once per entry of `BACKENDS`: a backend name and the fixture that
+returns its URL factory. A URL factory is called as `make_url(**query_options)` and returns
+the URL of a fresh, empty namespace (its own prefix, directory or store), with the given
+options. Adding a backend to the suite (the cache-server daemon's grpc://) is one line here
+plus its fixture.
+
+Redis servers and the three-node Redis Cluster are real `redis-server` processes on loopback
+ports, started once per session and stopped afterwards; tests that kill a server start their
+own.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlencode
+
+import pytest
+
+LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=bfloat16"
+OTHER_LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=float16"
+
+BACKENDS = {
+    "memory": "memory_url",
+    "file": "file_url",
+    "redis": "redis_url",
+    "redis_cluster": "redis_cluster_url",
+}
+
+UrlFactory = Callable[..., str]
+
+
+@pytest.fixture(params=list(BACKENDS))
+def make_url(request: pytest.FixtureRequest) -> UrlFactory:
+    """The URL factory of each backend in turn (servers start only when first needed)."""
+    return request.getfixturevalue(BACKENDS[request.param])
+
+
+def _with_query(base: str, defaults: dict[str, object], options: dict[str, object]) -> str:
+    query = urlencode({**defaults, **options})
+    return f"{base}?{query}" if query else base
+
+
+@pytest.fixture
+def memory_url() -> UrlFactory:
+    return lambda **options: _with_query("memory://", {"capacity": "64MiB"}, options)
+
+
+@pytest.fixture
+def file_url(tmp_path: Path) -> UrlFactory:
+    def make(**options: object) -> str:
+        directory = tmp_path / f"l3-{uuid.uuid4().hex[:8]}"
+        return _with_query(f"file://{directory}", {"capacity": "64MiB"}, options)
+
+    return make
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisProcess) -> UrlFactory:
+    def make(**options: object) -> str:
+        defaults = {"prefix": f"t{uuid.uuid4().hex[:12]}:", "timeout": "5s"}
+        return _with_query(f"redis://127.0.0.1:{redis_server.port}/0", defaults, options)
+
+    return make
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: list[RedisProcess]) -> UrlFactory:
+    def make(**options: object) -> str:
+        defaults = {"prefix": f"t{uuid.uuid4().hex[:12]}:", "timeout": "5s"}
+        return _with_query(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", defaults, options)
+
+    return make
+
+
+# -- redis-server processes ------------------------------------------------------------------
+
+
+_ports = random.Random(os.urandom(8))  # never the global generator: tests may seed that
+
+
+def free_port(*, with_cluster_bus: bool = False) -> int:
+    """A loopback port nobody listens on (and port + 10000 too, for a cluster node's bus)."""
+    for _ in range(200):
+        port = _ports.randint(20000, 55000)
+        wanted = [port, port + 10000] if with_cluster_bus else [port]
+        if all(_can_bind(p) for p in wanted):
+            return port
+    raise RuntimeError("no free loopback port found")
+
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _require(binary: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        pytest.fail(f"{binary} not found on PATH: install redis-server and redis-tools (apt-get)")
+    return path
+
+
+class RedisProcess:
+    """One redis-server on 127.0.0.1:port; start/kill/restart keep the port."""
+
+    def __init__(self, workdir: Path, port: int, *extra_args: str) -> None:
+        self.workdir = workdir
+        self.port = port
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> RedisProcess:
+        args = [
+            _require("redis-server"),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.workdir),
+            "--logfile", str(self.workdir / "redis.log"),
+            *self.extra_args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode()}")
+            if self.command("PING").strip() == "PONG":
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+
+    def command(self, *args: str) -> str:
+        """One command through redis-cli; "" if the server does not answer."""
+        result = subprocess.run(
+            [_require("redis-cli"), "-p", str(self.port), *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return result.stdout if result.returncode == 0 else ""
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to the clients."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path_factory.mktemp("redis"), free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisProcess]]:
+    """Three masters on loopback, slots split by `redis-cli --cluster create`."""
+    root = tmp_path_factory.mktemp("redis-cluster")
+    nodes: list[RedisProcess] = []
+    try:
+        for i in range(3):
+            port = free_port(with_cluster_bus=True)
+            cluster_args = (
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{port}.conf",
+                "--cluster-node-timeout", "2000",
+            )  # fmt: skip
+            nodes.append(RedisProcess(root / f"node{i}", port, *cluster_args).start())
+        create = subprocess.run(
+            [_require("redis-cli"), "--cluster", "create"]
+            + [f"127.0.0.1:{node.port}" for node in nodes]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert create.returncode == 0, create.stdout + create.stderr
+        _wait_cluster_ok(nodes)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _wait_cluster_ok(nodes: list[RedisProcess], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        infos = [node.command("CLUSTER", "INFO") for node in nodes]
+        if all("cluster_state:ok" in info and "cluster_known_nodes:3" in info for info in infos):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"cluster did not become ready: {infos}")
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A redis-server of this test alone (to kill, pause or restart)."""
+    server = RedisProcess(tmp_path / "own-redis", free_port()).start()
+    yield server
+    server.stop()
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+class PageMaker:
+    """Deterministic keys and pages: any process can recompute what a key's page must be."""
+
+    LAYOUT = LAYOUT
+    OTHER_LAYOUT = OTHER_LAYOUT
+
+    @staticmethod
+    def key(i: int, salt: str = "") -> bytes:
+        import xxhash
+
+        return xxhash.xxh3_128_digest(f"{salt}:{i}".encode())
+
+    @staticmethod
+    def page(key: bytes, nbytes: int) -> bytes:
+        return random.Random(key).randbytes(nbytes)
+
+    @staticmethod
+    def pool_views(num_pages: int, page_bytes: int) -> tuple[bytearray, list[memoryview]]:
+        """One poisoned bytearray "pool" and a writable slice per page, as L2 would pass."""
+        pool = bytearray(b"\xa5" * (num_pages * page_bytes))
+        view = memoryview(pool)
+        return pool, [view[i * page_bytes : (i + 1) * page_bytes] for i in range(num_pages)]
+
+
+@pytest.fixture
+def pages() -> type[PageMaker]:
+    return PageMaker
