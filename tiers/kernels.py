@@ -51,14 +51,12 @@ class CopyConfig:
     tile_bytes:   bytes one program moves per loop step (power of two); more bytes in flight
                   hide the latency of PCIe reads, at the cost of registers.
     prefetch:     issue the loads of the next tile before the stores of this one.
-    wide_reads:   load with the PTX `.L2::256B` prefetch-size hint (CUDA only; see _load_tile).
     """
 
     max_programs: int = 16
     num_warps: int = 8
     tile_bytes: int = 32768
     prefetch: bool = True
-    wide_reads: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_programs <= 4096:
@@ -140,36 +138,6 @@ def _tile_offsets(
 
 
 @triton.jit
-def _load_tile(
-    src_ptr, src_off, valid, ROW_ELEMS: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
-    WIDE_READS: tl.constexpr,
-):  # fmt: skip
-    """Load one (R, ROW_ELEMS) tile of 8-byte values.
-
-    WIDE_READS: 16-byte loads through inline PTX with the `.L2::256B` prefetch-size hint, so
-    that the L2 fetches host memory in 256-byte requests instead of 128-byte lines (fewer,
-    larger PCIe read requests). Those loads are unpredicated: rows past the end point at page
-    id 0 of the source (see _tile_offsets), which is memory the pool owns, and the stores of
-    such rows are masked.
-    """
-    if WIDE_READS:
-        pairs = tl.arange(0, ROW_ELEMS // 2)[None, :] * 2  # (1, C/2)
-        addr = (src_ptr + (src_off[:, None] + pairs)).to(tl.int64, bitcast=True)
-        low, high = tl.inline_asm_elementwise(
-            asm="ld.global.L2::256B.v2.b64 {$0, $1}, [$2];",
-            constraints="=l,=l,l",
-            args=[addr],
-            dtype=(tl.int64, tl.int64),
-            is_pure=True,
-            pack=1,
-        )
-        return tl.reshape(tl.join(low, high), (ROWS_PER_TILE, ROW_ELEMS))
-    else:
-        cols = tl.arange(0, ROW_ELEMS)[None, :]
-        return tl.load(src_ptr + (src_off[:, None] + cols), mask=valid[:, None])
-
-
-@triton.jit
 def _copy_chunks_kernel(
     src_ptr,  # flat wide-int view of the source pool
     dst_ptr,  # flat wide-int view of the destination pool
@@ -187,7 +155,6 @@ def _copy_chunks_kernel(
     ROW_ELEMS: tl.constexpr,
     ROWS_PER_TILE: tl.constexpr,
     PREFETCH: tl.constexpr,
-    WIDE_READS: tl.constexpr,
 ):
     # Each program strides over the tiles of the launch (a persistent grid of <= 16 programs).
     # With PREFETCH, the loads of tile k+1 (page ids and data) are issued before the stores of
@@ -203,16 +170,14 @@ def _copy_chunks_kernel(
             src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
             NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
         )  # fmt: skip
-        values = _load_tile(src_ptr, src_off, valid, ROW_ELEMS, ROWS_PER_TILE, WIDE_READS)  # (R, C)
+        values = tl.load(src_ptr + (src_off[:, None] + cols), mask=valid[:, None])  # (R, C)
         for first in range(start, num_rows, step):
             next_src, next_dst, next_valid = _tile_offsets(
                 first + step, num_rows, src_page_ids_ptr, dst_page_ids_ptr, src_base,
                 src_page_stride, src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
                 NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
             )  # fmt: skip
-            next_values = _load_tile(
-                src_ptr, next_src, next_valid, ROW_ELEMS, ROWS_PER_TILE, WIDE_READS
-            )
+            next_values = tl.load(src_ptr + (next_src[:, None] + cols), mask=next_valid[:, None])
             tl.store(dst_ptr + (dst_off[:, None] + cols), values, mask=valid[:, None])
             values, dst_off, valid = next_values, next_dst, next_valid
     else:
@@ -222,7 +187,7 @@ def _copy_chunks_kernel(
                 src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
                 NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
             )  # fmt: skip
-            values = _load_tile(src_ptr, src_off, valid, ROW_ELEMS, ROWS_PER_TILE, WIDE_READS)
+            values = tl.load(src_ptr + (src_off[:, None] + cols), mask=valid[:, None])
             tl.store(dst_ptr + (dst_off[:, None] + cols), values, mask=valid[:, None])
 
 
@@ -431,8 +396,7 @@ def _launch(
     """Launch the copy of `len(src_ids) x num_layers` chunks. Strides are in chunks."""
     if src_ids.numel() == 0:
         return None
-    on_gpu = (src.is_cuda or dst.is_cuda) and not triton_interpreting()
-    if not on_gpu and not triton_interpreting():
+    if not (src.is_cuda or dst.is_cuda or triton_interpreting()):
         raise KVTensorError(
             "the Triton copy kernels need a CUDA device (or TRITON_INTERPRET=1); "
             "on the CPU use backup_reference / load_layer_reference"
@@ -460,7 +424,6 @@ def _launch(
         ROW_ELEMS=plan.row_elems,
         ROWS_PER_TILE=plan.rows_per_tile,
         PREFETCH=config.prefetch,
-        WIDE_READS=config.wide_reads and width == 8 and plan.row_elems >= 2 and on_gpu,
         num_warps=config.num_warps,
     )
     return plan

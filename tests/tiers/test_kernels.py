@@ -317,9 +317,8 @@ def test_gpu_backup_and_load_match_reference(name, cuda_device, kvh):
 
 GPU_CONFIGS = {
     "default": CopyConfig(),
-    "wide-reads": CopyConfig(wide_reads=True),
     "no-prefetch": CopyConfig(prefetch=False, tile_bytes=16384, num_warps=4),
-    "8-programs": CopyConfig(max_programs=8, tile_bytes=65536, num_warps=16, wide_reads=True),
+    "8-programs": CopyConfig(max_programs=8, tile_bytes=65536, num_warps=16),
 }
 
 
