@@ -157,6 +157,7 @@ class StorageBackend(abc.ABC):
         self._closed = False
         self._counts: Counter[str] = Counter()
         self._corrupt: Counter[str] = Counter()
+        self._page_error = ""  # the latest per-page error, for the next warning
 
     # -- primitives a backend implements ---------------------------------------------------
 
@@ -195,6 +196,10 @@ class StorageBackend(abc.ABC):
     def _release(self, fetched: list[Fetched]) -> None:
         """Called once the results of `_fetch` have been consumed (buffer pools)."""
         del fetched  # nothing is pooled by default
+
+    def _note_page_error(self, detail: str) -> None:
+        """Backends record why a single page failed; the next rate-limited warning says it."""
+        self._page_error = detail
 
     async def _reconnect(self) -> None:
         """Drop the connection state after a fault and open again."""
@@ -249,7 +254,7 @@ class StorageBackend(abc.ABC):
         self._release(fetched)
         failed = sum(1 for item in fetched if item is PageStatus.ERROR)
         if failed:
-            self._warnings.warn("page_error:batch_get", f"{failed} pages failed to read")
+            self._warn_page_errors("batch_get", failed)
         self._count_reads(
             found, sum(len(v) for v, ok in zip(views, found, strict=True) if ok), corrupt
         )
@@ -472,8 +477,12 @@ class StorageBackend(abc.ABC):
             o.nbytes for o, ok in zip(objects, stored, strict=True) if ok
         )
         if tally[PageStatus.ERROR]:
-            self._warnings.warn(f"page_error:{op}", f"{tally[PageStatus.ERROR]} pages failed")
+            self._warn_page_errors(op, tally[PageStatus.ERROR])
         return stored
+
+    def _warn_page_errors(self, op: str, num_pages: int) -> None:
+        detail = f" (latest: {self._page_error})" if self._page_error else ""
+        self._warnings.warn(f"page_error:{op}", f"{op}: {num_pages} pages failed{detail}")
 
     def _decode_one(
         self,

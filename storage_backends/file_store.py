@@ -191,7 +191,8 @@ class FileBackend(StorageBackend):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
-        except OSError:
+        except OSError as exc:
+            self._note_page_error(f"{path}: {exc}")
             return PageStatus.ERROR
         try:
             st = os.fstat(fd)
@@ -202,7 +203,8 @@ class FileBackend(StorageBackend):
             else:
                 view = memoryview(self._staging.take(st.st_size))[: st.st_size]
                 fetched = view[: _read_into(fd, view)]
-        except OSError:
+        except OSError as exc:
+            self._note_page_error(f"{path}: {exc}")
             return PageStatus.ERROR
         finally:
             os.close(fd)
@@ -239,7 +241,8 @@ class FileBackend(StorageBackend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-        except OSError:
+        except OSError as exc:
+            self._note_page_error(f"{tmp}: {exc}")
             unlink_quiet(tmp)
             return None
         return Staged(key, tmp, obj.nbytes)

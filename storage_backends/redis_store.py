@@ -26,7 +26,7 @@ import redis.asyncio as aredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 
 from .base import Fetched, PageStatus, StorageBackend
 from .errors import BackendConfigError
@@ -162,8 +162,14 @@ class RedisBackend(StorageBackend):
             if self._ttl_ms:
                 pipe.execute_command("PEXPIRE", redis_key, self._ttl_ms)
         replies = await pipe.execute(raise_on_error=False)
+        self._note_errors(replies)
         per_page = 2 if self._ttl_ms else 1
         return [_put_status(replies[i * per_page : (i + 1) * per_page]) for i in range(len(keys))]
+
+    def _note_errors(self, replies: list) -> None:
+        for reply in replies:
+            if isinstance(reply, Exception) and not isinstance(reply, OutOfMemoryError):
+                self._note_page_error(f"{type(reply).__name__}: {reply}")
 
     def _fields(self, obj: FramedObject) -> list[bytes | memoryview]:
         payload = memoryview(obj.payload)
@@ -189,6 +195,7 @@ class RedisBackend(StorageBackend):
             pipe.execute_command("HMGET", redis_key, _HEADER_FIELD, *fields)
             asked.append(num_chunks)
         replies = await pipe.execute(raise_on_error=False)
+        self._note_errors(replies)
         if sizes is None:
             return [_from_hash(reply) for reply in replies]
         fetched: list[Fetched] = []
@@ -217,8 +224,8 @@ class RedisBackend(StorageBackend):
 
 def _put_status(replies: list) -> PageStatus:
     for reply in replies:
-        if isinstance(reply, ResponseError) and str(reply).startswith("OOM"):
-            return PageStatus.REJECTED  # maxmemory reached with a no-eviction policy
+        if isinstance(reply, OutOfMemoryError):
+            return PageStatus.REJECTED  # maxmemory reached under a no-eviction policy
         if isinstance(reply, Exception):
             return PageStatus.ERROR
     return PageStatus.STORED
