@@ -228,11 +228,18 @@ def _wait_cluster_ok(nodes: list[RedisProcess], timeout_s: float = 30.0) -> None
 
 
 @pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisProcess]:
-    """A redis-server of this test alone (to kill, pause or restart)."""
-    server = RedisProcess(tmp_path / "own-redis", free_port()).start()
-    yield server
-    server.stop()
+def start_redis(tmp_path: Path) -> Iterator[Callable[..., RedisProcess]]:
+    """Start redis-servers of this test alone (to kill, pause, restart or misconfigure)."""
+    started: list[RedisProcess] = []
+
+    def start(*extra_args: str) -> RedisProcess:
+        server = RedisProcess(tmp_path / f"redis-{len(started)}", free_port(), *extra_args)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 # -- helpers ---------------------------------------------------------------------------------
