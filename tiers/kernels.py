@@ -158,8 +158,10 @@ def _copy_chunks_kernel(
 ):
     # Each program strides over the tiles of the launch (a persistent grid of <= 16 programs).
     # With PREFETCH, the loads of tile k+1 (page ids and data) are issued before the stores of
-    # tile k, so two tiles per program are in flight: PCIe reads of host memory take
-    # microseconds, and bytes in flight are what keeps the link busy.
+    # tile k, so two tiles per program are in flight. On an H200 (PCIe 5 x16) this did not
+    # change the rate, nor did 8 vs 16 programs, 4-32 warps or 16-128 KiB tiles: SM reads of
+    # host memory settle at ~48.5 GB/s (~89 % of the copy engine) and writes at ~50.5 GB/s
+    # (~92 %), the link and not the launch shape being the limit there.
     pid = tl.program_id(0)
     step = tl.num_programs(0) * ROWS_PER_TILE
     cols = tl.arange(0, ROW_ELEMS)[None, :]  # (1, C)
