@@ -1,0 +1,240 @@
+"""Configuration of a HiCache: one frozen dataclass per component, composed.
+
+Every field is validated in `__post_init__` with a ValueError that names the field and the
+allowed values. `HiCacheConfig.from_env()` reads `HICACHE_*` variables; this is the only
+place the environment is read. No torch here: the simulator uses these classes too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from tiers.layout import KVLayout
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+L3_WRITE_POLICIES = ("on_backup", "on_evict")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "B": 1}
+for _i, _p in enumerate("KMGT", start=1):
+    _UNIT[f"{_p}IB"] = _UNIT[f"{_p}I"] = 1024**_i
+    _UNIT[f"{_p}B"] = _UNIT[_p] = 1000**_i
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """Bytes from '8GiB', '100GB', '512MiB', '4096' (binary and decimal units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"{what} must not be negative, got {text}")
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"{what}: cannot read {text!r} as a size (e.g. 8GiB, 100GB, 4096)")
+    number, unit = match.groups()
+    return int(float(number) * _UNIT[(unit or "").upper()])
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _one_of(owner: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, f"{owner}.{name} must be one of {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class L1Config:
+    """Device pool. `num_pages` 0 sizes the pool from free device memory after
+    `reserve_bytes` (on the CPU, where free memory means little, give `num_pages`)."""
+
+    device: str = "cpu"
+    num_pages: int = 0
+    reserve_bytes: int = 2 * 1024**3
+    memory_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        _require(self.num_pages >= 0, f"L1Config.num_pages must be >= 0, got {self.num_pages}")
+        _require(
+            self.reserve_bytes >= 0,
+            f"L1Config.reserve_bytes must be >= 0, got {self.reserve_bytes}",
+        )
+        _require(
+            0 < self.memory_fraction <= 1,
+            f"L1Config.memory_fraction must be in (0, 1], got {self.memory_fraction}",
+        )
+        _require(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            f"L1Config.device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+
+
+@dataclass(frozen=True)
+class L2Config:
+    """Host pool. `budget_bytes` 0 disables L2 (and so L3, which is fed from L2)."""
+
+    budget_bytes: int = 0
+    reserve_bytes: int = 4 * 1024**3
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.budget_bytes >= 0, f"L2Config.budget_bytes must be >= 0, got {self.budget_bytes}"
+        )
+        _require(
+            self.reserve_bytes >= 0,
+            f"L2Config.reserve_bytes must be >= 0, got {self.reserve_bytes}",
+        )
+
+
+@dataclass(frozen=True)
+class L3Config:
+    """Shared storage, given as a backend URL (`memory://`, `file:///...`, `redis://...`)."""
+
+    url: str | None = None
+    write_policy: str = "on_backup"  # when L2 pages go to L3: on backup, or on L2 eviction
+    exists_timeout_s: float = 0.5
+    prefetch_chunk_pages: int = 32  # pages per read; a prefetch is usable chunk by chunk
+
+    def __post_init__(self) -> None:
+        _one_of("L3Config", "write_policy", self.write_policy, L3_WRITE_POLICIES)
+        _require(
+            self.url is None or "://" in self.url,
+            f"L3Config.url must be a backend URL like file:///path, got {self.url!r}",
+        )
+        _require(
+            self.exists_timeout_s > 0,
+            f"L3Config.exists_timeout_s must be > 0, got {self.exists_timeout_s}",
+        )
+        _require(
+            self.prefetch_chunk_pages >= 1,
+            f"L3Config.prefetch_chunk_pages must be >= 1, got {self.prefetch_chunk_pages}",
+        )
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What moves when (DESIGN.md names)."""
+
+    write_policy: str = "write_through_selective"
+    write_through_threshold: int = 2  # hits before a selective write-through backs a run up
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_base_s: float = 0.05
+    prefetch_timeout_per_1k_tokens_s: float = 0.01
+    prefetch_min_pages: int = 1  # L3 runs shorter than this are not worth a lookup
+    eviction_policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        _one_of("PolicyConfig", "write_policy", self.write_policy, WRITE_POLICIES)
+        _one_of("PolicyConfig", "prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
+        _one_of("PolicyConfig", "eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _require(
+            self.write_through_threshold >= 1,
+            "PolicyConfig.write_through_threshold must be >= 1, "
+            f"got {self.write_through_threshold}",
+        )
+        _require(
+            self.prefetch_timeout_base_s >= 0 and self.prefetch_timeout_per_1k_tokens_s >= 0,
+            "PolicyConfig prefetch timeouts must be >= 0",
+        )
+        _require(
+            self.prefetch_min_pages >= 1,
+            f"PolicyConfig.prefetch_min_pages must be >= 1, got {self.prefetch_min_pages}",
+        )
+
+    def prefetch_budget_s(self, num_tokens: int) -> float:
+        """How long a `timeout` prefetch of `num_tokens` may take."""
+        return self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_tokens_s * (
+            num_tokens / 1000
+        )
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    layout: KVLayout
+    l1: L1Config = field(default_factory=L1Config)
+    l2: L2Config = field(default_factory=L2Config)
+    l3: L3Config = field(default_factory=L3Config)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.layout, KVLayout),
+            f"HiCacheConfig.layout must be a KVLayout, got {type(self.layout).__name__}",
+        )
+        _require(
+            self.l3.url is None or self.l2.budget_bytes > 0,
+            "HiCacheConfig: an L3 backend needs an L2 pool (l2.budget_bytes > 0): "
+            "pages reach L3 through host memory",
+        )
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @classmethod
+    def from_env(
+        cls, layout: KVLayout | None = None, environ: Mapping[str, str] | None = None
+    ) -> HiCacheConfig:
+        """Build a config from `HICACHE_*` variables (see `ENV_VARIABLES`).
+
+        The layout comes from `layout` or from HICACHE_LAYOUT (a layout descriptor).
+        """
+        env = os.environ if environ is None else environ
+        unknown = sorted(k for k in env if k.startswith("HICACHE_") and k not in ENV_VARIABLES)
+        _require(
+            not unknown, f"unknown HICACHE_ variables {unknown}; known: {sorted(ENV_VARIABLES)}"
+        )
+        if layout is None:
+            _require("HICACHE_LAYOUT" in env, "HICACHE_LAYOUT is required when no layout is given")
+            layout = KVLayout.from_descriptor(env["HICACHE_LAYOUT"])
+        parts: dict[str, dict] = {"l1": {}, "l2": {}, "l3": {}, "policy": {}}
+        for variable, (part, name, convert) in ENV_VARIABLES.items():
+            if variable in env and part:
+                try:
+                    parts[part][name] = convert(env[variable])
+                except ValueError as error:
+                    raise ValueError(f"{variable}={env[variable]!r}: {error}") from None
+        return cls(
+            layout=layout,
+            l1=L1Config(**parts["l1"]),
+            l2=L2Config(**parts["l2"]),
+            l3=L3Config(**parts["l3"]),
+            policy=PolicyConfig(**parts["policy"]),
+        )
+
+    def replace(self, **changes) -> HiCacheConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    _require(lowered in ("1", "0", "true", "false", "yes", "no"), "expected true or false")
+    return lowered in ("1", "true", "yes")
+
+
+# variable -> (component, field, parser); HICACHE_LAYOUT is read by from_env itself.
+ENV_VARIABLES = {
+    "HICACHE_LAYOUT": ("", "", str),
+    "HICACHE_DEVICE": ("l1", "device", str),
+    "HICACHE_L1_PAGES": ("l1", "num_pages", int),
+    "HICACHE_L1_RESERVE": ("l1", "reserve_bytes", parse_size),
+    "HICACHE_L2_SIZE": ("l2", "budget_bytes", parse_size),
+    "HICACHE_L2_RESERVE": ("l2", "reserve_bytes", parse_size),
+    "HICACHE_L2_PIN": ("l2", "pin_memory", _bool),
+    "HICACHE_L3_URL": ("l3", "url", str),
+    "HICACHE_L3_WRITE_POLICY": ("l3", "write_policy", str),
+    "HICACHE_WRITE_POLICY": ("policy", "write_policy", str),
+    "HICACHE_WRITE_THROUGH_THRESHOLD": ("policy", "write_through_threshold", int),
+    "HICACHE_PREFETCH_POLICY": ("policy", "prefetch_policy", str),
+    "HICACHE_PREFETCH_TIMEOUT_BASE_S": ("policy", "prefetch_timeout_base_s", float),
+    "HICACHE_PREFETCH_TIMEOUT_PER_1K_S": ("policy", "prefetch_timeout_per_1k_tokens_s", float),
+    "HICACHE_PREFETCH_MIN_PAGES": ("policy", "prefetch_min_pages", int),
+    "HICACHE_EVICTION_POLICY": ("policy", "eviction_policy", str),
+}

@@ -1,0 +1,234 @@
+"""The real executor: moves pages with the tiers' kernels and the L3 storage backend.
+
+L1 <-> L2 ops run on the tiers' `TransferEngine` (a dedicated copy stream and CUDA events on
+a GPU; synchronous on the CPU). L2 <-> L3 ops run as coroutines on an asyncio loop in a
+background thread of this executor's own, reading from and writing into the pinned host
+pool's pages directly (`HostPool.page_bytes`), so no page is copied on its way to storage.
+
+The only module of `hicache` that imports torch (through `tiers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+
+from hicache.config import HiCacheConfig
+from hicache.ops import (
+    BackupOp,
+    Executor,
+    LoadOp,
+    PrefetchOp,
+    TransferOp,
+    WriteL3Op,
+)
+from storage_backends.errors import StorageError
+from storage_backends.registry import open_backend
+from tiers.device_pool import DevicePool
+from tiers.host_pool import HostPool
+from tiers.transfer import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+class _LoopThread:
+    """An asyncio event loop running in a daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine, timeout_s: float | None = None):
+        """Run `coroutine` on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def spawn(self, coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class RealExecutor(Executor):
+    """Pools sized from `config`, a transfer engine between them, and an optional L3."""
+
+    def __init__(self, config: HiCacheConfig) -> None:
+        layout = config.layout
+        self._layout = layout
+        self._chunk_pages = config.l3.prefetch_chunk_pages
+        if config.l1.num_pages:
+            self.device_pool = DevicePool(layout, config.l1.num_pages, config.l1.device)
+        else:
+            self.device_pool = DevicePool.from_free_memory(
+                layout,
+                config.l1.device,
+                reserve_bytes=config.l1.reserve_bytes,
+                fraction=config.l1.memory_fraction,
+            )
+        self.host_pool: HostPool | None = None
+        self.transfer: TransferEngine | None = None
+        if config.l2.budget_bytes:
+            self.host_pool = HostPool.from_budget(
+                layout,
+                config.l2.budget_bytes,
+                reserve_bytes=config.l2.reserve_bytes,
+                pin=config.l2.pin_memory,
+            )
+            self.transfer = TransferEngine(self.device_pool, self.host_pool)
+        self._gpu_ops: list[tuple[TransferOp, object]] = []  # (op, handle), in submit order
+        self._done: collections.deque[TransferOp] = collections.deque()
+        self._events: dict[int, threading.Event] = {}
+        self._backend = None
+        self._io: _LoopThread | None = None
+
+    # ------------------------------------------------------------------ Executor
+
+    @property
+    def num_device_pages(self) -> int:
+        return self.device_pool.num_pages
+
+    @property
+    def num_host_pages(self) -> int:
+        return self.host_pool.num_pages if self.host_pool is not None else 0
+
+    @property
+    def has_l3(self) -> bool:
+        return self._backend is not None
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def submit(self, op: TransferOp) -> None:
+        if isinstance(op, LoadOp):
+            handle = self.transfer.load_async(op.host_page_ids, op.device_page_ids)
+            self._gpu_ops.append((op, handle))
+        elif isinstance(op, BackupOp):
+            handle = self.transfer.backup_async(op.device_page_ids, op.host_page_ids)
+            self._gpu_ops.append((op, handle))
+        else:
+            if self._backend is None:
+                raise RuntimeError(f"{op.kind.value} submitted with no L3 backend attached")
+            self._events[op.op_id] = threading.Event()
+            runner = self._write if isinstance(op, WriteL3Op) else self._prefetch
+            self._io.spawn(self._run_io(op, runner))
+
+    def poll(self) -> list[TransferOp]:
+        finished = []
+        still_running = []
+        for op, handle in self._gpu_ops:
+            if handle.is_done():
+                self._finish(op)
+                finished.append(op)
+            else:
+                still_running.append((op, handle))
+        self._gpu_ops = still_running
+        while self._done:
+            finished.append(self._done.popleft())
+        return finished
+
+    def wait(self, op: TransferOp, timeout_s: float | None) -> bool:
+        if op.done:
+            return True
+        event = self._events.get(op.op_id)
+        if event is not None:
+            return event.wait(timeout_s)
+        for gpu_op, handle in self._gpu_ops:
+            if gpu_op is op:
+                handle.wait()  # a GPU copy: bounded by the link, no timeout needed
+                return True
+        return op.done
+
+    def wait_layer(self, op: LoadOp, layer: int) -> None:
+        for gpu_op, handle in self._gpu_ops:
+            if gpu_op is op:
+                handle.wait_layer(layer)
+                return
+        # Not in the list: it finished and was polled, so every layer is in L1.
+
+    def l3_exists(self, keys: list[bytes], timeout_s: float) -> int:
+        if self._backend is None or not keys:
+            return 0
+        try:
+            return self._io.run(self._backend.batch_exists(keys), timeout_s)
+        except (concurrent.futures.TimeoutError, StorageError) as error:
+            logger.warning("L3 lookup of %d keys failed: %r", len(keys), error)
+            return 0
+
+    def l3_stats(self):
+        return self._backend.stats() if self._backend is not None else None
+
+    def attach_l3(self, url: str | None) -> None:
+        if self._backend is not None:
+            self._io.run(self._backend.close())
+            self._backend = None
+        if url is None:
+            return
+        if self.host_pool is None:
+            raise ValueError("an L3 backend needs an L2 pool: pages reach L3 through L2")
+        if self._io is None:
+            self._io = _LoopThread("hicache-l3-io")
+        backend = self._io.run(self._open(url))
+        self._backend = backend
+
+    def close(self) -> None:
+        self.attach_l3(None)
+        if self._io is not None:
+            self._io.stop()
+            self._io = None
+        for _op, handle in self._gpu_ops:
+            handle.wait()
+        self._gpu_ops.clear()
+        if self.host_pool is not None:
+            self.host_pool.close()
+
+    # ------------------------------------------------------------------ L3 I/O
+
+    async def _open(self, url: str):
+        backend = open_backend(url, layout=self._layout.descriptor())
+        await backend.connect()  # a wrong URL fails here, loudly, not later as misses
+        return backend
+
+    async def _run_io(self, op: TransferOp, runner) -> None:
+        try:
+            await runner(op)
+        except Exception as error:  # kept on the op; the controller raises it to its caller
+            op.error = error
+        self._finish(op)
+        self._done.append(op)
+        self._events.pop(op.op_id).set()
+
+    async def _write(self, op: WriteL3Op) -> None:
+        pages = [self.host_pool.page_bytes(page) for page in op.host_page_ids]
+        stored = await self._backend.batch_put(op.keys, pages)
+        op.num_written = _leading_true(stored)
+
+    async def _prefetch(self, op: PrefetchOp) -> None:
+        for start in range(0, op.num_pages, self._chunk_pages):
+            end = min(start + self._chunk_pages, op.num_pages)
+            into = [self.host_pool.page_bytes(page) for page in op.host_page_ids[start:end]]
+            found = await self._backend.batch_get(op.keys[start:end], into)
+            arrived = _leading_true(found)
+            op.num_ready = start + arrived  # after the bytes: readers see whole pages
+            if arrived < end - start:
+                return
+
+    def _finish(self, op: TransferOp) -> None:
+        op.finished_s = self.now()
+        op.done = True
+
+
+def _leading_true(flags: list[bool]) -> int:
+    count = 0
+    for flag in flags:
+        if not flag:
+            break
+        count += 1
+    return count

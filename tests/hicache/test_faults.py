@@ -1,0 +1,123 @@
+"""L3 in trouble: unreachable, slow past its timeout, or returning corrupt pages.
+
+Engine-facing calls then return shorter matches; they never raise for it, never hang, and
+the counters say what happened.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.caches import put, read_pages, tokens_for
+from tests.support.servers import RedisServer
+from tests.support.slow_backend import slow_file_url
+
+
+def write_to_l3(cache_factory, url, tokens, seed=1):
+    writer = cache_factory(write_policy="write_through", l3_url=url)
+    values = put(writer, tokens, seed=seed)
+    writer.flush()
+    return values
+
+
+def test_l3_going_down_makes_misses_not_errors(cache_factory, tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        url = server.url + "?timeout=300ms"
+        tokens = tokens_for(1, 4)
+        cache = cache_factory(
+            l3_url=url, write_policy="write_through", prefetch_policy="wait_complete"
+        )
+        put(cache, tokens, seed=1)
+        cache.flush()
+        cache.evict("l1", 100)
+        cache.evict("l2", 100)
+        server.kill()
+        start = time.monotonic()
+        match = cache.match(tokens)  # the index believes L3 has it; L3 is gone
+        assert time.monotonic() - start < 2.0
+        assert match.num_tokens == 0
+        cache.release(match)
+        other = cache.match(tokens_for(2, 4))  # a lookup past the index fails quietly too
+        assert other.num_tokens == 0
+        stats = cache.stats()
+        assert stats.l3_errors >= 1
+        assert stats.prefetch_pages_missing == 4
+        # Writes while it is down are dropped, not raised.
+        put(cache, tokens_for(3, 2), seed=3)
+        cache.flush()
+        cache.check_invariants()
+    finally:
+        server.stop()
+
+
+def test_slow_l3_past_its_timeout_is_a_miss(cache_factory, tmp_path):
+    directory = tmp_path / "l3"
+    tokens = tokens_for(4, 4)
+    write_to_l3(cache_factory, f"file://{directory}?capacity=1GiB", tokens)
+    url = slow_file_url(directory, delay_s=1.0, timeout="200ms")
+    cache = cache_factory(l3_url=url, prefetch_policy="wait_complete")
+    start = time.monotonic()
+    match = cache.match(tokens)
+    assert time.monotonic() - start < 1.0
+    assert match.num_tokens == 0
+    assert cache.stats().l3_errors >= 1
+
+
+def corrupt_every_page(directory: Path, how: str) -> int:
+    files = [p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    touched = 0
+    for path in files:
+        blob = bytearray(path.read_bytes())
+        if len(blob) < 200:
+            continue  # not a page object (the backend's own bookkeeping)
+        if how == "flip":
+            blob[-5] ^= 0xFF
+        else:
+            blob = blob[: len(blob) // 2]
+        path.write_bytes(bytes(blob))
+        touched += 1
+    return touched
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_corrupt_l3_pages_are_never_served(cache_factory, tmp_path, how):
+    directory = tmp_path / "l3"
+    tokens = tokens_for(5, 3)
+    write_to_l3(cache_factory, f"file://{directory}?capacity=1GiB", tokens)
+    assert corrupt_every_page(directory, how) == 3
+    cache = cache_factory(
+        l3_url=f"file://{directory}?capacity=1GiB", prefetch_policy="wait_complete"
+    )
+    match = cache.match(tokens)
+    assert match.num_tokens == 0
+    stats = cache.stats()
+    assert stats.l3_corrupt_pages >= 1
+    assert stats.prefetch_pages_missing == 3
+
+
+def test_a_corrupt_page_in_the_middle_cuts_the_match_there(cache_factory, tmp_path):
+    directory = tmp_path / "l3"
+    tokens = tokens_for(6, 4)
+    written = write_to_l3(cache_factory, f"file://{directory}?capacity=1GiB", tokens)
+    reader = cache_factory(
+        l3_url=f"file://{directory}?capacity=1GiB", prefetch_policy="wait_complete"
+    )
+    from radix.keys import page_keys
+    from radix.tree import DEFAULT_NAMESPACE
+
+    third = page_keys(tokens, DEFAULT_NAMESPACE, reader.page_size)[2].hex()
+    victims = [p for p in directory.rglob(f"*{third}*") if p.is_file()]
+    assert len(victims) == 1
+    blob = bytearray(victims[0].read_bytes())
+    blob[-1] ^= 0x01
+    victims[0].write_bytes(bytes(blob))
+    match = reader.match(tokens)
+    assert match.num_l3_pages == 2
+    for layer in range(reader.layout.num_layers):
+        reader.wait_layer(match, layer)
+    assert torch.equal(read_pages(reader, match.device_page_ids), written[:, :2])

@@ -1,0 +1,158 @@
+"""Each write, L2->L3 and prefetch policy, shown by what it does."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.support.caches import put, tokens_for
+from tests.support.slow_backend import slow_file_url
+
+
+def l2_used(cache) -> int:
+    return cache.stats().l2_pages_used
+
+
+def test_write_through_backs_up_on_insert(cache_factory, tmp_path):
+    cache = cache_factory(write_policy="write_through", l3_url=f"file://{tmp_path}?capacity=1GiB")
+    put(cache, tokens_for(1, 4), seed=1)
+    cache.flush()
+    stats = cache.stats()
+    assert stats.l2_pages_used == 4
+    assert stats.pages_moved["l2_to_l3"] == 4  # on_backup: L2 pages go on to L3
+
+
+def test_write_through_selective_waits_for_hits(cache_factory):
+    cache = cache_factory(write_policy="write_through_selective", write_through_threshold=2)
+    tokens = tokens_for(2, 3)
+    put(cache, tokens, seed=2)
+    cache.flush()
+    assert l2_used(cache) == 0
+    cache.release(cache.match(tokens))  # one hit: below the threshold
+    cache.flush()
+    assert l2_used(cache) == 0
+    cache.release(cache.match(tokens))  # the second hit backs the run up
+    cache.flush()
+    assert l2_used(cache) == 3
+
+
+def test_write_back_copies_only_on_eviction(cache_factory):
+    cache = cache_factory(write_policy="write_back")
+    tokens = tokens_for(3, 3)
+    put(cache, tokens, seed=3)
+    cache.flush()
+    assert l2_used(cache) == 0
+    assert cache.evict("l1", 3) == 3
+    assert l2_used(cache) == 3
+    match = cache.match(tokens)
+    assert match.num_l2_pages == 3
+    cache.release(match)
+
+
+def test_without_write_back_an_evicted_page_is_gone(cache_factory):
+    cache = cache_factory(write_policy="write_through_selective", write_through_threshold=5)
+    tokens = tokens_for(4, 3)
+    put(cache, tokens, seed=4)
+    cache.evict("l1", 3)
+    assert cache.match(tokens).num_tokens == 0
+
+
+def test_l3_on_evict_writes_only_when_l2_evicts(cache_factory, tmp_path):
+    cache = cache_factory(
+        write_policy="write_through",
+        l3_url=f"file://{tmp_path}?capacity=1GiB",
+        l3_write_policy="on_evict",
+        prefetch_policy="wait_complete",
+    )
+    tokens = tokens_for(5, 4)
+    put(cache, tokens, seed=5)
+    cache.flush()
+    assert cache.stats().pages_moved["l2_to_l3"] == 0
+    cache.evict("l1", 4)
+    cache.evict("l2", 4)
+    assert cache.stats().pages_moved["l2_to_l3"] == 4
+    match = cache.match(tokens)
+    assert match.num_l3_pages == 4
+    cache.release(match)
+
+
+def seed_l3(cache_factory, url: str, tokens: list[int]) -> None:
+    writer = cache_factory(l1_pages=64, l2_pages=64, write_policy="write_through", l3_url=url)
+    put(writer, tokens, seed=9)
+    writer.flush()
+
+
+@pytest.fixture
+def slow_l3(cache_factory, tmp_path):
+    """40 pages in a file:// L3 whose reads take 0.2 s per chunk of 8 pages."""
+    directory = tmp_path / "l3"
+    tokens = tokens_for(6, 40)
+    seed_l3(cache_factory, f"file://{directory}?capacity=1GiB", tokens)
+    return slow_file_url(directory, delay_s=0.2), tokens
+
+
+def reader(cache_factory, url, **policy):
+    return cache_factory(l1_pages=64, l2_pages=64, l3_url=url, l3_prefetch_chunk_pages=8, **policy)
+
+
+def test_wait_complete_waits_for_every_page(cache_factory, slow_l3):
+    url, tokens = slow_l3
+    cache = reader(cache_factory, url, prefetch_policy="wait_complete")
+    match = cache.match(tokens)
+    assert match.num_l3_pages == 40
+    assert cache.stats().prefetches_cut_short == 0
+
+
+def test_timeout_returns_what_arrived_within_the_budget(cache_factory, slow_l3):
+    url, tokens = slow_l3
+    cache = reader(
+        cache_factory,
+        url,
+        prefetch_policy="timeout",
+        prefetch_timeout_base_s=0.3,
+        prefetch_timeout_per_1k_tokens_s=0.0,
+    )
+    start = time.monotonic()
+    match = cache.match(tokens)
+    took = time.monotonic() - start
+    assert 0 < match.num_l3_pages < 40  # a chunk or two, not all five
+    assert match.num_l3_pages % 8 == 0
+    assert took < 0.9  # all of it would take 1.0 s
+    assert cache.stats().prefetches_cut_short == 1
+    cache.release(match)
+    cache.flush()
+    time.sleep(1.2)  # the prefetch carried on in the background...
+    again = cache.match(tokens)
+    assert again.num_tokens == 160  # ...so the next request finds everything
+    assert again.num_l1_pages == match.num_pages  # what the first request loaded
+    assert again.num_l3_pages == 40 - match.num_pages  # landed later, first used now
+
+
+def test_best_effort_uses_what_a_queued_prefetch_fetched(cache_factory, slow_l3):
+    url, tokens = slow_l3
+    cache = reader(cache_factory, url, prefetch_policy="best_effort")
+    assert cache.prefetch(tokens) == 40  # the scheduler's hint, when the request queues
+    time.sleep(0.5)  # the request waits in the queue; two chunks land meanwhile
+    match = cache.match(tokens)
+    assert 8 <= match.num_l3_pages < 40
+    cache.release(match)
+
+
+def test_best_effort_without_a_hint_does_not_wait(cache_factory, slow_l3):
+    url, tokens = slow_l3
+    cache = reader(cache_factory, url, prefetch_policy="best_effort")
+    start = time.monotonic()
+    match = cache.match(tokens)
+    assert time.monotonic() - start < 0.15
+    assert match.num_l3_pages == 0
+
+
+def test_short_l3_runs_are_not_worth_a_lookup(cache_factory, tmp_path):
+    url = f"file://{tmp_path}?capacity=1GiB"
+    tokens = tokens_for(7, 2)
+    seed_l3(cache_factory, url, tokens)
+    cache = cache_factory(l3_url=url, prefetch_policy="wait_complete", prefetch_min_pages=3)
+    assert cache.match(tokens).num_tokens == 0
+    other = cache_factory(l3_url=url, prefetch_policy="wait_complete", prefetch_min_pages=2)
+    assert other.match(tokens).num_l3_pages == 2
