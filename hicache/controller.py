@@ -393,7 +393,7 @@ class HiCache:
         )
         for run in loaded:
             run.meta = op
-        self._submit(op, loaded[-1])
+        self._submit(op, loaded)
         return loaded
 
     # ------------------------------------------------------------------ L3 prefetch
@@ -461,7 +461,7 @@ class HiCache:
         for run in chosen:
             run.meta = op
         self._metrics.prefetches_issued += 1
-        self._submit(op, chosen[-1])
+        self._submit(op, chosen)
         return op
 
     def _wait_prefetch(self, op: PrefetchOp) -> None:
@@ -529,7 +529,7 @@ class HiCache:
             device_page_ids=list(run.device_page_ids),
             host_page_ids=host_ids,
         )
-        self._submit(op, run)
+        self._submit(op, [run])
         return op
 
     def _write_l3(self, runs: list[Node]) -> WriteL3Op | None:
@@ -545,7 +545,7 @@ class HiCache:
             keys=keys,
             host_page_ids=[page for run in runs for page in run.host_page_ids],
         )
-        self._submit(op, runs[-1])
+        self._submit(op, runs)
         return op
 
     # ------------------------------------------------------------------ eviction
@@ -558,33 +558,66 @@ class HiCache:
         the write is waited for here: the room is needed now.
         """
         pool = self._device if tier == Tier.L1 else self._host
+        kept: list[Node] = []
         while pool.num_free < num_pages:
             victim = self._tree.take_victim(tier, num_pages - pool.num_free)
+            if victim is None and self._settle_one_write():
+                continue  # a finished copy out of a run may have made it evictable
             if victim is None:
-                return
+                break
             if tier == Tier.L1:
-                write_back = (
-                    self._policy.write_policy == "write_back" and victim.host_page_ids is None
-                )
-                if write_back:
-                    self._write_back(victim)
-                freed = self._tree.clear_device(victim)
-                if write_back and self.config.l3.write_policy == "on_backup":
-                    self._write_l3([victim])  # deferred: it pins the run, L1 copy included
+                freed = self._evict_from_l1(victim)
             else:
-                if not victim.in_l3 and self._executor.has_l3:
-                    self._write_through_now(victim)
-                freed = self._tree.clear_host(victim)
+                freed = self._evict_from_l2(victim)
+            if freed is None:
+                kept.append(victim)
+                continue
             pool.free(freed)
             self._metrics.evicted_pages[f"l{int(tier)}"] += len(freed)
+        for victim in kept:
+            self._tree.requeue(victim)
 
-    def _write_back(self, victim: Node) -> None:
+    def _evict_from_l1(self, victim: Node) -> list[int] | None:
+        """Clear a victim's L1 copy, writing it back to L2 first under `write_back` or when
+        runs below depend on it; None if it has to stay."""
+        backed_up = victim.host_page_ids is not None
+        if not backed_up and (
+            self._policy.write_policy == "write_back" or not self._tree.can_clear(victim, Tier.L1)
+        ):
+            backed_up = self._write_back(victim)
+        if not self._tree.can_clear(victim, Tier.L1):
+            return None
+        freed = self._tree.clear_device(victim)
+        if backed_up and self.config.l3.write_policy == "on_backup":
+            self._write_l3([victim])  # deferred: it pins the run, L1 copy included
+        return freed
+
+    def _evict_from_l2(self, victim: Node) -> list[int] | None:
+        """Clear a victim's L2 copy, writing it to L3 first when a backend is attached."""
+        if not victim.in_l3 and self._executor.has_l3:
+            self._write_through_now(victim)
+        if not self._tree.can_clear(victim, Tier.L2):
+            return None
+        return self._tree.clear_host(victim)
+
+    def _settle_one_write(self) -> bool:
+        """Wait for the oldest backup or L3 write in flight and apply it; False if none."""
+        for op in self._inflight.values():
+            if op.kind in (OpKind.BACKUP, OpKind.WRITE_L3):
+                self._wait_and_apply(op)
+                return True
+        return False
+
+    def _write_back(self, victim: Node) -> bool:
+        """Back a victim up to L2 now (waiting for it); whether it worked."""
         if not self._host.num_pages:
-            return
+            return False
         op = self._backup(victim)
-        if op is not None:
-            op.context.chain_l3 = False
-            self._wait_and_apply(op)
+        if op is None:
+            return False
+        op.context.chain_l3 = False
+        self._wait_and_apply(op)
+        return op.error is None
 
     def _write_through_now(self, victim: Node) -> None:
         op = self._write_l3([victim])
@@ -600,12 +633,29 @@ class HiCache:
 
     # ------------------------------------------------------------------ op bookkeeping
 
-    def _submit(self, op: TransferOp, tail: Node) -> None:
-        op.context = _Run(tail=tail, num_pages=op.num_pages)
-        self._tree.lock(tail)
+    def _submit(self, op: TransferOp, runs: list[Node]) -> None:
+        """Hand an op to the executor, holding its runs until it completes.
+
+        Copies into runs (LOAD, PREFETCH) lock the path to the root: the runs above must
+        stay for the new pages to be reachable. Copies out of runs (BACKUP, WRITE_L3) pin
+        just those runs, so the pages above them stay evictable meanwhile.
+        """
+        op.context = _Run(tail=runs[-1], num_pages=op.num_pages)
+        if op.kind in (OpKind.LOAD, OpKind.PREFETCH):
+            self._tree.lock(runs[-1])
+        else:
+            for run in runs:
+                self._tree.pin(run)
         op.submitted_s = self._executor.now()
         self._inflight[op.op_id] = op
         self._executor.submit(op)
+
+    def _let_go(self, op: TransferOp, run: _Run) -> None:
+        if op.kind in (OpKind.LOAD, OpKind.PREFETCH):
+            self._tree.unlock(run.tail)
+        else:
+            for piece in self._pieces(run):
+                self._tree.unpin(piece)
 
     def _pieces(self, run: _Run) -> list[Node]:
         """The nodes an op's run is made of now, first to last (splits add ancestors)."""
@@ -644,7 +694,7 @@ class HiCache:
             moved_pages * self.layout.bytes_per_page,
             max(0.0, op.finished_s - op.submitted_s),
         )
-        self._tree.unlock(run.tail)
+        self._let_go(op, run)
         if isinstance(op, LoadOp):
             self._finish_load(op, run)
         elif isinstance(op, BackupOp):

@@ -81,6 +81,7 @@ def _check_children(tree: RadixTree, node: Node) -> None:
     )
     _expect(node.lock_ref == locks, f"{node}: lock_ref {node.lock_ref}, recomputed {locks}")
     _expect(node.direct_locks >= 0, f"{node}: negative direct lock count")
+    _expect(node.pins >= 0, f"{node}: negative pin count")
 
 
 def _check_node(tree: RadixTree, node: Node, live: dict, seen_ids: dict) -> None:

@@ -42,6 +42,7 @@ class Node:
         "in_l3",
         "lock_ref",
         "direct_locks",
+        "pins",
         "last_access",
         "hit_count",
         "priority",
@@ -63,6 +64,7 @@ class Node:
         self.in_l3 = False
         self.lock_ref = 0  # locks held on this node or any node below it
         self.direct_locks = 0  # locks taken on this node itself
+        self.pins = 0  # pins on this run alone (its ancestors stay evictable)
         self.last_access = 0
         self.hit_count = 0
         self.priority = 0

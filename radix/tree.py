@@ -365,10 +365,20 @@ class RadixTree:
         if len(ids) != node.num_pages:
             raise RadixError(f"{len(ids)} {tier.name} page ids for a run of {node.num_pages} pages")
 
+    def can_clear(self, node: Node, tier: Tier) -> bool:
+        """Whether `tier` can leave the run now (see `_check_can_lower`)."""
+        return self._lowering_problem(node, tier) is None
+
     def _check_can_lower(self, node: Node, tier: Tier) -> None:
-        """Refuse a change that would leave a child in a faster tier than its parent."""
-        if node.lock_ref:
-            raise RadixError(f"{node} is locked; its pages can't leave tier {tier.name}")
+        problem = self._lowering_problem(node, tier)
+        if problem is not None:
+            raise RadixError(problem)
+
+    def _lowering_problem(self, node: Node, tier: Tier) -> str | None:
+        """Why `tier` cannot leave the run: it is held, or a child would end up in a
+        faster tier than the run (or below a run no tier holds)."""
+        if node.lock_ref or node.pins:
+            return f"{node} is locked; its pages can't leave tier {tier.name}"
         holds = {
             Tier.L1: node.device_page_ids is not None,
             Tier.L2: node.host_page_ids is not None,
@@ -378,10 +388,11 @@ class RadixTree:
         new_level = next((t for t in Tier if holds[t]), NO_TIER)
         faster_children = sum(node.children_at_level[1:new_level])
         if faster_children:
-            raise RadixError(
+            return (
                 f"{node}: {faster_children} child runs are in faster tiers than it would be"
                 f" without tier {tier.name}; evict those first"
             )
+        return None
 
     def _set_residency(self, node: Node, tier: Tier, value: list[int] | bool | None) -> None:
         old_level = node.level
@@ -443,6 +454,21 @@ class RadixTree:
                 self._refresh(walk)
             walk = walk.parent
 
+    def pin(self, node: Node) -> None:
+        """Keep this run (only) in every tier it is in: for a copy out of it in flight.
+
+        Unlike `lock`, ancestors stay evictable as far as the tier rules allow. A split of
+        a pinned run pins both halves; unpin each piece.
+        """
+        node.pins += 1
+
+    def unpin(self, node: Node) -> None:
+        if node.pins <= 0:
+            raise RadixError(f"unpin of {node}, which is not pinned")
+        node.pins -= 1
+        if not node.pins:
+            self._refresh(node)
+
     def _count_locked(self, node: Node, sign: int) -> None:
         for tier in Tier:
             if self._holds(node, tier):
@@ -462,8 +488,9 @@ class RadixTree:
     def take_victim(self, tier: Tier, max_pages: int) -> Node | None:
         """The next run to evict from `tier`, cut to at most `max_pages` pages, or None.
 
-        The caller clears `tier` on it (after writing it back, if it must); a victim it
-        decides to keep goes back with `requeue`.
+        Victims are the runs of `tier` with no child in that tier, in policy order. One may
+        be the only copy of a prefix that runs below depend on (`can_clear` is False): the
+        caller writes it to a slower tier first, or hands it back with `requeue`.
         """
         if max_pages <= 0:
             return None
@@ -487,11 +514,17 @@ class RadixTree:
             raise RadixError("L3 holds no page ids; use forget_l3 to drop L3 runs from the index")
         clear = self.clear_device if tier == Tier.L1 else self.clear_host
         freed: list[int] = []
+        kept: list[Node] = []
         while len(freed) < num_pages:
             node = self.take_victim(tier, num_pages - len(freed))
             if node is None:
                 break
+            if not self.can_clear(node, tier):
+                kept.append(node)  # its only copy holds up runs below: needs a write-back
+                continue
             freed.extend(reversed(clear(node)))  # deepest page first
+        for node in kept:
+            self.requeue(node)
         return freed
 
     def forget_l3(self, num_pages: int) -> int:
@@ -524,19 +557,13 @@ class RadixTree:
         return forgotten
 
     def _is_candidate(self, node: Node, tier: Tier) -> bool:
-        if node.lock_ref or not node.num_pages or node.parent is None:
+        if node.lock_ref or node.pins or not node.num_pages or node.parent is None:
             return False
         below = node.children_at_level
         if tier == Tier.L1:
-            if node.device_page_ids is None or below[Tier.L1]:
-                return False
-            if node.host_page_ids is not None:
-                return True
-            return not below[Tier.L2] if node.in_l3 else not node.children
+            return node.device_page_ids is not None and not below[Tier.L1]
         if tier == Tier.L2:
-            if node.device_page_ids is not None or node.host_page_ids is None or below[Tier.L2]:
-                return False
-            return node.in_l3 or not node.children
+            return node.level == Tier.L2 and not below[Tier.L2]
         return node.level == Tier.L3 and not node.children
 
     def _refresh(self, node: Node) -> None:
@@ -563,6 +590,7 @@ class RadixTree:
         head.hit_count = node.hit_count
         head.priority = node.priority
         head.lock_ref = node.lock_ref
+        head.pins = node.pins
         head.meta = node.meta
         head.in_l3 = node.in_l3
         if node.device_page_ids is not None:

@@ -277,3 +277,20 @@ def test_a_second_look_does_not_count_as_a_hit(tree):
     tree.match_prefix(seq(1))
     tree.match_prefix(seq(1), touch=False)
     assert node.hit_count == 1
+
+
+def test_a_pin_holds_one_run_and_follows_splits(tree):
+    parent = tree.insert(seq(1), [0]).last_node
+    child = tree.insert(seq(1, 2, 3), [0, 1, 2]).last_node
+    tree.set_host(parent, [10])
+    tree.pin(child)
+    assert tree.evict(Tier.L1, 5) == []  # the child's L1 copy is held; the parent is above it
+    head = tree.match_prefix(seq(1, 2, 7)).last_node  # splits the pinned run
+    assert head.pins == 1 and child.pins == 1
+    with pytest.raises(RadixError, match="locked"):
+        tree.clear_device(child)
+    tree.unpin(child)
+    tree.unpin(head)
+    assert sorted(tree.evict(Tier.L1, 5)) == [0, 1, 2]
+    with pytest.raises(RadixError, match="not pinned"):
+        tree.unpin(child)

@@ -23,7 +23,7 @@ class PageState:
     device_id: int | None = None
     host_id: int | None = None
     in_l3: bool = False
-    locks: int = 0
+    locks: int = 0  # locks and pins: either keeps the page in its tiers
 
     @property
     def level(self) -> int:
@@ -91,6 +91,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.ref = Reference()
         self.next_id = 0
         self.locked: list[tuple] = []  # (node, page prefixes under that lock)
+        self.pinned: list[tuple] = []  # (deepest node, pages, page prefixes): one run, pinned
 
     def fresh_ids(self, count):
         ids = list(range(self.next_id, self.next_id + count))
@@ -145,6 +146,30 @@ class TreeMachine(RuleBasedStateMachine):
     def unlock(self, data):
         node, prefixes = self.locked.pop(data.draw(st.integers(0, len(self.locked) - 1)))
         self.tree.unlock(node)
+        for prefix in prefixes:
+            self.ref.pages[prefix].locks -= 1
+
+    @rule(tokens=tokens_strategy)
+    def pin_last_run(self, tokens):
+        match = self.tree.match_prefix(tokens)
+        if not match.matched_pages:
+            return
+        node = match.last_node
+        self.tree.pin(node)
+        prefixes = self.ref.matched(tokens)[-node.num_pages :]
+        for prefix in prefixes:
+            self.ref.pages[prefix].locks += 1
+        self.pinned.append((node, node.num_pages, prefixes))
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data())
+    def unpin_run(self, data):
+        node, num_pages, prefixes = self.pinned.pop(data.draw(st.integers(0, len(self.pinned) - 1)))
+        remaining = num_pages
+        while remaining > 0:  # the run may have been split: unpin every piece
+            self.tree.unpin(node)
+            remaining -= node.num_pages
+            node = node.parent
         for prefix in prefixes:
             self.ref.pages[prefix].locks -= 1
 

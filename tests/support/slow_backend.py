@@ -1,9 +1,9 @@
 """A test double for a slow L3: the real file backend, with reads that sleep first.
 
 `slowfile:///path?delay=0.2&capacity=...` behaves exactly like `file:///path?...` except
-that every read batch (`_fetch`) and every lookup (`_exists`) waits `delay` seconds, on
-the event loop, as a slow network store would. Tests use it to show what the prefetch
-policies do when L3 is slow.
+that every read batch (`_fetch`, `_fetch_into`) and every lookup (`_exists`) first waits
+`delay` seconds on the event loop, as a slow network store would. Tests use it to show what
+the prefetch policies do when L3 is slow.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ class SlowFileBackend(FileBackend):
     async def _fetch(self, keys, sizes):
         await asyncio.sleep(self.delay_s)
         return await super()._fetch(keys, sizes)
+
+    async def _fetch_into(self, keys, views, guard):
+        await asyncio.sleep(self.delay_s)
+        return await super()._fetch_into(keys, views, guard)
 
     async def _exists(self, keys):
         await asyncio.sleep(self.delay_s / 4)
