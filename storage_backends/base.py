@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import ctypes
 import enum
 import logging
+import threading
 import time
 import types
 from collections import Counter
@@ -69,6 +71,56 @@ class PageStatus(enum.Enum):
 # A fetched object: its bytes (to be verified), a per-page error, a reason the backend found it
 # corrupt without reading it all, or None when absent.
 Fetched = ObjectParts | PageStatus | CorruptReason | None
+
+# A page read into the caller's buffer: True (verified and copied), or why not, as above.
+ReadInto = bool | PageStatus | CorruptReason | None
+
+
+class CopyGuard:
+    """Lets worker threads copy into one call's buffers only while that call is running.
+
+    The base closes the guard as the call returns (even on a timeout), waiting only for copies
+    under way (memory to memory: microseconds); a worker still reading afterwards finds it
+    closed and copies nothing. Copies run without the GIL and in parallel with each other.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = True
+        self._active = 0
+
+    def copy(self, into: memoryview, offset: int, piece: memoryview) -> bool:
+        """into[offset : offset + len(piece)] = piece, unless the call is over (False)."""
+        if offset < 0 or offset + len(piece) > len(into):
+            raise ValueError(f"copy of {len(piece)} bytes at {offset} overruns {len(into)}")
+        if not piece:
+            return self._open
+        with self._cond:
+            if not self._open:
+                return False
+            self._active += 1
+        try:
+            if piece.readonly:
+                into[offset : offset + len(piece)] = piece
+            else:  # ctypes releases the GIL: workers copy in parallel
+                ctypes.memmove(_address(into) + offset, _address(piece), len(piece))
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+        return True
+
+    def close(self) -> None:
+        with self._cond:
+            self._open = False
+            while self._active:
+                self._cond.wait()
+
+
+def _address(view: memoryview) -> int:
+    """Address of a writable, C-contiguous byte view (checked by byte_view)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class Usage(NamedTuple):
@@ -190,6 +242,27 @@ class StorageBackend(abc.ABC):
     async def _delete(self, keys: list[bytes]) -> int:
         """Remove `keys`; return how many were stored."""
 
+    async def _fetch_into(
+        self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
+    ) -> list[ReadInto]:
+        """Read pages into the caller's buffers, verified. By default: `_fetch`, then decode
+        here on the event loop. A backend that copies from worker threads overrides this and
+        copies only through `guard` (after the call returns it refuses)."""
+        fetched = await self._fetch(keys, [len(view) for view in views])
+        try:
+            return [
+                self._decode_into(key, view, item)
+                for key, view, item in zip(keys, views, fetched, strict=True)
+            ]
+        finally:
+            self._release(fetched)
+
+    def _decode_into(self, key: bytes, view: memoryview, item: Fetched) -> ReadInto:
+        if item is None or isinstance(item, (PageStatus, CorruptReason)):
+            return item
+        reason = decode_object_into(item, key, self._layout_bytes, view)
+        return True if reason is None else reason
+
     def _usage(self) -> Usage:
         return Usage(None, None, None)
 
@@ -239,21 +312,22 @@ class StorageBackend(abc.ABC):
         keys = _check_keys(keys)
         views = [byte_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(into)]
         _check_same_length("into", keys, views)
-        expected_layout = self._require_layout("batch_get")
+        self._require_layout("batch_get")
         if not keys:
             return []
-        sizes = [len(view) for view in views]
-        fetched = await self._call("batch_get", lambda: self._fetch(keys, sizes))
-        if fetched is _FAULT:
+        guard = CopyGuard()
+        try:
+            outcomes = await self._call("batch_get", lambda: self._fetch_into(keys, views, guard))
+        finally:
+            guard.close()
+        if outcomes is _FAULT:
             self._counts["misses"] += len(keys)
             return [False] * len(keys)
-        found = []
-        corrupt: Counter[str] = Counter()
-        for key, view, item in zip(keys, views, fetched, strict=True):
-            found.append(self._decode_one(key, view, item, expected_layout, corrupt))
-        self._release(fetched)
-        failed = sum(1 for item in fetched if item is PageStatus.ERROR)
+        found = [outcome is True for outcome in outcomes]
+        corrupt = Counter(o.value for o in outcomes if isinstance(o, CorruptReason))
+        failed = sum(1 for outcome in outcomes if outcome is PageStatus.ERROR)
         if failed:
+            self._counts["errors"] += failed
             self._warn_page_errors("batch_get", failed)
         self._count_reads(
             found, sum(len(v) for v, ok in zip(views, found, strict=True) if ok), corrupt
@@ -483,26 +557,6 @@ class StorageBackend(abc.ABC):
     def _warn_page_errors(self, op: str, num_pages: int) -> None:
         detail = f" (latest: {self._page_error})" if self._page_error else ""
         self._warnings.warn(f"page_error:{op}", f"{op}: {num_pages} pages failed{detail}")
-
-    def _decode_one(
-        self,
-        key: bytes,
-        view: memoryview,
-        item: Fetched,
-        expected_layout: bytes,
-        corrupt: Counter[str],
-    ) -> bool:
-        if item is None:
-            return False
-        if isinstance(item, PageStatus):
-            self._counts["errors"] += 1
-            return False
-        reason = item if isinstance(item, CorruptReason) else None
-        reason = reason or decode_object_into(item, key, expected_layout, view)
-        if reason is not None:
-            corrupt[reason.value] += 1
-            return False
-        return True
 
     def _count_reads(self, found: list[bool], read_bytes: int, corrupt: Counter[str]) -> None:
         hits = sum(found)

@@ -28,13 +28,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from .base import Fetched, PageStatus, StorageBackend, Usage
+from .base import CopyGuard, Fetched, PageStatus, ReadInto, StorageBackend, Usage
 from .errors import BackendConfigError
 from .file_space import DirectorySpace, Staged, page_path, temp_path, unlink_quiet
-from .objects import CorruptReason, FramedObject, header_size
+from .objects import (
+    Compression,
+    CorruptReason,
+    FramedObject,
+    StreamingCheck,
+    decode_object_into,
+    header_size,
+)
 from .options import BackendOptions, check_range, options_from_query, url_option
 
 _MAX_OBJECT_BYTES = 1 << 34  # a sanity bound for objects read without an expected size
+_CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
+
+
+class _WorkerBuffers(threading.local):
+    """Each I/O thread's own header and chunk buffers, reused for every page it reads."""
+
+    def __init__(self) -> None:
+        self.head = bytearray(0)
+        self.chunk = bytearray(_CHUNK_BYTES)
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,7 @@ class FileBackend(StorageBackend):
         )
         self._header_bytes = header_size(layout) if layout is not None else 0
         self._staging = _StagingBuffers(max_buffers=256)
+        self._buffers = _WorkerBuffers()
         self._serial = itertools.count()
         self._io: concurrent.futures.ThreadPoolExecutor | None = None
         self._scanner: concurrent.futures.ThreadPoolExecutor | None = None
@@ -160,6 +177,20 @@ class FileBackend(StorageBackend):
     async def _delete(self, keys: list[bytes]) -> int:
         return await self._run(lambda: self._space.remove(keys))
 
+    async def _fetch_into(
+        self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
+    ) -> list[ReadInto]:
+        self._maybe_rescan()
+        items = list(zip(keys, views, strict=True))
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._io, self._read_group_into, group, guard)
+                for group in self._split(items)
+            )
+        )
+        return [outcome for group in parts for outcome in group]
+
     def _usage(self) -> Usage:
         state = self._space.last_state
         return Usage(
@@ -210,6 +241,80 @@ class FileBackend(StorageBackend):
             os.close(fd)
         self._touch(key, path, st.st_mtime_ns)
         return fetched
+
+    def _read_group_into(
+        self, items: list[tuple[bytes, memoryview]], guard: CopyGuard
+    ) -> list[ReadInto]:
+        return [self._read_page_into(key, view, guard) for key, view in items]
+
+    def _read_page_into(self, key: bytes, view: memoryview, guard: CopyGuard) -> ReadInto:
+        path = page_path(self.root, key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._note_page_error(f"{path}: {exc}")
+            return PageStatus.ERROR
+        try:
+            st = os.fstat(fd)
+            outcome = self._stream_into(fd, st.st_size, key, view, guard)
+        except OSError as exc:
+            self._note_page_error(f"{path}: {exc}")
+            return PageStatus.ERROR
+        finally:
+            os.close(fd)
+        if outcome is True:
+            self._touch(key, path, st.st_mtime_ns)
+        return outcome
+
+    def _stream_into(
+        self, fd: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
+    ) -> ReadInto:
+        """Header first (refuse early), then the payload in cache-sized chunks: each chunk is
+        hashed and copied on through the guard while it is still in cache."""
+        buffers = self._buffers
+        if len(buffers.head) != self._header_bytes:
+            buffers.head = bytearray(self._header_bytes)
+        head, chunk = memoryview(buffers.head), memoryview(buffers.chunk)
+        # One read for the header and the first chunk: a small page costs a single syscall.
+        got = _preadv_all(fd, [head, chunk], object_bytes)
+        check = StreamingCheck.start(
+            head[: min(got, len(head))],
+            key,
+            self._layout_bytes,
+            object_bytes=object_bytes,
+            raw_bytes=len(view),
+        )
+        if isinstance(check, CorruptReason):
+            return check
+        if check.header.compression is not Compression.NONE:
+            return self._decompress_into(fd, object_bytes, key, view, guard)
+        stored = check.header.stored_bytes
+        have = got - len(head)  # payload bytes already in the chunk
+        offset = 0
+        while offset < stored:
+            piece = chunk[: min(have, stored - offset)]
+            check.update(piece)
+            if not guard.copy(view, offset, piece):
+                return None  # the call is over: its buffers are not ours any more
+            offset += len(piece)
+            if offset < stored:
+                have = os.preadv(fd, [chunk[: stored - offset]], len(head) + offset)
+                if have == 0:
+                    break  # shrank under us: finish() says truncated
+        reason = check.finish()
+        return True if reason is None else reason
+
+    def _decompress_into(
+        self, fd: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
+    ) -> ReadInto:
+        blob = _read_bytes(fd, object_bytes)
+        raw = bytearray(len(view))
+        reason = decode_object_into(blob, key, self._layout_bytes, raw)
+        if reason is not None:
+            return reason
+        return True if guard.copy(view, 0, memoryview(raw)) else None
 
     def _touch(self, key: bytes, path: str, mtime_ns: int) -> None:
         """Mark a page used: its mtime is the LRU clock every process shares."""
@@ -312,6 +417,25 @@ def _read_into(fd: int, view: memoryview) -> int:
     got = 0
     while got < len(view):
         n = os.readv(fd, [view[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _preadv_all(fd: int, buffers: list[memoryview], limit: int) -> int:
+    """Fill `buffers` from offset 0 (up to `limit` bytes: the file's size); bytes read."""
+    want = min(limit, sum(len(b) for b in buffers))
+    got = 0
+    while got < want:
+        views, skip = [], got
+        for buf in buffers:
+            if skip >= len(buf):
+                skip -= len(buf)
+                continue
+            views.append(buf[skip:])
+            skip = 0
+        n = os.preadv(fd, views, got)
         if n == 0:
             break
         got += n

@@ -31,7 +31,6 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import xxhash
@@ -65,6 +64,9 @@ class Compression(enum.IntEnum):
             raise ValueError(f"compression must be 'none' or 'lz4', got {name!r}") from None
 
 
+_CODECS = (Compression.NONE, Compression.LZ4)  # by header value
+
+
 class CorruptReason(str, enum.Enum):
     """Why a stored object was refused. The value is the counter name in `BackendStats`."""
 
@@ -78,8 +80,7 @@ class CorruptReason(str, enum.Enum):
     COMPRESSION = "compression"  # unknown codec, or the payload does not decompress
 
 
-@dataclass(frozen=True)
-class ObjectHeader:
+class ObjectHeader(NamedTuple):
     key: bytes
     layout: bytes  # the descriptor as stored (UTF-8 bytes)
     compression: Compression
@@ -112,6 +113,8 @@ class FramedObject(NamedTuple):
 
 def byte_view(buf: Buffer, *, writable: bool = False, what: str = "buffer") -> memoryview:
     """A flat unsigned-byte view of `buf` (any C-contiguous buffer: bytes, array, numpy...)."""
+    if type(buf) is bytes and not writable:
+        return memoryview(buf)  # the common case, on every read: skip the checks
     view = buf if isinstance(buf, memoryview) else memoryview(buf)
     if writable and view.readonly:
         raise ValueError(f"{what} must be writable (got a read-only {type(buf).__name__})")
@@ -198,12 +201,24 @@ def parse_header(buf: Buffer) -> ObjectHeader | CorruptReason:
         return CorruptReason.MAGIC
     if version != FORMAT_VERSION or flags != 0:
         return CorruptReason.VERSION
-    if codec not in (Compression.NONE, Compression.LZ4):
+    if codec >= len(_CODECS):
         return CorruptReason.COMPRESSION
     if len(view) < HEADER_FIXED_BYTES + layout_len:
         return CorruptReason.TRUNCATED
     layout = bytes(view[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + layout_len])
-    return ObjectHeader(key, layout, Compression(codec), stored, raw, checksum)
+    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum)
+
+
+def peek_sizes(buf: Buffer) -> tuple[int, int] | None:
+    """(header bytes, stored payload bytes) from the fixed part alone; None if not an object.
+
+    Unchecked (the checksum is not looked at): for sizing reads and deletes, never for data.
+    """
+    view = byte_view(buf)
+    if len(view) < HEADER_FIXED_BYTES:
+        return None
+    magic, _, _, _, layout_len, _, stored, _, _ = _FIXED.unpack_from(view)
+    return (HEADER_FIXED_BYTES + layout_len, stored) if magic == MAGIC else None
 
 
 def _as_parts(obj: ObjectParts) -> list[memoryview]:
@@ -228,18 +243,11 @@ def _check(
         header = parse_header(first)
     if isinstance(header, CorruptReason):
         return header
-    if header.key != expected_key:
-        return CorruptReason.KEY
-    if expected_layout is not None and header.layout != expected_layout:
-        return CorruptReason.LAYOUT
     payload = [first[header.header_bytes :], *parts[1:]]
-    total = sum(len(p) for p in payload)
-    if total < header.stored_bytes:
-        return CorruptReason.TRUNCATED
-    if total > header.stored_bytes:
-        return CorruptReason.LENGTH
-    if header.compression is Compression.NONE and header.raw_bytes != header.stored_bytes:
-        return CorruptReason.LENGTH
+    stored = len(payload[0]) if len(payload) == 1 else sum(len(p) for p in payload)
+    reason = _check_fields(header, expected_key, expected_layout, stored)
+    if reason is not None:
+        return reason
     hasher = xxhash.xxh3_64(first[:_CHECKSUM_OFFSET])
     hasher.update(header.layout)
     for part in payload:
@@ -247,6 +255,100 @@ def _check(
     if hasher.intdigest() != header.checksum:
         return CorruptReason.CHECKSUM
     return header, payload
+
+
+def _check_fields(
+    header: ObjectHeader, expected_key: bytes, expected_layout: bytes | None, stored_present: int
+) -> CorruptReason | None:
+    """The checks of a parsed header against what the reader expects and what it holds."""
+    if header.key != expected_key:
+        return CorruptReason.KEY
+    if expected_layout is not None and header.layout != expected_layout:
+        return CorruptReason.LAYOUT
+    if stored_present < header.stored_bytes:
+        return CorruptReason.TRUNCATED
+    if stored_present > header.stored_bytes:
+        return CorruptReason.LENGTH
+    if header.compression is Compression.NONE and header.raw_bytes != header.stored_bytes:
+        return CorruptReason.LENGTH
+    return None
+
+
+def _early_reject(
+    view: memoryview, expected_key: bytes, expected_layout: bytes | None
+) -> CorruptReason | None:
+    """What the fixed part alone can refuse, before reading a layout of unknown length."""
+    if len(view) < HEADER_FIXED_BYTES:
+        return None  # parse_header names it
+    magic, version, _, flags, layout_len, key, *_ = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        return CorruptReason.MAGIC
+    if version != FORMAT_VERSION or flags != 0:
+        return CorruptReason.VERSION
+    if key != expected_key:
+        return CorruptReason.KEY
+    if expected_layout is not None and layout_len != len(expected_layout):
+        return CorruptReason.LAYOUT
+    return None
+
+
+def _start_checksum(head: memoryview, header: ObjectHeader) -> xxhash.xxh3_64:
+    hasher = xxhash.xxh3_64(head[:_CHECKSUM_OFFSET])
+    hasher.update(header.layout)
+    return hasher
+
+
+class StreamingCheck:
+    """Verify an object read piece by piece: its header first, then the payload in order.
+
+    For readers that copy each piece onward as it arrives (the file backend reads a page in
+    cache-sized chunks): the header and the sizes are checked before the first piece, the
+    checksum after the last, so a caller that hands out data must wait for `finish()`.
+    """
+
+    def __init__(self, header: ObjectHeader, head: memoryview) -> None:
+        self.header = header
+        self._hasher = _start_checksum(head, header)
+        self._seen = 0
+
+    @classmethod
+    def start(
+        cls,
+        head: Buffer,
+        expected_key: bytes,
+        expected_layout: bytes | None,
+        *,
+        object_bytes: int,
+        raw_bytes: int | None = None,
+    ) -> StreamingCheck | CorruptReason:
+        """`head` holds at least the header; `object_bytes` is the whole object's stored size;
+        `raw_bytes` the payload size the reader expects, if it knows it."""
+        view = byte_view(head)
+        early = _early_reject(view, expected_key, expected_layout)
+        if early is not None:
+            return early
+        header = parse_header(view)
+        if isinstance(header, CorruptReason):
+            return header
+        stored_present = object_bytes - header.header_bytes
+        reason = _check_fields(header, expected_key, expected_layout, stored_present)
+        if reason is None and raw_bytes is not None and header.raw_bytes != raw_bytes:
+            reason = CorruptReason.LENGTH
+        return reason if reason is not None else cls(header, view)
+
+    def update(self, piece: Buffer) -> None:
+        self._hasher.update(piece)
+        self._seen += len(piece)
+
+    def finish(self) -> CorruptReason | None:
+        """None if the pieces were exactly the payload and its checksum matches."""
+        if self._seen < self.header.stored_bytes:
+            return CorruptReason.TRUNCATED
+        if self._seen > self.header.stored_bytes:
+            return CorruptReason.LENGTH
+        if self._hasher.intdigest() != self.header.checksum:
+            return CorruptReason.CHECKSUM
+        return None
 
 
 def verify_object(obj: ObjectParts, expected_key: bytes) -> CorruptReason | None:

@@ -260,17 +260,17 @@ def test_a_read_error_on_one_page_fails_that_page_only(tmp_path, pages):
 def test_a_timed_out_read_never_writes_into_the_callers_buffer(tmp_path, pages, monkeypatch):
     root = tmp_path / "kv"
     key = pages.key(0)
-    real_read_into = file_store_module._read_into
+    real_preadv_all = file_store_module._preadv_all
 
-    def slow_read_into(fd, view):
+    def slow_preadv_all(fd, buffers, limit):
         time.sleep(0.6)  # a hung mount
-        return real_read_into(fd, view)
+        return real_preadv_all(fd, buffers, limit)
 
     async def body():
         url = f"file://{root}?capacity=1MiB&timeout=200ms"
         async with open_backend(url, layout=pages.LAYOUT) as store:
             await store.batch_put([key], [pages.page(key, PAGE_BYTES)])
-            monkeypatch.setattr(file_store_module, "_read_into", slow_read_into)
+            monkeypatch.setattr(file_store_module, "_preadv_all", slow_preadv_all)
             pool, views = pages.pool_views(1, PAGE_BYTES)
             started = time.monotonic()
             assert await store.batch_get([key], views) == [False]
@@ -278,7 +278,7 @@ def test_a_timed_out_read_never_writes_into_the_callers_buffer(tmp_path, pages, 
             await asyncio.sleep(0.8)  # the stuck read finishes now
             assert bytes(pool) == b"\xa5" * PAGE_BYTES
             assert store.stats().num_timeouts == 1
-            monkeypatch.setattr(file_store_module, "_read_into", real_read_into)
+            monkeypatch.setattr(file_store_module, "_preadv_all", real_preadv_all)
             assert await store.batch_get([key], views) == [True]  # recovered, same object
             assert bytes(pool) == pages.page(key, PAGE_BYTES)
 
