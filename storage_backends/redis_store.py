@@ -1,24 +1,30 @@
 """Redis and Redis Cluster: `redis://host:port/db`, `rediss://`, `redis+cluster://host:port`.
 
-One page is one Redis hash, `<prefix><32 hex digits of the key>`, with the object header in
-field `h` and the payload in fields `0`, `1`, ... of at most `chunk_size` bytes each. A hash
-lets one `HSET` carry the header and the caller's page as separate arguments, so a page goes
-to the socket without being joined to its header or copied (redis-py sends large arguments as
-they are), while it stays a single key: written atomically, expired and evicted as a whole,
-and routed to one hash slot in a cluster. Chunks keep each value under Redis's bulk limit and
-bound the latency one value adds for other clients.
+A page is one string value, `<prefix>{<32 hex digits of the key>}`, holding the encoded object
+(header, then payload). A payload longer than `chunk_size` continues in `...}:1`, `...}:2`, ...:
+chunks keep every value under Redis's bulk limit and bound the latency one value adds for
+other clients. The braces are a hash tag: a page's chunks share its hash slot, so in a cluster
+one node holds the whole page. A page that fits one chunk (the common case: 4 MiB by default)
+is written atomically; a reader that catches a multi-chunk page half rewritten gets a checksum
+miss, never mixed bytes.
 
-Every batch is one pipeline (one round trip per node in a cluster). Capacity and eviction are
-Redis's own: run the server with `maxmemory` and `maxmemory-policy allkeys-lru`; a write
-Redis refuses for lack of memory is a rejected put. `ttl` (optional) expires pages.
+Every batch is one round trip (per node, in a cluster). On a single server the batch goes
+through one pooled redis-py connection as packed commands: the header and the caller's page
+are sent as the parts of one value, never joined, and replies are read without redis-py's
+per-command pipeline machinery (which costs more than the framing and checksum that this
+backend adds). Redis Cluster goes through redis-py's cluster pipeline, which routes by slot.
 
-If the same key is rewritten with fewer chunks (after changing `chunk_size` or
-`compression`), the old tail fields stay in the hash until it expires or is deleted; readers
-stop at the header's payload length, so they never read them.
+Capacity and eviction are Redis's own: run the server with `maxmemory` and
+`maxmemory-policy allkeys-lru`; a write refused for lack of memory is a rejected put. `ttl`
+(optional) expires pages. If a key is rewritten with fewer chunks (after changing
+`chunk_size` or `compression`), its old tail chunks stay until they expire or are evicted;
+readers stop at the header's payload length, so they never read them.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
@@ -26,16 +32,17 @@ import redis.asyncio as aredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 
 from .base import Fetched, PageStatus, StorageBackend
 from .errors import BackendConfigError
-from .objects import CorruptReason, FramedObject, parse_header
+from .objects import HEADER_FIXED_BYTES, FramedObject, peek_sizes
 from .options import BackendOptions, check_range, options_from_query, redact_url, url_option
 
-_HEADER_FIELD = b"h"
 _DEFAULT_PORT = 6379
 _MAX_BULK_BYTES = 512 << 20  # Redis's proto-max-bulk-len default
+
+Arg = bytes | Sequence[bytes | memoryview]  # one argument: a buffer, or parts sent as one value
 
 
 @dataclass(frozen=True)
@@ -77,9 +84,10 @@ class RedisBackend(StorageBackend):
         super().__init__(options, layout, name=name)
         self.options: RedisOptions = options
         self._prefix = options.prefix.encode()
-        self._ttl_ms = int(options.ttl_s * 1000)
+        self._ttl_args: list[bytes] = [b"PX", b"%d" % int(options.ttl_s * 1000)]
+        if not options.ttl_s:
+            self._ttl_args = []
         self._client: aredis.Redis | RedisCluster | None = None
-        self._chunk_fields = [str(i).encode() for i in range(64)]
 
     # -- connection ---------------------------------------------------------------------------
 
@@ -136,130 +144,206 @@ class RedisBackend(StorageBackend):
         if not isinstance(client, RedisCluster):
             await client.connection_pool.disconnect()
 
-    # -- primitives ---------------------------------------------------------------------------
+    # -- one round trip -------------------------------------------------------------------------
+
+    async def _run(self, commands: list[list[Arg]]) -> list[object]:
+        """Send commands as one batch; one reply per command, an error reply as an exception."""
+        if isinstance(self._client, RedisCluster):
+            pipe = self._client.pipeline(transaction=False)
+            for name, *args in commands:  # the cluster client routes by command name: a str
+                pipe.execute_command(name.decode(), *(_joined(arg) for arg in args))
+            return await pipe.execute(raise_on_error=False)
+        pool = self._client.connection_pool
+        conn = await _get_connection(pool)
+        try:
+            await conn.send_packed_command(_pack(commands), check_health=False)
+            replies: list[object] = []
+            for _ in commands:
+                try:
+                    replies.append(await conn.read_response(disable_decoding=True))
+                except ResponseError as exc:  # a whole error reply: the stream stays in step
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            await conn.disconnect()  # a half-read connection must not be reused
+            raise
+        finally:
+            await pool.release(conn)
+
+    # -- keys -------------------------------------------------------------------------------
 
     def _redis_key(self, key: bytes) -> bytes:
-        return self._prefix + key.hex().encode()
+        return b"%s{%s}" % (self._prefix, key.hex().encode())
 
-    def _pipeline(self):
-        return self._client.pipeline(transaction=False)
+    @staticmethod
+    def _chunk_key(redis_key: bytes, index: int) -> bytes:
+        return redis_key if index == 0 else b"%s:%d" % (redis_key, index)
+
+    # -- primitives ---------------------------------------------------------------------------
 
     async def _exists(self, keys: list[bytes]) -> int:
-        pipe = self._pipeline()
-        for key in keys:
-            pipe.execute_command("EXISTS", self._redis_key(key))
-        replies = await pipe.execute(raise_on_error=False)
+        replies = await self._run([[b"EXISTS", self._redis_key(key)] for key in keys])
         for i, reply in enumerate(replies):
             if reply != 1:
                 return i
         return len(keys)
 
     async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
-        pipe = self._pipeline()
-        for key, obj in zip(keys, objects, strict=True):
-            redis_key = self._redis_key(key)
-            pipe.execute_command("HSET", redis_key, *self._fields(obj))
-            if self._ttl_ms:
-                pipe.execute_command("PEXPIRE", redis_key, self._ttl_ms)
-        replies = await pipe.execute(raise_on_error=False)
-        self._note_errors(replies)
-        per_page = 2 if self._ttl_ms else 1
-        return [_put_status(replies[i * per_page : (i + 1) * per_page]) for i in range(len(keys))]
-
-    def _note_errors(self, replies: list) -> None:
-        for reply in replies:
-            if isinstance(reply, Exception) and not isinstance(reply, OutOfMemoryError):
+        commands: list[list[Arg]] = []
+        owner: list[int] = []  # which page each command writes
+        for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
+            for chunk_key, parts in self._values(self._redis_key(key), obj):
+                commands.append([b"SET", chunk_key, parts, *self._ttl_args])
+                owner.append(i)
+        replies = await self._run(commands)
+        statuses = [PageStatus.STORED] * len(keys)
+        for i, reply in zip(owner, replies, strict=True):
+            if isinstance(reply, OutOfMemoryError):
+                statuses[i] = PageStatus.REJECTED  # maxmemory reached, no eviction policy
+            elif isinstance(reply, Exception):
                 self._note_page_error(f"{type(reply).__name__}: {reply}")
+                statuses[i] = PageStatus.ERROR
+        return statuses
 
-    def _fields(self, obj: FramedObject) -> list[bytes | memoryview]:
+    def _values(self, redis_key: bytes, obj: FramedObject) -> list[tuple[bytes, list]]:
+        """(key, value parts) per chunk: header and the payload's first chunk, then the rest."""
         payload = memoryview(obj.payload)
         chunk = self.options.chunk_bytes
-        fields: list[bytes | memoryview] = [_HEADER_FIELD, obj.header]
-        for i, offset in enumerate(range(0, max(len(payload), 1), chunk)):
-            fields += [self._chunk_field(i), payload[offset : offset + chunk]]
-        return fields
-
-    def _chunk_field(self, i: int) -> bytes:
-        return self._chunk_fields[i] if i < len(self._chunk_fields) else str(i).encode()
+        values = [(redis_key, [obj.header, payload[:chunk]])]
+        for index, offset in enumerate(range(chunk, len(payload), chunk), start=1):
+            values.append((self._chunk_key(redis_key, index), [payload[offset : offset + chunk]]))
+        return values
 
     async def _fetch(self, keys: list[bytes], sizes: list[int] | None) -> list[Fetched]:
-        pipe = self._pipeline()
-        asked: list[int] = []
-        for i, key in enumerate(keys):
+        """GET a page's value and the chunks its expected size needs, in one round trip; a
+        page written with smaller chunks than we expect costs a second one."""
+        chunk = self.options.chunk_bytes
+        wanted = [1 + max(0, -(-(size - chunk) // chunk)) for size in sizes or [0] * len(keys)]
+        commands = []
+        for key, num in zip(keys, wanted, strict=True):
             redis_key = self._redis_key(key)
-            if sizes is None:
-                pipe.execute_command("HGETALL", redis_key)
-                continue
-            num_chunks = max(1, -(-sizes[i] // self.options.chunk_bytes))
-            fields = [self._chunk_field(j) for j in range(num_chunks)]
-            pipe.execute_command("HMGET", redis_key, _HEADER_FIELD, *fields)
-            asked.append(num_chunks)
-        replies = await pipe.execute(raise_on_error=False)
-        self._note_errors(replies)
-        if sizes is None:
-            return [_from_hash(reply) for reply in replies]
+            commands += [[b"GET", self._chunk_key(redis_key, i)] for i in range(num)]
+        replies = iter(await self._run(commands))
         fetched: list[Fetched] = []
-        incomplete: list[int] = []
-        for i, (reply, num_chunks) in enumerate(zip(replies, asked, strict=True)):
-            if isinstance(reply, Exception):
-                fetched.append(PageStatus.ERROR)
-                continue
-            parts, more = _assemble(reply[0], reply[1:], num_chunks)
+        missing: list[tuple[int, int, list]] = []  # (page, first chunk index, parts so far)
+        for i, num in enumerate(wanted):
+            parts, more_from = _assemble([next(replies) for _ in range(num)])
             fetched.append(parts)
-            if more:
-                incomplete.append(i)
-        if incomplete:  # written with a smaller chunk_size than ours: fetch whole hashes
-            whole = await self._fetch([keys[i] for i in incomplete], None)
-            for i, parts in zip(incomplete, whole, strict=True):
-                fetched[i] = parts
+            if more_from:
+                missing.append((i, more_from, parts))
+        if missing:
+            await self._fetch_rest(keys, missing)
         return fetched
 
+    async def _fetch_rest(self, keys: list[bytes], missing: list[tuple[int, int, list]]) -> None:
+        """Fetch the chunks past those asked for (their count is now known from the header)."""
+        commands, spans = [], []
+        for i, first, parts in missing:
+            header_bytes, stored_bytes = peek_sizes(parts[0])
+            chunk = len(parts[0]) - header_bytes  # the writer's chunk size
+            total = -(-stored_bytes // chunk)
+            redis_key = self._redis_key(keys[i])
+            commands += [[b"GET", self._chunk_key(redis_key, j)] for j in range(first, total)]
+            spans.append((parts, total - first))
+        replies = iter(await self._run(commands))
+        for parts, count in spans:
+            for _ in range(count):
+                reply = next(replies)
+                if not isinstance(reply, bytes):
+                    break  # absent or failed: the decoder will find the page short
+                parts.append(reply)
+
     async def _delete(self, keys: list[bytes]) -> int:
-        pipe = self._pipeline()
-        for key in keys:
-            pipe.execute_command("DEL", self._redis_key(key))
-        replies = await pipe.execute(raise_on_error=False)
-        return sum(reply for reply in replies if isinstance(reply, int))
+        """Read each page's header length fields, then delete the page and all its chunks."""
+        redis_keys = [self._redis_key(key) for key in keys]
+        probe = []
+        for redis_key in redis_keys:
+            probe += [[b"GETRANGE", redis_key, b"0", b"%d" % (HEADER_FIXED_BYTES - 1)]]
+            probe += [[b"STRLEN", redis_key]]
+        replies = await self._run(probe)
+        commands = []
+        for j, redis_key in enumerate(redis_keys):
+            num_chunks = _num_chunks(replies[2 * j], replies[2 * j + 1])
+            commands.append([b"DEL"] + [self._chunk_key(redis_key, i) for i in range(num_chunks)])
+        replies = await self._run(commands)
+        return sum(1 for reply in replies if isinstance(reply, int) and reply > 0)
 
 
-def _put_status(replies: list) -> PageStatus:
-    for reply in replies:
-        if isinstance(reply, OutOfMemoryError):
-            return PageStatus.REJECTED  # maxmemory reached under a no-eviction policy
-        if isinstance(reply, Exception):
-            return PageStatus.ERROR
-    return PageStatus.STORED
+# -- wire helpers ----------------------------------------------------------------------------
 
 
-def _assemble(header: bytes | None, chunks: list, num_asked: int) -> tuple[Fetched, bool]:
-    """The object's parts, trimmed to the header's payload length; and whether to ask for more."""
-    if header is None:
-        return None, False
-    parsed = parse_header(header)
-    if isinstance(parsed, CorruptReason):
-        return [header], False  # the decoder names the reason
-    parts: list = [header]
-    got = 0
-    for chunk in chunks:
-        if chunk is None or got >= parsed.stored_bytes:
+def _pack(commands: list[list[Arg]]) -> list[bytes | memoryview]:
+    """RESP arrays of bulk strings; an argument given as parts is sent as one value, unjoined."""
+    out: list[bytes | memoryview] = []
+    for command in commands:
+        head = [b"*%d\r\n" % len(command)]
+        for arg in command:
+            if isinstance(arg, bytes):
+                head.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+                continue
+            head.append(b"$%d\r\n" % sum(len(part) for part in arg))
+            out.append(b"".join(head))
+            out.extend(arg)
+            head = [b"\r\n"]
+        out.append(b"".join(head))
+    return out
+
+
+def _joined(arg: Arg) -> bytes | memoryview:
+    if isinstance(arg, bytes):
+        return arg
+    return arg[0] if len(arg) == 1 else b"".join(arg)
+
+
+async def _get_connection(pool):
+    """pool.get_connection(): redis-py >= 6 takes no arguments, 5.x needs a command name."""
+    if _GET_CONNECTION_NEEDS_NAME:
+        return await pool.get_connection("GET")
+    return await pool.get_connection()
+
+
+_GET_CONNECTION_NEEDS_NAME = (
+    inspect.signature(aredis.ConnectionPool.get_connection).parameters["command_name"].default
+    is inspect.Parameter.empty
+)
+
+
+def _assemble(replies: list[object]) -> tuple[Fetched, int]:
+    """A page's parts from its GET replies; and, if more chunks exist than were asked for,
+    the index of the first one still to fetch (else 0)."""
+    head = replies[0]
+    if isinstance(head, Exception):
+        return PageStatus.ERROR, 0
+    if head is None:
+        return None, 0
+    sizes = peek_sizes(head)
+    if sizes is None:
+        return [head], 0  # the decoder names the reason
+    header_bytes, stored_bytes = sizes
+    parts: list = [head]
+    got = len(head) - header_bytes
+    for reply in replies[1:]:
+        if got >= stored_bytes or not isinstance(reply, bytes):
             break
-        parts.append(chunk)
-        got += len(chunk)
-    more = got < parsed.stored_bytes and len(parts) - 1 == num_asked
-    return parts, more
+        parts.append(reply)
+        got += len(reply)
+    more = 0 < got < stored_bytes and len(parts) == len(replies)
+    return parts, (len(parts) if more else 0)
 
 
-def _from_hash(reply: object) -> Fetched:
-    if isinstance(reply, Exception):
-        return PageStatus.ERROR
-    if not reply:
-        return None
-    fields = dict(reply)
-    chunks = []
-    while (field_name := str(len(chunks)).encode()) in fields:
-        chunks.append(fields[field_name])
-    parts, _ = _assemble(fields.get(_HEADER_FIELD), chunks, len(chunks) + 1)
-    return parts
+def _num_chunks(fixed_header: object, value_bytes: object) -> int:
+    """How many keys a page spans, from its header's fixed part and its first value's length."""
+    sizes = peek_sizes(fixed_header) if isinstance(fixed_header, bytes) else None
+    if sizes is None or not isinstance(value_bytes, int):
+        return 1
+    header_bytes, stored_bytes = sizes
+    first = value_bytes - header_bytes  # payload bytes in the first value: the chunk size
+    if first <= 0 or stored_bytes <= first:
+        return 1
+    return 1 + -(-(stored_bytes - first) // first)
+
+
+# -- URLs ------------------------------------------------------------------------------------
 
 
 def parse_redis_url(url: str) -> tuple[str, dict]:

@@ -32,9 +32,11 @@ def redis_target(request, redis_server, redis_cluster):
     client.close()
 
 
-def redis_key(url: str, key: bytes) -> bytes:
+def redis_key(url: str, key: bytes, chunk: int = 0) -> bytes:
+    """The Redis key of a page's value (chunk 0: header and first payload chunk) or chunk."""
     prefix = parse_qs(urlsplit(url).query)["prefix"][0]
-    return prefix.encode() + key.hex().encode()
+    main = prefix.encode() + b"{" + key.hex().encode() + b"}"
+    return main if chunk == 0 else main + b":%d" % chunk
 
 
 def _flip(value: bytes, offset: int) -> bytes:
@@ -43,27 +45,38 @@ def _flip(value: bytes, offset: int) -> bytes:
     return bytes(out)
 
 
+def _copy_page(client, url, src: bytes, dst: bytes) -> None:
+    for chunk in range(5):
+        client.set(redis_key(url, dst, chunk), client.get(redis_key(url, src, chunk)))
+
+
+# Pages of 5000 bytes in 1 KiB chunks: the value holds the header and 1 KiB, then chunks 1-4.
 DAMAGE = {
-    "payload_byte": (lambda c, k, o: c.hset(k, "0", _flip(c.hget(k, "0"), 7)), "checksum"),
-    "header_magic": (lambda c, k, o: c.hset(k, "h", _flip(c.hget(k, "h"), 1)), "magic"),
-    "truncated": (lambda c, k, o: c.hset(k, "0", c.hget(k, "0")[:-1]), "truncated"),
-    "lost_payload": (lambda c, k, o: c.hdel(k, "0"), "truncated"),
-    "other_keys_hash": (lambda c, k, o: c.hset(k, mapping=c.hgetall(o)), "key"),
+    "payload_byte": (lambda c, u, k, o: c.set(u(k, 2), _flip(c.get(u(k, 2)), 7)), "checksum"),
+    "header_magic": (lambda c, u, k, o: c.set(u(k), _flip(c.get(u(k)), 1)), "magic"),
+    "header_key": (lambda c, u, k, o: c.set(u(k), _flip(c.get(u(k)), 20)), "key"),
+    "truncated": (lambda c, u, k, o: c.set(u(k, 4), c.get(u(k, 4))[:-1]), "truncated"),
+    "lost_chunk": (lambda c, u, k, o: c.delete(u(k, 2)), "truncated"),
+    "extended": (lambda c, u, k, o: c.append(u(k, 4), b"!"), "length"),
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.parametrize("damage", [*DAMAGE, "other_keys_page"])
 def test_a_damaged_redis_value_is_a_miss_with_its_reason(redis_target, pages, damage):
     make_url, client = redis_target
-    url = make_url()
+    url = make_url(chunk_size="1KiB")
     keys = [pages.key(0), pages.key(1)]
     data = [pages.page(k, PAGE_BYTES) for k in keys]
-    make_damage, reason = DAMAGE[damage]
 
     async def body():
         async with open_backend(url, layout=pages.LAYOUT) as store:
-            await store.batch_put(keys, data)
-            make_damage(client, redis_key(url, keys[0]), redis_key(url, keys[1]))
+            assert await store.batch_put(keys, data) == [True, True]
+            if damage == "other_keys_page":
+                _copy_page(client, url, keys[1], keys[0])
+                reason = "key"
+            else:
+                make_damage, reason = DAMAGE[damage]
+                make_damage(client, lambda k, c=0: redis_key(url, k, c), keys[0], keys[1])
             pool, views = pages.pool_views(2, PAGE_BYTES)
             assert await store.batch_get(keys, views) == [False, True]
             assert bytes(views[1]) == data[1]
@@ -82,15 +95,25 @@ def test_pages_are_chunked_and_read_whatever_chunking_wrote_them(redis_target, p
     async def body():
         async with open_backend(url, layout=pages.LAYOUT) as small_chunks:
             assert await small_chunks.batch_put(keys, data) == [True] * 3
-        fields = client.hkeys(redis_key(url, keys[0]))
-        assert sorted(fields) == sorted([b"h", b"0", b"1", b"2", b"3", b"4"])  # 5000 B / 1 KiB
-        assert len(client.hget(redis_key(url, keys[0]), "h")) == header_size(pages.LAYOUT)
+        values = [client.get(redis_key(url, keys[0], i)) for i in range(6)]
+        assert [len(v) if v else 0 for v in values] == [
+            header_size(pages.LAYOUT) + 1024,
+            1024,
+            1024,
+            1024,
+            5000 - 4096,
+            0,
+        ]
         for chunking in ("", "&chunk_size=1KiB", "&chunk_size=3KiB"):
             reader_url = url.split("?")[0] + "?" + query + chunking
             async with open_backend(reader_url, layout=pages.LAYOUT) as reader:
                 pool, views = pages.pool_views(3, PAGE_BYTES)
                 assert await reader.batch_get(keys, views) == [True] * 3, chunking
                 assert bytes(pool) == b"".join(data)
+                assert await reader.batch_get_objects(keys[:1]) != [None]
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.delete(keys) == 3
+        assert [client.exists(redis_key(url, keys[0], i)) for i in range(5)] == [0] * 5
 
     run(body())
 
