@@ -1,0 +1,180 @@
+"""The embedded decoding engine: a model, a scheduler, and hicache (or a private pool).
+
+    engine = Engine(model, EngineConfig(), cache=cache)
+    outputs = engine.generate([prompt_ids], SamplingParams(max_new_tokens=16))
+
+or, step by step (continuous batching): `add_request(...)` at any time, `step()` until
+`has_work` is false; each step returns the requests that finished in it.
+
+With `cache=None` the engine keeps its KV in a private pool and shares nothing: the
+cache-off baseline. Its `add_request(..., split_at=H)` prefills as if the first H tokens
+had been a cached hit (replay window included), which is what a cache-on run must equal.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine_integration.config import EngineConfig
+from engine_integration.errors import EngineError
+from engine_integration.model import Model
+from engine_integration.pages import CachedPages, PrivatePages
+from engine_integration.request import Request, RequestMetrics, RequestOutput, RequestState
+from engine_integration.sampling import SamplingParams, sample
+from engine_integration.scheduler import Scheduler
+from hicache.controller import HiCache
+from radix.keys import Namespace
+from tiers.layout import KVLayout
+
+
+def kv_layout_for(model: Model, page_size: int) -> KVLayout:
+    """The KV layout hicache holds for `model`: its source layers only."""
+    config = model.config
+    return KVLayout(
+        kind="mha",
+        num_layers=config.num_source_layers,
+        page_size=page_size,
+        dtype=str(model.dtype).removeprefix("torch."),
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+    )
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        config: EngineConfig,
+        *,
+        cache: HiCache | None = None,
+        namespace: Namespace | None = None,
+        num_private_pages: int | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.cache = cache
+        layout = kv_layout_for(model, config.page_size)
+        if cache is not None:
+            if cache.layout != layout:
+                raise EngineError(
+                    f"the cache holds {cache.layout.descriptor()}, the model needs "
+                    f"{layout.descriptor()}"
+                )
+            self.namespace = namespace or Namespace(
+                model_id=model.config.model_id, layout=layout.descriptor()
+            )
+            pages = CachedPages(cache, self.namespace)
+            num_pages = cache.executor.num_device_pages
+        else:
+            if not num_private_pages:
+                raise EngineError("an engine without a cache needs num_private_pages")
+            self.namespace = None
+            pages = PrivatePages(layout, num_private_pages, config.device)
+            num_pages = num_private_pages
+        self.pages = pages
+        self.scheduler = Scheduler(config, model.config, pages, num_pages, dtype=model.dtype)
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        split_at: int | None = None,
+    ) -> Request:
+        """Queue a request. `split_at` (cache-off engines only): prefill as if the first
+        `split_at` tokens had been a cache hit."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("a request needs at least one prompt token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if split_at is not None:
+            if self.cache is not None:
+                raise EngineError(
+                    "split_at is for cache-off engines (a cached one splits at its hit)"
+                )
+            if not 0 < split_at < len(prompt):
+                raise ValueError(f"split_at must be in (0, {len(prompt)}), got {split_at}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id,
+            prompt=prompt,
+            params=params or SamplingParams(),
+            split_at=split_at,
+            metrics=RequestMetrics(prompt_tokens=len(prompt), arrival_s=time.perf_counter()),
+        )
+        self.scheduler.add(request)
+        self._requests[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> None:
+        request = self._requests.pop(request_id)
+        self.scheduler.abort(request)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ running
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over every running request; returns those that finished."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        logits = self.model.forward([rows for _, rows in plan], self.pages.layer).cpu()
+        finished, next_logits = [], 0
+        for request, rows in plan:
+            if request.state == RequestState.PREFILL:
+                request.cursor = rows.end
+            if not rows.want_logits:
+                continue
+            self._append_token(request, logits[next_logits])
+            next_logits += 1
+            if request.finish_reason is not None:
+                self.scheduler.finish(request)
+                del self._requests[request.request_id]
+                finished.append(request.to_output())
+        return finished
+
+    def _append_token(self, request: Request, logits: torch.Tensor) -> None:
+        params = request.params
+        token = sample(logits, params, request.generator)
+        if request.state == RequestState.PREFILL:
+            request.state = RequestState.DECODE
+            request.metrics.first_token_s = time.perf_counter()
+        request.output.append(token)
+        if params.return_logits:
+            request.logits.append(logits.clone())
+        if token in params.stop_token_ids:
+            request.finish_reason = "stop"
+        elif len(request.output) >= params.max_new_tokens:
+            request.finish_reason = "length"
+
+    def run(self) -> list[RequestOutput]:
+        """Step until every queued request has finished; outputs in finishing order."""
+        outputs = []
+        while self.has_work:
+            outputs.extend(self.step())
+        return outputs
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Run `prompts` together (continuous batching); outputs in prompt order."""
+        ids = [self.add_request(prompt, params).request_id for prompt in prompts]
+        by_id = {output.request_id: output for output in self.run()}
+        return [by_id[request_id] for request_id in ids]

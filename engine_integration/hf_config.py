@@ -1,0 +1,178 @@
+"""Hugging Face `config.json` <-> `ModelConfig` fields, for Llama, Qwen2 and Mistral.
+
+The hybrid plan (full-attention source layers first, sliding-window late layers after) is
+read from, in this order: `layer_types` (a run of "full_attention" then a run of
+"sliding_attention"), Qwen2's `use_sliding_window` + `max_window_layers`, Mistral's
+`sliding_window` (every layer sliding: refused unless overridden, since the cache needs at
+least one full-attention layer). A model with none of these has only source layers.
+Anything this engine does not implement (other rope scalings, MLP biases, interleaved
+layer patterns) is refused by name rather than run wrongly. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+DEFAULT_WINDOW_TOKENS = 128
+
+
+class HFConfigError(ValueError):
+    """A config.json this engine cannot run; the message names the field."""
+
+
+def read_hf_config(
+    hf: Mapping[str, Any], num_source_layers: int | None, window_tokens: int | None
+) -> dict[str, Any]:
+    architectures = hf.get("architectures") or []
+    unknown = [a for a in architectures if a not in ARCHITECTURES]
+    if unknown:
+        raise HFConfigError(
+            f"config.json architectures {unknown} are not supported; supported: {ARCHITECTURES}"
+        )
+    missing = [name for name in _REQUIRED if name not in hf]
+    if missing:
+        raise HFConfigError(f"config.json lacks {missing}")
+    if hf.get("mlp_bias"):
+        raise HFConfigError("config.json sets mlp_bias=true; MLP biases are not supported")
+    num_layers = int(hf["num_hidden_layers"])
+    num_heads = int(hf["num_attention_heads"])
+    qwen2 = "Qwen2ForCausalLM" in architectures or hf.get("model_type") == "qwen2"
+    attention_bias = bool(hf.get("attention_bias", False))
+    source, window = _layer_plan(hf, num_layers, qwen2)
+    if num_source_layers is not None:
+        source = num_source_layers
+    if window_tokens is not None:
+        window = window_tokens
+    if source is None:
+        raise HFConfigError(
+            f"config.json makes every layer sliding-window (sliding_window="
+            f"{hf.get('sliding_window')}); the cache needs full-attention source layers first: "
+            "pass num_source_layers (for prompts within the window, full attention is the same)"
+        )
+    return {
+        "vocab_size": int(hf["vocab_size"]),
+        "hidden_size": int(hf["hidden_size"]),
+        "intermediate_size": int(hf["intermediate_size"]),
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or num_heads),
+        "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
+        "num_source_layers": source,
+        "window_tokens": window or DEFAULT_WINDOW_TOKENS,
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(hf.get("rope_theta", 10000.0)),
+        "rope_scaling": _rope_scaling(hf.get("rope_scaling")),
+        "qkv_bias": qwen2 or attention_bias,
+        "o_bias": attention_bias and not qwen2,
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def _layer_plan(
+    hf: Mapping[str, Any], num_layers: int, qwen2: bool
+) -> tuple[int | None, int | None]:
+    """(num_source_layers, window) from the config; None source = every layer slides."""
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise HFConfigError(
+                f"config.json layer_types has {len(layer_types)} entries for {num_layers} layers"
+            )
+        source = 0
+        while source < num_layers and layer_types[source] == "full_attention":
+            source += 1
+        rest = set(layer_types[source:])
+        if rest - {"sliding_attention"}:
+            raise HFConfigError(
+                "config.json layer_types must be full_attention layers followed by "
+                f"sliding_attention layers; got {layer_types}"
+            )
+        if source == 0:
+            return None, window
+        return source, window if source < num_layers else None
+    if qwen2:
+        if hf.get("use_sliding_window") and window:
+            source = int(hf.get("max_window_layers", num_layers))
+            source = min(max(source, 0), num_layers)
+            return (source or None), window
+        return num_layers, None
+    if window:  # Mistral: one window for every layer
+        return None, window
+    return num_layers, None
+
+
+def _rope_scaling(raw: Mapping[str, Any] | None):
+    from engine_integration.config import RopeScaling
+
+    if not raw:
+        return None
+    kind = raw.get("rope_type") or raw.get("type")
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(raw["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position_tokens=int(raw.get("original_max_position_embeddings", 8192)),
+        )
+    raise HFConfigError(
+        f"config.json rope_scaling type {kind!r} is not supported (supported: linear, llama3)"
+    )
+
+
+def write_hf_config(config, architecture: str = "LlamaForCausalLM") -> dict[str, Any]:
+    """The `config.json` of `config` (a ModelConfig) under `architecture`, for checkpoints
+    this package writes; `read_hf_config` reads it back to the same fields."""
+    if architecture not in ARCHITECTURES:
+        raise HFConfigError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    qwen2 = architecture == "Qwen2ForCausalLM"
+    if qwen2 != config.qkv_bias or config.o_bias:
+        raise HFConfigError(
+            f"{architecture} cannot express qkv_bias={config.qkv_bias}, o_bias={config.o_bias}"
+        )
+    out: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(
+            architecture, "mistral"
+        ),
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+    }
+    if config.num_late_layers:
+        out["sliding_window"] = config.window_tokens
+        out["layer_types"] = ["full_attention"] * config.num_source_layers + [
+            "sliding_attention"
+        ] * config.num_late_layers
+    if config.rope_scaling is not None:
+        scaling = config.rope_scaling
+        out["rope_scaling"] = {"rope_type": scaling.kind, "factor": scaling.factor}
+        if scaling.kind == "llama3":
+            out["rope_scaling"].update(
+                low_freq_factor=scaling.low_freq_factor,
+                high_freq_factor=scaling.high_freq_factor,
+                original_max_position_embeddings=scaling.original_max_position_tokens,
+            )
+    return out

@@ -1,0 +1,265 @@
+"""The transformer's forward pass over one engine step.
+
+A step is a list of `SeqRows`: for each request, the consecutive positions it computes
+now. Rows below `write_from` are *replay* rows (their source KV is already in cached pages:
+they are recomputed to obtain their hidden states, and write nothing); `late_runs` name the
+rows that continue through the late (sliding-window) layers; a request that wants logits
+gets them for its last row.
+
+    source layers   every row; new rows write K/V into the request's L1 pages, then each
+                    request attends over its pages (waiting for layer i's load first)
+    late layers     only the late rows, over the request's window ring
+    head            final norm and LM head for the rows that want logits
+
+This module knows no cache, scheduler or sampling: it reads and writes pages through the
+`page_table` of each request and the layer tensors it is handed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine_integration.attention import source_attention, window_attention, write_kv
+from engine_integration.config import ModelConfig
+from engine_integration.rows import RowLayout
+from engine_integration.weights import LayerWeights, ModelWeights
+from engine_integration.window import LateWindow
+
+
+@dataclass
+class SeqRows:
+    """One request's rows in a step: positions [start, end) of `token_ids`."""
+
+    token_ids: Sequence[int]  # the tokens at positions start .. end - 1
+    start: int
+    end: int
+    write_from: int  # rows at positions >= write_from write their source KV
+    page_table: torch.Tensor  # (num_pages,) long: the request's L1 page ids, on the device
+    window: LateWindow | None
+    late_runs: list[tuple[int, int]] = field(default_factory=list)  # within [start, end)
+    want_logits: bool = False
+    wait_layer: Callable[[int], None] | None = None  # before reading source layer i's pages
+
+    @property
+    def num_rows(self) -> int:
+        return self.end - self.start
+
+
+class RotaryTable:
+    """cos/sin of every position, computed per position in float64 (so a value never
+    depends on how large the table is), grown by doubling."""
+
+    def __init__(self, config: ModelConfig, device, dtype: torch.dtype) -> None:
+        self._inv_freq = _inverse_frequencies(config)
+        self._device = device
+        self._dtype = dtype
+        self._cos = self._sin = torch.empty(0, config.head_dim, dtype=dtype, device=device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self._cos.shape[0]:
+            size = max(needed, 2 * self._cos.shape[0], 4096)
+            angles = torch.outer(torch.arange(size, dtype=torch.float64), self._inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)
+            self._cos = angles.cos().to(self._dtype).to(self._device)
+            self._sin = angles.sin().to(self._dtype).to(self._device)
+        return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
+
+def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    low_wavelen = scaling.original_max_position_tokens / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_tokens / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_tokens / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Model:
+    """Weights plus the forward pass. `block_rows` is the batch-invariant block size
+    (None: dense batches, for CUDA)."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, *, block_rows: int | None):
+        if len(weights.layers) != config.num_layers:
+            raise ValueError(
+                f"weights hold {len(weights.layers)} layers, the config {config.num_layers}"
+            )
+        self.config = config
+        self.weights = weights
+        self.block_rows = block_rows
+        self.device = weights.device
+        self.dtype = weights.dtype
+        self.scale = config.head_dim**-0.5
+        self.rope = RotaryTable(config, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, seqs: Sequence[SeqRows], source_kv: Callable[[int], torch.Tensor]):
+        """Run one step; `source_kv(i)` is layer i of the L1 pool, (pages, page_size, 2, H, D).
+        Returns logits (float32, one row per request with want_logits, in order)."""
+        config = self.config
+        layout = RowLayout.build([(s.start, s.end) for s in seqs], self.block_rows, self.device)
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+        x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
+        for i in range(config.num_source_layers):
+            x = self._source_layer(i, x, layout, seqs, source_kv(i))
+        hidden = layout.unpack(x)  # (rows, hidden)
+        if config.num_late_layers:
+            hidden = self._late_layers(hidden, seqs)
+        return self._head(hidden, seqs)
+
+    # ------------------------------------------------------------------ layers
+
+    def _source_layer(self, i, x, layout: RowLayout, seqs, kv_layer) -> torch.Tensor:
+        weights = self.weights.layers[i]
+        q, kv = self._project(weights, x, layout)
+        outputs, row = [], 0
+        for seq in seqs:
+            seq_q, seq_kv = q[row : row + seq.num_rows], kv[row : row + seq.num_rows]
+            row += seq.num_rows
+            skip = max(0, seq.write_from - seq.start)  # replay rows: their KV is cached
+            if skip < seq.num_rows:
+                write_kv(kv_layer, seq.page_table, seq.start + skip, seq_kv[skip:])
+            if seq.wait_layer is not None:
+                seq.wait_layer(i)
+            outputs.append(
+                source_attention(
+                    seq_q,
+                    seq.start,
+                    kv_layer,
+                    seq.page_table,
+                    seq.end,
+                    scale=self.scale,
+                    block_rows=self.block_rows,
+                )
+            )
+        return self._finish_layer(weights, x, layout, torch.cat(outputs))
+
+    def _late_layers(self, hidden: torch.Tensor, seqs) -> torch.Tensor:
+        """The late layers over each request's late rows; returns `hidden` with those rows
+        replaced (rows that skip the late layers keep their source output)."""
+        runs, rows = [], []
+        row = 0
+        for seq in seqs:
+            for start, end in seq.late_runs:
+                runs.append((seq, start, end))
+                rows.extend(range(row + start - seq.start, row + end - seq.start))
+            row += seq.num_rows
+        if not runs:
+            return hidden
+        rows_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        layout = RowLayout.build([(s, e) for _, s, e in runs], self.block_rows, self.device)
+        x = layout.pack(hidden.index_select(0, rows_index))
+        first = self.config.num_source_layers
+        for j in range(self.config.num_late_layers):
+            weights = self.weights.layers[first + j]
+            q, kv = self._project(weights, x, layout)
+            outputs, offset = [], 0
+            for seq, start, end in runs:
+                n = end - start
+                outputs.append(
+                    window_attention(
+                        q[offset : offset + n],
+                        kv[offset : offset + n],
+                        start,
+                        seq.window,
+                        j,
+                        scale=self.scale,
+                        block_rows=self.block_rows,
+                    )
+                )
+                offset += n
+            x = self._finish_layer(weights, x, layout, torch.cat(outputs))
+        hidden = hidden.clone()
+        hidden.index_copy_(0, rows_index, layout.unpack(x))
+        return hidden
+
+    def _head(self, hidden: torch.Tensor, seqs) -> torch.Tensor:
+        rows, runs, row = [], [], 0
+        for seq in seqs:
+            row += seq.num_rows
+            if seq.want_logits:
+                rows.append(row - 1)
+                runs.append((seq.end - 1, seq.end))
+        if not rows:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        layout = RowLayout.build(runs, self.block_rows, self.device)
+        last = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        eps = self.config.rms_norm_eps
+        weights = self.weights
+
+        def head(block):
+            return F.linear(rms_norm(block, weights.final_norm, eps), weights.lm_head)
+
+        return layout.unpack(layout.map_blocks(head, layout.pack(last))).float()
+
+    # ------------------------------------------------------------------ row-wise parts
+
+    def _project(self, weights: LayerWeights, x, layout: RowLayout):
+        """Norm, q/k/v projection and RoPE, block by block.
+        -> q (rows, Hq, D) and kv (rows, 2, H, D) of the real rows."""
+        config = self.config
+        eps = config.rms_norm_eps
+        sizes = [config.q_size, config.kv_size, config.kv_size]
+
+        def project(block, positions):
+            qkv = F.linear(rms_norm(block, weights.input_norm, eps), weights.qkv, weights.qkv_bias)
+            q, k, v = qkv.split(sizes, dim=-1)
+            q = q.reshape(-1, config.num_heads, config.head_dim)
+            k = k.reshape(-1, config.num_kv_heads, config.head_dim)
+            v = v.reshape(-1, config.num_kv_heads, config.head_dim)
+            cos, sin = self.rope.lookup(positions)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            return torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+
+        packed = layout.map_blocks(project, x, layout.positions)
+        q, k, v = layout.unpack(packed).split(sizes, dim=-1)
+        q = q.reshape(-1, config.num_heads, config.head_dim)
+        kv = torch.stack(
+            [
+                k.reshape(-1, config.num_kv_heads, config.head_dim),
+                v.reshape(-1, config.num_kv_heads, config.head_dim),
+            ],
+            dim=1,
+        )
+        return q, kv
+
+    def _finish_layer(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
+        """Output projection, residual, norm, SwiGLU MLP, residual, block by block."""
+        eps = self.config.rms_norm_eps
+        attn = layout.pack(attn.flatten(1))
+
+        def finish(block, attn_block):
+            block = block + F.linear(attn_block, weights.o, weights.o_bias)
+            gate, up = F.linear(rms_norm(block, weights.post_norm, eps), weights.gate_up).chunk(
+                2, dim=-1
+            )
+            return block + F.linear(F.silu(gate) * up, weights.down)
+
+        return layout.map_blocks(finish, x, attn)

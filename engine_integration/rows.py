@@ -1,0 +1,100 @@
+"""How a step's token rows are laid out for the dense (row-wise) operations.
+
+Batch invariance: on the CPU, a matmul's result for one row can depend on how many rows
+are multiplied with it (BLAS picks a different kernel for 4 rows than for 400), and a
+vectorised elementwise op can treat an element differently depending on where the tensor's
+vector tail falls. Either would make a cached page differ, in its last bits, from the same
+page computed in another batch, and a hit would then not equal a cold prefill.
+
+So in invariant mode every row-wise op runs on fixed-shape blocks of `block_rows` rows, and
+a token at position p always sits in row `p % block_rows` of its block. A token's numbers
+then depend only on its own inputs, never on its neighbours, the chunking or the batch.
+A request's run of consecutive positions fills its own blocks (block k holds positions
+[k*B, k*B + B)); single decode tokens of different requests share blocks when their slots
+differ. Padding rows hold zeros. Without invariance (CUDA), the rows are simply packed
+densely as one block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RowLayout:
+    """The packed tensor's rows: `index[i]` is where real row i lives."""
+
+    index: torch.Tensor  # (num_real,) long, packed row of each real row
+    positions: torch.Tensor  # (num_packed,) long, the position of every packed row (RoPE)
+    num_packed: int
+    block_rows: int | None  # None: one block (no padding)
+
+    @classmethod
+    def build(cls, runs: Sequence[tuple[int, int]], block_rows: int | None, device) -> RowLayout:
+        """Lay out `runs` (position ranges [start, end), one per request, in row order)."""
+        if block_rows is None:
+            positions = [p for start, end in runs for p in range(start, end)]
+            index = list(range(len(positions)))
+            return cls(_tensor(index, device), _tensor(positions, device), len(positions), None)
+        rows = block_rows
+        index: list[int] = []
+        positions: list[int] = []
+        singles: list[tuple[int, int]] = []  # (real row, position) of one-token runs
+        for start, end in runs:
+            if end - start == 1:
+                singles.append((len(index), start))
+                index.append(-1)
+                continue
+            first = start // rows
+            base = len(positions) - first * rows
+            index.extend(range(base + start, base + end))
+            positions.extend(range(first * rows, -(-end // rows) * rows))
+        _pack_singles(singles, rows, index, positions)
+        return cls(_tensor(index, device), _tensor(positions, device), len(positions), rows)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(num_real, ...) -> (num_packed, ...), zeros in padding rows."""
+        if self.block_rows is None:
+            return x
+        out = x.new_zeros((self.num_packed, *x.shape[1:]))
+        out.index_copy_(0, self.index, x)
+        return out
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(num_packed, ...) -> (num_real, ...)."""
+        if self.block_rows is None:
+            return packed
+        return packed.index_select(0, self.index)
+
+    def map_blocks(self, fn: Callable[..., torch.Tensor], *packed: torch.Tensor) -> torch.Tensor:
+        """`fn` over each block of the packed tensors (one call without invariance)."""
+        if self.block_rows is None:
+            return fn(*packed)
+        parts = [
+            fn(*block) for block in zip(*(t.split(self.block_rows) for t in packed), strict=True)
+        ]
+        return torch.cat(parts)
+
+
+def _pack_singles(
+    singles: list[tuple[int, int]], rows: int, index: list[int], positions: list[int]
+) -> None:
+    """First-fit single tokens into shared blocks, each at slot position % rows."""
+    blocks: list[list[bool]] = []
+    base = len(positions)
+    for real_row, position in singles:
+        slot = position % rows
+        number = next((n for n, used in enumerate(blocks) if not used[slot]), len(blocks))
+        if number == len(blocks):
+            blocks.append([False] * rows)
+            positions.extend(range(rows))  # padding rows: any position will do
+        blocks[number][slot] = True
+        index[real_row] = base + number * rows + slot
+        positions[base + number * rows + slot] = position
+
+
+def _tensor(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)

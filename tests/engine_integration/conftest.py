@@ -1,0 +1,49 @@
+"""Fixtures for the engine tests: small models (shared) and engines with fresh caches."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_integration.embedded import CacheSizes, build_cache, load_model
+from engine_integration.engine import Engine
+from hicache.config import PolicyConfig
+from tests.support.engines import ENGINE, SMALL
+
+# Write-through (so L2 holds every page) and waiting for L3 prefetches: deterministic tiers.
+TEST_POLICY = PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+
+
+@pytest.fixture(scope="session")
+def small_model():
+    model, _tokenizer = load_model(None, ENGINE, seed=1, model_config=SMALL)
+    return model
+
+
+@pytest.fixture(scope="session")
+def source_only_model():
+    config = SMALL.replace(num_source_layers=SMALL.num_layers, model_id="test-source-only")
+    model, _tokenizer = load_model(None, ENGINE, seed=2, model_config=config)
+    return model
+
+
+@pytest.fixture
+def engines():
+    """make(model, ...) -> an Engine over a fresh cache; the caches are closed afterwards."""
+    caches = []
+
+    def make(
+        model,
+        *,
+        l1_pages=64,
+        l2_pages=0,
+        l3_url=None,
+        config=ENGINE,
+        policy=TEST_POLICY,
+    ) -> Engine:
+        cache = build_cache(model, config, CacheSizes(l1_pages, l2_pages, l3_url, policy))
+        caches.append(cache)
+        return Engine(model, config, cache=cache)
+
+    yield make
+    for cache in caches:
+        cache.close()

@@ -1,0 +1,130 @@
+"""The engine's model against a dense float64 reference, and its batch invariance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine_integration.config import EngineConfig, RopeScaling
+from engine_integration.embedded import load_model
+from engine_integration.model import _inverse_frequencies
+from engine_integration.rows import RowLayout
+from engine_integration.sampling import SamplingParams
+from engine_integration.scheduler import plan_late_runs
+from tests.support.engines import ENGINE, GREEDY, SMALL, cache_off, random_prompt, run_one
+from tests.support.reference_model import reference_logits
+
+
+def _late_positions(model, num_prompt, num_total, boundary=0):
+    if not model.config.num_late_layers:
+        return list(range(num_prompt - 1, num_total - 1))
+    runs = plan_late_runs(num_prompt, boundary, model.config.window_tokens)
+    rows = [p for s, e in runs for p in range(s, e)]
+    return rows + list(range(num_prompt, num_total - 1))
+
+
+def _check_against_reference(model, output, boundary=0):
+    tokens = output.prompt_token_ids + output.token_ids
+    late = _late_positions(model, len(output.prompt_token_ids), len(tokens), boundary)
+    expected = reference_logits(model.config, model.weights, tokens, late)
+    # the reference's logits for the positions that produced each generated token
+    wanted = [late.index(p) for p in range(len(output.prompt_token_ids) - 1, len(tokens) - 1)]
+    torch.testing.assert_close(output.logits.double(), expected[wanted], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("length", [5, 40, 150])
+def test_model_with_late_layers_matches_reference(small_model, length):
+    output = run_one(cache_off(small_model), random_prompt(length, length))
+    _check_against_reference(small_model, output)
+
+
+def test_split_prefill_matches_reference_with_its_boundary(small_model):
+    tokens = random_prompt(7, 120)
+    output = run_one(cache_off(small_model), tokens, split_at=96)
+    _check_against_reference(small_model, output, boundary=96)
+
+
+def test_source_only_model_matches_reference(source_only_model):
+    output = run_one(cache_off(source_only_model), random_prompt(3, 90))
+    _check_against_reference(source_only_model, output)
+
+
+def test_chunking_and_batching_never_change_a_bit(small_model):
+    """Batch invariance: chunk size and batch neighbours leave every logit unchanged."""
+    tokens = random_prompt(11, 150)
+    alone = run_one(cache_off(small_model), tokens)
+    for chunk in (8, 24, 1000):
+        config = dataclasses.replace(ENGINE, prefill_chunk_tokens=chunk)
+        assert torch.equal(run_one(cache_off(small_model, config), tokens).logits, alone.logits)
+    crowded = cache_off(small_model)
+    others = [crowded.add_request(random_prompt(20 + i, 30 + 17 * i), GREEDY) for i in range(3)]
+    mine = crowded.add_request(tokens, GREEDY)
+    outputs = {output.request_id: output for output in crowded.run()}
+    assert len(outputs) == len(others) + 1
+    assert torch.equal(outputs[mine.request_id].logits, alone.logits)
+
+
+def test_dense_path_is_the_same_model(small_model):
+    """Without invariance (the CUDA path, here on the CPU) results agree to float error."""
+    config = dataclasses.replace(ENGINE, batch_invariant=False)
+    dense, _ = load_model(None, config, seed=1, model_config=SMALL)
+    assert dense.block_rows is None
+    tokens = random_prompt(5, 100)
+    blocked = run_one(cache_off(small_model), tokens)
+    unblocked = run_one(cache_off(dense, config), tokens)
+    torch.testing.assert_close(unblocked.logits, blocked.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_row_layout_blocks_by_position():
+    layout = RowLayout.build([(5, 19), (40, 41), (43, 44), (48, 49)], 8, "cpu")
+    # run (5, 19): blocks 0..2 (positions 0..23); the single tokens share one block except
+    # 48 (slot 0) fits with 43 (slot 3) and 40 (slot 0) -> two shared blocks.
+    assert layout.num_packed == 24 + 16
+    assert layout.index[:14].tolist() == list(range(5, 19))
+    assert layout.positions[layout.index].tolist() == [*range(5, 19), 40, 43, 48]
+    assert len(set(layout.index.tolist())) == layout.index.numel()
+    dense = RowLayout.build([(5, 19), (40, 41)], None, "cpu")
+    assert dense.num_packed == 15 and dense.positions.tolist() == [*range(5, 19), 40]
+
+
+def test_llama3_rope_scaling_keeps_high_frequencies():
+    base = SMALL.replace(head_dim=64, rope_theta=500000.0)
+    scaled = base.replace(rope_scaling=RopeScaling(kind="llama3", factor=8.0))
+    plain, stretched = _inverse_frequencies(base), _inverse_frequencies(scaled)
+    assert torch.equal(stretched[:4], plain[:4])  # short wavelengths untouched
+    torch.testing.assert_close(stretched[-1], plain[-1] / 8)  # long ones divided by factor
+
+
+def test_temperature_sampling_is_seeded_per_request(small_model):
+    params = SamplingParams(max_new_tokens=12, temperature=1.5, top_k=20, top_p=0.9, seed=5)
+    tokens = random_prompt(9, 40)
+    first = run_one(cache_off(small_model), tokens, params)
+    again = run_one(cache_off(small_model), tokens, params)
+    other = run_one(cache_off(small_model), tokens, dataclasses.replace(params, seed=6))
+    assert first.token_ids == again.token_ids
+    assert first.token_ids != other.token_ids
+    greedy = run_one(cache_off(small_model), tokens, SamplingParams(max_new_tokens=12))
+    assert first.token_ids != greedy.token_ids
+
+
+def test_stop_tokens_end_generation(small_model):
+    tokens = random_prompt(4, 30)
+    free = run_one(cache_off(small_model), tokens, SamplingParams(max_new_tokens=8))
+    stop = free.token_ids[2]
+    stopped = run_one(
+        cache_off(small_model), tokens, SamplingParams(max_new_tokens=8, stop_token_ids=(stop,))
+    )
+    cut = free.token_ids.index(stop) + 1
+    assert stopped.token_ids == free.token_ids[:cut]
+    assert stopped.finish_reason == "stop" and free.finish_reason == "length"
+
+
+def test_engine_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="block_tokens"):
+        EngineConfig(page_size=16, block_tokens=6)
+    with pytest.raises(ValueError, match="device"):
+        EngineConfig(device="tpu")
+    with pytest.raises(ValueError, match="num_source_layers"):
+        SMALL.replace(num_source_layers=0)

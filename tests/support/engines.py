@@ -1,0 +1,42 @@
+"""Small models, prompts and engines for the engine tests (CPU, float32)."""
+
+from __future__ import annotations
+
+import random
+
+from engine_integration.config import EngineConfig, ModelConfig
+from engine_integration.engine import Engine
+from engine_integration.sampling import SamplingParams
+
+# 4 layers (2 source, 2 late), a 32-token window, 16-token pages, 8-row blocks.
+SMALL = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_source_layers=2,
+    window_tokens=32,
+    model_id="test-small",
+)
+ENGINE = EngineConfig(page_size=16, block_tokens=8, prefill_chunk_tokens=64, max_running_requests=4)
+GREEDY = SamplingParams(max_new_tokens=6, return_logits=True)
+
+
+def random_prompt(seed: int, length: int, vocab: int = 96) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def cache_off(model, config: EngineConfig = ENGINE, num_pages: int = 256) -> Engine:
+    """The baseline: an engine with a private pool and no cache."""
+    return Engine(model, config, num_private_pages=num_pages)
+
+
+def run_one(engine: Engine, tokens, params: SamplingParams = GREEDY, **kwargs):
+    """Queue one request, run the engine dry, return the request's output."""
+    request = engine.add_request(tokens, params, **kwargs)
+    outputs = {output.request_id: output for output in engine.run()}
+    return outputs[request.request_id]
