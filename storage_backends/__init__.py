@@ -30,6 +30,7 @@ from .objects import (
     frame_object,
     parse_header,
     verify_object,
+    verify_payload,
 )
 from .options import BackendOptions, parse_duration, parse_size
 from .registry import known_schemes, open_backend, register_backend
@@ -61,4 +62,5 @@ __all__ = [
     "parse_size",
     "register_backend",
     "verify_object",
+    "verify_payload",
 ]

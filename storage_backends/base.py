@@ -26,16 +26,18 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import ctypes
+import contextlib
 import enum
 import logging
 import threading
 import time
 import types
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, TypeVar
+
+import numpy as np
 
 from .errors import BackendClosedError, BackendUnavailableError
 from .objects import (
@@ -77,11 +79,13 @@ ReadInto = bool | PageStatus | CorruptReason | None
 
 
 class CopyGuard:
-    """Lets worker threads copy into one call's buffers only while that call is running.
+    """Lets worker threads write one call's buffers only while that call is running.
 
-    The base closes the guard as the call returns (even on a timeout), waiting only for copies
-    under way (memory to memory: microseconds); a worker still reading afterwards finds it
-    closed and copies nothing. Copies run without the GIL and in parallel with each other.
+    Writes happen inside `writing()`: memory copies, and reads that cannot wait for I/O
+    (a page-cache hit) - work that always ends within microseconds. The base closes the guard
+    as the call returns (even on a timeout), waiting only for such writes under way; a worker
+    that is still reading afterwards finds it closed and writes nothing. Never hold it across
+    anything that can block (a read that may wait for a disk or a server).
     """
 
     def __init__(self) -> None:
@@ -89,38 +93,36 @@ class CopyGuard:
         self._open = True
         self._active = 0
 
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[bool]:
+        """True: the buffers may be written until the block ends. False: the call is over."""
+        with self._cond:
+            entered = self._open
+            self._active += entered
+        try:
+            yield entered
+        finally:
+            if entered:
+                with self._cond:
+                    self._active -= 1
+                    if not self._active:
+                        self._cond.notify_all()
+
     def copy(self, into: memoryview, offset: int, piece: memoryview) -> bool:
         """into[offset : offset + len(piece)] = piece, unless the call is over (False)."""
         if offset < 0 or offset + len(piece) > len(into):
             raise ValueError(f"copy of {len(piece)} bytes at {offset} overruns {len(into)}")
-        if not piece:
-            return self._open
-        with self._cond:
-            if not self._open:
-                return False
-            self._active += 1
-        try:
-            if piece.readonly:
-                into[offset : offset + len(piece)] = piece
-            else:  # ctypes releases the GIL: workers copy in parallel
-                ctypes.memmove(_address(into) + offset, _address(piece), len(piece))
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
-        return True
+        with self.writing() as allowed:
+            if allowed and piece:  # numpy copies without the GIL: workers copy in parallel
+                target = np.frombuffer(into, dtype=np.uint8)[offset : offset + len(piece)]
+                np.copyto(target, np.frombuffer(piece, dtype=np.uint8))
+            return allowed
 
     def close(self) -> None:
         with self._cond:
             self._open = False
             while self._active:
                 self._cond.wait()
-
-
-def _address(view: memoryview) -> int:
-    """Address of a writable, C-contiguous byte view (checked by byte_view)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class Usage(NamedTuple):
@@ -249,7 +251,7 @@ class StorageBackend(abc.ABC):
         here on the event loop. A backend that copies from worker threads overrides this and
         copies only through `guard` (after the call returns it refuses)."""
         fetched = await self._fetch(keys, [len(view) for view in views])
-        try:
+        try:  # on the event loop, within the call: no guard needed
             return [
                 self._decode_into(key, view, item)
                 for key, view, item in zip(keys, views, fetched, strict=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import itertools
 import os
 import threading
@@ -43,6 +44,7 @@ from .options import BackendOptions, check_range, options_from_query, url_option
 
 _MAX_OBJECT_BYTES = 1 << 34  # a sanity bound for objects read without an expected size
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 
 
 class _WorkerBuffers(threading.local):
@@ -116,6 +118,7 @@ class FileBackend(StorageBackend):
         self._header_bytes = header_size(layout) if layout is not None else 0
         self._staging = _StagingBuffers(max_buffers=256)
         self._buffers = _WorkerBuffers()
+        self._nowait = bool(_RWF_NOWAIT)
         self._serial = itertools.count()
         self._io: concurrent.futures.ThreadPoolExecutor | None = None
         self._scanner: concurrent.futures.ThreadPoolExecutor | None = None
@@ -271,14 +274,25 @@ class FileBackend(StorageBackend):
     def _stream_into(
         self, fd: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
     ) -> ReadInto:
-        """Header first (refuse early), then the payload in cache-sized chunks: each chunk is
-        hashed and copied on through the guard while it is still in cache."""
-        buffers = self._buffers
-        if len(buffers.head) != self._header_bytes:
-            buffers.head = bytearray(self._header_bytes)
-        head, chunk = memoryview(buffers.head), memoryview(buffers.chunk)
-        # One read for the header and the first chunk: a small page costs a single syscall.
-        got = _preadv_all(fd, [head, chunk], object_bytes)
+        """Header first (refuse early), then the payload, hashed piece by piece.
+
+        Where the page cache holds the page, the kernel copies it straight into the caller's
+        buffer (a read that cannot wait, done under the guard). Otherwise each chunk is read
+        into this thread's chunk buffer (a read that may wait, never into the caller's
+        buffer) and copied on through the guard while it is in cache.
+        """
+        if len(self._buffers.head) != self._header_bytes:
+            self._buffers.head = bytearray(self._header_bytes)
+        head, chunk = memoryview(self._buffers.head), memoryview(self._buffers.chunk)
+        first = [head, view[: len(chunk)]]  # a small page in one syscall, hashed while hot
+        got = self._read_nowait(fd, first, 0, guard)
+        if got is None:
+            return None
+        if got < len(head):  # not cached: the header and the first chunk the slow way
+            got = _preadv_all(fd, [head, chunk], object_bytes)
+            in_chunk = max(0, got - len(head))
+        else:
+            in_chunk = 0
         check = StreamingCheck.start(
             head[: min(got, len(head))],
             key,
@@ -290,21 +304,54 @@ class FileBackend(StorageBackend):
             return check
         if check.header.compression is not Compression.NONE:
             return self._decompress_into(fd, object_bytes, key, view, guard)
-        stored = check.header.stored_bytes
-        have = got - len(head)  # payload bytes already in the chunk
-        offset = 0
+        stored, start = check.header.stored_bytes, len(head)
+        if in_chunk:
+            offset = min(in_chunk, stored)
+            check.update(chunk[:offset])
+            if not guard.copy(view, 0, chunk[:offset]):
+                return None
+        else:
+            offset = min(got - len(head), stored)
+            check.update(view[:offset])  # just written by the kernel: still in cache
         while offset < stored:
-            piece = chunk[: min(have, stored - offset)]
-            check.update(piece)
-            if not guard.copy(view, offset, piece):
+            want = min(len(chunk), stored - offset)
+            direct = self._read_nowait(fd, [view[offset : offset + want]], start + offset, guard)
+            if direct is None:
                 return None  # the call is over: its buffers are not ours any more
-            offset += len(piece)
-            if offset < stored:
-                have = os.preadv(fd, [chunk[: stored - offset]], len(head) + offset)
-                if have == 0:
-                    break  # shrank under us: finish() says truncated
+            if direct:
+                check.update(view[offset : offset + direct])
+                offset += direct
+                continue
+            got = os.preadv(fd, [chunk[:want]], start + offset)
+            if got == 0:
+                break  # shrank under us: finish() says truncated
+            check.update(chunk[:got])
+            if not guard.copy(view, offset, chunk[:got]):
+                return None
+            offset += got
         reason = check.finish()
         return True if reason is None else reason
+
+    def _read_nowait(
+        self, fd: int, buffers: list[memoryview], offset: int, guard: CopyGuard
+    ) -> int | None:
+        """Read what the page cache holds straight into `buffers` (the caller's), without ever
+        waiting for I/O; 0 when nothing is cached (or the filesystem cannot promise that),
+        None when the call is over."""
+        if not self._nowait:
+            return 0
+        with guard.writing() as allowed:
+            if not allowed:
+                return None
+            try:
+                return os.preadv(fd, buffers, offset, _RWF_NOWAIT)
+            except BlockingIOError:
+                return 0
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                self._nowait = False  # e.g. NFS: always read through the chunk buffer
+                return 0
 
     def _decompress_into(
         self, fd: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard

@@ -378,6 +378,30 @@ def decode_object(
     return _decompress(header, payload)
 
 
+def verify_payload(
+    obj: ObjectParts, expected_key: bytes, expected_layout: str | bytes, raw_bytes: int
+) -> list[memoryview] | CorruptReason:
+    """Verify an object and return its payload, `raw_bytes` long, as parts to copy out.
+
+    The parts are views into `obj` (or the decompressed bytes, for lz4): nothing is copied.
+    """
+    layout = (
+        expected_layout if isinstance(expected_layout, bytes) else layout_bytes(expected_layout)
+    )
+    checked = _check(obj, expected_key, layout)
+    if isinstance(checked, CorruptReason):
+        return checked
+    header, payload = checked
+    if header.raw_bytes != raw_bytes:
+        return CorruptReason.LENGTH
+    if header.compression is Compression.LZ4:
+        raw = _decompress(header, payload)
+        if isinstance(raw, CorruptReason):
+            return raw
+        payload = [memoryview(raw)]
+    return payload
+
+
 def decode_object_into(
     obj: ObjectParts, expected_key: bytes, expected_layout: str | bytes, into: Buffer
 ) -> CorruptReason | None:
@@ -387,20 +411,9 @@ def decode_object_into(
     checked before a byte is copied.
     """
     target = byte_view(into, writable=True, what="destination buffer")
-    layout = (
-        expected_layout if isinstance(expected_layout, bytes) else layout_bytes(expected_layout)
-    )
-    checked = _check(obj, expected_key, layout)
-    if isinstance(checked, CorruptReason):
-        return checked
-    header, payload = checked
-    if header.raw_bytes != len(target):
-        return CorruptReason.LENGTH
-    if header.compression is Compression.LZ4:
-        raw = _decompress(header, payload)
-        if isinstance(raw, CorruptReason):
-            return raw
-        payload = [memoryview(raw)]
+    payload = verify_payload(obj, expected_key, expected_layout, len(target))
+    if isinstance(payload, CorruptReason):
+        return payload
     offset = 0
     for part in payload:
         target[offset : offset + len(part)] = part

@@ -270,6 +270,7 @@ def test_a_timed_out_read_never_writes_into_the_callers_buffer(tmp_path, pages, 
         url = f"file://{root}?capacity=1MiB&timeout=200ms"
         async with open_backend(url, layout=pages.LAYOUT) as store:
             await store.batch_put([key], [pages.page(key, PAGE_BYTES)])
+            store._nowait = False  # as on NFS: every read may wait, none goes straight in
             monkeypatch.setattr(file_store_module, "_preadv_all", slow_preadv_all)
             pool, views = pages.pool_views(1, PAGE_BYTES)
             started = time.monotonic()
@@ -310,5 +311,29 @@ def test_a_huge_file_is_refused_without_reading_it(tmp_path, pages):
             _, views = pages.pool_views(1, 100)
             assert await store.batch_get([key], views) == [False]
             assert store.stats().num_corrupt == {"length": 1}
+
+    run(body())
+
+
+def test_pages_not_in_the_page_cache_are_read_through_the_chunk_buffer(tmp_path, pages):
+    """A read that would wait for the disk never goes straight into the caller's buffer."""
+    root = tmp_path / "kv"
+    keys = [pages.key(i) for i in range(3)]
+    sizes = [100, 300_000, 700_000]  # under, just over, and several chunks
+    data = [pages.page(k, n) for k, n in zip(keys, sizes, strict=True)]
+
+    async def body():
+        async with open_backend(f"file://{root}?capacity=8MiB", layout=pages.LAYOUT) as store:
+            for key, page in zip(keys, data, strict=True):
+                await store.batch_put([key], [page])
+            for key in keys:  # evict the pages from the page cache
+                fd = os.open(page_path(str(root), key), os.O_RDONLY)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            for key, page in zip(keys, data, strict=True):
+                into = bytearray(len(page))
+                assert await store.batch_get([key], [into]) == [True]
+                assert into == page
 
     run(body())
