@@ -1,0 +1,438 @@
+"""Benchmark: L3 storage backends against the ceiling of what they are built on.
+
+Claim (issue 4): with batches of 32 pages of 64 KiB, 256 KiB and 2 MiB,
+- `file` puts and gets at >= 70 % of a plain Python write / read of one large file of the same
+  bytes in the same directory (without fsync for the default backend; with fsync for
+  `fsync=true`, against write + fsync);
+- `redis` puts and gets at >= 90 % of plain redis-py pipelined SET / GET of the same payloads
+  on the same server (no framing, no verification, GET returning bytes).
+
+Also measured, as context: `memory` against a Python memcpy of the same bytes, and the file
+backend's way of doing I/O against `aiofiles` with one await per open/write/read/rename
+(`file_aiofiles`: the same files, no verification), the reason file_store uses os calls on
+its own pool instead.
+
+Each case interleaves backend and ceiling over several repetitions after a warm-up and
+reports medians. The script starts its own redis-server on a free loopback port. Pages are
+random (seeded), so lz4 is off as it is by default. Prints one JSON line per case, then a table.
+
+    python benchmarks/bench_backends.py                       # all cases
+    python benchmarks/bench_backends.py --dir /mnt/nfs/kv     # the file ceiling is per directory
+    python benchmarks/bench_backends.py --smoke               # tiny, for the test suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import xxhash  # noqa: E402
+
+from benchmarks.common import device_name, emit  # noqa: E402
+from storage_backends import open_backend  # noqa: E402
+from storage_backends.objects import header_size  # noqa: E402
+
+LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"  # an opaque label here
+TARGETS = {"file": 0.70, "file_fsync": 0.70, "redis": 0.90}
+CEILINGS = {
+    "memory": "python memcpy of the same bytes",
+    "file": "python write / read of one large file, same directory, no fsync",
+    "file_fsync": "python write + fsync / read of one large file, same directory",
+    "file_aiofiles": "the file backend (this row: aiofiles, one await per file call)",
+    "redis": "redis-py pipelined SET / GET of the same payloads, same server",
+}
+
+Timed = Callable[[], Awaitable[None]]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default="memory,file,file_fsync,file_aiofiles,redis")
+    parser.add_argument("--page-sizes", default="65536,262144,2097152")
+    parser.add_argument("--batch-pages", type=int, default=32)
+    parser.add_argument("--total-bytes", type=int, default=256 << 20, help="per measurement")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dir", default=None, help="directory for file:// (default: a temp dir)")
+    parser.add_argument("--file-options", default="", help="extra file:// query, e.g. fsync=1")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, one rep")
+    args = parser.parse_args()
+    if args.smoke:
+        args.page_sizes, args.batch_pages, args.total_bytes, args.reps = "4096", 4, 64 << 10, 1
+    return args
+
+
+class Workload:
+    """Batches of random pages with distinct keys, and one reusable "L2 pool" to read into."""
+
+    def __init__(self, page_bytes: int, batch_pages: int, total_bytes: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.page_bytes = page_bytes
+        self.num_batches = max(1, total_bytes // (page_bytes * batch_pages))
+        self.pages = [rng.bytes(page_bytes) for _ in range(batch_pages)]
+        self.batches = [
+            [xxhash.xxh3_128_digest(f"{seed}:{page_bytes}:{b}:{i}".encode()) for i in range(n)]
+            for b, n in enumerate([batch_pages] * self.num_batches)
+        ]
+        self.pool = bytearray(page_bytes * batch_pages)
+        view = memoryview(self.pool)
+        self.into = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages)]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_batches * len(self.pages) * self.page_bytes
+
+
+async def measure(fn: Timed, nbytes: int) -> float:
+    started = time.perf_counter()
+    await fn()
+    return nbytes / (time.perf_counter() - started) / 1e9
+
+
+# -- the backends under test -----------------------------------------------------------------
+
+
+def backend_ops(url: str, work: Workload) -> tuple[Timed, Timed, Timed, Timed]:
+    """(setup, put, get, teardown) of one hicache backend on the workload."""
+    state = {}
+
+    async def setup() -> None:
+        state["store"] = open_backend(url, layout=LAYOUT)
+        await state["store"].connect()
+
+    async def put() -> None:
+        for keys in work.batches:
+            stored = await state["store"].batch_put(keys, work.pages)
+            assert all(stored), f"{url}: put failed: {state['store'].stats()}"
+
+    async def get() -> None:
+        for keys in work.batches:
+            found = await state["store"].batch_get(keys, work.into)
+            assert all(found), f"{url}: get missed: {state['store'].stats()}"
+
+    async def teardown() -> None:
+        for keys in work.batches:
+            await state["store"].delete(keys)
+        await state["store"].close()
+
+    return setup, put, get, teardown
+
+
+# -- ceilings --------------------------------------------------------------------------------
+
+
+def memcpy_ops(work: Workload) -> tuple[Timed, Timed]:
+    stored: dict[bytes, bytes] = {}
+
+    async def put() -> None:
+        for keys in work.batches:
+            for key, page in zip(keys, work.pages, strict=True):
+                stored[key] = bytes(memoryview(page))  # a copy: bytes(bytes) would not be
+
+    async def get() -> None:
+        for keys in work.batches:
+            for key, view in zip(keys, work.into, strict=True):
+                view[:] = stored[key]
+
+    return put, get
+
+
+def raw_file_ops(directory: Path, work: Workload, *, fsync: bool) -> tuple[Timed, Timed]:
+    path = directory / "ceiling.bin"
+
+    async def put() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in work.batches:
+                for page in work.pages:
+                    os.write(fd, page)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    async def get() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for _ in work.batches:
+                for view in work.into:
+                    os.readv(fd, [view])
+        finally:
+            os.close(fd)
+        path.unlink()
+
+    return put, get
+
+
+def per_file_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
+    """The file backend's layout with bare os calls (temp + rename, open + read): what one
+    file per page costs on this filesystem before any of hicache's work."""
+    header = bytes(header_size(LAYOUT))
+    paths = {}
+    for keys in work.batches:
+        for key in keys:
+            name = key.hex()
+            paths[key] = directory / "per-file" / name[:2] / name[2:4] / name
+            paths[key].parent.mkdir(parents=True, exist_ok=True)
+
+    async def put() -> None:
+        for keys in work.batches:
+            for key, page in zip(keys, work.pages, strict=True):
+                tmp = f"{paths[key]}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.writev(fd, [header, page])
+                os.close(fd)
+                os.rename(tmp, paths[key])
+
+    async def get() -> None:
+        head = bytearray(len(header))
+        for keys in work.batches:
+            for key, view in zip(keys, work.into, strict=True):
+                fd = os.open(paths[key], os.O_RDONLY)
+                os.preadv(fd, [head, view], 0)
+                os.close(fd)
+
+    return put, get
+
+
+def aiofiles_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
+    """The same files as the file backend (header + page, temp + rename), via aiofiles."""
+    import aiofiles
+    import aiofiles.os
+
+    header = bytes(header_size(LAYOUT))
+
+    def path_of(key: bytes) -> Path:
+        name = key.hex()
+        return directory / "aio" / name[:2] / name[2:4] / name
+
+    async def put_one(key: bytes, page: bytes) -> None:
+        final = path_of(key)
+        await aiofiles.os.makedirs(final.parent, exist_ok=True)
+        tmp = final.with_name(final.name + ".tmp")
+        async with aiofiles.open(tmp, "wb") as f:
+            await f.write(header)
+            await f.write(page)
+        await aiofiles.os.rename(tmp, final)
+
+    async def get_one(key: bytes, view: memoryview) -> None:
+        async with aiofiles.open(path_of(key), "rb", buffering=0) as f:
+            await f.read(len(header))
+            await f.readinto(view)
+
+    async def put() -> None:
+        for keys in work.batches:
+            await asyncio.gather(*(put_one(k, p) for k, p in zip(keys, work.pages, strict=True)))
+
+    async def get() -> None:
+        for keys in work.batches:
+            await asyncio.gather(*(get_one(k, v) for k, v in zip(keys, work.into, strict=True)))
+
+    return put, get
+
+
+def plain_redis_ops(port: int, work: Workload) -> tuple[Timed, Timed, Timed]:
+    import redis.asyncio as aredis
+
+    client = aredis.Redis(host="127.0.0.1", port=port)
+
+    async def put() -> None:
+        for keys in work.batches:
+            pipe = client.pipeline(transaction=False)
+            for key, page in zip(keys, work.pages, strict=True):
+                pipe.set(b"plain:" + key, page)
+            await pipe.execute()
+
+    async def get() -> None:
+        for keys in work.batches:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(b"plain:" + key)
+            values = await pipe.execute()
+            assert all(v is not None for v in values)
+
+    async def close() -> None:
+        await client.flushdb()
+        await client.aclose()
+
+    return put, get, close
+
+
+# -- running one case ------------------------------------------------------------------------
+
+
+async def run_case(args, name: str, work: Workload, env: dict) -> dict:
+    """Interleave backend and ceiling; medians over reps after one warm-up."""
+    if name == "file_aiofiles":
+        setup, put, get, teardown = backend_ops(env["file_url"](), work)
+        ceiling_put, ceiling_get = put, get
+        put, get = aiofiles_ops(env["dir"], work)
+    else:
+        setup, put, get, teardown = backend_ops(env[f"{name}_url"](), work)
+        if name == "memory":
+            ceiling_put, ceiling_get = memcpy_ops(work)
+        elif name.startswith("file"):
+            ceiling_put, ceiling_get = raw_file_ops(env["dir"], work, fsync=name == "file_fsync")
+        else:
+            ceiling_put, ceiling_get, close_plain = plain_redis_ops(env["redis_port"], work)
+    reference = per_file_ops(env["dir"], work) if name in ("file", "file_fsync") else None
+    await setup()
+    rates: dict[str, list[float]] = {"put": [], "get": [], "ceiling_put": [], "ceiling_get": []}
+    nbytes = work.total_bytes
+    for rep in range(args.reps + 1):
+        rows = {
+            "ceiling_put": await measure(ceiling_put, nbytes),
+            "put": await measure(put, nbytes),
+            "ceiling_get": await measure(ceiling_get, nbytes),
+            "get": await measure(get, nbytes),
+        }
+        if reference is not None:
+            rows["per_file_put"] = await measure(reference[0], nbytes)
+            rows["per_file_get"] = await measure(reference[1], nbytes)
+        if name == "file_aiofiles":
+            shutil.rmtree(env["dir"] / "aio", ignore_errors=True)
+        if rep > 0:  # rep 0 warms up
+            for key, value in rows.items():
+                rates.setdefault(key, []).append(value)
+    await teardown()
+    if name == "redis":
+        await close_plain()
+    med = {key: statistics.median(values) for key, values in rates.items()}
+    shutil.rmtree(env["dir"] / "per-file", ignore_errors=True)
+    per_file = {}
+    if reference is not None:
+        per_file = {
+            "per_file_put_gbps": round(med["per_file_put"], 3),
+            "per_file_get_gbps": round(med["per_file_get"], 3),
+            "per_file": "bare os calls, same one-file-per-page layout (context, not a ceiling)",
+        }
+    return {
+        "bench": "backends",
+        "backend": name,
+        "url": _query_of(env, name),
+        "page_bytes": work.page_bytes,
+        "batch_pages": len(work.pages),
+        "bytes_per_measurement": nbytes,
+        "reps": args.reps,
+        "put_gbps": round(med["put"], 3),
+        "get_gbps": round(med["get"], 3),
+        "ceiling": CEILINGS[name],
+        "ceiling_put_gbps": round(med["ceiling_put"], 3),
+        "ceiling_get_gbps": round(med["ceiling_get"], 3),
+        # Ratios are medians of per-repetition ratios: each pairs two measurements taken
+        # back to back, so load from elsewhere on the machine cancels out of them.
+        "put_ratio": round(_median_ratio(rates["put"], rates["ceiling_put"]), 3),
+        "get_ratio": round(_median_ratio(rates["get"], rates["ceiling_get"]), 3),
+        "target_ratio": TARGETS.get(name),
+        **per_file,
+        "device": device_name("cpu"),
+        "seed": args.seed,
+    }
+
+
+def _median_ratio(values: list[float], ceilings: list[float]) -> float:
+    return statistics.median(v / c for v, c in zip(values, ceilings, strict=True))
+
+
+def _query_of(env: dict, name: str) -> str:
+    """The backend URL's options (the scratch path left out)."""
+    url = env[f"{'file' if name == 'file_aiofiles' else name}_url"]()
+    return url.split("://")[0] + "://...?" + url.partition("?")[2]
+
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def print_table(rows: list[dict]) -> None:
+    print()
+    header = f"{'backend':<14}{'page':>9}  {'put GB/s':>9} {'ceiling':>8} {'ratio':>6}"
+    header += f"  {'get GB/s':>9} {'ceiling':>8} {'ratio':>6}  target"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        target = f">= {r['target_ratio']:.0%}" if r["target_ratio"] else ""
+        if "per_file_put_gbps" in r:
+            target += (
+                f"   (bare per-file {r['per_file_put_gbps']:.3f} / {r['per_file_get_gbps']:.3f})"
+            )
+        print(
+            f"{r['backend']:<14}{r['page_bytes'] >> 10:>7}Ki  {r['put_gbps']:>9.3f} "
+            f"{r['ceiling_put_gbps']:>8.3f} {r['put_ratio']:>6.0%}  {r['get_gbps']:>9.3f} "
+            f"{r['ceiling_get_gbps']:>8.3f} {r['get_ratio']:>6.0%}  {target}"
+        )
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    names = [n for n in args.backends.split(",") if n]
+    unknown = set(names) - set(CEILINGS)
+    if unknown:
+        raise SystemExit(f"unknown backends {sorted(unknown)}; choose from {sorted(CEILINGS)}")
+    scratch = Path(tempfile.mkdtemp(prefix="hicache-bench-", dir=args.dir))
+    env: dict = {"dir": scratch}
+    redis_proc = None
+    if "redis" in names:
+        redis_proc, port = start_redis(scratch)
+        env["redis_port"] = port
+    rows = []
+    try:
+        for page_bytes in [int(s) for s in args.page_sizes.split(",")]:
+            work = Workload(page_bytes, args.batch_pages, args.total_bytes, args.seed)
+            capacity = 4 * work.total_bytes * (page_bytes + header_size(LAYOUT)) // page_bytes
+            env["memory_url"] = lambda c=capacity: f"memory://?capacity={c}"
+            extra = f"&{args.file_options}" if args.file_options else ""
+            env["file_url"] = lambda c=capacity, x=extra: f"file://{scratch}/kv?capacity={c}{x}"
+            env["file_fsync_url"] = lambda c=capacity: f"{env['file_url'](c)}&fsync=1"
+            if redis_proc is not None:
+                env["redis_url"] = lambda: f"redis://127.0.0.1:{env['redis_port']}/0?timeout=30s"
+            for name in names:
+                row = await run_case(args, name, work, env)
+                emit(row)
+                rows.append(row)
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+    print_table(rows)
+
+
+def main() -> None:
+    asyncio.run(main_async(parse_args()))
+
+
+if __name__ == "__main__":
+    main()

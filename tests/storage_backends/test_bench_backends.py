@@ -1,0 +1,38 @@
+"""benchmarks/bench_backends.py runs end to end (tiny sizes) and prints its JSON lines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_backends_smoke_prints_one_json_line_per_backend(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_backends.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["backend"] for r in lines] == [
+        "memory",
+        "file",
+        "file_fsync",
+        "file_aiofiles",
+        "redis",
+    ]
+    for r in lines:
+        assert r["bench"] == "backends" and r["git"] and r["device"]
+        assert r["page_bytes"] == 4096 and r["batch_pages"] == 4
+        assert r["put_gbps"] > 0 and r["get_gbps"] > 0
+        assert r["ceiling_put_gbps"] > 0 and r["ceiling_get_gbps"] > 0
+        assert r["put_ratio"] > 0 and r["get_ratio"] > 0
+    assert lines[1]["target_ratio"] == 0.7 and lines[4]["target_ratio"] == 0.9
+    assert lines[1]["per_file_get_gbps"] > 0
+    assert "target" in result.stdout.splitlines()[-7]  # the table comes last
