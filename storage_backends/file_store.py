@@ -9,11 +9,13 @@ I/O runs on a small thread pool with plain `os` calls, each worker doing a slice
 batch: a page costs one open, one vectored write (header and caller's page, no join) or one
 read, and one close, instead of a thread hop per call as with `aiofiles`.
 
-Reads land in a pooled staging buffer and are copied into the caller's buffer on the event
-loop after verification. Reading straight into the caller's buffer would save that copy,
-but a read stuck on a hung mount could then write into an L2 page after `batch_get` gave
-up on it and the engine reused the page for something else. The copy is what lets a
-timeout be final.
+A read never lets a late write reach the caller's buffer: once `batch_get` has returned
+(on a timeout too), the engine may hand that L2 page to something else. So the kernel only
+writes into the caller's buffer with RWF_NOWAIT, a read that fails rather than wait for I/O
+(a page-cache hit: a memory copy), under the call's CopyGuard. Anything that may wait - the
+page cache misses, or the filesystem cannot promise (NFS) - is read into the worker's own
+256 KiB chunk buffer and copied on through the guard, which refuses once the call is over.
+Each chunk is hashed while it is in cache; a page is True only after its checksum matched.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .objects import (
 )
 from .options import BackendOptions, check_range, options_from_query, url_option
 
-_MAX_OBJECT_BYTES = 1 << 34  # a sanity bound for objects read without an expected size
+_MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is not a page
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 
@@ -85,25 +87,6 @@ class FileOptions(BackendOptions):
         check_range("stale_temp", self.stale_temp_s, low=1.0)
 
 
-class _StagingBuffers:
-    """Reusable read buffers: a fresh 2 MiB bytearray costs page faults and zeroing each time."""
-
-    def __init__(self, max_buffers: int) -> None:
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-        self._max_buffers = max_buffers
-
-    def take(self, nbytes: int) -> bytearray:
-        with self._lock:
-            buf = self._free.pop() if self._free else None
-        return buf if buf is not None and len(buf) >= nbytes else bytearray(nbytes)
-
-    def give(self, buf: bytearray) -> None:
-        with self._lock:
-            if len(self._free) < self._max_buffers:
-                self._free.append(buf)
-
-
 class FileBackend(StorageBackend):
     scheme = "file"
     transient_errors = (OSError,)
@@ -116,7 +99,6 @@ class FileBackend(StorageBackend):
             options.path, options.capacity_bytes, stale_temp_s=options.stale_temp_s
         )
         self._header_bytes = header_size(layout) if layout is not None else 0
-        self._staging = _StagingBuffers(max_buffers=256)
         self._buffers = _WorkerBuffers()
         self._nowait = bool(_RWF_NOWAIT)
         self._serial = itertools.count()
@@ -164,6 +146,7 @@ class FileBackend(StorageBackend):
         return await self._run(count)
 
     async def _fetch(self, keys: list[bytes], sizes: list[int] | None) -> list[Fetched]:
+        """Whole objects as bytes (the objects API; pages go through `_fetch_into`)."""
         self._maybe_rescan()
         items = list(zip(keys, sizes if sizes is not None else [None] * len(keys), strict=True))
         loop = asyncio.get_running_loop()
@@ -200,11 +183,6 @@ class FileBackend(StorageBackend):
             state.num_objects, state.used_bytes, self.options.capacity_bytes, state.num_evictions
         )
 
-    def _release(self, fetched: list[Fetched]) -> None:
-        for item in fetched:
-            if isinstance(item, memoryview) and isinstance(item.obj, bytearray):
-                self._staging.give(item.obj)
-
     # -- public extras ------------------------------------------------------------------------
 
     async def rescan(self) -> None:
@@ -230,13 +208,11 @@ class FileBackend(StorageBackend):
             return PageStatus.ERROR
         try:
             st = os.fstat(fd)
-            if size is None:
-                fetched: Fetched = _read_bytes(fd, min(st.st_size, _MAX_OBJECT_BYTES))
-            elif st.st_size > 4 * (self._header_bytes + size) + (1 << 20):
-                fetched = CorruptReason.LENGTH  # far too large to be this page: don't read it
+            limit = _MAX_OBJECT_BYTES if size is None else self._header_bytes + size
+            if st.st_size > limit:
+                fetched: Fetched = CorruptReason.LENGTH  # not this page: don't read it
             else:
-                view = memoryview(self._staging.take(st.st_size))[: st.st_size]
-                fetched = view[: _read_into(fd, view)]
+                fetched = _read_bytes(fd, st.st_size)
         except OSError as exc:
             self._note_page_error(f"{path}: {exc}")
             return PageStatus.ERROR
@@ -458,16 +434,6 @@ class FileBackend(StorageBackend):
             self._warnings.warn("scan", f"directory scan failed: {type(exc).__name__}: {exc}")
         self._next_scan_at = now + self.options.scan_interval_s
         self._scan = self._scanner.submit(self._space.refresh)
-
-
-def _read_into(fd: int, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            break
-        got += n
-    return got
 
 
 def _preadv_all(fd: int, buffers: list[memoryview], limit: int) -> int:
