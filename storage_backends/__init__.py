@@ -12,7 +12,7 @@ Every stored page is a self-describing object (`objects`), verified on every rea
 Client libraries (redis) are imported only when a URL of their scheme is opened.
 """
 
-from .base import BackendStats, PageStatus, StorageBackend, Usage
+from .base import PageStatus, StorageBackend
 from .errors import (
     BackendClosedError,
     BackendConfigError,
@@ -34,6 +34,7 @@ from .objects import (
 )
 from .options import BackendOptions, parse_duration, parse_size
 from .registry import known_schemes, open_backend, register_backend
+from .stats import BackendStats, Usage
 from .sync import SyncBackend
 
 __all__ = [

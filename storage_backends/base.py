@@ -26,20 +26,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import enum
 import logging
-import threading
-import time
 import types
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, TypeVar
-
-import numpy as np
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import ClassVar, TypeVar
 
 from .errors import BackendClosedError, BackendUnavailableError
+from .guard import CopyGuard
 from .objects import (
     Buffer,
     Compression,
@@ -56,6 +51,7 @@ from .objects import (
     verify_object,
 )
 from .options import BackendOptions
+from .stats import BackendStats, RateLimitedWarnings, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -76,108 +72,6 @@ Fetched = ObjectParts | PageStatus | CorruptReason | None
 
 # A page read into the caller's buffer: True (verified and copied), or why not, as above.
 ReadInto = bool | PageStatus | CorruptReason | None
-
-
-class CopyGuard:
-    """Lets worker threads write one call's buffers only while that call is running.
-
-    Writes happen inside `writing()`: memory copies, and reads that cannot wait for I/O
-    (a page-cache hit) - work that always ends within microseconds. The base closes the guard
-    as the call returns (even on a timeout), waiting only for such writes under way; a worker
-    that is still reading afterwards finds it closed and writes nothing. Never hold it across
-    anything that can block (a read that may wait for a disk or a server).
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._open = True
-        self._active = 0
-
-    @contextlib.contextmanager
-    def writing(self) -> Iterator[bool]:
-        """True: the buffers may be written until the block ends. False: the call is over."""
-        with self._cond:
-            entered = self._open
-            self._active += entered
-        try:
-            yield entered
-        finally:
-            if entered:
-                with self._cond:
-                    self._active -= 1
-                    if not self._active:
-                        self._cond.notify_all()
-
-    def copy(self, into: memoryview, offset: int, piece: memoryview) -> bool:
-        """into[offset : offset + len(piece)] = piece, unless the call is over (False)."""
-        if offset < 0 or offset + len(piece) > len(into):
-            raise ValueError(f"copy of {len(piece)} bytes at {offset} overruns {len(into)}")
-        with self.writing() as allowed:
-            if allowed and piece:  # numpy copies without the GIL: workers copy in parallel
-                target = np.frombuffer(into, dtype=np.uint8)[offset : offset + len(piece)]
-                np.copyto(target, np.frombuffer(piece, dtype=np.uint8))
-            return allowed
-
-    def close(self) -> None:
-        with self._cond:
-            self._open = False
-            while self._active:
-                self._cond.wait()
-
-
-class Usage(NamedTuple):
-    """What a backend knows about its own contents (None where it cannot know cheaply)."""
-
-    num_objects: int | None
-    stored_bytes: int | None
-    capacity_bytes: int | None
-    num_evictions: int = 0
-
-
-@dataclass(frozen=True)
-class BackendStats:
-    """Counters since the backend was built. Frozen: a snapshot, safe to hand to metrics."""
-
-    backend: str  # the URL, password removed
-    num_objects: int | None  # objects stored (None: the backend cannot count, e.g. Redis)
-    stored_bytes: int | None  # bytes stored, headers included
-    capacity_bytes: int | None
-    num_hits: int  # pages batch_get / batch_get_objects returned
-    num_misses: int  # pages they did not (absent, corrupt, or lost to a fault)
-    num_puts: int  # pages stored
-    num_put_rejected: int  # pages refused: no room, or (objects API) failed verification
-    num_errors: int  # faults: failed calls, and pages that failed on their own
-    num_timeouts: int  # calls that hit the deadline
-    num_reconnects: int
-    num_evictions: int
-    num_corrupt: Mapping[str, int]  # refused reads (and object puts) by CorruptReason value
-    read_bytes: int  # payload bytes returned
-    written_bytes: int  # object bytes stored
-
-    @property
-    def num_corrupt_total(self) -> int:
-        return sum(self.num_corrupt.values())
-
-
-class _RateLimitedWarnings:
-    """At most one warning per kind per interval; the next one says how many were held back."""
-
-    def __init__(self, name: str, interval_s: float) -> None:
-        self._name = name
-        self._interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._held: Counter[str] = Counter()
-
-    def warn(self, kind: str, message: str) -> None:
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._interval_s:
-            self._held[kind] += 1
-            return
-        held = self._held.pop(kind, 0)
-        self._last[kind] = now
-        suffix = f" ({held} similar warnings suppressed)" if held else ""
-        logger.warning("%s: %s%s", self._name, message, suffix)
 
 
 class _Fault:
@@ -204,7 +98,7 @@ class StorageBackend(abc.ABC):
         self.name = name or f"{self.scheme}://"
         self._layout_bytes = layout_bytes(layout) if layout is not None else None
         self._compression = Compression.parse(options.compression)
-        self._warnings = _RateLimitedWarnings(self.name, options.warn_interval_s)
+        self._warnings = RateLimitedWarnings(self.name, options.warn_interval_s)
         self._connect_lock = asyncio.Lock()
         self._connected = False
         self._ever_connected = False
@@ -232,8 +126,7 @@ class StorageBackend(abc.ABC):
         """The stored objects of `keys`, as they are: the caller verifies them.
 
         `sizes` are the payload sizes the caller expects (reads into buffers); None when the
-        caller keeps the returned bytes (the objects API). The results may point into
-        buffers the backend reuses after `_release` is called on them.
+        caller keeps the returned bytes (the objects API).
         """
 
     @abc.abstractmethod
@@ -251,13 +144,10 @@ class StorageBackend(abc.ABC):
         here on the event loop. A backend that copies from worker threads overrides this and
         copies only through `guard` (after the call returns it refuses)."""
         fetched = await self._fetch(keys, [len(view) for view in views])
-        try:  # on the event loop, within the call: no guard needed
-            return [
-                self._decode_into(key, view, item)
-                for key, view, item in zip(keys, views, fetched, strict=True)
-            ]
-        finally:
-            self._release(fetched)
+        return [  # on the event loop, within the call: no guard needed
+            self._decode_into(key, view, item)
+            for key, view, item in zip(keys, views, fetched, strict=True)
+        ]
 
     def _decode_into(self, key: bytes, view: memoryview, item: Fetched) -> ReadInto:
         if item is None or isinstance(item, (PageStatus, CorruptReason)):
@@ -267,10 +157,6 @@ class StorageBackend(abc.ABC):
 
     def _usage(self) -> Usage:
         return Usage(None, None, None)
-
-    def _release(self, fetched: list[Fetched]) -> None:
-        """Called once the results of `_fetch` have been consumed (buffer pools)."""
-        del fetched  # nothing is pooled by default
 
     def _note_page_error(self, detail: str) -> None:
         """Backends record why a single page failed; the next rate-limited warning says it."""
@@ -349,7 +235,7 @@ class StorageBackend(abc.ABC):
         self._require_layout("batch_put")
         if not keys:
             return []
-        framed = await self._frame_all(keys, views)
+        framed = await self._frame_all(keys, views, self.layout)
         return await self._store_counted("batch_put", keys, framed)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
@@ -418,7 +304,6 @@ class StorageBackend(abc.ABC):
                 blobs.append(None)
             else:
                 blobs.append(join_parts(item))
-        self._release(fetched)
         hits = [blob is not None for blob in blobs]
         self._count_reads(hits, sum(len(b) for b in blobs if b is not None), corrupt)
         return blobs
@@ -524,9 +409,9 @@ class StorageBackend(abc.ABC):
             )
         return self._layout_bytes
 
-    async def _frame_all(self, keys: list[bytes], views: list[memoryview]) -> list[FramedObject]:
-        layout = self.layout
-        assert layout is not None
+    async def _frame_all(
+        self, keys: list[bytes], views: list[memoryview], layout: str
+    ) -> list[FramedObject]:
         if self._compression is Compression.NONE:
             return [frame_object(k, layout, v) for k, v in zip(keys, views, strict=True)]
         loop = asyncio.get_running_loop()  # lz4 releases the GIL: keep it off the event loop

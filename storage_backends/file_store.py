@@ -31,9 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from .base import CopyGuard, Fetched, PageStatus, ReadInto, StorageBackend, Usage
+from .base import Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .file_space import DirectorySpace, Staged, page_path, temp_path, unlink_quiet
+from .guard import CopyGuard
 from .objects import (
     Compression,
     CorruptReason,
@@ -43,6 +44,7 @@ from .objects import (
     header_size,
 )
 from .options import BackendOptions, check_range, options_from_query, url_option
+from .stats import Usage
 
 _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is not a page
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache

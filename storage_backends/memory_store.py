@@ -14,10 +14,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .base import Fetched, PageStatus, StorageBackend, Usage
+from .base import Fetched, PageStatus, StorageBackend
 from .errors import BackendConfigError
 from .objects import FramedObject
 from .options import BackendOptions, check_range, options_from_query, url_option
+from .stats import Usage
 
 
 @dataclass(frozen=True)

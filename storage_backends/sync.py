@@ -12,10 +12,11 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from .base import BackendStats, StorageBackend
+from .base import StorageBackend
 from .errors import BackendClosedError
 from .objects import Buffer
 from .registry import open_backend
+from .stats import BackendStats
 
 T = TypeVar("T")
 
