@@ -334,12 +334,11 @@ class StorageBackend(abc.ABC):
         if self._closed:
             return
         self._closed = True
-        if self._connected:
-            self._connected = False
-            try:
-                await self._close()
-            except self.transient_errors as exc:
-                logger.debug("%s: error while closing: %s", self.name, exc)
+        self._connected = False
+        try:  # also after a fault or a failed first use: pools and clients may exist
+            await self._close()
+        except self.transient_errors as exc:
+            logger.debug("%s: error while closing: %s", self.name, exc)
 
     async def __aenter__(self) -> StorageBackend:
         return self
