@@ -96,7 +96,9 @@ class RedisBackend(StorageBackend):
         common = dict(
             username=opts.username,
             password=opts.password,
-            socket_timeout=opts.timeout_s,
+            # No per-read socket timeout: every call already runs under the base's deadline,
+            # and redis-py would arm a timer for each reply of a batch.
+            socket_timeout=None,
             socket_connect_timeout=opts.connect_timeout_s,
             retry=Retry(NoBackoff(), 1),  # one quick retry; the next call reconnects anyway
         )
