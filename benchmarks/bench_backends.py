@@ -78,20 +78,35 @@ def parse_args() -> argparse.Namespace:
 
 
 class Workload:
-    """Batches of random pages with distinct keys, and one reusable "L2 pool" to read into."""
+    """Batches of random pages, and one reusable "L2 pool" to read into.
+
+    Every repetition writes new keys (`start_rep`), as fresh traffic would: rewriting the same
+    keys would measure the filesystem replacing files instead of storing pages.
+    """
 
     def __init__(self, page_bytes: int, batch_pages: int, total_bytes: int, seed: int) -> None:
         rng = np.random.default_rng(seed)
         self.page_bytes = page_bytes
+        self.seed = seed
         self.num_batches = max(1, total_bytes // (page_bytes * batch_pages))
         self.pages = [rng.bytes(page_bytes) for _ in range(batch_pages)]
-        self.batches = [
-            [xxhash.xxh3_128_digest(f"{seed}:{page_bytes}:{b}:{i}".encode()) for i in range(n)]
-            for b, n in enumerate([batch_pages] * self.num_batches)
-        ]
         self.pool = bytearray(page_bytes * batch_pages)
         view = memoryview(self.pool)
         self.into = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages)]
+        self.rep = 0
+        self.all_batches: list[list[bytes]] = []
+        self.start_rep(0)
+
+    def start_rep(self, rep: int) -> None:
+        self.rep = rep
+        self.batches = [
+            [
+                xxhash.xxh3_128_digest(f"{self.seed}:{self.page_bytes}:{rep}:{b}:{i}".encode())
+                for i in range(len(self.pages))
+            ]
+            for b in range(self.num_batches)
+        ]
+        self.all_batches += self.batches
 
     @property
     def total_bytes(self) -> int:
@@ -126,7 +141,7 @@ def backend_ops(url: str, work: Workload) -> tuple[Timed, Timed, Timed, Timed]:
             assert all(found), f"{url}: get missed: {state['store'].stats()}"
 
     async def teardown() -> None:
-        for keys in work.batches:
+        for keys in work.all_batches:
             await state["store"].delete(keys)
         await state["store"].close()
 
@@ -153,10 +168,11 @@ def memcpy_ops(work: Workload) -> tuple[Timed, Timed]:
 
 
 def raw_file_ops(directory: Path, work: Workload, *, fsync: bool) -> tuple[Timed, Timed]:
-    path = directory / "ceiling.bin"
+    def path() -> Path:
+        return directory / f"ceiling-{work.rep}.bin"
 
     async def put() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for _ in work.batches:
                 for page in work.pages:
@@ -167,14 +183,13 @@ def raw_file_ops(directory: Path, work: Workload, *, fsync: bool) -> tuple[Timed
             os.close(fd)
 
     async def get() -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path(), os.O_RDONLY)
         try:
             for _ in work.batches:
                 for view in work.into:
                     os.readv(fd, [view])
         finally:
             os.close(fd)
-        path.unlink()
 
     return put, get
 
@@ -183,27 +198,30 @@ def per_file_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
     """The file backend's layout with bare os calls (temp + rename, open + read): what one
     file per page costs on this filesystem before any of hicache's work."""
     header = bytes(header_size(LAYOUT))
-    paths = {}
-    for keys in work.batches:
-        for key in keys:
-            name = key.hex()
-            paths[key] = directory / "per-file" / name[:2] / name[2:4] / name
-            paths[key].parent.mkdir(parents=True, exist_ok=True)
+    made: set[Path] = set()
+
+    def path_of(key: bytes) -> Path:
+        name = key.hex()
+        return directory / "per-file" / name[:2] / name[2:4] / name
 
     async def put() -> None:
         for keys in work.batches:
             for key, page in zip(keys, work.pages, strict=True):
-                tmp = f"{paths[key]}.tmp"
+                final = path_of(key)
+                if final.parent not in made:
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    made.add(final.parent)
+                tmp = f"{final}.tmp"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.writev(fd, [header, page])
                 os.close(fd)
-                os.rename(tmp, paths[key])
+                os.rename(tmp, final)
 
     async def get() -> None:
         head = bytearray(len(header))
         for keys in work.batches:
             for key, view in zip(keys, work.into, strict=True):
-                fd = os.open(paths[key], os.O_RDONLY)
+                fd = os.open(path_of(key), os.O_RDONLY)
                 os.preadv(fd, [head, view], 0)
                 os.close(fd)
 
@@ -295,6 +313,7 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
     rates: dict[str, list[float]] = {"put": [], "get": [], "ceiling_put": [], "ceiling_get": []}
     nbytes = work.total_bytes
     for rep in range(args.reps + 1):
+        work.start_rep(rep)
         rows = {
             "ceiling_put": await measure(ceiling_put, nbytes),
             "put": await measure(put, nbytes),
@@ -304,8 +323,6 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         if reference is not None:
             rows["per_file_put"] = await measure(reference[0], nbytes)
             rows["per_file_get"] = await measure(reference[1], nbytes)
-        if name == "file_aiofiles":
-            shutil.rmtree(env["dir"] / "aio", ignore_errors=True)
         if rep > 0:  # rep 0 warms up
             for key, value in rows.items():
                 rates.setdefault(key, []).append(value)
@@ -313,7 +330,10 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
     if name == "redis":
         await close_plain()
     med = {key: statistics.median(values) for key, values in rates.items()}
-    shutil.rmtree(env["dir"] / "per-file", ignore_errors=True)
+    for leftover in ("per-file", "aio"):
+        shutil.rmtree(env["dir"] / leftover, ignore_errors=True)
+    for ceiling_file in env["dir"].glob("ceiling-*.bin"):
+        ceiling_file.unlink()
     per_file = {}
     if reference is not None:
         per_file = {
@@ -411,7 +431,8 @@ async def main_async(args: argparse.Namespace) -> None:
     try:
         for page_bytes in [int(s) for s in args.page_sizes.split(",")]:
             work = Workload(page_bytes, args.batch_pages, args.total_bytes, args.seed)
-            capacity = 4 * work.total_bytes * (page_bytes + header_size(LAYOUT)) // page_bytes
+            per_rep = work.total_bytes * (page_bytes + header_size(LAYOUT)) // page_bytes
+            capacity = (args.reps + 2) * per_rep  # every repetition's pages fit: no eviction
             env["memory_url"] = lambda c=capacity: f"memory://?capacity={c}"
             extra = f"&{args.file_options}" if args.file_options else ""
             env["file_url"] = lambda c=capacity, x=extra: f"file://{scratch}/kv?capacity={c}{x}"

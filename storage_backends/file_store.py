@@ -49,6 +49,7 @@ from .stats import Usage
 _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is not a page
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
+_CACHED_GROUP_BYTES = 4 << 20  # page-cache hits: one worker per this many bytes of a batch
 
 
 class _WorkerBuffers(threading.local):
@@ -57,6 +58,7 @@ class _WorkerBuffers(threading.local):
     def __init__(self) -> None:
         self.head = bytearray(0)
         self.chunk = bytearray(_CHUNK_BYTES)
+        self.cache_hits = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class FileBackend(StorageBackend):
         self._header_bytes = header_size(layout) if layout is not None else 0
         self._buffers = _WorkerBuffers()
         self._nowait = bool(_RWF_NOWAIT)
+        self._cache_hit_ratio = 1.0  # recent share of reads the page cache served
         self._serial = itertools.count()
         self._io: concurrent.futures.ThreadPoolExecutor | None = None
         self._scanner: concurrent.futures.ThreadPoolExecutor | None = None
@@ -174,10 +177,11 @@ class FileBackend(StorageBackend):
         parts = await asyncio.gather(
             *(
                 loop.run_in_executor(self._io, self._read_group_into, group, guard)
-                for group in self._split(items)
+                for group in self._split(items, self._read_groups(views))
             )
         )
-        return [outcome for group in parts for outcome in group]
+        self._note_cache_hits(sum(hits for hits, _ in parts), len(keys))
+        return [outcome for _, group in parts for outcome in group]
 
     def _usage(self) -> Usage:
         state = self._space.last_state
@@ -225,8 +229,11 @@ class FileBackend(StorageBackend):
 
     def _read_group_into(
         self, items: list[tuple[bytes, memoryview]], guard: CopyGuard
-    ) -> list[ReadInto]:
-        return [self._read_page_into(key, view, guard) for key, view in items]
+    ) -> tuple[int, list[ReadInto]]:
+        """(how many pages the page cache served whole, the outcomes)."""
+        self._buffers.cache_hits = 0
+        outcomes = [self._read_page_into(key, view, guard) for key, view in items]
+        return self._buffers.cache_hits, outcomes
 
     def _read_page_into(self, key: bytes, view: memoryview, guard: CopyGuard) -> ReadInto:
         path = page_path(self.root, key)
@@ -266,6 +273,8 @@ class FileBackend(StorageBackend):
         got = self._read_nowait(fd, first, 0, guard)
         if got is None:
             return None
+        if got == min(object_bytes, len(head) + len(first[1])):
+            self._buffers.cache_hits += 1  # (counts pages whose first chunk was cached)
         if got < len(head):  # not cached: the header and the first chunk the slow way
             got = _preadv_all(fd, [head, chunk], object_bytes)
             in_chunk = max(0, got - len(head))
@@ -416,13 +425,30 @@ class FileBackend(StorageBackend):
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _split(self, items: list) -> list[list]:
+    def _split(self, items: list, num_groups: int | None = None) -> list[list]:
         """Contiguous slices, one per worker, so results come back in order."""
         if not items:
             return []
-        num = min(self.options.io_threads, len(items))
+        num = min(num_groups or self.options.io_threads, len(items))
         step = -(-len(items) // num)
         return [items[i : i + step] for i in range(0, len(items), step)]
+
+    def _read_groups(self, views: list[memoryview]) -> int:
+        """How many workers a batch of reads gets.
+
+        Reads that wait for a device or a server overlap: all `io_threads`. Page-cache hits are
+        memory copies with some Python around each: more threads only fight over the GIL, so
+        they get one worker per `_CACHED_GROUP_BYTES`. Which kind the next batch will be is
+        guessed from the last ones.
+        """
+        if self._cache_hit_ratio < 0.9:
+            return self.options.io_threads
+        num_bytes = sum(len(view) for view in views)
+        return max(1, min(self.options.io_threads, num_bytes // _CACHED_GROUP_BYTES))
+
+    def _note_cache_hits(self, num_hits: int, num_reads: int) -> None:
+        if num_reads:
+            self._cache_hit_ratio = 0.8 * self._cache_hit_ratio + 0.2 * num_hits / num_reads
 
     async def _run(self, fn: Callable[[], object]):
         return await asyncio.get_running_loop().run_in_executor(self._io, fn)
