@@ -1,1 +1,23 @@
-"""engine_integration: users of hicache (the embedded decoding engine, serving-engine adapters)."""
+"""engine_integration: users of hicache; here, the embedded decoding engine.
+
+A small but real engine that gets prefix hits from L1, L2 and L3 through `hicache.HiCache`
+and rebuilds its sliding-window layers by encoder replay (DESIGN.md):
+
+    config.py       ModelConfig (architecture, hybrid layer plan), EngineConfig
+    hf_config.py    Hugging Face config.json <-> ModelConfig fields
+    weights.py      ModelWeights: random from a seed, or a safetensors checkpoint
+    tokenizer.py    byte-level tokenizer, or tokenizer.json through `tokenizers`
+    rows.py         RowLayout: fixed-shape row blocks (batch invariance on the CPU)
+    attention.py    attention over paged source KV and over the late window
+    window.py       LateWindow: the late layers' ring of W tokens per request
+    model.py        Model: the forward pass of one engine step
+    pages.py        PageSource: hicache (CachedPages) or a private pool (cache off)
+    scheduler.py    continuous batching, chunked prefill, the replay plan
+    engine.py       Engine: add_request / step / generate
+    embedded.py     load_model, build_cache: an engine put together
+    workload.py     the multi-turn chat workload of the demo
+    demo.py         `hicache demo` (command line; torch-free) and demo_runner.py (the run)
+
+Nothing imports this package; it imports hicache, tiers and radix. Importing the package
+(and `demo`) does not import torch; the modules that compute do.
+"""

@@ -17,7 +17,7 @@ import torch
 from engine_integration.config import EngineConfig, ModelConfig, tiny_model_config
 from engine_integration.engine import kv_layout_for
 from engine_integration.model import Model
-from engine_integration.tokenizer import Tokenizer, load_tokenizer
+from engine_integration.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from engine_integration.weights import load_weights, random_weights, read_model_config
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
 from hicache.controller import HiCache
@@ -49,7 +49,7 @@ def load_model(
     )
     weights = load_weights(config, model_dir, dtype=dtype, device=device)
     tokenizer = load_tokenizer(model_dir)
-    if tokenizer.vocab_size > config.vocab_size:
+    if isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"{model_dir}: tokenizer has {tokenizer.vocab_size} tokens, the model "
             f"{config.vocab_size}"

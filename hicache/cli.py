@@ -13,7 +13,12 @@ import logging
 import sys
 
 # name -> (module, one-line help). Later subcommands register here.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": (
+        "engine_integration.demo",
+        "see what the cache buys: multi-turn chats through the embedded engine, cache on and off",
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

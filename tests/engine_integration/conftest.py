@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_integration.embedded import CacheSizes, build_cache, load_model
 from engine_integration.engine import Engine
@@ -11,6 +12,16 @@ from tests.support.engines import ENGINE, SMALL
 
 # Write-through (so L2 holds every page) and waiting for L3 prefetches: deterministic tiers.
 TEST_POLICY = PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The models here are tiny: one thread is the fastest, and steady on a busy machine.
+    (Batch invariance holds at any fixed thread count; test_model checks two.)"""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

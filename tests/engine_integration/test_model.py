@@ -51,8 +51,10 @@ def test_source_only_model_matches_reference(source_only_model):
     _check_against_reference(source_only_model, output)
 
 
-def test_chunking_and_batching_never_change_a_bit(small_model):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chunking_and_batching_never_change_a_bit(small_model, threads):
     """Batch invariance: chunk size and batch neighbours leave every logit unchanged."""
+    torch.set_num_threads(threads)
     tokens = random_prompt(11, 150)
     alone = run_one(cache_off(small_model), tokens)
     for chunk in (8, 24, 1000):

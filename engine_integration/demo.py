@@ -1,0 +1,122 @@
+"""`hicache demo`: what the cache buys, in one command.
+
+Runs a multi-turn chat workload (several users, each turn appending to the user's history,
+some users sharing a system prompt) through the embedded engine with hicache on: the
+built-in tiny model on the CPU, L1 small enough that histories spill to L2, and L3 in a
+file:// directory under the user's cache directory, so the next run starts warm from L3.
+Then the same prompts run with the cache off, and a table compares the two, turn by turn.
+
+This module is the command line only and does not import torch (`hicache --help` imports
+every subcommand); the work is in `engine_integration.demo_runner`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    device: str = "cpu"
+    model_dir: str | None = None  # None: the built-in tiny model, random weights
+    l3_url: str | None = None  # None: file://<user cache dir>/hicache/demo-l3
+    l3_capacity: str = "512MiB"  # for the default L3 directory
+    turns: int = 4
+    users: int = 4
+    max_new_tokens: int = 24
+    concurrency: int = 1  # requests in flight at once (continuous batching)
+    l1_pages: int = 32
+    l2_pages: int = 48
+    page_size: int = 64
+    seed: int = 0
+    threads: int = 1  # torch CPU threads: the tiny model's matrices gain nothing from more
+    compare: bool = True  # also run with the cache off
+    fresh: bool = False  # empty the default L3 directory first
+
+    def __post_init__(self) -> None:
+        positive = (
+            "turns",
+            "users",
+            "max_new_tokens",
+            "concurrency",
+            "l1_pages",
+            "page_size",
+            "threads",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.l2_pages < 0:
+            raise ValueError(f"--l2-pages must be >= 0, got {self.l2_pages}")
+        if self.l3_url and not self.l2_pages:
+            raise ValueError("an L3 needs an L2 (--l2-pages > 0): pages reach L3 through L2")
+
+
+def default_l3_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hicache" / "demo-l3"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DemoConfig()
+    add = parser.add_argument
+    add("--device", default=d.device, help="'cpu' or 'cuda[:N]' (default: %(default)s)")
+    add(
+        "--model-dir",
+        default=d.model_dir,
+        help="a directory with config.json and "
+        "*.safetensors (Llama/Qwen2/Mistral); default: the built-in tiny model",
+    )
+    add(
+        "--l3-url",
+        default=d.l3_url,
+        help="L3 backend URL (default: file://"
+        f"{default_l3_dir()}?capacity={d.l3_capacity}; $XDG_CACHE_HOME moves it)",
+    )
+    add("--turns", type=int, default=d.turns, help="turns per user (default: %(default)s)")
+    add("--users", type=int, default=d.users, help="users (default: %(default)s)")
+    add(
+        "--max-new-tokens",
+        type=int,
+        default=d.max_new_tokens,
+        help="answer length in tokens (default: %(default)s)",
+    )
+    add(
+        "--concurrency",
+        type=int,
+        default=d.concurrency,
+        help="requests in flight at once (default: %(default)s)",
+    )
+    add("--l1-pages", type=int, default=d.l1_pages, help="L1 pool pages (default: %(default)s)")
+    add("--l2-pages", type=int, default=d.l2_pages, help="L2 pool pages (default: %(default)s)")
+    add("--seed", type=int, default=d.seed, help="model weights and workload seed")
+    add(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="torch CPU threads (default: "
+        "%(default)s; the tiny model's small matrices only lose time to more)",
+    )
+    add(
+        "--no-compare", dest="compare", action="store_false", help="skip the run with the cache off"
+    )
+    add("--fresh", action="store_true", help="empty the default L3 directory first")
+
+
+def run(args: argparse.Namespace) -> int:
+    fields = {f.name for f in dataclasses.fields(DemoConfig)}
+    try:
+        config = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    except ValueError as error:
+        print(f"hicache demo: {error}", file=sys.stderr)
+        return 2
+    from engine_integration.demo_runner import run_demo
+
+    return run_demo(config)

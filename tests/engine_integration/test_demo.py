@@ -1,0 +1,49 @@
+"""`hicache demo` end to end, with small settings: hits from every tier, then a second run
+(a new cache, as a new process would have) that starts warm from L3."""
+
+from __future__ import annotations
+
+import re
+
+from hicache.cli import main
+
+SMALL_DEMO = [
+    "demo", "--users", "3", "--turns", "3", "--max-new-tokens", "8",
+    "--l1-pages", "24", "--l2-pages", "24",
+]  # fmt: skip
+
+
+def _totals(text: str) -> dict[str, int]:
+    line = re.search(r"from the cache: .*: L1 ([\d,]+), L2 ([\d,]+), L3 ([\d,]+)", text)
+    assert line, text
+    return {
+        tier: int(n.replace(",", ""))
+        for tier, n in zip(("l1", "l2", "l3"), line.groups(), strict=True)
+    }
+
+
+def _turn0_l3_hits(text: str) -> list[int]:
+    rows = re.findall(r"^ +0 +\d+ +[\d,]+ +[\d,]+ +[\d,]+ +([\d,]+) ", text, re.MULTILINE)
+    return [int(n.replace(",", "")) for n in rows]
+
+
+def test_demo_shows_hits_from_every_tier_then_starts_warm_from_l3(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(SMALL_DEMO) == 0
+    first = capsys.readouterr().out
+    assert "with the cache on:" in first and "with the cache off" in first
+    assert str(tmp_path / "hicache" / "demo-l3") in first
+    tiers = _totals(first)
+    assert tiers["l1"] > 0 and tiers["l2"] > 0 and tiers["l3"] > 0, first
+    assert "outputs identical: 9/9" in first
+    assert _turn0_l3_hits(first) == [0, 0, 0]  # the first run starts cold
+
+    assert main([*SMALL_DEMO, "--no-compare"]) == 0
+    second = capsys.readouterr().out
+    assert "with the cache off" not in second
+    assert all(hits > 0 for hits in _turn0_l3_hits(second)), second
+
+
+def test_demo_flags_are_checked(capsys):
+    assert main(["demo", "--turns", "0"]) == 2
+    assert "--turns must be >= 1" in capsys.readouterr().err
