@@ -1,0 +1,589 @@
+"""`grpc://host:port[,host:port...]`: the hicache cache-server daemon (`hicache serve`) as L3.
+
+    grpc://10.0.0.5:50051,10.0.0.6:50051?namespace=team-a&token_file=/etc/hicache/token
+    grpcs://cache.internal:50051?ca_file=/etc/hicache/ca.pem   (TLS)
+
+With several servers, each key belongs to one of them by rendezvous hashing (`rendezvous`), so
+every client agrees where a page lives and a batch is split into one call per server, all in
+flight at once. A server that is down, slow or refusing becomes misses (and per-page errors)
+for its keys only: the others answer as usual. A server that failed is skipped for `down_for`
+(its keys miss at once, instead of each call waiting on it), then tried again.
+
+One channel per server, opened on first use and kept: calls multiplex over its HTTP/2
+connection, and gRPC reconnects it by itself (within a second) after the server comes back.
+Every call carries a deadline inside the backend's `timeout`; one refused as UNAVAILABLE is
+retried with exponential backoff while the deadline allows. Pages travel in pieces of at most
+`max_message` bytes (BatchGet streams them down, BatchPut streams them up), framed by hand
+(`pieces`) so a page is copied once on the way out and never on the way in before the
+verified copy into the caller's buffer. gRPC compression stays off: pages are checked by
+their xxh3 checksum, and lz4 (the backend's `compression` option) is applied per page.
+
+The first use checks every server: a refused token or an unknown namespace raises
+`BackendConfigError` (the server's message says which), no server answering raises
+`BackendUnavailableError`; some servers down is only a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
+
+import grpc
+
+from .base import Fetched, PageStatus, ReadInto, StorageBackend
+from .errors import BackendConfigError
+from .guard import CopyGuard
+from .objects import CorruptReason, FramedObject
+from .options import BackendOptions, check_range, options_from_query, url_option
+from .pieces import (
+    Piece,
+    WireError,
+    decode_get_response,
+    encode_put_request,
+    split_into_messages,
+)
+from .proto import kvstore_pb2 as pb
+from .protocol import (
+    DEFAULT_MESSAGE_BYTES,
+    DEFAULT_NAMESPACE,
+    DEFAULT_PORT,
+    MAX_MESSAGE_BYTES,
+    MIN_MESSAGE_BYTES,
+    bearer_metadata,
+    check_namespace,
+    method_path,
+)
+from .rendezvous import Rendezvous
+from .stats import RateLimitedWarnings
+
+_DEADLINE_SHARE = 0.9  # RPC deadlines end before the backend's own, so one server's miss stays
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_SERVER_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_MISCONFIGURED = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
+_PUT_STATUS = {
+    pb.PUT_STATUS_STORED: PageStatus.STORED,
+    pb.PUT_STATUS_REJECTED: PageStatus.REJECTED,
+    pb.PUT_STATUS_CORRUPT: PageStatus.REJECTED,  # refused: the object failed its check
+}
+
+
+@dataclass(frozen=True)
+class GrpcOptions(BackendOptions):
+    servers: tuple[str, ...] = ()  # "host:port", as listed in the URL
+    tls: bool = False  # grpcs://
+    token: str = field(default="", repr=False)  # read from token_file
+    namespace: str = url_option("namespace", "str", DEFAULT_NAMESPACE, doc="tenant on the server")
+    token_file: str = url_option("token_file", "str", "", doc="file holding the bearer token")
+    ca_file: str = url_option("ca_file", "str", "", doc="grpcs: CA certificates (PEM)")
+    server_name: str = url_option(
+        "server_name", "str", "", doc="grpcs: the name the server certificate must carry"
+    )
+    max_message_bytes: int = url_option(
+        "max_message", "size", DEFAULT_MESSAGE_BYTES, doc="largest gRPC message either way"
+    )
+    retries: int = url_option("retries", "int", 3, doc="retries of a call refused as UNAVAILABLE")
+    backoff_s: float = url_option("backoff", "duration", 0.02, doc="first retry delay; doubles")
+    down_s: float = url_option("down_for", "duration", 1.0, doc="skip a failed server this long")
+    connect_timeout_s: float = url_option(
+        "connect_timeout", "duration", 2.0, doc="first use: how long to wait for each server"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.servers:
+            raise BackendConfigError("grpc:// needs host:port (or several, comma-separated)")
+        try:
+            check_namespace(self.namespace)
+        except ValueError as exc:
+            raise BackendConfigError(str(exc)) from None
+        check_range(
+            "max_message", self.max_message_bytes, low=MIN_MESSAGE_BYTES, high=MAX_MESSAGE_BYTES
+        )
+        check_range("retries", self.retries, low=0, high=20)
+        check_range("backoff", self.backoff_s, low=0.0)
+        check_range("down_for", self.down_s, low=0.0)
+        check_range("connect_timeout", self.connect_timeout_s, low=0.001)
+        if (self.ca_file or self.server_name) and not self.tls:
+            raise BackendConfigError("ca_file and server_name need grpcs:// (TLS)")
+
+
+class _ServerFailed(Exception):
+    """One server's call failed as a whole; `status` is its gRPC code (None: a bad reply)."""
+
+    def __init__(self, status: grpc.StatusCode | None, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+
+
+class _Server:
+    """One cache-server: its channel, its callables, and when it may be tried again."""
+
+    def __init__(self, name: str, channel: grpc.aio.Channel) -> None:
+        self.name = name
+        self.channel = channel
+        self.exists = channel.unary_unary(
+            method_path("BatchExists"),
+            request_serializer=pb.BatchExistsRequest.SerializeToString,
+            response_deserializer=pb.BatchExistsResponse.FromString,
+        )
+        self.get = channel.unary_stream(method_path("BatchGet"))  # raw bytes: see `pieces`
+        self.put = channel.stream_unary(
+            method_path("BatchPut"), response_deserializer=pb.BatchPutResponse.FromString
+        )
+        self.delete = channel.unary_unary(
+            method_path("Delete"),
+            request_serializer=pb.DeleteRequest.SerializeToString,
+            response_deserializer=pb.DeleteResponse.FromString,
+        )
+        self.stats = channel.unary_unary(
+            method_path("Stats"),
+            request_serializer=pb.StatsRequest.SerializeToString,
+            response_deserializer=pb.StatsResponse.FromString,
+        )
+        self.down_until = 0.0
+        self.failures = 0
+
+
+class GrpcBackend(StorageBackend):
+    scheme = "grpc"
+    transient_errors = (grpc.RpcError, OSError)
+
+    def __init__(self, options: GrpcOptions, layout: str | None = None, *, name: str = "") -> None:
+        super().__init__(options, layout, name=name)
+        self.options: GrpcOptions = options
+        self._ring = Rendezvous(options.servers)
+        self._metadata = bearer_metadata(options.token)
+        self._servers: list[_Server] = []
+        self._server_warnings = RateLimitedWarnings(self.name, options.warn_interval_s)
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        opts = self.options
+        limit = opts.max_message_bytes + 4096
+        channel_options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.enable_retries", 0),  # retries are ours: only UNAVAILABLE, within the deadline
+        ]
+        if not opts.tls:
+            return grpc.aio.insecure_channel(target, options=channel_options)
+        if opts.server_name:
+            channel_options.append(("grpc.ssl_target_name_override", opts.server_name))
+        roots = _read_file(opts.ca_file, "ca_file") if opts.ca_file else None
+        credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+        return grpc.aio.secure_channel(target, credentials, options=channel_options)
+
+    async def _open(self) -> None:
+        if not self._servers:
+            self._servers = [_Server(name, self._channel(name)) for name in self.options.servers]
+        request = pb.StatsRequest(namespace=self.options.namespace)
+        timeout = self.options.connect_timeout_s
+        replies = await asyncio.gather(
+            *(self._probe(server, request, timeout) for server in self._servers)
+        )
+        refused = [(s, exc) for s, exc in zip(self._servers, replies, strict=True) if exc]
+        for server, exc in refused:
+            if exc.code() in _MISCONFIGURED:
+                await self._close()
+                raise BackendConfigError(
+                    f"{self.name}: {server.name} refused the client: {exc.code().name}: "
+                    f"{exc.details()}"
+                )
+        if len(refused) == len(self._servers):
+            await self._close()
+            detail = "; ".join(f"{s.name}: {e.code().name} {e.details()}" for s, e in refused)
+            raise ConnectionError(f"no cache-server answered ({detail})")
+        for server, exc in refused:
+            self._mark_down(server, f"{exc.code().name}: {exc.details()}")
+
+    async def _probe(
+        self, server: _Server, request: pb.StatsRequest, timeout: float
+    ) -> grpc.aio.AioRpcError | None:
+        try:
+            await server.stats(
+                request, timeout=timeout, metadata=self._metadata, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        return None
+
+    async def _close(self) -> None:
+        servers, self._servers = self._servers, []
+        for server in servers:
+            await server.channel.close(grace=None)
+
+    async def _reconnect(self) -> None:
+        """Nothing to redo: each channel reconnects on its own, and a failed server is
+        skipped for `down_for`, then tried again."""
+
+    # -- primitives ---------------------------------------------------------------------------
+
+    async def _exists(self, keys: list[bytes]) -> int:
+        groups = self._ring.split(keys)
+        deadline = self._deadline()
+        servers = list(groups)
+        counts = await asyncio.gather(
+            *(self._exists_on(s, [keys[p] for p in groups[s]], deadline) for s in servers)
+        )
+        present = dict(zip(servers, counts, strict=True))
+        owner = {p: s for s, positions in groups.items() for p in positions}
+        seen = dict.fromkeys(servers, 0)
+        for position in range(len(keys)):
+            server = owner[position]
+            if seen[server] >= present[server]:
+                return position
+            seen[server] += 1
+        return len(keys)
+
+    async def _exists_on(self, index: int, keys: list[bytes], deadline: float) -> int:
+        request = pb.BatchExistsRequest(namespace=self.options.namespace, keys=keys)
+        server = self._servers[index]
+
+        async def call(timeout: float) -> int:
+            reply = await server.exists(request, timeout=timeout, metadata=self._metadata)
+            return min(reply.num_present, len(keys))
+
+        try:
+            return await self._with_retries(server, deadline, call)
+        except _ServerFailed:
+            return 0
+
+    async def _fetch(self, keys: list[bytes], sizes: list[int] | None) -> list[Fetched]:
+        results: list[Fetched] = [None] * len(keys)
+
+        def deliver(position: int, item: Fetched) -> None:
+            results[position] = item
+
+        await self._get_all(keys, deliver)
+        return results
+
+    async def _fetch_into(
+        self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
+    ) -> list[ReadInto]:
+        """Verify and copy each page into its buffer as soon as its last piece arrives, on the
+        event loop, within the call (so the guard is not needed), while gRPC receives the
+        next ones."""
+        results: list[ReadInto] = [None] * len(keys)
+
+        def deliver(position: int, item: Fetched) -> None:
+            results[position] = self._decode_into(keys[position], views[position], item)
+
+        await self._get_all(keys, deliver)
+        return results
+
+    async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
+        groups = self._ring.split(keys)
+        deadline = self._deadline()
+        statuses: list[PageStatus] = [PageStatus.ERROR] * len(keys)
+
+        async def one(index: int, positions: list[int]) -> None:
+            sub = await self._put_on(
+                index, [keys[p] for p in positions], [objects[p] for p in positions], deadline
+            )
+            for position, status in zip(positions, sub, strict=True):
+                statuses[position] = status
+
+        await asyncio.gather(*(one(index, positions) for index, positions in groups.items()))
+        return statuses
+
+    async def _delete(self, keys: list[bytes]) -> int:
+        groups = self._ring.split(keys)
+        deadline = self._deadline()
+
+        async def one(index: int, positions: list[int]) -> int:
+            server = self._servers[index]
+            request = pb.DeleteRequest(
+                namespace=self.options.namespace, keys=[keys[p] for p in positions]
+            )
+
+            async def call(timeout: float) -> int:
+                reply = await server.delete(request, timeout=timeout, metadata=self._metadata)
+                return reply.num_deleted
+
+            try:
+                return await self._with_retries(server, deadline, call)
+            except _ServerFailed:
+                return 0
+
+        counts = await asyncio.gather(*(one(i, positions) for i, positions in groups.items()))
+        return sum(counts)
+
+    # -- BatchGet -------------------------------------------------------------------------------
+
+    async def _get_all(self, keys: list[bytes], deliver: Callable[[int, Fetched], None]) -> None:
+        groups = self._ring.split(keys)
+        deadline = self._deadline()
+
+        async def one(index: int, positions: list[int]) -> None:
+            done: set[int] = set()
+
+            def on_object(sub_index: int, item: Fetched) -> None:
+                done.add(sub_index)
+                deliver(positions[sub_index], item)
+
+            sub_keys = [keys[p] for p in positions]
+            try:
+                await self._get_on(index, sub_keys, on_object, deadline)
+            except _ServerFailed:
+                for sub_index, position in enumerate(positions):
+                    if sub_index not in done:
+                        deliver(position, PageStatus.ERROR)
+
+        await asyncio.gather(*(one(index, positions) for index, positions in groups.items()))
+
+    async def _get_on(
+        self,
+        index: int,
+        keys: list[bytes],
+        on_object: Callable[[int, Fetched], None],
+        deadline: float,
+    ) -> None:
+        server = self._servers[index]
+        request = pb.BatchGetRequest(
+            namespace=self.options.namespace,
+            keys=keys,
+            max_message_bytes=self.options.max_message_bytes,
+        ).SerializeToString()
+
+        async def call(timeout: float) -> None:
+            assembly = _Assembly(keys, on_object)
+            stream = server.get(request, timeout=timeout, metadata=self._metadata)
+            try:
+                async for message in stream:
+                    assembly.add(message)
+            except grpc.aio.AioRpcError as exc:
+                if assembly.started:  # part of the batch arrived: retrying would repeat it
+                    raise _ServerFailed(exc.code(), _describe(exc)) from None
+                raise
+            assembly.finish()
+
+        await self._with_retries(server, deadline, call)
+
+    # -- BatchPut -------------------------------------------------------------------------------
+
+    async def _put_on(
+        self, index: int, keys: list[bytes], objects: list[FramedObject], deadline: float
+    ) -> list[PageStatus]:
+        server = self._servers[index]
+
+        def messages() -> Iterator[bytes]:
+            namespace = self.options.namespace
+            pages = (
+                (i, key, (obj.header, obj.payload))
+                for i, (key, obj) in enumerate(zip(keys, objects, strict=True))
+            )
+            for pieces in split_into_messages(pages, self.options.max_message_bytes):
+                yield encode_put_request(namespace, pieces)
+                namespace = ""
+
+        async def call(timeout: float) -> pb.BatchPutResponse:
+            return await server.put(messages(), timeout=timeout, metadata=self._metadata)
+
+        try:
+            reply = await self._with_retries(server, deadline, call)
+        except _ServerFailed:
+            return [PageStatus.ERROR] * len(keys)
+        if len(reply.statuses) != len(keys):
+            self._note_page_error(
+                f"{server.name}: answered {len(reply.statuses)} statuses for {len(keys)} pages"
+            )
+            return [PageStatus.ERROR] * len(keys)
+        statuses = [_PUT_STATUS.get(status, PageStatus.ERROR) for status in reply.statuses]
+        for status, reason in zip(reply.statuses, reply.reasons, strict=False):
+            if status != pb.PUT_STATUS_STORED:
+                self._note_page_error(f"{server.name}: {reason or 'page not stored'}")
+        return statuses
+
+    # -- shared machinery -------------------------------------------------------------------
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.options.timeout_s * _DEADLINE_SHARE
+
+    async def _with_retries(self, server: _Server, deadline: float, call):
+        """Run `call(timeout)` against one server; retry UNAVAILABLE with backoff while the
+        deadline allows. Raises _ServerFailed (and marks the server down when it is)."""
+        if time.monotonic() < server.down_until:
+            raise _ServerFailed(grpc.StatusCode.UNAVAILABLE, f"{server.name} is marked down")
+        delay = self.options.backoff_s
+        for attempt in range(self.options.retries + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:  # spent by an earlier attempt's backoff: not this server's fault
+                raise _ServerFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "no time left")
+            try:
+                result = await call(remaining)
+            except grpc.aio.AioRpcError as exc:
+                failure = _ServerFailed(exc.code(), _describe(exc))
+                if exc.code() in _RETRYABLE and attempt < self.options.retries:
+                    if deadline - time.monotonic() > delay:
+                        await asyncio.sleep(delay)
+                        delay *= 2
+                        continue
+            except (_ServerFailed, WireError) as exc:
+                failure = exc if isinstance(exc, _ServerFailed) else _ServerFailed(None, str(exc))
+            else:
+                server.failures = 0
+                return result
+            self._server_failed(server, failure)
+            raise failure
+        raise AssertionError("unreachable")
+
+    def _server_failed(self, server: _Server, failure: _ServerFailed) -> None:
+        detail = f"{failure.status.name if failure.status else 'bad reply'}: {failure}"
+        if failure.status in _SERVER_DOWN:
+            self._mark_down(server, detail)
+        else:
+            self._note_page_error(f"{server.name}: {detail}")
+            self._server_warnings.warn(f"failed:{server.name}", f"{server.name}: {detail}")
+
+    def _mark_down(self, server: _Server, detail: str) -> None:
+        server.failures += 1
+        server.down_until = time.monotonic() + self.options.down_s
+        self._note_page_error(f"{server.name}: {detail}")
+        self._server_warnings.warn(
+            f"down:{server.name}",
+            f"{server.name} is down ({detail}); its keys miss for {self.options.down_s}s",
+        )
+
+    async def server_stats(self) -> dict[str, pb.StatsResponse | None]:
+        """Each server's Stats reply for this namespace (None where the server failed)."""
+        self._check_open()
+        await self.connect()
+        request = pb.StatsRequest(namespace=self.options.namespace)
+        deadline = self._deadline()
+
+        async def one(server: _Server) -> pb.StatsResponse | None:
+            async def call(timeout: float) -> pb.StatsResponse:
+                return await server.stats(request, timeout=timeout, metadata=self._metadata)
+
+            try:
+                return await self._with_retries(server, deadline, call)
+            except _ServerFailed:
+                return None
+
+        replies = await asyncio.gather(*(one(server) for server in self._servers))
+        return {server.name: reply for server, reply in zip(self._servers, replies, strict=True)}
+
+
+class _Assembly:
+    """Puts the pieces of one BatchGet stream back into objects, in arrival order.
+
+    An object is handed to `on_object` once its last piece arrived (as a list of views into
+    the messages). What does not add up - a piece for another key, out of order, past the
+    object's end - makes the object a miss with a reason, never a page.
+    """
+
+    def __init__(self, keys: Sequence[bytes], on_object: Callable[[int, Fetched], None]) -> None:
+        self.keys = keys
+        self.on_object = on_object
+        self.partial: dict[int, tuple[int, list[memoryview], int]] = {}  # index -> size, parts, got
+        self.finished: set[int] = set()
+        self.started = False
+
+    def add(self, message: bytes) -> None:
+        self.started = True
+        pieces, missing = decode_get_response(message)
+        for index in missing:
+            if index < len(self.keys):
+                self._finish(index, None)
+        for piece in pieces:
+            self._add_piece(piece)
+
+    def _add_piece(self, piece: Piece) -> None:
+        index = piece.index
+        if index >= len(self.keys) or index in self.finished:
+            return  # not a key of ours, or already settled: ignore, never misplace
+        if piece.key != self.keys[index]:
+            self._finish(index, CorruptReason.KEY)
+            return
+        size, parts, got = self.partial.get(index, (piece.object_bytes, [], 0))
+        if piece.object_bytes != size or piece.offset != got or got + len(piece.data) > size:
+            self._finish(index, CorruptReason.LENGTH)
+            return
+        parts.append(piece.data)
+        got += len(piece.data)
+        if got == size:
+            self._finish(index, parts if len(parts) > 1 else parts[0])
+        else:
+            self.partial[index] = (size, parts, got)
+
+    def _finish(self, index: int, item: Fetched) -> None:
+        if index in self.finished:
+            return
+        self.finished.add(index)
+        self.partial.pop(index, None)
+        self.on_object(index, item)
+
+    def finish(self) -> None:
+        """The stream ended: objects still incomplete are truncated."""
+        for index in list(self.partial):
+            self._finish(index, CorruptReason.TRUNCATED)
+
+
+def _describe(exc: grpc.aio.AioRpcError) -> str:
+    return exc.details() or exc.code().name
+
+
+def _read_file(path: str, option: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise BackendConfigError(f"{option}: cannot read {path!r}: {exc.strerror}") from None
+
+
+def _parse_servers(netloc: str, url: str) -> tuple[str, ...]:
+    servers = []
+    for item in netloc.split(","):
+        item = item.strip()
+        if not item:
+            raise BackendConfigError(f"{url}: empty server in the host list")
+        if item.startswith("["):  # [ipv6]:port
+            host, _, rest = item[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+            host = f"[{host}]"
+        else:
+            host, _, port_text = item.rpartition(":") if ":" in item else (item, "", "")
+        try:
+            port = int(port_text) if port_text else DEFAULT_PORT
+        except ValueError:
+            raise BackendConfigError(f"{url}: {item!r} has a bad port {port_text!r}") from None
+        if not host or not 0 < port < 65536:
+            raise BackendConfigError(f"{url}: {item!r} is not host:port")
+        servers.append(f"{host.lower()}:{port}")
+    if len(set(servers)) != len(servers):
+        raise BackendConfigError(f"{url}: a server is listed twice")
+    return tuple(servers)
+
+
+def open_url(url: str, *, layout: str | None = None, name: str = "") -> GrpcBackend:
+    """`grpc://host:port[,host:port...]?namespace=...&token_file=...&timeout=...` (or
+    `grpcs://` for TLS)."""
+    parts = urlsplit(url)
+    shown = name or url
+    if parts.path not in ("", "/"):
+        raise BackendConfigError(f"{shown}: grpc:// takes no path; use ?namespace=")
+    if parts.username or parts.password:
+        raise BackendConfigError(f"{shown}: grpc:// takes no user:password; use ?token_file=")
+    servers = _parse_servers(unquote(parts.netloc), shown)
+    options = options_from_query(
+        GrpcOptions, parts.query, url=shown, servers=servers, tls=parts.scheme == "grpcs"
+    )
+    if options.token_file:
+        token = _read_file(options.token_file, "token_file").decode().strip()
+        if not token:
+            raise BackendConfigError(f"{shown}: token_file {options.token_file!r} is empty")
+        options = dataclasses.replace(options, token=token)
+    return GrpcBackend(options, layout, name=shown)
