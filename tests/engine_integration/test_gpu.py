@@ -1,0 +1,104 @@
+"""The engine on CUDA: bf16, the dense path (SDPA over gathered pages), pinned L2 through the
+Triton copy kernels, per-layer load waits. Run on the GPU machine: pytest -m gpu."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine_integration.config import EngineConfig
+from engine_integration.embedded import CacheSizes, build_cache, load_model
+from engine_integration.engine import Engine
+from engine_integration.sampling import SamplingParams
+from engine_integration.scheduler import plan_late_runs
+from hicache.config import PolicyConfig
+from tests.support.engines import SMALL, random_prompt, run_one
+from tests.support.reference_model import reference_logits
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+GPU = EngineConfig(device="cuda", page_size=16, prefill_chunk_tokens=64, max_running_requests=4)
+# A model with the tiny model's proportions but wider heads, as real models have.
+GPU_MODEL = SMALL.replace(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=128)
+PARAMS = SamplingParams(max_new_tokens=4, return_logits=True)
+POLICY = PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+
+
+def _relative_error(actual, expected):
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    model, _ = load_model(None, GPU, seed=3, model_config=GPU_MODEL)
+    assert model.dtype == torch.bfloat16 and model.block_rows is None
+    return model
+
+
+def test_bf16_engine_matches_the_float64_reference(gpu_model):
+    engine = Engine(gpu_model, GPU, num_private_pages=64)
+    tokens = random_prompt(1, 300, GPU_MODEL.vocab_size)
+    output = run_one(engine, tokens, SamplingParams(max_new_tokens=1, return_logits=True))
+    late = [p for s, e in plan_late_runs(300, 0, GPU_MODEL.window_tokens) for p in range(s, e)]
+    expected = reference_logits(GPU_MODEL, gpu_model.weights, tokens, late)[-1:]
+    assert _relative_error(output.logits, expected) < 2e-2  # bf16 weights and activations
+
+
+def test_hits_from_l1_l2_and_l3_compute_the_same_logits(gpu_model, tmp_path):
+    """A hit from L2 or L3 runs the very computation of an L1 hit over the same bytes:
+    logits bitwise equal. A load read before its layer landed would break that."""
+    url = f"file://{tmp_path}/l3?capacity=256MiB"
+    sizes = CacheSizes(l1_pages=128, l2_pages=256, l3_url=url, policy=POLICY)
+    cache = build_cache(gpu_model, GPU, sizes)
+    engine = Engine(gpu_model, GPU, cache=cache)
+    tokens = random_prompt(2, 600, GPU_MODEL.vocab_size)
+    run_one(engine, tokens, PARAMS)
+    cache.flush()
+    from_l1 = run_one(engine, tokens, PARAMS)
+    assert from_l1.metrics.hit_tokens["l1"] == 592
+    cache.evict("l1", 10_000)
+    from_l2 = run_one(engine, tokens, PARAMS)
+    assert from_l2.metrics.hit_tokens["l2"] == 592
+    assert cache.stats().pages_moved["l2_to_l1"] >= 37
+    cache.flush()
+    cache.close()
+    cache = build_cache(gpu_model, GPU, sizes)
+    try:
+        from_l3 = run_one(Engine(gpu_model, GPU, cache=cache), tokens, PARAMS)
+    finally:
+        cache.close()
+    assert from_l3.metrics.hit_tokens["l3"] == 592
+    for other in (from_l2, from_l3):
+        assert other.token_ids == from_l1.token_ids
+        assert torch.equal(other.logits, from_l1.logits)
+
+
+def test_hit_is_close_to_the_split_cache_off_prefill(gpu_model):
+    cache = build_cache(gpu_model, GPU, CacheSizes(l1_pages=128, policy=POLICY))
+    try:
+        engine = Engine(gpu_model, GPU, cache=cache)
+        first = random_prompt(3, 400, GPU_MODEL.vocab_size)
+        run_one(engine, first, PARAMS)
+        second = first[:350] + random_prompt(4, 20, GPU_MODEL.vocab_size)  # suffix < 2W - 1
+        hit = run_one(engine, second, PARAMS)
+    finally:
+        cache.close()
+    assert hit.metrics.hit_tokens["l1"] == 336 and hit.metrics.replayed_tokens == 32
+    off = Engine(gpu_model, GPU, num_private_pages=64)
+    split = run_one(off, second, PARAMS, split_at=336)
+    # bf16 matmuls over differently shaped batches round differently: close, not equal
+    assert _relative_error(hit.logits[:1], split.logits[:1]) < 1e-2
+
+
+def test_batch_invariant_mode_runs_on_cuda(gpu_model):
+    config = dataclasses.replace(GPU, batch_invariant=True, block_tokens=16)
+    model, _ = load_model(None, config, seed=3, model_config=GPU_MODEL)
+    tokens = random_prompt(5, 200, GPU_MODEL.vocab_size)
+    blocked = run_one(Engine(model, config, num_private_pages=64), tokens, PARAMS)
+    dense = run_one(Engine(gpu_model, GPU, num_private_pages=64), tokens, PARAMS)
+    assert _relative_error(blocked.logits[:1], dense.logits[:1]) < 2e-2
