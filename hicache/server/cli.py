@@ -1,0 +1,116 @@
+"""`hicache serve`: flags (defaults from `ServerConfig`) and the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from storage_backends.options import parse_size
+
+from .config import SPILL_MODES, NamespaceSpec, ServerConfig
+
+_DEFAULTS = ServerConfig()
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _namespace(text: str) -> NamespaceSpec:
+    """NAME or NAME=QUOTA (a size)."""
+    name, sep, quota = text.partition("=")
+    return NamespaceSpec(name, _size(quota) if sep else None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    parser.add_argument("--host", default=d.host, help="listen address (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=int, default=d.port, help="port; 0 picks a free one (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--capacity", type=_size, default=d.capacity_bytes,
+        help="memory for pages, all namespaces, e.g. 64GiB (default: 4GiB)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--namespace", type=_namespace, action="append", metavar="NAME[=QUOTA]",
+        help="a tenant, with an optional memory quota (repeat for several; default: one "
+        "namespace 'default'). Namespaces without a quota share what quotas leave equally",
+    )  # fmt: skip
+    parser.add_argument(
+        "--spill-dir", default=d.spill_dir,
+        help="write evicted pages here and read them back on a miss; survives restarts",
+    )  # fmt: skip
+    parser.add_argument(
+        "--spill-capacity", type=_size, default=d.spill_capacity_bytes,
+        help="bytes the spill directory may hold (default: 64GiB)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--spill-mode", choices=SPILL_MODES, default=d.spill_mode,
+        help="evict: pages reach the spill when evicted and at shutdown (an ack means in "
+        "memory); write-through: before the put is acknowledged, so a crash loses no "
+        "acknowledged page (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--spill-fsync", action="store_true",
+        help="fsync spilled pages (write-through acks then survive power loss too)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--auth-token-file", default=d.auth_token_file,
+        help="require 'authorization: Bearer <token>' metadata with the token in this file",
+    )  # fmt: skip
+    parser.add_argument(
+        "--insecure-any-host", action="store_true",
+        help="allow a non-loopback --host without --auth-token-file",
+    )  # fmt: skip
+    parser.add_argument("--tls-cert", default=d.tls_cert_file, help="PEM certificate (chain)")
+    parser.add_argument("--tls-key", default=d.tls_key_file, help="PEM private key")
+    parser.add_argument(
+        "--max-message-bytes", type=_size, default=d.max_message_bytes,
+        help="largest gRPC message either way (default: 8MiB); pages are split to fit",
+    )  # fmt: skip
+    parser.add_argument(
+        "--metrics-port", type=int, default=d.metrics_port,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shutdown-grace", type=float, default=d.shutdown_grace_s, metavar="SECONDS",
+        help="on SIGTERM, how long calls in flight may finish (default: %(default)s)",
+    )  # fmt: skip
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig the flags describe; ValueError names a bad one."""
+    extra = {"namespaces": tuple(args.namespace)} if args.namespace else {}
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        capacity_bytes=args.capacity,
+        spill_dir=args.spill_dir,
+        spill_capacity_bytes=args.spill_capacity,
+        spill_mode=args.spill_mode,
+        spill_fsync=args.spill_fsync,
+        auth_token_file=args.auth_token_file,
+        insecure_any_host=args.insecure_any_host,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        max_message_bytes=args.max_message_bytes,
+        metrics_port=args.metrics_port,
+        shutdown_grace_s=args.shutdown_grace,
+        **extra,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"hicache serve: error: {exc}", file=sys.stderr)
+        return 2
+    from .daemon import serve  # grpc is imported only to serve, not to build the parser
+
+    return asyncio.run(serve(config))

@@ -1,0 +1,151 @@
+"""The cache-server's configuration: one frozen dataclass, checked when it is built.
+
+`hicache serve` takes its flag defaults from here. Every check raises ValueError naming the
+field (as its flag) and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from storage_backends.protocol import (
+    DEFAULT_NAMESPACE,
+    DEFAULT_PORT,
+    MAX_MESSAGE_BYTES,
+    MIN_MESSAGE_BYTES,
+    check_namespace,
+)
+
+SPILL_MODES = ("evict", "write-through")
+
+
+class NamespaceSpec(NamedTuple):
+    """A tenant: its name, and the memory it may hold (None: an equal share of what is left)."""
+
+    name: str
+    quota_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT  # 0: any free port (printed on start)
+    capacity_bytes: int = 4 << 30  # memory for pages, headers included, all namespaces
+    namespaces: tuple[NamespaceSpec, ...] = (NamespaceSpec(DEFAULT_NAMESPACE),)
+    spill_dir: str | None = None  # evicted pages go here (a file:// store), one folder each ns
+    spill_capacity_bytes: int = 64 << 30
+    spill_mode: str = "evict"  # evict: on eviction and shutdown; write-through: before the ack
+    spill_fsync: bool = False  # fsync spilled pages (write-through acks survive power loss)
+    auth_token_file: str | None = None
+    insecure_any_host: bool = False  # allow a non-loopback host without a token
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    max_message_bytes: int = 8 << 20  # the largest gRPC message, either way
+    max_batch_keys: int = 16384  # keys (pages) of one call
+    max_object_bytes: int = 256 << 20  # one page object
+    max_put_bytes: int = 4 << 30  # one BatchPut call, all pages
+    metrics_port: int | None = None  # Prometheus /metrics on host:port
+    shutdown_grace_s: float = 30.0  # SIGTERM: how long in-flight calls may finish
+    spill_timeout_s: float = 60.0  # one spill read or write batch
+
+    def __post_init__(self) -> None:
+        _check(bool(self.host), "--host must not be empty")
+        _check(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")
+        _check(self.capacity_bytes > 0, f"--capacity must be > 0, got {self.capacity_bytes}")
+        self._check_namespaces()
+        if self.spill_dir is not None:
+            _check(os.path.isabs(self.spill_dir), f"--spill-dir must be absolute: {self.spill_dir}")
+            _check(
+                self.spill_capacity_bytes > 0,
+                f"--spill-capacity must be > 0, got {self.spill_capacity_bytes}",
+            )
+        _check(
+            self.spill_mode in SPILL_MODES,
+            f"--spill-mode must be one of {', '.join(SPILL_MODES)}, got {self.spill_mode!r}",
+        )
+        _check(
+            self.spill_mode == "evict" or self.spill_dir is not None,
+            "--spill-mode write-through needs --spill-dir",
+        )
+        _check(
+            (self.tls_cert_file is None) == (self.tls_key_file is None),
+            "--tls-cert and --tls-key go together",
+        )
+        for flag, path in (
+            ("--auth-token-file", self.auth_token_file),
+            ("--tls-cert", self.tls_cert_file),
+            ("--tls-key", self.tls_key_file),
+        ):
+            _check(path is None or os.path.isfile(path), f"{flag}: no such file: {path}")
+        _check(
+            self.auth_token_file is not None or self.insecure_any_host or is_loopback(self.host),
+            f"--host {self.host} is reachable from other machines: give --auth-token-file "
+            "(or --insecure-any-host to serve anyone who can connect)",
+        )
+        _check(
+            MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES,
+            f"--max-message-bytes must be in [{MIN_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}], "
+            f"got {self.max_message_bytes}",
+        )
+        _check(self.max_batch_keys >= 1, f"max_batch_keys must be >= 1: {self.max_batch_keys}")
+        _check(self.max_object_bytes >= 1, "max_object_bytes must be >= 1")
+        _check(self.max_put_bytes >= self.max_object_bytes, "max_put_bytes < max_object_bytes")
+        _check(
+            self.metrics_port is None or 0 <= self.metrics_port < 65536,
+            f"--metrics-port must be in [0, 65535], got {self.metrics_port}",
+        )
+        _check(self.shutdown_grace_s >= 0, "--shutdown-grace must be >= 0")
+        _check(self.spill_timeout_s > 0, "spill_timeout_s must be > 0")
+
+    def _check_namespaces(self) -> None:
+        _check(len(self.namespaces) > 0, "at least one --namespace is needed")
+        names = [spec.name for spec in self.namespaces]
+        for name in names:
+            try:
+                check_namespace(name)
+            except ValueError as exc:
+                raise ValueError(f"--namespace: {exc}") from None
+        _check(len(set(names)) == len(names), f"--namespace: a name is given twice: {names}")
+        quotas = [spec.quota_bytes for spec in self.namespaces if spec.quota_bytes is not None]
+        _check(all(q > 0 for q in quotas), "--namespace: a quota must be > 0")
+        _check(
+            sum(quotas) <= self.capacity_bytes,
+            f"--namespace: quotas add up to {sum(quotas)} bytes, more than --capacity "
+            f"{self.capacity_bytes}",
+        )
+        shared = [spec for spec in self.namespaces if spec.quota_bytes is None]
+        _check(
+            not shared or sum(quotas) < self.capacity_bytes,
+            "--namespace: quotas take all of --capacity; namespaces without one get nothing",
+        )
+
+    def namespace_capacities(self) -> dict[str, int]:
+        """Memory bytes of each namespace: its quota, or an equal share of what quotas leave."""
+        quotas = sum(spec.quota_bytes or 0 for spec in self.namespaces)
+        shared = [spec.name for spec in self.namespaces if spec.quota_bytes is None]
+        share = (self.capacity_bytes - quotas) // len(shared) if shared else 0
+        return {spec.name: spec.quota_bytes or share for spec in self.namespaces}
+
+
+def is_loopback(host: str) -> bool:
+    """True if `host` (a name or an address) only ever means this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,199 @@
+"""The daemon's pages: one `memory://` store per namespace, optionally over a `file://` spill.
+
+Namespaces are isolated by construction: each has its own memory store, with its quota (or an
+equal share of the capacity quotas leave) as its LRU capacity, and its own spill folder
+`<spill_dir>/<namespace>/` holding a share of the spill capacity in the same proportion. A
+tenant can only ever evict its own pages, and no key of one can reach another's store.
+
+What an acknowledged put promises depends on the spill mode:
+
+- no spill: the page is in memory until evicted; a restart loses it.
+- `evict` (default): the page is in memory; evicted pages are written to the spill (the write
+  completes after the eviction, so a read in between misses), a graceful shutdown writes
+  every page still in memory, and a read that misses in memory reads the spill and promotes
+  the page. After a crash (kill -9, OOM) pages that were only in memory are gone; everything
+  spilled before the crash is back after a restart.
+- `write-through`: the page was written to the spill (to a temporary file renamed into place;
+  fsynced with `spill_fsync`) before the ack; memory is a cache in front of it. After a crash
+  every acknowledged page is back (on power loss too, with fsync), unless the spill's own
+  capacity evicted it.
+
+Objects are verified (key and checksum) before they are stored and again whenever read; a
+damaged file in the spill is a miss, never data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from storage_backends import StorageBackend, verify_object
+from storage_backends.file_store import FileBackend, FileOptions
+from storage_backends.memory_store import MemoryBackend, MemoryOptions
+from storage_backends.objects import Buffer
+
+from .config import ServerConfig
+
+
+class PutOutcome(NamedTuple):
+    stored: bool
+    status: str  # "stored", "rejected", "corrupt", "error"
+    reason: str  # why not stored ("" when stored)
+    check: str = ""  # "corrupt": the check it failed (a CorruptReason value)
+
+
+class NamespaceStore:
+    """The pages of one namespace. All calls run on the daemon's event loop."""
+
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes: int,
+        spill: FileBackend | None,
+        *,
+        write_through: bool,
+        timeout_s: float,
+    ) -> None:
+        self.name = name
+        self.spill = spill
+        self.write_through = write_through and spill is not None
+        # In write-through mode the spill already holds every page: memory spills nothing.
+        memory_spill = None if self.write_through else spill
+        # The memory store's deadline covers a spill write of its evicted pages.
+        options = MemoryOptions(capacity_bytes=capacity_bytes, timeout_s=2 * timeout_s + 1)
+        self.memory = MemoryBackend(options, None, name=f"memory:{name}", spill=memory_spill)
+
+    async def open(self) -> None:
+        await self.memory.connect()
+        if self.spill is not None:
+            await self.spill.connect()
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        count = await self.memory.batch_exists(keys)
+        if count < len(keys) and self.write_through:
+            count += await self.spill.batch_exists(keys[count:])
+        return count
+
+    async def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Verified objects (None: absent or refused). Memory first, then the spill."""
+        blobs = await self.memory.batch_get_objects(keys)
+        if not self.write_through:
+            return blobs  # the memory store reads its own spill on a miss
+        missing = [i for i, blob in enumerate(blobs) if blob is None]
+        if missing:
+            loaded = await self.spill.batch_get_objects([keys[i] for i in missing])
+            found = [(keys[i], blob) for i, blob in zip(missing, loaded, strict=True) if blob]
+            for i, blob in zip(missing, loaded, strict=True):
+                blobs[i] = blob
+            if found:  # promote: memory caches what the spill holds
+                await self.memory.batch_put_objects(
+                    [k for k, _ in found], [b for _, b in found], verify=False
+                )
+        return blobs
+
+    async def put(self, keys: Sequence[bytes], blobs: Sequence[Buffer]) -> list[PutOutcome]:
+        """Verify each object against its key, then store the good ones (see the module doc
+        for what a "stored" outcome promises)."""
+        outcomes: list[PutOutcome | None] = []
+        good: list[int] = []
+        for i, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
+            reason = verify_object(blob, key)
+            if reason is None:
+                good.append(i)
+                outcomes.append(None)
+            else:
+                message = f"the object failed its {reason.value} check"
+                outcomes.append(PutOutcome(False, "corrupt", message, reason.value))
+        if good:
+            good_keys = [keys[i] for i in good]
+            good_blobs = [blobs[i] for i in good]
+            for i, outcome in zip(good, await self._store(good_keys, good_blobs), strict=True):
+                outcomes[i] = outcome
+        return outcomes  # type: ignore[return-value]
+
+    async def _store(self, keys: list[bytes], blobs: list[Buffer]) -> list[PutOutcome]:
+        if not self.write_through:
+            stored = await self.memory.batch_put_objects(keys, blobs, verify=False)
+            return [_outcome(ok, "no room: larger than this namespace's capacity") for ok in stored]
+        spilled = await self.spill.batch_put_objects(keys, blobs, verify=False)
+        durable = [i for i, ok in enumerate(spilled) if ok]
+        if durable:
+            await self.memory.batch_put_objects(
+                [keys[i] for i in durable], [blobs[i] for i in durable], verify=False
+            )
+        return [_outcome(ok, "the spill did not take it", status="error") for ok in spilled]
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        removed = await self.memory.delete(keys)
+        if self.write_through:  # memory holds a subset of the spill
+            removed = max(removed, await self.spill.delete(keys))
+        return removed
+
+    async def flush(self) -> int:
+        """Write what only memory holds to the spill (graceful shutdown); how many pages."""
+        if self.spill is None or self.write_through:
+            return 0
+        return await self.memory.flush_to_spill()
+
+    async def close(self) -> None:
+        await self.memory.close()
+        if self.spill is not None:
+            await self.spill.close()  # idempotent: the memory store may have closed it
+
+
+def _outcome(ok: bool, reason: str, *, status: str = "rejected") -> PutOutcome:
+    return PutOutcome(True, "stored", "") if ok else PutOutcome(False, status, reason)
+
+
+class Store:
+    """Every namespace of the daemon, by name."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.namespaces: dict[str, NamespaceStore] = {}
+        capacities = config.namespace_capacities()
+        for name, capacity in capacities.items():
+            spill = None
+            if config.spill_dir is not None:
+                share = config.spill_capacity_bytes * capacity // config.capacity_bytes
+                spill = _spill_backend(config, name, max(share, 1))
+            self.namespaces[name] = NamespaceStore(
+                name,
+                capacity,
+                spill,
+                write_through=config.spill_mode == "write-through",
+                timeout_s=config.spill_timeout_s,
+            )
+
+    @property
+    def spill_mode(self) -> str:
+        return "none" if self.config.spill_dir is None else self.config.spill_mode
+
+    async def open(self) -> None:
+        for namespace in self.namespaces.values():
+            await namespace.open()
+
+    async def flush(self) -> int:
+        return sum([await namespace.flush() for namespace in self.namespaces.values()])
+
+    async def close(self) -> None:
+        for namespace in self.namespaces.values():
+            await namespace.close()
+
+    def backends(self, name: str) -> list[StorageBackend]:
+        """The stores behind a namespace (memory, then the spill), for stats."""
+        namespace = self.namespaces[name]
+        return [namespace.memory] + ([namespace.spill] if namespace.spill else [])
+
+
+def _spill_backend(config: ServerConfig, name: str, capacity_bytes: int) -> FileBackend:
+    path = os.path.join(config.spill_dir, name)
+    os.makedirs(path, exist_ok=True)
+    options = FileOptions(
+        path=path,
+        capacity_bytes=capacity_bytes,
+        fsync=config.spill_fsync,
+        timeout_s=config.spill_timeout_s,
+    )
+    return FileBackend(options, None, name=f"file://{path}")

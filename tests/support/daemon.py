@@ -1,0 +1,115 @@
+"""The cache-server daemon as a real process, for tests: `python -m hicache serve ...`.
+
+It listens on a free loopback port it picks itself (`--port 0`) and says which on its first
+line, so there is no race for the port; `start()` returns once the health service answers
+SERVING. `kill()` is SIGKILL (a crash), `stop()` is SIGTERM (graceful), `restart()` keeps
+the same flags (and port, so clients' URLs stay valid).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+_LISTENING = re.compile(r"listening on \S+:(\d+)")
+
+
+class DaemonProcess:
+    def __init__(self, *args: str, credentials: grpc.ChannelCredentials | None = None) -> None:
+        """`args`: flags of `hicache serve`; `credentials`: TLS ones, to probe a TLS daemon."""
+        self.args = list(args)
+        self.credentials = credentials
+        self.port: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.output: list[str] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> DaemonProcess:
+        port_args = ["--port", str(self.port if self.port is not None else 0)]
+        command = [sys.executable, "-m", "hicache", "serve", *port_args, *self.args]
+        self.output = []
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        first = self._read_until_listening(timeout_s)
+        self.port = int(first)
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.wait_serving(timeout_s)
+        return self
+
+    def _read_until_listening(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait(timeout=10)
+                raise RuntimeError(f"hicache serve exited {self.proc.returncode}: {self.log}")
+            self.output.append(line)
+            match = _LISTENING.search(line)
+            if match:
+                return match.group(1)
+        raise RuntimeError(f"hicache serve did not start: {self.log}")
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.output)
+
+    def wait_serving(self, timeout_s: float = 20.0) -> None:
+        target = self.address
+        channel = (
+            grpc.secure_channel(target, self.credentials)
+            if self.credentials is not None
+            else grpc.insecure_channel(target)
+        )
+        with channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True
+            )
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RuntimeError(f"daemon on {target} is {reply.status}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing flushed."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM: graceful shutdown. Returns the exit status."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode if self.proc is not None else 0
+
+    def restart(self) -> DaemonProcess:
+        self.stop()
+        return self.start()
