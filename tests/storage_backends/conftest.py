@@ -13,6 +13,7 @@ own.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import shutil
@@ -27,6 +28,8 @@ from urllib.parse import urlencode
 
 import pytest
 
+from tests.support.daemon import DaemonProcess
+
 LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=bfloat16"
 OTHER_LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=float16"
 
@@ -35,6 +38,8 @@ BACKENDS = {
     "file": "file_url",
     "redis": "redis_url",
     "redis_cluster": "redis_cluster_url",
+    "grpc": "grpc_url",
+    "grpc_two_servers": "grpc_two_servers_url",
 }
 
 UrlFactory = Callable[..., str]
@@ -81,6 +86,47 @@ def redis_cluster_url(redis_cluster: list[RedisProcess]) -> UrlFactory:
         return _with_query(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", defaults, options)
 
     return make
+
+
+# -- cache-server daemons ----------------------------------------------------------------------
+
+_NUM_DAEMON_NAMESPACES = 256  # a fresh namespace per URL: tests never see each other's pages
+_daemon_namespaces = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def cache_servers() -> Iterator[list[DaemonProcess]]:
+    """Two `hicache serve` processes on loopback, each with namespaces t0..t255 (64 MiB each)."""
+    names = [arg for i in range(_NUM_DAEMON_NAMESPACES) for arg in ("--namespace", f"t{i}")]
+    capacity = f"{64 * _NUM_DAEMON_NAMESPACES}MiB"
+    daemons: list[DaemonProcess] = []
+    try:
+        for _ in range(2):
+            daemons.append(DaemonProcess("--capacity", capacity, *names).start())
+        yield daemons
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+
+
+def _daemon_url(daemons: list[DaemonProcess]) -> UrlFactory:
+    def make(**options: object) -> str:
+        namespace = f"t{next(_daemon_namespaces) % _NUM_DAEMON_NAMESPACES}"
+        hosts = ",".join(daemon.address for daemon in daemons)
+        return _with_query(f"grpc://{hosts}", {"namespace": namespace}, options)
+
+    return make
+
+
+@pytest.fixture
+def grpc_url(cache_servers: list[DaemonProcess]) -> UrlFactory:
+    return _daemon_url(cache_servers[:1])
+
+
+@pytest.fixture
+def grpc_two_servers_url(cache_servers: list[DaemonProcess]) -> UrlFactory:
+    """Keys split between two daemons by rendezvous hashing."""
+    return _daemon_url(cache_servers)
 
 
 # -- redis-server processes ------------------------------------------------------------------

@@ -1,0 +1,183 @@
+"""The spill: evicted pages read back, graceful shutdown, kill -9 mid-batch, damaged files.
+
+What an acknowledged put promises (hicache/server/store.py):
+- `--spill-mode evict`: the page is in memory; it reaches the spill when evicted or at a
+  graceful shutdown. After kill -9, what had been spilled is back; the rest is lost.
+- `--spill-mode write-through`: the page was in the spill before the ack. After kill -9,
+  every acknowledged page is back.
+In both, a page read after a crash is bitwise the page that was put, or a miss: never torn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from storage_backends import open_backend
+from storage_backends.proto import kvstore_pb2 as pb
+
+sys.path.insert(0, str(Path(__file__).parent))
+from client_worker import LAYOUT, key_of, page_of  # noqa: E402
+
+WORKER = Path(__file__).with_name("client_worker.py")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _read_back(url: str, keys: list[bytes], sizes: list[int]) -> list[bytes | None]:
+    """The page of each key as the daemon serves it (None: a miss)."""
+
+    async def body():
+        async with open_backend(url + "&timeout=20s", layout=LAYOUT) as store:
+            into = [bytearray(n) for n in sizes]
+            found = await store.batch_get(keys, into)
+            return [bytes(b) if ok else None for b, ok in zip(into, found, strict=True)]
+
+    return asyncio.run(body())
+
+
+def _put(url: str, keys: list[bytes], pages: list[bytes]) -> list[bool]:
+    async def body():
+        async with open_backend(url, layout=LAYOUT) as store:
+            return await store.batch_put(keys, pages)
+
+    return asyncio.run(body())
+
+
+def _server_stats(url: str) -> pb.StatsResponse:
+    async def body():
+        async with open_backend(url, layout=LAYOUT) as store:
+            (reply,) = (await store.server_stats()).values()
+            return reply
+
+    return asyncio.run(body())
+
+
+def test_evicted_pages_are_spilled_and_read_back(start_daemon, tmp_path):
+    daemon = start_daemon("--capacity", "2MiB", "--spill-dir", str(tmp_path / "spill"))
+    url = f"grpc://{daemon.address}?namespace=default"
+    keys = [key_of("evict", i) for i in range(24)]
+    pages = [os.urandom(256 << 10) for _ in keys]  # 6 MiB through 2 MiB of memory
+    assert _put(url, keys, pages) == [True] * 24
+    time.sleep(0.2)  # spill writes of the last evictions complete after the ack
+    (ns,) = _server_stats(url).namespaces
+    assert ns.num_evictions >= 16 and ns.spill_objects >= 16
+    assert ns.stored_bytes <= 2 << 20
+    assert _read_back(url, keys, [len(p) for p in pages]) == pages
+
+
+def test_graceful_shutdown_flushes_memory_and_a_restart_finds_it(start_daemon, tmp_path):
+    spill = tmp_path / "spill"
+    daemon = start_daemon("--capacity", "64MiB", "--spill-dir", str(spill))
+    url = f"grpc://{daemon.address}?namespace=default"
+    keys = [key_of("graceful", i) for i in range(40)]
+    pages = [page_of(k) for k in keys]
+    assert _put(url, keys, pages) == [True] * 40
+    assert not list(spill.rglob("*/*/*"))  # nothing evicted: all in memory only
+    assert daemon.stop() == 0
+    assert "stopped (40 pages written to the spill)" in daemon.log
+    daemon.start()  # same port, same spill directory, empty memory
+    assert _read_back(url, keys, [len(p) for p in pages]) == pages
+
+
+def _crash_mid_batch(daemon, tmp_path: Path, url: str, page_bytes: int, min_acks: int) -> list[str]:
+    """Run a putting client; once `min_acks` batches were acknowledged, kill -9 the daemon
+    while the next batch is in flight. Returns the client's log."""
+    ack_log = tmp_path / "acks.log"
+    worker = subprocess.Popen(
+        [sys.executable, str(WORKER), "put-until-killed", url, "7", str(ack_log), "16",
+         str(page_bytes)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lines = ack_log.read_text().splitlines() if ack_log.exists() else []
+            acks = sum(line.startswith("ack") for line in lines)
+            if acks >= min_acks and lines[-1].startswith("start"):
+                break
+            time.sleep(0.002)
+        daemon.kill()
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    return ack_log.read_text().splitlines()
+
+
+def _acked_and_attempted(lines: list[str]) -> tuple[set[int], set[int]]:
+    """Page numbers (batch * 16 + index) acknowledged, and attempted at all."""
+    acked, attempted = set(), set()
+    for line in lines:
+        kind, batch, *indices = line.split()
+        if kind == "start":
+            attempted.update(int(batch) * 16 + i for i in range(16))
+        else:
+            acked.update(int(batch) * 16 + int(i) for i in indices)
+    return acked, attempted
+
+
+@pytest.mark.parametrize("mode", ["write-through", "evict"])
+def test_kill_9_mid_batch_loses_no_acknowledged_spilled_page_and_serves_no_torn_one(
+    start_daemon, tmp_path, mode
+):
+    spill = tmp_path / "spill"
+    daemon = start_daemon(
+        "--capacity", "4MiB", "--spill-dir", str(spill), "--spill-mode", mode,
+    )  # fmt: skip
+    url = f"grpc://{daemon.address}?namespace=default&timeout=3s&retries=1"
+    lines = _crash_mid_batch(daemon, tmp_path, url, page_bytes=64 << 10, min_acks=24)
+    assert lines[-1].startswith("start"), "the kill must land inside a batch"
+    acked, attempted = _acked_and_attempted(lines)
+    assert len(acked) >= 24 * 16
+
+    daemon.start()  # same spill directory
+    numbers = sorted(attempted)
+    keys = [key_of("crash7", n) for n in numbers]
+    expected = [page_of(k, 64 << 10) for k in keys]
+    served = _read_back(
+        f"grpc://{daemon.address}?namespace=default", keys, [len(p) for p in expected]
+    )
+    for n, got, want in zip(numbers, served, expected, strict=True):
+        assert got is None or got == want, f"page {n} came back with wrong bytes"
+    back = {n for n, got in zip(numbers, served, strict=True) if got is not None}
+    if mode == "write-through":  # every ack was durable before it was sent
+        assert acked <= back, f"acknowledged pages lost: {sorted(acked - back)[:10]}"
+    else:
+        # Memory was lost. Each put acked after the pages it evicted were in the spill, so
+        # every acknowledged page older than the newest 4 MiB (memory) plus the batch in
+        # flight (whose evictions may not have reached the spill) is back.
+        budget = 4 << 20
+        budget += sum(len(expected[numbers.index(n)]) + 80 for n in attempted - acked)
+        must_be_back = set()
+        for n in sorted(acked, reverse=True):
+            budget -= len(page_of(key_of("crash7", n), 64 << 10)) + 80  # page + header
+            if budget < 0:
+                must_be_back.add(n)
+        assert len(must_be_back) > 100
+        assert must_be_back <= back, f"spilled pages lost: {sorted(must_be_back - back)[:10]}"
+
+
+def test_a_damaged_spill_file_is_a_miss_never_data(start_daemon, tmp_path):
+    spill = tmp_path / "spill"
+    daemon = start_daemon(
+        "--capacity", "8MiB", "--spill-dir", str(spill), "--spill-mode", "write-through",
+    )  # fmt: skip
+    url = f"grpc://{daemon.address}?namespace=default"
+    keys = [key_of("damage", i) for i in range(4)]
+    pages = [page_of(k) for k in keys]
+    assert _put(url, keys, pages) == [True] * 4
+    daemon.stop()
+    files = {p.name: p for p in spill.rglob("*") if p.is_file() and len(p.name) == 32}
+    damaged = files[keys[1].hex()]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    daemon.start()
+    served = _read_back(url, keys, [len(p) for p in pages])
+    assert served == [pages[0], None, pages[2], pages[3]]
