@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
@@ -37,15 +37,9 @@ import grpc
 from .base import Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .guard import CopyGuard
-from .objects import CorruptReason, FramedObject
+from .objects import FramedObject
 from .options import BackendOptions, check_range, options_from_query, url_option
-from .pieces import (
-    Piece,
-    WireError,
-    decode_get_response,
-    encode_put_request,
-    split_into_messages,
-)
+from .pieces import ObjectAssembly, WireError, encode_put_request, split_into_messages
 from .proto import kvstore_pb2 as pb
 from .protocol import (
     DEFAULT_MESSAGE_BYTES,
@@ -359,7 +353,7 @@ class GrpcBackend(StorageBackend):
         ).SerializeToString()
 
         async def call(timeout: float) -> None:
-            assembly = _Assembly(keys, on_object)
+            assembly = ObjectAssembly(keys, on_object)
             stream = server.get(request, timeout=timeout, metadata=self._metadata)
             try:
                 async for message in stream:
@@ -475,61 +469,6 @@ class GrpcBackend(StorageBackend):
 
         replies = await asyncio.gather(*(one(server) for server in self._servers))
         return {server.name: reply for server, reply in zip(self._servers, replies, strict=True)}
-
-
-class _Assembly:
-    """Puts the pieces of one BatchGet stream back into objects, in arrival order.
-
-    An object is handed to `on_object` once its last piece arrived (as a list of views into
-    the messages). What does not add up - a piece for another key, out of order, past the
-    object's end - makes the object a miss with a reason, never a page.
-    """
-
-    def __init__(self, keys: Sequence[bytes], on_object: Callable[[int, Fetched], None]) -> None:
-        self.keys = keys
-        self.on_object = on_object
-        self.partial: dict[int, tuple[int, list[memoryview], int]] = {}  # index -> size, parts, got
-        self.finished: set[int] = set()
-        self.started = False
-
-    def add(self, message: bytes) -> None:
-        self.started = True
-        pieces, missing = decode_get_response(message)
-        for index in missing:
-            if index < len(self.keys):
-                self._finish(index, None)
-        for piece in pieces:
-            self._add_piece(piece)
-
-    def _add_piece(self, piece: Piece) -> None:
-        index = piece.index
-        if index >= len(self.keys) or index in self.finished:
-            return  # not a key of ours, or already settled: ignore, never misplace
-        if piece.key != self.keys[index]:
-            self._finish(index, CorruptReason.KEY)
-            return
-        size, parts, got = self.partial.get(index, (piece.object_bytes, [], 0))
-        if piece.object_bytes != size or piece.offset != got or got + len(piece.data) > size:
-            self._finish(index, CorruptReason.LENGTH)
-            return
-        parts.append(piece.data)
-        got += len(piece.data)
-        if got == size:
-            self._finish(index, parts if len(parts) > 1 else parts[0])
-        else:
-            self.partial[index] = (size, parts, got)
-
-    def _finish(self, index: int, item: Fetched) -> None:
-        if index in self.finished:
-            return
-        self.finished.add(index)
-        self.partial.pop(index, None)
-        self.on_object(index, item)
-
-    def finish(self) -> None:
-        """The stream ended: objects still incomplete are truncated."""
-        for index in list(self.partial):
-            self._finish(index, CorruptReason.TRUNCATED)
 
 
 def _describe(exc: grpc.aio.AioRpcError) -> str:

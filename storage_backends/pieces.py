@@ -4,7 +4,8 @@
 generated protobuf classes would copy every page several times on the way in and out (a
 2 MiB page serialises at about 1 GB/s); this module writes the same protobuf wire format with
 one `b"".join` of the caller's buffers, and reads it back as memoryviews into the received
-message, without copying a page. Tests check both directions against the generated classes.
+message, without copying a page; `ObjectAssembly` puts a stream's pieces back into objects.
+Tests check both directions against the generated classes.
 
 Decoding follows protobuf's rules (any field order, unknown fields skipped, the last value of a
 scalar wins, packed or unpacked repeated integers), and names what is wrong in a `WireError`
@@ -13,10 +14,10 @@ on any input: the daemon decodes what strangers send it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
-from .objects import Buffer
+from .objects import Buffer, CorruptReason
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _MAX_VARINT_BYTES = 10
@@ -258,6 +259,65 @@ def decode_put_request(message: Buffer) -> tuple[str, list[Piece]]:
             _expect(field, wire_type, _LEN, "BatchPutRequest")
             pieces.append(_decode_piece(value, f"BatchPutRequest piece at byte {at}"))
     return namespace, pieces
+
+
+# -- putting objects back together --------------------------------------------------------
+
+
+class ObjectAssembly:
+    """Puts the pieces of one BatchGet stream back into objects, in arrival order.
+
+    `on_object(index, item)` is called once per key the stream settles: `item` is the object
+    (a view into a message, or a list of views when it came in several pieces), None when the
+    server says it is missing, or a CorruptReason when its pieces do not add up (a piece for
+    another key, out of order, past the object's end, or cut short by the stream's end).
+    """
+
+    def __init__(self, keys: Sequence[bytes], on_object: Callable[[int, object], None]) -> None:
+        self.keys = keys
+        self.on_object = on_object
+        self.partial: dict[int, tuple[int, list[memoryview], int]] = {}  # index -> size, parts, got
+        self.finished: set[int] = set()
+        self.started = False
+
+    def add(self, message: bytes) -> None:
+        self.started = True
+        pieces, missing = decode_get_response(message)
+        for index in missing:
+            if index < len(self.keys):
+                self._finish(index, None)
+        for piece in pieces:
+            self._add_piece(piece)
+
+    def _add_piece(self, piece: Piece) -> None:
+        index = piece.index
+        if index >= len(self.keys) or index in self.finished:
+            return  # not a key of ours, or already settled: ignore, never misplace
+        if piece.key != self.keys[index]:
+            self._finish(index, CorruptReason.KEY)
+            return
+        size, parts, got = self.partial.get(index, (piece.object_bytes, [], 0))
+        if piece.object_bytes != size or piece.offset != got or got + len(piece.data) > size:
+            self._finish(index, CorruptReason.LENGTH)
+            return
+        parts.append(piece.data)
+        got += len(piece.data)
+        if got == size:
+            self._finish(index, parts if len(parts) > 1 else parts[0])
+        else:
+            self.partial[index] = (size, parts, got)
+
+    def _finish(self, index: int, item: object) -> None:
+        if index in self.finished:
+            return
+        self.finished.add(index)
+        self.partial.pop(index, None)
+        self.on_object(index, item)
+
+    def finish(self) -> None:
+        """The stream ended: objects still incomplete are truncated."""
+        for index in list(self.partial):
+            self._finish(index, CorruptReason.TRUNCATED)
 
 
 # -- splitting objects into messages -----------------------------------------------------------
