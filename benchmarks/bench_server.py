@@ -7,9 +7,10 @@ so both frame and verify every page the same way; what differs is the server and
 transport.
 
 For each page size and backend: 4 processes (spawned) each put `--rounds` batches of fresh
-keys, then get them back, `--repeats` times; aggregate GB/s is all payload bytes over the
-wall time from the common start to the last process' end; p50 / p99 are per-batch
-latencies over every process. A warm-up round runs first. Medians over repetitions.
+keys, then get them back, after a warm-up round; aggregate GB/s is all payload bytes over
+the wall time from the common start to the last process' end; p50 / p99 are per-batch
+latencies over every process. `--repeats` repetitions alternate between the backends (so
+load from elsewhere on the machine falls on both alike); GB/s is the median.
 Prints one JSON line per case (the daemon's lines carry the ratio to Redis), then a table.
 
     python benchmarks/bench_server.py              # 256 KiB and 2 MiB pages
@@ -120,31 +121,41 @@ async def _client(url, worker, page_bytes, batch_pages, rounds, repeats, barrier
                         raise RuntimeError(f"{url}: {phase} failed for {ok.count(False)} pages")
                 if repeat:
                     phases[phase].append((started, time.monotonic(), latencies))
+            for keys in batches:  # untimed: keep both servers' memory to one round's pages
+                await store.delete(keys)
         if bytes(into[-1]) != pages[-1]:
             raise RuntimeError("a get returned other bytes than were put")
     return phases
 
 
-def run_case(url: str, page_bytes: int, batch_pages: int, rounds: int, repeats: int,
-             num_clients: int) -> dict:  # fmt: skip
+def run_round(url: str, page_bytes: int, batch_pages: int, rounds: int, num_clients: int) -> dict:
+    """One measured repetition (after one warm-up) of `num_clients` processes: per phase,
+    the aggregate GB/s and every batch latency."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         barrier = manager.Barrier(num_clients)
         with ctx.Pool(num_clients) as pool:
             args = [
-                (url, w, page_bytes, batch_pages, rounds, repeats, barrier)
-                for w in range(num_clients)
+                (url, w, page_bytes, batch_pages, rounds, 1, barrier) for w in range(num_clients)
             ]
             results = pool.map(client, args)
     out = {}
-    batch_bytes = page_bytes * batch_pages
     for phase in ("put", "get"):
-        rates, latencies = [], []
-        for repeat in range(repeats):
-            spans = [r[phase][repeat] for r in results]
-            wall = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
-            rates.append(num_clients * rounds * batch_bytes / wall / 1e9)
-            latencies += [lat for _, _, lats in spans for lat in lats]
+        spans = [r[phase][0] for r in results]
+        wall = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
+        out[phase] = (
+            num_clients * rounds * page_bytes * batch_pages / wall / 1e9,
+            [lat for _, _, lats in spans for lat in lats],
+        )
+    return out
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Median GB/s over repetitions; p50 / p99 over all batches of all repetitions."""
+    out = {}
+    for phase in ("put", "get"):
+        rates = [r[phase][0] for r in rounds]
+        latencies = [lat for r in rounds for lat in r[phase][1]]
         out[f"{phase}_gb_s"] = round(statistics.median(rates), 3)
         out[f"{phase}_p50_ms"] = round(float(np.percentile(latencies, 50)) * 1e3, 2)
         out[f"{phase}_p99_ms"] = round(float(np.percentile(latencies, 99)) * 1e3, 2)
@@ -171,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = [parse_size(s) for s in args.page_sizes.split(",")]
     per_repeat = max(sizes) * args.batch_pages * args.rounds * args.clients
-    capacity = f"{2 * per_repeat * (args.repeats + 1) + (256 << 20)}"
+    capacity = f"{2 * per_repeat + (256 << 20)}"
     workdir = tempfile.mkdtemp(prefix="bench-server-")
     daemon, daemon_port = start_daemon(capacity, ["--max-message-bytes", args.max_message])
     redis, redis_port = start_redis(workdir)
@@ -182,12 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for page_bytes in sizes:
-            measured = {}
-            for backend in ("redis", "grpc"):  # both, in the same run, same payload shapes
-                measured[backend] = run_case(
-                    urls[backend], page_bytes, args.batch_pages, args.rounds, args.repeats,
-                    args.clients,
-                )  # fmt: skip
+            rounds: dict[str, list[dict]] = {"redis": [], "grpc": []}
+            for _ in range(args.repeats):  # interleaved, so load from elsewhere hits both alike
+                for backend in rounds:
+                    rounds[backend].append(
+                        run_round(
+                            urls[backend], page_bytes, args.batch_pages, args.rounds, args.clients
+                        )
+                    )
+            measured = {backend: summarize(r) for backend, r in rounds.items()}
             for backend, result in measured.items():
                 line = {
                     "bench": "server",
