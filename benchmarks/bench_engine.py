@@ -168,11 +168,12 @@ def _measure(model, config, sizes, prompt, repeats, meta) -> dict:
     load_s, ceiling_s, load_bytes = _load_rates(cache, hit_pages)
     cache.flush()
     cache.close()
-    from_l3 = []
+    from_l3, l3_reads = [], []
     for _ in range(repeats):
         cache = build_cache(model, config, sizes)
         try:
             from_l3.append(_ttft(Engine(model, config, cache=cache), prompt))
+            l3_reads.append(cache.stats().gb_per_s("l3_to_l2"))
         finally:
             cache.close()
     cold_ms = _median_ms(m.ttft_s for m in cold)
@@ -203,6 +204,9 @@ def _measure(model, config, sizes, prompt, repeats, meta) -> dict:
                 hidden_fraction=round(min(1.0, max(0.0, (l1_ms + load_ms - ttft_ms) / load_ms)), 3),
             )
             row.update({k: result[k] for k in ("load_gb_s", "ceiling_gb_s", "hidden_fraction")})
+        if case == "l3":
+            result["l3_read_gb_s"] = round(statistics.median(l3_reads), 2)  # L3 -> L2 prefetch
+            row["l3_read_gb_s"] = result["l3_read_gb_s"]
         emit(result)
         row[case] = ttft_ms
     return row
@@ -244,7 +248,17 @@ def _time(fn, cache) -> float:
 
 def _print_table(rows: list[dict]) -> None:
     print()
-    header = ("prompt", "cold", "L1 hit", "L2 hit", "L3 hit", "L2 load", "ceiling", "hidden")
+    header = (
+        "prompt",
+        "cold",
+        "L1 hit",
+        "L2 hit",
+        "L3 hit",
+        "L2 load",
+        "ceiling",
+        "hidden",
+        "L3 read",
+    )
     print("  ".join(f"{h:>16}" if i in (2, 3, 4) else f"{h:>9}" for i, h in enumerate(header)))
     for r in rows:
         cells = [f"{r['prompt_tokens']:>9,}", f"{r['cold']:>7.1f}ms"]
@@ -254,6 +268,7 @@ def _print_table(rows: list[dict]) -> None:
             f"{r['load_gb_s']:>5.1f}GB/s",
             f"{r['ceiling_gb_s']:>5.1f}GB/s",
             f"{r['hidden_fraction']:>8.0%}",
+            f"{r['l3_read_gb_s']:>5.1f}GB/s",
         ]
         print("  ".join(cells))
 

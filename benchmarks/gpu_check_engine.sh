@@ -17,6 +17,11 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 python3 -m pytest -m gpu tests/engine_integration -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE '^(PASSED|SKIPPED) '
 tests_rc=${PIPESTATUS[0]}
 
+# hicache demo on the GPU (bf16, pinned L2): its totals only
+XDG_CACHE_HOME="$OUT/xdg" python3 -m hicache.cli demo --device cuda --fresh >"$OUT/demo_cuda.log" 2>&1
+echo "demo on cuda exit $?"; grep -A4 '^totals' "$OUT/demo_cuda.log"
+rm -rf "$OUT/xdg"
+
 python3 benchmarks/bench_engine.py "$@" 2>&1 | tee "$OUT/bench_engine.log" | grep -v '^{'
 bench_rc=${PIPESTATUS[0]}
 grep '^{' "$OUT/bench_engine.log" >"$OUT/bench_engine.jsonl" || true

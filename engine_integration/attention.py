@@ -23,67 +23,65 @@ from torch.nn.attention.bias import causal_lower_right
 from engine_integration.window import LateWindow
 
 
-def gather_kv(
-    kv_layer: torch.Tensor, page_table: torch.Tensor, length: int, num_written: int
-) -> torch.Tensor:
-    """Positions [0, length) of a request's pages as (length, 2, H, D); rows at and past
-    `num_written` are zeros (the pages there hold stale or uninitialised memory)."""
-    num_pages, page_size = kv_layer.shape[:2]
-    flat = kv_layer.view(num_pages * page_size, *kv_layer.shape[2:])
-    slots = page_table[:, None] * page_size + torch.arange(page_size, device=page_table.device)
-    kv = flat.index_select(0, slots.view(-1)[:length])
-    if num_written < length:
+def page_slots(page_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
+    """Flat pool slots (page * page_size + offset) of a request's positions [0, length)."""
+    offsets = torch.arange(page_size, device=page_table.device)
+    return (page_table[:, None] * page_size + offsets).view(-1)[:length]
+
+
+def gather_kv(flat_kv: torch.Tensor, slots: torch.Tensor, num_written: int) -> torch.Tensor:
+    """The KV at `slots` of a pool layer viewed as (pages * page_size, 2, H, D); rows at and
+    past `num_written` are zeros (the pages there hold stale or uninitialised memory)."""
+    kv = flat_kv.index_select(0, slots)
+    if num_written < kv.shape[0]:
         kv[num_written:] = 0
     return kv
 
 
-def write_kv(kv_layer: torch.Tensor, page_table: torch.Tensor, start: int, kv: torch.Tensor):
-    """Store kv[i] (2, H, D) as position start + i of a request's pages."""
-    num_pages, page_size = kv_layer.shape[:2]
-    positions = torch.arange(start, start + kv.shape[0], device=page_table.device)
-    slots = page_table[positions // page_size] * page_size + positions % page_size
-    kv_layer.view(num_pages * page_size, *kv_layer.shape[2:]).index_copy_(0, slots, kv)
+def write_kv(flat_kv: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Store kv[i] (2, H, D) into pool slot slots[i]."""
+    flat_kv.index_copy_(0, slots, kv)
+
+
+def attention_length(start: int, end: int, block_rows: int | None) -> int:
+    """How many key positions `source_attention` reads for queries [start, end)."""
+    if block_rows is None:
+        return end
+    return ((end - 1) // block_rows + 1) * block_rows
 
 
 def source_attention(
     q: torch.Tensor,
     start: int,
-    kv_layer: torch.Tensor,
-    page_table: torch.Tensor,
+    flat_kv: torch.Tensor,
+    slots: torch.Tensor,
     num_written: int,
     *,
     scale: float,
     block_rows: int | None,
 ) -> torch.Tensor:
-    """Causal attention of queries q (n, Hq, D) at positions [start, start + n) over the
-    request's paged KV, of which positions [0, num_written) are written. -> (n, Hq, D)."""
+    """Causal attention of queries q (n, Hq, D) at positions [start, start + n) over a
+    request's paged KV: `slots` are the pool slots of positions [0, attention_length(...)),
+    of which [0, num_written) are written. -> (n, Hq, D)."""
     n = q.shape[0]
     end = start + n
     if block_rows is None:
-        kv = gather_kv(kv_layer, page_table, end, num_written)
+        kv = gather_kv(flat_kv, slots, num_written)
         return _sdpa(q, kv, causal_lower_right(n, end), scale)
     rows = block_rows
-    first, last = start // rows, (end - 1) // rows
-    kv = gather_kv(kv_layer, page_table, (last + 1) * rows, num_written)
+    kv = gather_kv(flat_kv, slots, num_written)
     keys = kv[:, 0].transpose(0, 1)  # (H, length, D)
     values = kv[:, 1].transpose(0, 1)
-    padded = q.new_zeros(((last - first + 1) * rows, *q.shape[1:]))
-    offset = start - first * rows
-    padded[offset : offset + n] = q
-    out = torch.empty_like(padded)
-    for number, block in enumerate(range(first, last + 1)):
+
+    def attend_block(block: int, q_block: torch.Tensor) -> torch.Tensor:
         length = (block + 1) * rows
         query_positions = torch.arange(block * rows, length, device=q.device)
         key_positions = torch.arange(length, device=q.device)
         mask = key_positions[None, :] <= query_positions[:, None]  # (B, length)
-        out[number * rows : (number + 1) * rows] = _attend(
-            padded[number * rows : (number + 1) * rows],
-            keys[:, :length].contiguous(),
-            values[:, :length].contiguous(),
-            mask,
-            scale,
-        )
-    return out[offset : offset + n]
+        block_keys = keys[:, :length].contiguous()
+        return _attend(q_block, block_keys, values[:, :length].contiguous(), mask, scale)
+
+    return _blockwise(q, start, rows, attend_block)
 
 
 def window_attention(
@@ -108,19 +106,14 @@ def window_attention(
         window.write(layer, torch.arange(start, end, device=q.device), kv)
         return out
     rows = block_rows
-    first, last = start // rows, (end - 1) // rows
-    offset = start - first * rows
-    padded = q.new_zeros(((last - first + 1) * rows, *q.shape[1:]))
-    padded[offset : offset + n] = q
-    out = torch.empty_like(padded)
-    for number, block in enumerate(range(first, last + 1)):
+
+    def attend_block(block: int, q_block: torch.Tensor) -> torch.Tensor:
         lo, hi = max(start, block * rows), min(end, (block + 1) * rows)
         new_kv = kv[lo - start : hi - start]
-        q_block = padded[number * rows : (number + 1) * rows]
         mask, keys = _window_keys(
             new_kv, lo, block * rows, (block + 1) * rows, window, layer, block * rows - width
         )
-        out[number * rows : (number + 1) * rows] = _attend(
+        out = _attend(
             q_block,
             keys[:, 0].transpose(0, 1).contiguous(),
             keys[:, 1].transpose(0, 1).contiguous(),
@@ -128,6 +121,24 @@ def window_attention(
             scale,
         )
         window.write(layer, torch.arange(lo, hi, device=q.device), new_kv)
+        return out
+
+    return _blockwise(q, start, rows, attend_block)
+
+
+def _blockwise(q: torch.Tensor, start: int, rows: int, attend_block) -> torch.Tensor:
+    """Queries q (n, Hq, D) at positions [start, start + n), zero-padded into the blocks of
+    `rows` positions they fall in; `attend_block(block, q_block)` answers each block, in
+    order. Returns the real rows."""
+    n = q.shape[0]
+    first, last = start // rows, (start + n - 1) // rows
+    offset = start - first * rows
+    padded = q.new_zeros(((last - first + 1) * rows, *q.shape[1:]))
+    padded[offset : offset + n] = q
+    out = torch.empty_like(padded)
+    for number, block in enumerate(range(first, last + 1)):
+        part = slice(number * rows, (number + 1) * rows)
+        out[part] = attend_block(block, padded[part])
     return out[offset : offset + n]
 
 

@@ -59,6 +59,10 @@ class Engine:
         self.cache = cache
         layout = kv_layout_for(model, config.page_size)
         if cache is not None:
+            if cache.device_pool.device != model.device:
+                raise EngineError(
+                    f"the cache's L1 is on {cache.device_pool.device}, the model on {model.device}"
+                )
             if cache.layout != layout:
                 raise EngineError(
                     f"the cache holds {cache.layout.descriptor()}, the model needs "
@@ -92,12 +96,12 @@ class Engine:
     ) -> Request:
         """Queue a request. `split_at` (cache-off engines only): prefill as if the first
         `split_at` tokens had been a cache hit."""
-        prompt = [int(t) for t in prompt]
+        prompt = list(map(int, prompt))
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if split_at is not None:
             if self.cache is not None:

@@ -24,9 +24,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine_integration.attention import source_attention, window_attention, write_kv
+from engine_integration.attention import (
+    attention_length,
+    page_slots,
+    source_attention,
+    window_attention,
+    write_kv,
+)
 from engine_integration.config import ModelConfig
-from engine_integration.rows import RowLayout
+from engine_integration.rows import RowLayout, as_index
 from engine_integration.weights import LayerWeights, ModelWeights
 from engine_integration.window import LateWindow
 
@@ -60,10 +66,11 @@ class RotaryTable:
         self._dtype = dtype
         self._cos = self._sin = torch.empty(0, config.head_dim, dtype=dtype, device=device)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self._cos.shape[0]:
-            size = max(needed, 2 * self._cos.shape[0], 4096)
+    def lookup(self, positions: torch.Tensor, max_position: int):
+        """cos, sin (n, 1, D) of `positions`, all <= max_position (given by the caller, so
+        that no device value is read back here)."""
+        if max_position >= self._cos.shape[0]:
+            size = max(max_position + 1, 2 * self._cos.shape[0], 4096)
             angles = torch.outer(torch.arange(size, dtype=torch.float64), self._inv_freq)
             angles = torch.cat([angles, angles], dim=-1)
             self._cos = angles.cos().to(self._dtype).to(self._device)
@@ -124,10 +131,16 @@ class Model:
         Returns logits (float32, one row per request with want_logits, in order)."""
         config = self.config
         layout = RowLayout.build([(s.start, s.end) for s in seqs], self.block_rows, self.device)
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+        rope = self.rope.lookup(layout.positions, layout.max_position)
+        ids = as_index([t for s in seqs for t in s.token_ids], self.device)
         x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
+        page_size = source_kv(0).shape[1]
+        slots = [
+            page_slots(s.page_table, page_size, attention_length(s.start, s.end, self.block_rows))
+            for s in seqs
+        ]
         for i in range(config.num_source_layers):
-            x = self._source_layer(i, x, layout, seqs, source_kv(i))
+            x = self._source_layer(i, x, layout, rope, seqs, slots, source_kv(i))
         hidden = layout.unpack(x)  # (rows, hidden)
         if config.num_late_layers:
             hidden = self._late_layers(hidden, seqs)
@@ -135,24 +148,25 @@ class Model:
 
     # ------------------------------------------------------------------ layers
 
-    def _source_layer(self, i, x, layout: RowLayout, seqs, kv_layer) -> torch.Tensor:
+    def _source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer):
         weights = self.weights.layers[i]
-        q, kv = self._project(weights, x, layout)
+        q, kv = self._project(weights, x, layout, rope)
+        flat_kv = kv_layer.view(-1, *kv_layer.shape[2:])  # (pages * page_size, 2, H, D)
         outputs, row = [], 0
-        for seq in seqs:
+        for seq, seq_slots in zip(seqs, slots, strict=True):
             seq_q, seq_kv = q[row : row + seq.num_rows], kv[row : row + seq.num_rows]
             row += seq.num_rows
             skip = max(0, seq.write_from - seq.start)  # replay rows: their KV is cached
             if skip < seq.num_rows:
-                write_kv(kv_layer, seq.page_table, seq.start + skip, seq_kv[skip:])
+                write_kv(flat_kv, seq_slots[seq.start + skip : seq.end], seq_kv[skip:])
             if seq.wait_layer is not None:
                 seq.wait_layer(i)
             outputs.append(
                 source_attention(
                     seq_q,
                     seq.start,
-                    kv_layer,
-                    seq.page_table,
+                    flat_kv,
+                    seq_slots,
                     seq.end,
                     scale=self.scale,
                     block_rows=self.block_rows,
@@ -172,13 +186,14 @@ class Model:
             row += seq.num_rows
         if not runs:
             return hidden
-        rows_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        rows_index = as_index(rows, self.device)
         layout = RowLayout.build([(s, e) for _, s, e in runs], self.block_rows, self.device)
+        rope = self.rope.lookup(layout.positions, layout.max_position)
         x = layout.pack(hidden.index_select(0, rows_index))
         first = self.config.num_source_layers
         for j in range(self.config.num_late_layers):
             weights = self.weights.layers[first + j]
-            q, kv = self._project(weights, x, layout)
+            q, kv = self._project(weights, x, layout, rope)
             outputs, offset = [], 0
             for seq, start, end in runs:
                 n = end - start
@@ -209,7 +224,7 @@ class Model:
         if not rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         layout = RowLayout.build(runs, self.block_rows, self.device)
-        last = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        last = hidden.index_select(0, as_index(rows, self.device))
         eps = self.config.rms_norm_eps
         weights = self.weights
 
@@ -220,35 +235,25 @@ class Model:
 
     # ------------------------------------------------------------------ row-wise parts
 
-    def _project(self, weights: LayerWeights, x, layout: RowLayout):
+    def _project(self, weights: LayerWeights, x, layout: RowLayout, rope):
         """Norm, q/k/v projection and RoPE, block by block.
         -> q (rows, Hq, D) and kv (rows, 2, H, D) of the real rows."""
         config = self.config
         eps = config.rms_norm_eps
         sizes = [config.q_size, config.kv_size, config.kv_size]
 
-        def project(block, positions):
+        def project(block, cos, sin):
             qkv = F.linear(rms_norm(block, weights.input_norm, eps), weights.qkv, weights.qkv_bias)
             q, k, v = qkv.split(sizes, dim=-1)
             q = q.reshape(-1, config.num_heads, config.head_dim)
             k = k.reshape(-1, config.num_kv_heads, config.head_dim)
             v = v.reshape(-1, config.num_kv_heads, config.head_dim)
-            cos, sin = self.rope.lookup(positions)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            return torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+            return q, torch.stack([k, v], dim=1)
 
-        packed = layout.map_blocks(project, x, layout.positions)
-        q, k, v = layout.unpack(packed).split(sizes, dim=-1)
-        q = q.reshape(-1, config.num_heads, config.head_dim)
-        kv = torch.stack(
-            [
-                k.reshape(-1, config.num_kv_heads, config.head_dim),
-                v.reshape(-1, config.num_kv_heads, config.head_dim),
-            ],
-            dim=1,
-        )
-        return q, kv
+        q, kv = layout.map_blocks(project, x, *rope)
+        return layout.unpack(q), layout.unpack(kv)
 
     def _finish_layer(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
         """Output projection, residual, norm, SwiGLU MLP, residual, block by block."""

@@ -93,6 +93,19 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole list."""
+        prompt_len = len(self.prompt)
+        if end <= prompt_len:
+            return self.prompt[start:end]
+        if start >= prompt_len:
+            return self.output[start - prompt_len : end - prompt_len]
+        return self.prompt[start:] + self.output[: end - prompt_len]
+
+    @property
     def num_kv_tokens(self) -> int:
         """Positions whose source KV is in the request's pages (the last generated token
         has not been run yet)."""

@@ -31,6 +31,7 @@ class RowLayout:
     positions: torch.Tensor  # (num_packed,) long, the position of every packed row (RoPE)
     num_packed: int
     block_rows: int | None  # None: one block (no padding)
+    max_position: int  # the largest of `positions`, known without reading the device
 
     @classmethod
     def build(cls, runs: Sequence[tuple[int, int]], block_rows: int | None, device) -> RowLayout:
@@ -38,7 +39,13 @@ class RowLayout:
         if block_rows is None:
             positions = [p for start, end in runs for p in range(start, end)]
             index = list(range(len(positions)))
-            return cls(_tensor(index, device), _tensor(positions, device), len(positions), None)
+            return cls(
+                as_index(index, device),
+                as_index(positions, device),
+                len(positions),
+                None,
+                max(positions, default=0),
+            )
         rows = block_rows
         index: list[int] = []
         positions: list[int] = []
@@ -53,7 +60,13 @@ class RowLayout:
             index.extend(range(base + start, base + end))
             positions.extend(range(first * rows, -(-end // rows) * rows))
         _pack_singles(singles, rows, index, positions)
-        return cls(_tensor(index, device), _tensor(positions, device), len(positions), rows)
+        return cls(
+            as_index(index, device),
+            as_index(positions, device),
+            len(positions),
+            rows,
+            max(positions, default=0),
+        )
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(num_real, ...) -> (num_packed, ...), zeros in padding rows."""
@@ -69,13 +82,15 @@ class RowLayout:
             return packed
         return packed.index_select(0, self.index)
 
-    def map_blocks(self, fn: Callable[..., torch.Tensor], *packed: torch.Tensor) -> torch.Tensor:
-        """`fn` over each block of the packed tensors (one call without invariance)."""
+    def map_blocks(self, fn: Callable, *packed: torch.Tensor):
+        """`fn` over each block of the packed tensors (one call without invariance); `fn`
+        returns a tensor or a tuple of tensors, concatenated over the blocks."""
         if self.block_rows is None:
             return fn(*packed)
-        parts = [
-            fn(*block) for block in zip(*(t.split(self.block_rows) for t in packed), strict=True)
-        ]
+        blocks = zip(*(t.split(self.block_rows) for t in packed), strict=True)
+        parts = [fn(*block) for block in blocks]
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(column) for column in zip(*parts, strict=True))
         return torch.cat(parts)
 
 
@@ -96,5 +111,10 @@ def _pack_singles(
         positions[base + number * rows + slot] = position
 
 
-def _tensor(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+def as_index(values: list[int], device) -> torch.Tensor:
+    """A long tensor on `device`, copied from pinned memory without waiting for the
+    device (a plain torch.tensor(..., device='cuda') blocks until queued work is done)."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -168,7 +168,7 @@ class Scheduler:
         plan = []
         for request in self.running:
             if request.state == RequestState.DECODE:
-                position = len(request.tokens) - 1
+                position = request.num_tokens - 1
                 plan.append((request, self._rows(request, position, position + 1, True)))
         budget = self.config.prefill_chunk_tokens
         for request in self.running:
@@ -190,7 +190,7 @@ class Scheduler:
             wait = functools.partial(self.pages.wait_layer, request.match)
             request.loads_waited = True
         return SeqRows(
-            token_ids=request.tokens[start:end],
+            token_ids=request.token_slice(start, end),
             start=start,
             end=end,
             write_from=max(start, request.write_from),
