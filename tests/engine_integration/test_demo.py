@@ -47,3 +47,17 @@ def test_demo_shows_hits_from_every_tier_then_starts_warm_from_l3(tmp_path, monk
 def test_demo_flags_are_checked(capsys):
     assert main(["demo", "--turns", "0"]) == 2
     assert "--turns must be >= 1" in capsys.readouterr().err
+
+
+def test_demo_runs_a_checkpoint_directory(tmp_path, capsys):
+    from engine_integration.config import tiny_model_config
+    from engine_integration.weights import random_weights, save_checkpoint
+
+    config = tiny_model_config(seed=4)
+    save_checkpoint(config, random_weights(config, seed=4), tmp_path / "model")
+    url = f"file://{tmp_path}/l3?capacity=64MiB"
+    args = ["demo", "--model-dir", str(tmp_path / "model"), "--l3-url", url, "--users", "2"]
+    assert main([*args, "--turns", "2", "--max-new-tokens", "4", "--no-compare"]) == 0
+    out = capsys.readouterr().out
+    assert "model@" in out and "totals: 4 requests" in out
+    assert _totals(out)["l1"] > 0  # the second user hits the shared system prompt
