@@ -129,12 +129,9 @@ def _parse_mooncake_line(line: str, where: str) -> Request:
     output_length = _int_field(record, "output_length", where, minimum=0, default=0)
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list) or not all(
-        isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= _MAX_BLOCK_ID
-        for h in hash_ids
+        isinstance(h, int) and not isinstance(h, bool) and 0 <= h <= _MAX_BLOCK_ID for h in hash_ids
     ):
-        raise TraceError(
-            f"{where}: hash_ids must be a list of block ids in [0, {_MAX_BLOCK_ID}]"
-        )
+        raise TraceError(f"{where}: hash_ids must be a list of block ids in [0, {_MAX_BLOCK_ID}]")
     expected = math.ceil(input_length / MOONCAKE_BLOCK_TOKENS)
     if len(hash_ids) != expected:
         raise TraceError(
@@ -173,15 +170,15 @@ class ConversationWorkload:
     lognormal around their means; users think an exponential time between turns.
     """
 
-    sessions: int = 600
+    sessions: int = 1000
     system_prompts: int = 16
-    system_tokens: int = 3000  # mean length of a system prompt
+    system_tokens: int = 2000  # mean length of a system prompt
     zipf: float = 1.1  # popularity skew of the system prompts
-    turns: float = 4.0  # mean turns per session (geometric)
-    user_tokens: int = 400  # mean user message
-    output_tokens: int = 300  # mean answer
+    turns: float = 6.0  # mean turns per session (geometric)
+    user_tokens: int = 1500  # mean user message (documents and tool output included)
+    output_tokens: int = 500  # mean answer
     think_s: float = 30.0  # mean pause between an answer and the next message
-    rate: float = 1.0  # sessions starting per second
+    rate: float = 4.0  # sessions starting per second
     max_context: int = 65536  # a session ends when its prompt would be longer
     vocab: int = 128000
     seed: int = 0
@@ -203,7 +200,7 @@ class ConversationWorkload:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(
-                f"ConversationWorkload: out of range: "
+                "ConversationWorkload: out of range: "
                 + ", ".join(f"{name}={getattr(self, name)!r}" for name in bad)
             )
 
@@ -250,8 +247,9 @@ def generate_conversations(workload: ConversationWorkload | None = None) -> Trac
     return Trace(f"conversations(seed={w.seed})", requests, None)
 
 
-def _session_requests(rng, w: ConversationWorkload, session: int, start_s: float, prompt,
-                      num_turns: int) -> list[Request]:
+def _session_requests(
+    rng, w: ConversationWorkload, session: int, start_s: float, prompt, num_turns: int
+) -> list[Request]:
     pieces = [prompt]
     turns = []  # (arrival_s, input_length, output_length)
     length = len(prompt)
