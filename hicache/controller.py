@@ -565,6 +565,8 @@ class HiCache:
                 continue  # a finished copy out of a run may have made it evictable
             if victim is None:
                 break
+            if victim in kept:
+                continue  # a failed write-back's unlock made it a candidate again: it stays
             if tier == Tier.L1:
                 freed = self._evict_from_l1(victim)
             else:
