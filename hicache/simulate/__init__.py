@@ -1,0 +1,29 @@
+"""`hicache simulate`: capacity planning for tiered KV caches, on the live cache's own code.
+
+A trace replays, in virtual time, through real `hicache.HiCache` controllers (one per
+serving instance) whose executor is `VirtualExecutor`: the radix index, the write,
+prefetch and eviction policies are the live cache's, so the hit rates are its hit rates;
+only the clock and the byte movement are modelled. Nothing here imports torch.
+
+    trace.py      Mooncake JSONL traces, and a seeded multi-turn conversation generator
+    models.py     model presets and config.json: KV bytes per token, weights, prefill FLOPs
+    hardware.py   GPU presets: HBM, host memory, links, FLOPs, price
+    config.py     SimulationConfig: instances, tier sizes, links, policies, prices
+    l3.py         SimulatedL3: a shared LRU store whose pages appear when their write ends
+    executor.py   VirtualExecutor: the controller's ops on contended links in virtual time
+    replay.py     Replay: routing, queueing, match / prefill / insert, TTFT
+    result.py     SimulationResult: hit rates, TTFT, bytes per link, costs
+"""
+
+from hicache.simulate.config import SimulationConfig
+from hicache.simulate.replay import Replay
+from hicache.simulate.result import SimulationResult
+from hicache.simulate.trace import Trace, load_trace
+
+
+def simulate(config: SimulationConfig, trace: Trace, progress=None) -> SimulationResult:
+    """Replay `trace` under `config`; `progress(done, total)` is called as requests finish."""
+    return Replay(config, trace, progress).run()
+
+
+__all__ = ["Replay", "SimulationConfig", "SimulationResult", "Trace", "load_trace", "simulate"]
