@@ -18,6 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "engine_integration.demo",
         "see what the cache buys: multi-turn chats through the embedded engine, cache on and off",
     ),
+    "simulate": (
+        "hicache.simulate.cli",
+        "plan KV cache capacity: replay a trace through hicache's policies in virtual time",
+    ),
     "serve": (
         "hicache.server.cli",
         "run the cache-server daemon: an L3 that many engine instances share over gRPC",

@@ -13,6 +13,10 @@ only the clock and the byte movement are modelled. Nothing here imports torch.
     executor.py   VirtualExecutor: the controller's ops on contended links in virtual time
     replay.py     Replay: routing, queueing, match / prefill / insert, TTFT
     result.py     SimulationResult: hit rates, TTFT, bytes per link, costs
+    sweep.py      capacity sweeps, run in parallel processes
+    verdict.py    where the next dollar of cache goes; whether a shared L3 pays off
+    report.py     text and Markdown tables;  plots.py: a sweep's PNG (matplotlib, Agg)
+    progress.py   a progress bar on stderr;  cli.py: `hicache simulate`
 """
 
 from hicache.simulate.config import SimulationConfig

@@ -1,0 +1,380 @@
+"""`hicache simulate`: flags, the runs they ask for, and the output.
+
+Defaults come from the dataclasses they configure (`PolicyConfig`, `L3Config`,
+`SimulationConfig`, the model and hardware presets), so the CLI never disagrees with the
+library. Sizes are GB unless a unit is given ("512", "1.5TB", "800GiB").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hicache.config import (
+    EVICTION_POLICIES,
+    L3_WRITE_POLICIES,
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    L3Config,
+    PolicyConfig,
+)
+from hicache.simulate.config import (
+    ROUTING,
+    Prices,
+    SimulationConfig,
+    default_gpus_per_instance,
+    default_l1_bytes,
+    default_l2_bytes,
+)
+from hicache.simulate.errors import SimulationError
+from hicache.simulate.hardware import PRESETS as HARDWARE_PRESETS
+from hicache.simulate.hardware import load_hardware
+from hicache.simulate.models import PRESETS as MODEL_PRESETS
+from hicache.simulate.models import canonical_dtype, load_model
+from hicache.simulate.progress import ProgressBar
+from hicache.simulate.replay import Replay
+from hicache.simulate.report import (
+    best_sweep_point,
+    format_header,
+    format_result,
+    format_sweep_table,
+    format_verdict,
+    sweep_rows,
+)
+from hicache.simulate.sweep import grid, parse_capacity, parse_sweep, run_configs
+from hicache.simulate.trace import CONVERSATIONS, Trace, load_trace
+from hicache.simulate.verdict import build_verdict, plan_probes
+
+_POLICY = PolicyConfig()
+_L3 = L3Config()
+_DEFAULT = SimulationConfig.__dataclass_fields__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    work = parser.add_argument_group("workload")
+    work.add_argument(
+        "--trace",
+        default=CONVERSATIONS,
+        help="a Mooncake JSONL trace, or 'conversations[:sessions=N,turns=T,seed=S,...]' "
+        "for the built-in conversation generator",
+    )
+    work.add_argument("--limit", type=int, help="replay only the first N requests")
+    work.add_argument(
+        "--page-size",
+        type=int,
+        help="tokens per page (default: the trace's block size, 512 for Mooncake traces; else 64)",
+    )
+
+    model = parser.add_argument_group("model and hardware")
+    model.add_argument(
+        "--model",
+        default="deepseek-v3",
+        help=f"a preset ({', '.join(MODEL_PRESETS)}) or a config.json path",
+    )
+    model.add_argument("--kv-dtype", help="KV cache dtype (bf16, fp8, ...; default: the model's)")
+    model.add_argument(
+        "--mtp",
+        action="store_true",
+        help="use the model's MTP layers (their KV and weights share the budget)",
+    )
+    model.add_argument(
+        "--draft",
+        help="a draft model (preset or config.json) for speculative "
+        "decoding; its KV and weights share the budget",
+    )
+    model.add_argument("--hardware", default="h200", help=f"one of {', '.join(HARDWARE_PRESETS)}")
+    model.add_argument(
+        "--gpus-per-instance",
+        type=int,
+        help="GPUs per serving instance (default: the fewest, a power of two, "
+        "whose HBM the weights fill to at most 75%%)",
+    )
+    model.add_argument(
+        "--instances",
+        type=int,
+        default=_DEFAULT["num_instances"].default,
+        help="serving (prefill) instances",
+    )
+    model.add_argument(
+        "--routing",
+        choices=ROUTING,
+        default=_DEFAULT["routing"].default,
+        help="how requests pick an instance: round-robin, or the longest "
+        "prefix an instance holds in L1/L2",
+    )
+    model.add_argument(
+        "--mfu", type=float, default=_DEFAULT["mfu"].default, help="prefill model-FLOPs utilization"
+    )
+    for flag, name, unit in (
+        ("--hbm", "hbm_bytes", "GB per GPU"),
+        ("--host-memory", "host_bytes", "GB per GPU"),
+        ("--host-link-bandwidth", "host_link_bytes_per_s", "GB/s per GPU, per direction"),
+        ("--nic-bandwidth", "nic_bytes_per_s", "GB/s per GPU, per direction"),
+        ("--tflops", "flops", "dense TFLOP/s per GPU at the model's compute dtype"),
+    ):
+        model.add_argument(flag, type=float, dest=f"hw_{name}", help=f"override: {unit}")
+    model.add_argument("--gpu-hour-price", type=float, help="override: USD per GPU-hour")
+
+    tiers = parser.add_argument_group("tiers (sizes in GB unless a unit is given)")
+    tiers.add_argument("--l1", help="HBM for KV per instance (default: 90%% of HBM less weights)")
+    tiers.add_argument("--l2", help="host memory for KV per instance (default: half the host's)")
+    tiers.add_argument("--l3", default="0", help="shared L3 store (0: none)")
+    tiers.add_argument(
+        "--l3-local",
+        action="store_true",
+        help="each instance has its own L3 of that size instead of one shared",
+    )
+    tiers.add_argument(
+        "--l3-bandwidth", type=float, help="GB/s per instance to L3 (default: the instance's NICs)"
+    )
+    tiers.add_argument(
+        "--l3-aggregate-bandwidth",
+        type=float,
+        help="GB/s the shared L3 serves in all (default: no limit)",
+    )
+    tiers.add_argument(
+        "--l3-latency-us",
+        type=float,
+        default=_DEFAULT["l3_latency_s"].default * 1e6,
+        help="per L3 request",
+    )
+    for tier, default in (("l1", "the GPU's price over its HBM"), ("l2", "0.50"), ("l3", "0.10")):
+        tiers.add_argument(
+            f"--price-{tier}",
+            type=float,
+            help=f"USD per GB-month of {tier.upper()} (default: {default})",
+        )
+
+    policy = parser.add_argument_group("policies (as in the controller)")
+    policy.add_argument("--write-policy", choices=WRITE_POLICIES, default=_POLICY.write_policy)
+    policy.add_argument(
+        "--write-through-threshold", type=int, default=_POLICY.write_through_threshold
+    )
+    policy.add_argument("--l3-write-policy", choices=L3_WRITE_POLICIES, default=_L3.write_policy)
+    policy.add_argument(
+        "--prefetch-policy", choices=PREFETCH_POLICIES, default=_POLICY.prefetch_policy
+    )
+    policy.add_argument(
+        "--prefetch-timeout-base-ms", type=float, default=_POLICY.prefetch_timeout_base_s * 1e3
+    )
+    policy.add_argument(
+        "--prefetch-timeout-per-1k-ms",
+        type=float,
+        default=_POLICY.prefetch_timeout_per_1k_tokens_s * 1e3,
+    )
+    policy.add_argument(
+        "--eviction-policy", choices=EVICTION_POLICIES, default=_POLICY.eviction_policy
+    )
+
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="TIER=VALUES",
+        help="sweep a capacity: l2=0,256,1024 or l3=0:8000:5 (linear) or "
+        "l3=100..10000:5 (geometric); give it twice for a grid",
+    )
+    out.add_argument(
+        "--out",
+        type=Path,
+        default=Path("hicache-sweep"),
+        help="where a sweep writes sweep.json, sweep.md and sweep.png",
+    )
+    out.add_argument(
+        "--jobs", type=int, help="processes for sweeps and the verdict (default: one per CPU)"
+    )
+    out.add_argument(
+        "--no-verdict", action="store_true", help="skip the verdict (and the extra runs it takes)"
+    )
+    out.add_argument("--json", action="store_true", help="print one JSON line instead of text")
+    out.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (SimulationError, ValueError) as error:
+        print(f"hicache simulate: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    trace = load_trace(args.trace, args.limit)
+    config = build_config(args, trace)
+    axes = [parse_sweep(spec) for spec in args.sweep]
+    if len(axes) > 2:
+        raise ValueError("--sweep at most twice (one or two capacities)")
+    sweep_configs = grid(config, axes) if axes else []
+    bar = ProgressBar("simulate", enabled=args.progress)
+    base = Replay(config, trace, progress=None if sweep_configs else bar).run()
+    probes = {} if args.no_verdict else plan_probes(config, trace)
+    probe_names = [name for name, probe in probes.items() if probe.config is not None]
+    extra = sweep_configs + [probes[name].config for name in probe_names]
+    runs_bar = ProgressBar("runs", enabled=args.progress, delay_s=0.0)
+    extra_results = run_configs(extra, trace, jobs=args.jobs, progress=runs_bar) if extra else []
+    sweep_results = extra_results[: len(sweep_configs)]
+    probe_results = dict(zip(probe_names, extra_results[len(sweep_configs) :], strict=True))
+    verdict = None if args.no_verdict else build_verdict(config, trace, base, probes, probe_results)
+    wall_s = time.perf_counter() - started
+    if axes:
+        return _sweep_output(
+            args, config, trace, axes, sweep_configs, sweep_results, verdict, wall_s
+        )
+    if args.json:
+        out = base.as_dict()
+        out["verdict"] = verdict.as_dict() if verdict else None
+        out["wall_s"] = round(wall_s, 3)
+        print(json.dumps(out))
+        return 0
+    print(format_header(config, trace))
+    print()
+    print(format_result(base, config))
+    if verdict is not None:
+        print()
+        print(format_verdict(verdict))
+    return 0
+
+
+def _sweep_output(args, config, trace: Trace, axes, configs, results, verdict, wall_s) -> int:
+    from hicache.simulate.plots import plot_sweep
+
+    rows = sweep_rows(axes, configs, results)
+    table = format_sweep_table(axes, rows)
+    best = best_sweep_point(axes, rows)
+    out_dir: Path = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    title = (
+        f"{trace.name}: {config.model.name} on {config.num_instances} x "
+        f"{config.gpus_per_instance} {config.hardware.name.upper()}"
+    )
+    plot = plot_sweep(axes, rows, out_dir / "sweep.png", title)
+    document = {
+        "trace": trace.name,
+        "requests": trace.num_requests,
+        "total_tokens": trace.total_tokens,
+        "axes": [{"tier": a.tier, "gb": [v / 1e9 for v in a.values_bytes]} for a in axes],
+        "points": [
+            {**row, "result": result.as_dict()} for row, result in zip(rows, results, strict=True)
+        ],
+        "best": best,
+        "verdict": verdict.as_dict() if verdict else None,
+        "wall_s": round(wall_s, 3),
+    }
+    (out_dir / "sweep.json").write_text(json.dumps(document, indent=1) + "\n")
+    (out_dir / "sweep.md").write_text(f"{title}\n\n{table}\n\n{best}\n")
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "points": rows,
+                    "best": best,
+                    "verdict": document["verdict"],
+                    "files": [str(out_dir / n) for n in ("sweep.json", "sweep.md", plot.name)],
+                    "wall_s": round(wall_s, 3),
+                }
+            )
+        )
+        return 0
+    print(format_header(config, trace))
+    print()
+    print(table)
+    print()
+    print(best)
+    if verdict is not None:
+        print()
+        print(format_verdict(verdict))
+    print()
+    print(
+        f"{len(results)} runs in {wall_s:.1f} s; wrote {out_dir / 'sweep.json'}, "
+        f"{out_dir / 'sweep.md'}, {plot}"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
+    model = load_model(args.model)
+    if args.kv_dtype:
+        model = model.replace(kv_dtype=canonical_dtype(args.kv_dtype))
+    if args.mtp:
+        if not model.mtp_layers:
+            raise SimulationError(f"{model.name} has no MTP layers (--mtp)")
+        model = model.replace(use_mtp=True)
+    if args.draft:
+        model = model.replace(draft=load_model(args.draft))
+    hardware = _hardware(args)
+    gpus = args.gpus_per_instance or default_gpus_per_instance(model, hardware)
+    l1 = parse_capacity(args.l1) if args.l1 else default_l1_bytes(model, hardware, gpus)
+    l2 = parse_capacity(args.l2) if args.l2 else default_l2_bytes(hardware, gpus)
+    policy = PolicyConfig(
+        write_policy=args.write_policy,
+        write_through_threshold=args.write_through_threshold,
+        prefetch_policy=args.prefetch_policy,
+        prefetch_timeout_base_s=args.prefetch_timeout_base_ms / 1e3,
+        prefetch_timeout_per_1k_tokens_s=args.prefetch_timeout_per_1k_ms / 1e3,
+        eviction_policy=args.eviction_policy,
+    )
+    prices = Prices(
+        gpu_hour=args.gpu_hour_price
+        if args.gpu_hour_price is not None
+        else hardware.gpu_hour_price,
+        l1_per_gb_month=args.price_l1,
+        **{
+            f"{t}_per_gb_month": getattr(args, f"price_{t}")
+            for t in ("l2", "l3")
+            if getattr(args, f"price_{t}") is not None
+        },
+    )
+    return SimulationConfig(
+        model=model,
+        hardware=hardware,
+        page_size=args.page_size or trace.block_size or 64,
+        gpus_per_instance=gpus,
+        l1_bytes=l1,
+        l2_bytes=l2,
+        l3_bytes=parse_capacity(args.l3),
+        num_instances=args.instances,
+        l3_shared=not args.l3_local,
+        l3_bandwidth_bytes_per_s=args.l3_bandwidth * 1e9 if args.l3_bandwidth else None,
+        l3_aggregate_bytes_per_s=(
+            args.l3_aggregate_bandwidth * 1e9 if args.l3_aggregate_bandwidth else None
+        ),
+        l3_latency_s=args.l3_latency_us / 1e6,
+        l3_write_policy=args.l3_write_policy,
+        policy=policy,
+        routing=args.routing,
+        mfu=args.mfu,
+        prices=prices,
+    )
+
+
+def _hardware(args: argparse.Namespace):
+    hardware = load_hardware(args.hardware)
+    changes = {}
+    for name, scale in (
+        ("hbm_bytes", 1e9),
+        ("host_bytes", 1e9),
+        ("host_link_bytes_per_s", 1e9),
+        ("nic_bytes_per_s", 1e9),
+    ):
+        value = getattr(args, f"hw_{name}")
+        if value is not None:
+            changes[name] = value * scale
+    if args.hw_flops is not None:
+        changes["bf16_flops"] = changes["fp8_flops"] = args.hw_flops * 1e12
+    if args.gpu_hour_price is not None:
+        changes["gpu_hour_price"] = args.gpu_hour_price
+    return hardware.replace(**changes) if changes else hardware

@@ -1,0 +1,148 @@
+"""`hicache simulate` from the command line: text, --json, --sweep files, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hicache.cli import main
+from hicache.simulate.sweep import parse_sweep
+
+SMALL = "conversations:sessions=40,turns=3,rate=2,seed=2"
+
+
+def run_cli(capsys, *args):
+    code = main(["simulate", "--trace", SMALL, "--no-progress", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_has_the_documented_fields(capsys):
+    code, out, _ = run_cli(
+        capsys, "--json", "--no-verdict", "--l1", "5", "--l2", "20", "--l3", "100"
+    )
+    assert code == 0
+    (line,) = out.strip().splitlines()
+    result = json.loads(line)
+    for key in ("requests", "total_tokens", "hit_tokens", "hit_rate", "elapsed_s"):
+        assert key in result
+    tiers = [result[tier]["hit_tokens"] for tier in ("l1", "l2", "l3")]
+    assert sum(tiers) == result["hit_tokens"] > 0
+    assert result["hit_rate"] == pytest.approx(
+        result["hit_tokens"] / result["total_tokens"], abs=1e-6
+    )
+    assert result["config"]["l3_gb"] == 100
+    assert result["verdict"] is None
+    assert result["ttft_s"]["p50"] <= result["ttft_s"]["p90"] <= result["ttft_s"]["p99"]
+
+
+def test_text_report_with_its_verdict(capsys):
+    code, out, _ = run_cli(
+        capsys, "--model", "llama-3.1-8b", "--hardware", "b200", "--l2", "50", "--jobs", "1"
+    )
+    assert code == 0
+    assert "llama-3.1-8b" in out and "B200" in out
+    assert "hit rate" in out and "TTFT" in out and "cost per month" in out
+    assert "verdict:" in out
+    assert "Reuse ceiling" in out and "Next dollar" in out
+    assert "Prefill/decode disaggregation with a shared L3" in out
+
+
+def test_a_sweep_writes_a_table_json_and_plots(capsys, tmp_path):
+    out_dir = tmp_path / "sweep"
+    code, out, _ = run_cli(
+        capsys,
+        "--sweep",
+        "l2=0,10,100",
+        "--l1",
+        "2",
+        "--out",
+        str(out_dir),
+        "--no-verdict",
+        "--jobs",
+        "2",
+    )
+    assert code == 0
+    assert "| L2 GB | hit %" in out and "Best point of the sweep" in out
+    document = json.loads((out_dir / "sweep.json").read_text())
+    rates = [point["hit_rate"] for point in document["points"]]
+    assert [point["l2_gb"] for point in document["points"]] == [0, 10, 100]
+    assert rates == sorted(rates) and rates[-1] > rates[0]
+    assert (out_dir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| L2 GB |" in (out_dir / "sweep.md").read_text()
+
+
+def test_a_two_axis_sweep_is_a_grid(capsys, tmp_path):
+    code, out, _ = run_cli(
+        capsys,
+        "--sweep",
+        "l1=1,4",
+        "--sweep",
+        "l2=0:40:3",
+        "--out",
+        str(tmp_path),
+        "--no-verdict",
+        "--json",
+        "--jobs",
+        "1",
+    )
+    assert code == 0
+    points = json.loads(out)["points"]
+    assert [(p["l1_gb"], p["l2_gb"]) for p in points] == [
+        (1, 0),
+        (1, 20),
+        (1, 40),
+        (4, 0),
+        (4, 20),
+        (4, 40),
+    ]
+
+
+def test_a_malformed_trace_fails_with_its_line_number(capsys, tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    good = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]})
+    trace.write_text(good + "\n" + '{"timestamp": 5, "input_length": 10}\n')
+    code = main(["simulate", "--trace", str(trace), "--no-progress"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert f"{trace}:2: missing field(s) hash_ids" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sweep", "l4=1,2"], "expected l1=..., l2=... or l3=..."),
+        (["--sweep", "l2=1:2:1"], "a range needs a count >= 2"),
+        (["--model", "no-such-model"], "unknown model"),
+        (["--l2", "0", "--l3", "10"], "an L3 needs an L2"),
+        (["--mtp", "--model", "llama-3.1-8b"], "has no MTP layers"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(capsys, args, message):
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2
+    assert message in err
+
+
+def test_sweep_specs():
+    assert parse_sweep("l3=0.5TB,2TB").values_bytes == (0.5e12, 2e12)
+    geometric = parse_sweep("l2=10..1000:3").values_bytes
+    assert geometric == pytest.approx((10e9, 100e9, 1000e9))
+    with pytest.raises(ValueError, match="starts above 0"):
+        parse_sweep("l2=0..1000:3")
+
+
+def test_the_simulator_runs_without_torch():
+    code = (
+        "import sys\n"
+        "from hicache.cli import main\n"
+        f"main(['simulate', '--trace', '{SMALL}', '--json', '--no-progress', '--jobs', '1'])\n"
+        "import hicache.simulate.plots, hicache.simulate.cli\n"
+        "assert 'torch' not in sys.modules and 'triton' not in sys.modules, 'torch imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["requests"] > 0
