@@ -229,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
     wall_s = time.perf_counter() - started
     if axes:
         return _sweep_output(
-            args, config, trace, axes, sweep_configs, sweep_results, verdict, wall_s
+            args, config, trace, axes, sweep_configs, sweep_results, verdict, wall_s, 1 + len(extra)
         )
     if args.json:
         out = base.as_dict()
@@ -246,7 +246,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep_output(args, config, trace: Trace, axes, configs, results, verdict, wall_s) -> int:
+def _sweep_output(
+    args, config, trace: Trace, axes, configs, results, verdict, wall_s, num_runs
+) -> int:
     from hicache.simulate.plots import plot_sweep
 
     rows = sweep_rows(axes, configs, results)
@@ -296,8 +298,8 @@ def _sweep_output(args, config, trace: Trace, axes, configs, results, verdict, w
         print(format_verdict(verdict))
     print()
     print(
-        f"{len(results)} runs in {wall_s:.1f} s; wrote {out_dir / 'sweep.json'}, "
-        f"{out_dir / 'sweep.md'}, {plot}"
+        f"{len(results)} sweep points ({num_runs} runs with the base and the verdict's) in "
+        f"{wall_s:.1f} s; wrote {out_dir / 'sweep.json'}, {out_dir / 'sweep.md'}, {plot}"
     )
     return 0
 
