@@ -53,8 +53,17 @@ _L3 = L3Config()
 _DEFAULT = SimulationConfig.__dataclass_fields__
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it has none or its help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = _HelpFormatter
     work = parser.add_argument_group("workload")
     work.add_argument(
         "--trace",
@@ -114,26 +123,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--host-memory", "host_bytes", "GB per GPU"),
         ("--host-link-bandwidth", "host_link_bytes_per_s", "GB/s per GPU, per direction"),
         ("--nic-bandwidth", "nic_bytes_per_s", "GB/s per GPU, per direction"),
-        ("--tflops", "flops", "dense TFLOP/s per GPU at the model's compute dtype"),
+        ("--tflops", "flops", "TFLOP/s per GPU, dense, at the model's compute dtype"),
     ):
-        model.add_argument(flag, type=float, dest=f"hw_{name}", help=f"override: {unit}")
-    model.add_argument("--gpu-hour-price", type=float, help="override: USD per GPU-hour")
+        model.add_argument(
+            flag,
+            type=float,
+            dest=f"hw_{name}",
+            metavar=unit.split()[0].upper().rstrip(","),
+            help=f"override: {unit}",
+        )
+    model.add_argument(
+        "--gpu-hour-price", type=float, metavar="USD", help="override: USD per GPU-hour"
+    )
 
     tiers = parser.add_argument_group("tiers (sizes in GB unless a unit is given)")
-    tiers.add_argument("--l1", help="HBM for KV per instance (default: 90%% of HBM less weights)")
-    tiers.add_argument("--l2", help="host memory for KV per instance (default: half the host's)")
-    tiers.add_argument("--l3", default="0", help="shared L3 store (0: none)")
+    tiers.add_argument(
+        "--l1", metavar="SIZE", help="HBM for KV per instance (default: 90%% of HBM less weights)"
+    )
+    tiers.add_argument(
+        "--l2", metavar="SIZE", help="host memory for KV per instance (default: half the host's)"
+    )
+    tiers.add_argument("--l3", metavar="SIZE", default="0", help="shared L3 store (0: none)")
     tiers.add_argument(
         "--l3-local",
         action="store_true",
         help="each instance has its own L3 of that size instead of one shared",
     )
     tiers.add_argument(
-        "--l3-bandwidth", type=float, help="GB/s per instance to L3 (default: the instance's NICs)"
+        "--l3-bandwidth",
+        type=float,
+        metavar="GB/S",
+        help="GB/s per instance to L3 (default: the instance's NICs)",
     )
     tiers.add_argument(
         "--l3-aggregate-bandwidth",
         type=float,
+        metavar="GB/S",
         help="GB/s the shared L3 serves in all (default: no limit)",
     )
     tiers.add_argument(

@@ -93,6 +93,7 @@ class Replay:
         self._layout = config.model.kv_layout(config.page_size)
         if self._layout.bytes_per_page != config.page_bytes:
             raise SimulationError("the model's page layout and its KV bytes per token disagree")
+        self._trace_pages = sum(r.input_length // config.page_size for r in trace.requests)
         self._stores = self._make_stores()
         self._instances = [self._make_instance(i) for i in range(config.num_instances)]
         self._stats = RequestStats.empty(trace.num_requests)
@@ -116,8 +117,9 @@ class Replay:
         c = self.config
         if not c.l3_pages:
             return {}
+        pages = min(c.l3_pages, self._trace_pages + 1)
         if c.l3_shared:
-            return {"shared": SimulatedL3(c.l3_pages, "shared")}
+            return {"shared": SimulatedL3(pages, "shared")}
         return {
             f"instance-{i}": SimulatedL3(c.l3_pages, f"instance-{i}")
             for i in range(c.num_instances)
@@ -155,9 +157,13 @@ class Replay:
             )
         links = self._make_links(index, self._shared_links)
         headroom = -(-self.trace.max_input_length // c.page_size)
+        # A tier that can hold every page of the trace behaves the same at any larger size:
+        # cap the pools there (a 100 TB L1 of 16-token pages would be a billion page ids).
+        l1_pages = min(c.l1_pages, self._trace_pages)
+        l2_pages = min(c.l2_pages, self._trace_pages)
         executor = VirtualExecutor(
-            num_device_pages=c.l1_pages + headroom,
-            num_host_pages=c.l2_pages,
+            num_device_pages=l1_pages + headroom,
+            num_host_pages=l2_pages,
             page_bytes=c.page_bytes,
             links=links,
             stores=self._stores,
@@ -168,8 +174,8 @@ class Replay:
             url = URL_SCHEME + ("shared" if c.l3_shared else f"instance-{index}")
         cache_config = HiCacheConfig(
             layout=self._layout,
-            l1=L1Config(device="cpu", num_pages=c.l1_pages + headroom),
-            l2=L2Config(budget_bytes=c.l2_pages * c.page_bytes, reserve_bytes=0, pin_memory=False),
+            l1=L1Config(device="cpu", num_pages=l1_pages + headroom),
+            l2=L2Config(budget_bytes=l2_pages * c.page_bytes, reserve_bytes=0, pin_memory=False),
             l3=L3Config(
                 url=url,
                 write_policy=c.l3_write_policy,
@@ -177,7 +183,7 @@ class Replay:
             ),
             policy=c.policy,
         )
-        return _Instance(index, HiCache(cache_config, executor), executor, c.l1_pages)
+        return _Instance(index, HiCache(cache_config, executor), executor, l1_pages)
 
     # ------------------------------------------------------------------ the event loop
 

@@ -209,3 +209,16 @@ def test_a_timeout_prefetch_is_cut_short_on_a_slow_l3(config_factory):
     stats = replay.request_stats
     waited = stats.matched_s[2] - stats.began_s[2]  # the index knew p is in L3: no lookup
     assert waited == pytest.approx(0.2)
+
+
+def test_a_capacity_beyond_the_trace_behaves_as_one_that_holds_it_all(
+    conversations, config_factory
+):
+    page_size = 16
+    every_page = sum(r.input_length // page_size for r in conversations.requests)
+    holds_all = simulate(config_factory(page_size=page_size, l1_pages=every_page), conversations)
+    huge = config_factory(page_size=page_size).replace(l1_bytes=1e18, l2_bytes=1e18)
+    assert huge.l1_pages > 10**8  # as pools, these would not fit in memory
+    result = simulate(huge, conversations)
+    assert result.hit_tokens == holds_all.hit_tokens > 0
+    assert result.tiers["l1"].capacity_bytes == 1e18  # costs are for what was asked
