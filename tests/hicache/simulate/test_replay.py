@@ -1,14 +1,21 @@
 """The replay against numbers that follow from the trace and from the time model.
 
-Where the hit rate grows with a capacity and where it need not: for one instance, LRU over
-a radix tree whose eviction takes leaves only is still a stack algorithm (a prefix is used
-whenever its extension is, so the least recently used page is always a leaf), so a larger L1
-holds a superset and hits at least as often; the tiers below inherit that under
-write-through and wait-complete prefetch, as the tests here check. It need not hold when
-timing feeds back into hits: `best_effort` and `timeout` prefetch use what has arrived, and
-arrival depends on queueing, which depends on the hits; prefix routing sends a request
-where its prefix is, so capacity changes where later requests go; and a selective
-write-through backs up only runs hit N times, so L2's contents depend on L1's hits.
+Where the hit rate grows with a capacity and where it need not. For one tier, LRU over a
+radix tree that evicts only runs with no child in the tier is still a stack algorithm: a
+prefix is touched whenever its extension is, so the least recently used run is always such
+a run, and a larger tier holds a superset. Tiers below inherit that when they are fed the
+same way at every size: write-through (or write-back) into L2, wait-complete prefetch, as
+the sweeps here check on both traces. It does not hold in general:
+- a lower tier sees only the upper tier's misses, so a larger upper tier changes the lower
+  tier's recency order: with write_back and a 2,000-page L3, growing L2 from 1,600 to 2,400
+  pages (first 2,000 Mooncake requests, 512-token pages) cut hits from 1,419,776 to
+  1,267,200 tokens: with fewer L2 misses, fewer L3 reads refreshed L3's order, and it
+  evicted pages that were needed later;
+- timing feeds back into hits: `timeout` and `best_effort` prefetch use what has arrived,
+  arrival depends on queueing, queueing on the hits (conversation trace, 0.5 ms budget:
+  a larger L3 gave fewer hits, 2,672,640 -> 2,593,664 tokens);
+- prefix routing sends a request where its prefix is, so capacity changes later routing;
+  selective write-through backs up only runs hit twice, so L2's content depends on L1's.
 """
 
 from __future__ import annotations
