@@ -95,6 +95,12 @@ class Replay:
             raise SimulationError("the model's page layout and its KV bytes per token disagree")
         self._trace_pages = sum(r.input_length // config.page_size for r in trace.requests)
         self._stores = self._make_stores()
+        aggregate = config.l3_aggregate_bytes_per_s
+        self._shared_links = (  # the shared store's own bandwidth, one side per direction
+            (Link("l3-write", aggregate), Link("l3-read", aggregate))
+            if aggregate and config.l3_shared and self._stores
+            else None
+        )
         self._instances = [self._make_instance(i) for i in range(config.num_instances)]
         self._stats = RequestStats.empty(trace.num_requests)
         self._next_instance = 0
@@ -121,11 +127,10 @@ class Replay:
         if c.l3_shared:
             return {"shared": SimulatedL3(pages, "shared")}
         return {
-            f"instance-{i}": SimulatedL3(c.l3_pages, f"instance-{i}")
-            for i in range(c.num_instances)
+            f"instance-{i}": SimulatedL3(pages, f"instance-{i}") for i in range(c.num_instances)
         }
 
-    def _make_links(self, index: int, shared: tuple[Link, Link] | None) -> Links:
+    def _make_links(self, index: int) -> Links:
         c, hw = self.config, self.config.hardware
         host_rate = hw.host_link_bytes_per_s * c.gpus_per_instance
         l3_write: tuple[Link, ...] = ()
@@ -134,9 +139,9 @@ class Replay:
             rate = c.l3_instance_bytes_per_s
             l3_write = (Link(f"nic{index}-out", rate),)
             l3_read = (Link(f"nic{index}-in", rate),)
-            if shared is not None:
-                l3_write += (shared[0],)
-                l3_read += (shared[1],)
+            if self._shared_links is not None:
+                l3_write += (self._shared_links[0],)
+                l3_read += (self._shared_links[1],)
         return Links(
             device_to_host=Link(f"host{index}-d2h", host_rate),
             host_to_device=Link(f"host{index}-h2d", host_rate),
@@ -148,14 +153,7 @@ class Replay:
 
     def _make_instance(self, index: int) -> _Instance:
         c = self.config
-        if not hasattr(self, "_shared_links"):
-            aggregate = c.l3_aggregate_bytes_per_s
-            self._shared_links = (
-                (Link("l3-write", aggregate), Link("l3-read", aggregate))
-                if aggregate and c.l3_shared and self._stores
-                else None
-            )
-        links = self._make_links(index, self._shared_links)
+        links = self._make_links(index)
         headroom = -(-self.trace.max_input_length // c.page_size)
         # A tier that can hold every page of the trace behaves the same at any larger size:
         # cap the pools there (a 100 TB L1 of 16-token pages would be a billion page ids).

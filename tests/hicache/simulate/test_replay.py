@@ -229,3 +229,19 @@ def test_a_capacity_beyond_the_trace_behaves_as_one_that_holds_it_all(
     result = simulate(huge, conversations)
     assert result.hit_tokens == holds_all.hit_tokens > 0
     assert result.tiers["l1"].capacity_bytes == 1e18  # costs are for what was asked
+
+
+def test_a_shared_l3s_aggregate_bandwidth_slows_its_reads(config_factory):
+    trace = trace_of((0.0, prompt(0, 4096)), (100.0, prompt(0, 4096)))
+    shared = config_factory(page_size=64, l1_pages=64, l2_pages=64, l3_pages=1000, num_instances=2)
+    waits = []
+    for aggregate in (None, 1e9):
+        replay = Replay(shared.replace(l3_aggregate_bytes_per_s=aggregate), trace)
+        assert replay.run().tiers["l3"].hit_tokens == 4096
+        stats = replay.request_stats
+        waits.append(stats.matched_s[1] - stats.began_s[1])
+    num_bytes = 4096 * shared.model.kv_bytes_per_token
+    chunks = 64 // shared.prefetch_chunk_pages
+    lookup_and_chunks = (1 + chunks) * shared.l3_latency_s
+    assert waits[0] == pytest.approx(lookup_and_chunks + num_bytes / shared.l3_instance_bytes_per_s)
+    assert waits[1] == pytest.approx(lookup_and_chunks + num_bytes / 1e9)
