@@ -121,11 +121,15 @@ def _busy_then_fill_(kv_pages: torch.Tensor, value: float) -> None:
     kv_pages.fill_(value)
 
 
+GPU_KERNELS = pytest.mark.parametrize("kernel", ["triton", "copy_engine"])
+
+
 @pytest.mark.gpu
-def test_gpu_backup_waits_for_the_compute_stream(cuda_device, kvh):
+@GPU_KERNELS
+def test_gpu_backup_waits_for_the_compute_stream(cuda_device, kvh, kernel):
     device_pool, host_pool = pools(GQA_8B, 64, 96, device=cuda_device)
-    engine = TransferEngine(device_pool, host_pool)
-    assert engine.kernel == "triton" and host_pool.pinned
+    engine = TransferEngine(device_pool, host_pool, kernel=kernel)
+    assert engine.kernel == kernel and host_pool.pinned
     engine.backup_async([0], [0]).wait()  # warm: kernels compiled, pinned id buffers cached
     kvh.poison_(host_pool.kv)
     dev_ids, host_ids = [3, 40, 17], [90, 2, 55]
@@ -139,9 +143,10 @@ def test_gpu_backup_waits_for_the_compute_stream(cuda_device, kvh):
 
 
 @pytest.mark.gpu
-def test_gpu_load_layer_events_order_the_consumer(cuda_device, kvh):
+@GPU_KERNELS
+def test_gpu_load_layer_events_order_the_consumer(cuda_device, kvh, kernel):
     device_pool, host_pool = pools(GQA_8B, 96, 64, device=cuda_device)
-    engine = TransferEngine(device_pool, host_pool)
+    engine = TransferEngine(device_pool, host_pool, kernel=kernel)
     gen = torch.Generator().manual_seed(9)
     kvh.fill_random_(host_pool.kv, gen)
     kvh.poison_(device_pool.kv)
@@ -162,9 +167,10 @@ def test_gpu_load_layer_events_order_the_consumer(cuda_device, kvh):
 
 
 @pytest.mark.gpu
-def test_gpu_load_waits_for_earlier_readers_and_backups_follow_loads(cuda_device, kvh):
+@GPU_KERNELS
+def test_gpu_load_waits_for_earlier_readers_and_backups_follow_loads(cuda_device, kvh, kernel):
     device_pool, host_pool = pools(GQA_8B, 8, 8, device=cuda_device)
-    engine = TransferEngine(device_pool, host_pool)
+    engine = TransferEngine(device_pool, host_pool, kernel=kernel)
     kvh.fill_random_(host_pool.kv, torch.Generator().manual_seed(4))
     engine.load_async([6], [2]).wait()  # warm: kernels compiled, pinned id buffers cached
     device_pool.kv.fill_(1.0)
@@ -190,3 +196,48 @@ def test_gpu_unpinned_host_pool_falls_back_to_the_reference(cuda_device, kvh):
     assert kvh.same_bytes(device_pool.kv[:, 4], host_pool.kv[1])
     with pytest.raises(KVTensorError, match="pinned"):
         TransferEngine(device_pool, host_pool, kernel="triton")
+
+
+def test_copy_engine_needs_cuda():
+    with pytest.raises(KVTensorError, match="copy_engine"):
+        TransferEngine(*pools(MHA), kernel="copy_engine")
+
+
+MLA_P64 = KVLayout(
+    "mla", num_layers=5, page_size=64, dtype="bfloat16", kv_lora_rank=512, rope_dim=64
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", [GQA_8B, MLA_P64], ids=["gqa", "mla"])
+def test_gpu_copy_engine_round_trip_with_gaps(cuda_device, kvh, layout):
+    device_pool, host_pool = pools(layout, 48, 64, device=cuda_device)
+    auto = TransferEngine(device_pool, host_pool, kernel="copy_engine")
+    assert TransferEngine(device_pool, host_pool).kernel == "copy_engine+triton"
+    gen = torch.Generator().manual_seed(11)
+    kvh.fill_random_(device_pool.kv, gen)
+    kvh.poison_(host_pool.kv)
+    dev_ids = torch.randperm(48, generator=gen)[:20].tolist()
+    host_ids = torch.randperm(64, generator=gen)[:20].tolist()
+    source = device_pool.kv.clone()
+    auto.backup_async(dev_ids, host_ids).wait()
+    for d, h in zip(dev_ids, host_ids, strict=True):
+        assert kvh.same_bytes(host_pool.kv[h], source[:, d])
+    others = sorted(set(range(64)) - set(host_ids))
+    assert bool((host_pool.kv[others].view(-1).view(torch.uint8) == kvh.POISON_BYTE).all())
+    kvh.poison_(device_pool.kv)
+    targets = torch.randperm(48, generator=gen)[:20].tolist()
+    load = auto.load_async(host_ids, targets)
+    load.wait()
+    for h, d in zip(host_ids, targets, strict=True):
+        assert kvh.same_bytes(device_pool.kv[:, d], host_pool.kv[h])
+    with pytest.raises(PageIdError, match="listed twice"):
+        auto.load_async([1, 2], [5, 5])
+
+
+@pytest.mark.gpu
+def test_gpu_small_chunks_stay_on_the_kernels(cuda_device):
+    small = KVLayout(
+        "mla", num_layers=4, page_size=16, dtype="bfloat16", kv_lora_rank=512, rope_dim=64
+    )
+    assert TransferEngine(*pools(small, 8, 8, device=cuda_device)).kernel == "triton"
