@@ -52,13 +52,14 @@ class SharedL3Check:
     hit_rate_shared: float
     hit_rate_local: float
     savings: float  # USD / month the shared L3 adds
-    l3_cost: float  # USD / month
+    l3_cost: float  # USD / month more than the instances' own L3s cost
     pd_gb_per_s: float  # P->D KV transfer per prefill instance
     nic_fraction: float  # of the instance's NIC, with the L3 reads
+    local_l3_bytes: float = 0.0  # the per-instance L3s the shared one is compared with
 
     @property
     def pays_off(self) -> bool:
-        return self.savings > self.l3_cost and self.nic_fraction < 1.0
+        return self.savings > max(self.l3_cost, 0.0) and self.nic_fraction < 1.0
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,12 @@ def plan_probes(config: SimulationConfig, trace: Trace) -> dict[str, Probe]:
             probes[tier] = Probe(None, f"{tier.upper()} is at this hardware's limit")
         else:
             probes[tier] = Probe(config.replace(**{f"{tier}_bytes": current + added}))
-    if config.l3_pages:
-        probes["other_l3"] = Probe(config.replace(l3_bytes=0.0))
-    elif config.l2_pages:
+    if config.l3_pages and config.l3_shared:
+        probes["other_l3"] = Probe(config.replace(l3_bytes=0.0))  # each instance on its own
+    elif config.l3_pages:  # one L3 per instance: the same bytes as one shared store
+        total = config.l3_bytes * config.num_instances
+        probes["other_l3"] = Probe(config.replace(l3_bytes=total, l3_shared=True))
+    elif config.l2_pages:  # no L3: a shared one that holds every page
         probes["other_l3"] = Probe(config.replace(l3_bytes=every_page, l3_shared=True))
     else:
         probes["other_l3"] = Probe(None, "an L3 needs an L2")
@@ -190,14 +194,19 @@ def _margin(tier, config, base, probe: Probe, result: SimulationResult | None) -
 
 
 def _shared_l3_check(config, trace, base, other: SimulationResult | None):
+    """Instances sharing one L3 against instances on their own (L1/L2, or an L3 each)."""
     if other is None:
         return None
-    shared, local = (base, other) if config.l3_pages else (other, base)
-    l3_config_bytes = (
-        config.l3_bytes if config.l3_pages else shared.l3_pages_used * config.page_bytes
-    )
-    copies = 1 if (config.l3_shared or not config.l3_pages) else config.num_instances
-    l3_cost = copies * l3_config_bytes / 1e9 * config.effective_prices.l3_per_gb_month
+    price = config.effective_prices.l3_per_gb_month
+    if config.l3_pages and config.l3_shared:
+        shared, local = base, other
+        shared_bytes, local_bytes = config.l3_bytes, 0.0
+    else:
+        shared, local = other, base
+        local_bytes = config.l3_bytes * config.num_instances
+        # sized to the data: as much as the shared store held, or the same bytes as the
+        # per-instance stores it replaces
+        shared_bytes = local_bytes or shared.l3_pages_used * config.page_bytes
     duration = max(base.duration_s, 1e-9)
     pd_bytes_per_s = trace.total_tokens * config.model.kv_bytes_per_token / duration
     pd_bytes_per_s /= config.num_instances
@@ -205,18 +214,25 @@ def _shared_l3_check(config, trace, base, other: SimulationResult | None):
     nic = config.hardware.nic_bytes_per_s * config.gpus_per_instance
     return SharedL3Check(
         instances=config.num_instances,
-        l3_bytes=l3_config_bytes,
+        l3_bytes=shared_bytes,
         hit_rate_shared=shared.hit_rate,
         hit_rate_local=local.hit_rate,
         savings=shared.saved_per_month - local.saved_per_month,
-        l3_cost=l3_cost,
+        l3_cost=(shared_bytes - local_bytes) / 1e9 * price,
         pd_gb_per_s=pd_bytes_per_s / 1e9,
         nic_fraction=(pd_bytes_per_s + l3_read_per_s) / nic,
+        local_l3_bytes=local_bytes,
     )
 
 
 def _money(value: float) -> str:
     return f"${value:,.0f}"
+
+
+def _seconds(value: float) -> str:
+    if value < 1:
+        return f"{value * 1e3:,.0f} ms"
+    return f"{value:,.3g} s" if value < 100 else f"{value:,.0f} s"
 
 
 def _sentences(config, base: SimulationResult, verdict: Verdict, probes) -> list[str]:
@@ -266,7 +282,7 @@ def _next_dollar(verdict: Verdict, base_hit_rate: float) -> str:
     return (
         f"Next dollar: {best.tier.upper()}. {budget}/month more there "
         f"(+{best.added_bytes / 1e9:,.0f} GB) saves {_money(best.added_savings)}/month of "
-        f"prefill GPU time, hit rate {best.hit_rate:.1%}, p90 TTFT {best.ttft_p90_s:.3g} s "
+        f"prefill GPU time, hit rate {best.hit_rate:.1%}, p90 TTFT {_seconds(best.ttft_p90_s)} "
         f"(per $1: {detail})."
     )
 
@@ -278,15 +294,16 @@ def _pd_sentence(config: SimulationConfig, check: SharedL3Check) -> str:
         if check.instances > 1
         else "one prefill instance (nothing to share yet: try --instances)"
     )
-    reason = ""
-    if check.nic_fraction >= 1.0:
-        reason = " The NIC cannot carry it."
+    own = "their own L1/L2"
+    if check.local_l3_bytes:
+        own += f" and an L3 each of {check.local_l3_bytes / check.instances / 1e12:,.2f} TB"
+    reason = " The NIC cannot carry it." if check.nic_fraction >= 1.0 else ""
     return (
         f"Prefill/decode disaggregation with a shared L3 {words} on this trace: with "
-        f"{instances} and an L3 of {check.l3_bytes / 1e12:,.2f} TB the hit rate is "
-        f"{check.hit_rate_shared:.1%} against {check.hit_rate_local:.1%} on their own L1/L2; "
-        f"the extra hits save {_money(check.savings)}/month of prefill for "
-        f"{_money(check.l3_cost)}/month of L3. Shipping prompt KV to decode takes "
+        f"{instances} sharing an L3 of {check.l3_bytes / 1e12:,.2f} TB the hit rate is "
+        f"{check.hit_rate_shared:.1%} against {check.hit_rate_local:.1%} on {own}; the "
+        f"extra hits save {_money(check.savings)}/month of prefill for "
+        f"{_money(check.l3_cost)}/month more of L3. Shipping prompt KV to decode takes "
         f"{check.pd_gb_per_s:.2f} GB/s per prefill instance ({check.nic_fraction:.0%} of its "
         f"NIC with the L3 reads).{reason}"
     )
