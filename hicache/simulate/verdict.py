@@ -79,8 +79,8 @@ class Verdict:
                     "tier": m.tier,
                     "added_gb": round(m.added_bytes / 1e9, 3),
                     "added_cost_per_month": round(m.added_cost, 2),
-                    "added_savings_per_month": round(m.added_savings, 2),
-                    "return_per_dollar": round(m.return_per_dollar, 4),
+                    "added_savings_per_month": _clean(m.added_savings),
+                    "return_per_dollar": _clean(m.return_per_dollar, 4),
                     "hit_rate": round(m.hit_rate, 6),
                     "note": m.note,
                 }
@@ -94,7 +94,7 @@ class Verdict:
                 "l3_gb": round(self.shared_l3.l3_bytes / 1e9, 3),
                 "hit_rate_shared": round(self.shared_l3.hit_rate_shared, 6),
                 "hit_rate_local": round(self.shared_l3.hit_rate_local, 6),
-                "savings_per_month": round(self.shared_l3.savings, 2),
+                "savings_per_month": _clean(self.shared_l3.savings),
                 "l3_cost_per_month": round(self.shared_l3.l3_cost, 2),
                 "pd_gb_per_s": round(self.shared_l3.pd_gb_per_s, 3),
                 "nic_fraction": round(self.shared_l3.nic_fraction, 4),
@@ -226,7 +226,12 @@ def _shared_l3_check(config, trace, base, other: SimulationResult | None):
 
 
 def _money(value: float) -> str:
-    return f"${value:,.0f}"
+    return f"${_clean(value, 0):,.0f}"
+
+
+def _clean(value: float, digits: int = 2) -> float:
+    """Rounded, without the -0.0 that rounding a tiny negative difference leaves."""
+    return round(value, digits) + 0.0
 
 
 def _seconds(value: float) -> str:
@@ -265,7 +270,8 @@ def _next_dollar(verdict: Verdict, base_hit_rate: float) -> str:
     if not ranked:
         return "No tier can grow on this hardware; the cache is as large as it can be."
     detail = "; ".join(
-        f"{m.tier.upper()} +{m.added_bytes / 1e9:,.0f} GB returns ${m.return_per_dollar:.2f}"
+        f"{m.tier.upper()} +{m.added_bytes / 1e9:,.0f} GB returns "
+        f"${_clean(m.return_per_dollar):.2f}"
         for m in ranked
     ) + "".join(f"; {m.tier.upper()}: {m.note}" for m in verdict.margins if m.note)
     best = ranked[0]
