@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hicache.config import HiCacheConfig
 from hicache.errors import BackgroundTransferError, HiCacheError
@@ -78,6 +79,14 @@ class Match:
     @property
     def num_pages(self) -> int:
         return len(self.device_page_ids)
+
+
+class CachedPrefix(NamedTuple):
+    """Pages of a prompt's prefix held in each tier (the fastest one that holds each)."""
+
+    num_l1_pages: int
+    num_l2_pages: int
+    num_l3_pages: int
 
 
 @dataclass(eq=False)
@@ -178,6 +187,34 @@ class HiCache:
             first = self._tree.match_prefix(data, namespace, touch=False)
             op = self._start_prefetch(data, namespace, first)
             return op.num_pages if op is not None else 0
+
+    def cached_prefix(self, tokens, namespace: Namespace | None = None) -> CachedPrefix:
+        """How much of `tokens`' prefix each tier holds, by the index alone.
+
+        Changes nothing a match would: no eviction order, no hit, no transfer, no lock.
+        For a router choosing the instance with the longest cached prefix.
+        """
+        data = encode_tokens(tokens)
+        with self._lock:
+            found = self._tree.match_prefix(data, namespace or DEFAULT_NAMESPACE, touch=False)
+            return CachedPrefix(found.num_l1_pages, found.num_l2_pages, found.num_l3_pages)
+
+    def poll(self) -> None:
+        """Apply the transfers that finished since the last call (never blocks).
+
+        Every other call does this too; an idle owner calls it to let backups reach L3.
+        """
+        with self._lock:
+            self._check_background()
+            self._apply_completions()
+
+    def pages_in_use(self, tier: str) -> int:
+        """Pages allocated in "l1" or "l2" (cached or held by requests)."""
+        pools = {"l1": self._device, "l2": self._host}
+        if tier not in pools:
+            raise ValueError(f"tier must be 'l1' or 'l2', got {tier!r}")
+        with self._lock:
+            return pools[tier].num_used
 
     def wait_layer(self, match: Match, layer: int) -> None:
         """Block until layer `layer` of every page `match` loads is in L1."""
@@ -495,6 +532,7 @@ class HiCache:
                 piece = self._tree.split(piece, ready - offset)
                 end = ready
             self._tree.set_host(piece, op.host_page_ids[offset:end])
+            self._tree.touch(piece)  # fetched for a request: not the first thing to evict
             piece.meta = _LANDED_FROM_L3
             offset = end
         run.applied = ready
@@ -767,4 +805,4 @@ class HiCache:
             ) from error
 
 
-__all__ = ["HiCache", "Match", "PoolExhaustedError"]
+__all__ = ["CachedPrefix", "HiCache", "Match", "PoolExhaustedError"]

@@ -474,6 +474,11 @@ class RadixTree:
             if self._holds(node, tier):
                 self._locked_pages[tier] += sign * node.num_pages
 
+    def touch(self, node: Node) -> None:
+        """Count the run as just used (eviction order), without counting a hit."""
+        self._clock += 1
+        node.last_access = self._clock
+
     def set_priority(self, node: Node, priority: int) -> None:
         """Eviction priority for the `priority` policy: lower is evicted first."""
         lowered = priority < node.priority

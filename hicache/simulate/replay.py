@@ -310,11 +310,11 @@ class Replay:
         if instance.running is not None:
             return  # busy: its own calls apply what finished
         instance.executor.advance_to(at_s)
-        instance.cache.stats()  # applies finished transfers, changes nothing else
+        instance.cache.poll()  # applies finished transfers, changes nothing else
         self._schedule_tick(instance)
 
     def _trim_l1(self, instance: _Instance) -> None:
-        used = instance.cache.stats().l1_pages_used
+        used = instance.cache.pages_in_use("l1")
         over = used - instance.l1_capacity_pages
         if over > 0:
             instance.cache.evict("l1", over)
@@ -348,8 +348,8 @@ def _local_prefix_pages(cache: HiCache, data: bytes) -> int:
     A match that neither touches (no eviction-order or hit-count change), nor counts, nor
     moves anything: routing must not change what the caches do.
     """
-    result = cache._tree.match_prefix(data, touch=False)
-    return result.num_l1_pages + result.num_l2_pages
+    cached = cache.cached_prefix(data)
+    return cached.num_l1_pages + cached.num_l2_pages
 
 
 __all__ = ["Replay"]

@@ -143,3 +143,19 @@ def test_l3_without_l2_is_refused():
 
     with pytest.raises(ValueError, match="needs an L2 pool"):
         HiCacheConfig(layout=MHA, l3=L3Config(url="memory://"))
+
+
+def test_cached_prefix_reports_tiers_without_touching_anything(cache_factory):
+    cache = cache_factory(write_policy="write_through")
+    tokens = tokens_for(9, 4)
+    put(cache, tokens, seed=9)
+    cache.flush()
+    cache.evict("l1", 2)  # the last two pages now only in L2
+    before = cache.stats()
+    assert cache.cached_prefix(tokens) == (2, 2, 0)
+    after = cache.stats()
+    assert after.requests == before.requests and after.hit_pages == before.hit_pages
+    assert cache.pages_in_use("l1") == 2 and cache.pages_in_use("l2") == 4
+    cache.poll()  # nothing in flight: a no-op
+    with pytest.raises(ValueError, match="tier must be"):
+        cache.pages_in_use("l3")

@@ -294,3 +294,12 @@ def test_a_pin_holds_one_run_and_follows_splits(tree):
     assert sorted(tree.evict(Tier.L1, 5)) == [0, 1, 2]
     with pytest.raises(RadixError, match="not pinned"):
         tree.unpin(child)
+
+
+def test_touch_moves_a_run_back_in_eviction_order(tree):
+    tree.insert(seq(1), [0])
+    second = tree.insert(seq(2), [1]).last_node
+    tree.match_prefix(seq(1))
+    tree.touch(second)
+    assert tree.evict(Tier.L1, 1) == [0]
+    assert second.hit_count == 0
