@@ -361,7 +361,7 @@ class HiCache:
         from_l3 = [run.num_pages for run in current.l2_nodes if run.meta is _LANDED_FROM_L3]
         usable = current.l1_nodes + current.l2_nodes
         if current.l2_nodes:
-            loaded = self._load_into_l1(current.l2_nodes, usable)
+            loaded = self._load_into_l1(current.l2_nodes)
             usable = current.l1_nodes + loaded
         device_ids = [page for node in usable for page in node.device_page_ids]
         node = usable[-1] if usable else None
@@ -394,24 +394,31 @@ class HiCache:
             _loads=loads,
         )
 
-    def _load_into_l1(self, l2_runs: list[Node], usable: list[Node]) -> list[Node]:
-        """Give the L2 runs L1 pages and start loading them; returns the runs loaded."""
-        protect = usable[-1]
-        self._tree.lock(protect)  # eviction below must not take the runs being matched
+    def _fit_runs(self, runs: list[Node], tier: Tier) -> list[Node]:
+        """Make room in `tier` for a chain of runs; return the leading runs that fit (the
+        last one cut to what fits). The chain is locked meanwhile: eviction must not take it.
+        """
+        pool = self._device if tier == Tier.L1 else self._host
+        self._tree.lock(runs[-1])
         try:
-            wanted = sum(run.num_pages for run in l2_runs)
-            self._make_room(Tier.L1, wanted)
-            available = min(wanted, self._device.num_free)
+            wanted = sum(run.num_pages for run in runs)
+            self._make_room(tier, wanted)
+            available = min(wanted, pool.num_free)
         finally:
-            self._tree.unlock(protect)
-        loaded: list[Node] = []
-        for run in l2_runs:
+            self._tree.unlock(runs[-1])
+        fitting: list[Node] = []
+        for run in runs:
             if available <= 0:
                 break
             if run.num_pages > available:
                 run = self._tree.split(run, available)  # the first half: what fits
-            loaded.append(run)
+            fitting.append(run)
             available -= run.num_pages
+        return fitting
+
+    def _load_into_l1(self, l2_runs: list[Node]) -> list[Node]:
+        """Give the L2 runs L1 pages and start loading them; returns the runs loaded."""
+        loaded = self._fit_runs(l2_runs, Tier.L1)
         if not loaded:
             return []
         device_ids = self._device.alloc(sum(run.num_pages for run in loaded))
@@ -467,22 +474,7 @@ class HiCache:
         return self._submit_prefetch(current.l3_nodes)
 
     def _submit_prefetch(self, runs: list[Node]) -> PrefetchOp | None:
-        protect = runs[-1]
-        self._tree.lock(protect)
-        try:
-            wanted = sum(run.num_pages for run in runs)
-            self._make_room(Tier.L2, wanted)
-            available = min(wanted, self._host.num_free)
-        finally:
-            self._tree.unlock(protect)
-        chosen: list[Node] = []
-        for run in runs:
-            if available <= 0:
-                break
-            if run.num_pages > available:
-                run = self._tree.split(run, available)
-            chosen.append(run)
-            available -= run.num_pages
+        chosen = self._fit_runs(runs, Tier.L2)
         if not chosen:
             self._metrics.writes_skipped += 1
             return None
