@@ -6,15 +6,8 @@ transfer op (`hicache.ops`); an executor carries the ops out. The real executor 
 bytes with the tiers' kernels and the storage backends; the simulator's advances a
 virtual clock. Everything in this module is torch-free, so both run the same policy code.
 
-Bookkeeping rules:
-- Residency is recorded when an op is *submitted* for copies out of a run (backup to L2),
-  and when the bytes have *arrived* for copies into a run (prefetch into L2). A run with an
-  op in flight is locked by that op until it completes, so neither side of a copy can be
-  evicted or reused while it runs.
-- Pages moving into L1 (a LOAD) are recorded as L1 pages at once; the run's `meta` holds
-  the LOAD until it completes, and every match that uses the run waits on it per layer.
-- An op names its run by the run's deepest node and its page count: a match may split the
-  run while the op is in flight, and the pieces are the node and its ancestors.
+How ops are recorded in the index, and what their completion changes, is
+`hicache.transfers`' part (a mixin of `HiCache`).
 
 Thread safety: every public method takes the cache's lock, except `wait_layer`, and the
 lock is let go while a match waits for an L3 prefetch.
@@ -22,7 +15,6 @@ lock is let go while a match waits for an L3 prefetch.
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -30,31 +22,13 @@ from typing import NamedTuple
 from hicache.config import HiCacheConfig
 from hicache.errors import BackgroundTransferError, HiCacheError
 from hicache.metrics import HiCacheStats, Metrics
-from hicache.ops import (
-    BackupOp,
-    Executor,
-    LoadOp,
-    OpKind,
-    PrefetchOp,
-    TransferOp,
-    WriteL3Op,
-)
+from hicache.ops import Executor, LoadOp, OpKind, PrefetchOp, TransferOp
+from hicache.transfers import LANDED_FROM_L3, PageMovement
 from radix.keys import Namespace, encode_tokens
 from radix.node import Node, Tier
 from radix.tree import DEFAULT_NAMESPACE, MatchResult, RadixTree
 from tiers.allocator import PageAllocator
 from tiers.errors import PoolExhaustedError
-
-logger = logging.getLogger(__name__)
-
-_LANDED_FROM_L3 = "landed from L3"  # a run's meta: in L2 by prefetch, not yet used by a match
-
-_DIRECTION = {
-    OpKind.BACKUP: "l1_to_l2",
-    OpKind.LOAD: "l2_to_l1",
-    OpKind.WRITE_L3: "l2_to_l3",
-    OpKind.PREFETCH: "l3_to_l2",
-}
 
 
 @dataclass(eq=False)
@@ -89,16 +63,6 @@ class CachedPrefix(NamedTuple):
     num_l3_pages: int
 
 
-@dataclass(eq=False)
-class _Run:
-    """The run an op works on: its deepest node and its page count (see module doc)."""
-
-    tail: Node
-    num_pages: int
-    applied: int = 0  # prefetch: leading pages already recorded as in L2
-    chain_l3: bool = True  # backup: write the run on to L3 when done (on_backup policy)
-
-
 class _NoPool:
     """The L2 allocator of a cache configured without L2: it never has a page."""
 
@@ -115,7 +79,7 @@ class _NoPool:
         pass
 
 
-class HiCache:
+class HiCache(PageMovement):
     """Tiered KV cache controller. See the module docstring for the bookkeeping rules."""
 
     def __init__(self, config: HiCacheConfig, executor: Executor | None = None) -> None:
@@ -358,7 +322,7 @@ class HiCache:
         """Load the L2 part of the (now current) match into L1, lock it, count the hits."""
         current = self._tree.match_prefix(data, namespace, touch=False)
         # Where each page comes from: L1 as is; L2; or L3, for pages a prefetch landed.
-        from_l3 = [run.num_pages for run in current.l2_nodes if run.meta is _LANDED_FROM_L3]
+        from_l3 = [run.num_pages for run in current.l2_nodes if run.meta is LANDED_FROM_L3]
         usable = current.l1_nodes + current.l2_nodes
         if current.l2_nodes:
             loaded = self._load_into_l1(current.l2_nodes)
@@ -394,53 +358,7 @@ class HiCache:
             _loads=loads,
         )
 
-    def _fit_runs(self, runs: list[Node], tier: Tier) -> list[Node]:
-        """Make room in `tier` for a chain of runs; return the leading runs that fit (the
-        last one cut to what fits). The chain is locked meanwhile: eviction must not take it.
-        """
-        pool = self._device if tier == Tier.L1 else self._host
-        self._tree.lock(runs[-1])
-        try:
-            wanted = sum(run.num_pages for run in runs)
-            self._make_room(tier, wanted)
-            available = min(wanted, pool.num_free)
-        finally:
-            self._tree.unlock(runs[-1])
-        fitting: list[Node] = []
-        for run in runs:
-            if available <= 0:
-                break
-            if run.num_pages > available:
-                run = self._tree.split(run, available)  # the first half: what fits
-            fitting.append(run)
-            available -= run.num_pages
-        return fitting
-
-    def _load_into_l1(self, l2_runs: list[Node]) -> list[Node]:
-        """Give the L2 runs L1 pages and start loading them; returns the runs loaded."""
-        loaded = self._fit_runs(l2_runs, Tier.L1)
-        if not loaded:
-            return []
-        device_ids = self._device.alloc(sum(run.num_pages for run in loaded))
-        host_ids = []
-        offset = 0
-        for run in loaded:
-            self._tree.set_device(run, device_ids[offset : offset + run.num_pages])
-            host_ids.extend(run.host_page_ids)
-            offset += run.num_pages
-        op = LoadOp(
-            kind=OpKind.LOAD,
-            num_pages=len(device_ids),
-            num_bytes=len(device_ids) * self.layout.bytes_per_page,
-            host_page_ids=host_ids,
-            device_page_ids=device_ids,
-        )
-        for run in loaded:
-            run.meta = op
-        self._submit(op, loaded)
-        return loaded
-
-    # ------------------------------------------------------------------ L3 prefetch
+    # ------------------------------------------------------------------ L3 lookup
 
     def _start_prefetch(
         self, data: bytes, namespace: Namespace, match: MatchResult
@@ -472,322 +390,6 @@ class HiCache:
             return None
         current = self._tree.match_prefix(data, namespace, touch=False)
         return self._submit_prefetch(current.l3_nodes)
-
-    def _submit_prefetch(self, runs: list[Node]) -> PrefetchOp | None:
-        chosen = self._fit_runs(runs, Tier.L2)
-        if not chosen:
-            self._metrics.writes_skipped += 1
-            return None
-        keys = [key for run in chosen for key in self._tree.keys(run)]
-        host_ids = self._host.alloc(len(keys))
-        op = PrefetchOp(
-            kind=OpKind.PREFETCH,
-            num_pages=len(keys),
-            num_bytes=len(keys) * self.layout.bytes_per_page,
-            keys=keys,
-            host_page_ids=host_ids,
-        )
-        for run in chosen:
-            run.meta = op
-        self._metrics.prefetches_issued += 1
-        self._submit(op, chosen)
-        return op
-
-    def _wait_prefetch(self, op: PrefetchOp) -> None:
-        """Wait for an L3 prefetch as the policy says (the cache's lock is not held)."""
-        policy = self._policy.prefetch_policy
-        if policy == "best_effort":
-            return
-        if policy == "wait_complete":
-            self._executor.wait(op, None)
-            return
-        budget = self._policy.prefetch_budget_s(op.num_pages * self.page_size)
-        remaining = op.submitted_s + budget - self._executor.now()
-        if remaining > 0:
-            self._executor.wait(op, remaining)
-
-    def _advance_prefetch(self, op: PrefetchOp) -> None:
-        run: _Run = op.context
-        ready = op.num_ready
-        if ready <= run.applied:
-            return
-        pieces = self._pieces(run)
-        offset = 0
-        for piece in pieces:
-            end = offset + piece.num_pages
-            if end <= run.applied:
-                offset = end
-                continue
-            if offset >= ready:
-                break
-            if end > ready:
-                piece = self._tree.split(piece, ready - offset)
-                end = ready
-            self._tree.set_host(piece, op.host_page_ids[offset:end])
-            self._tree.touch(piece)  # fetched for a request: not the first thing to evict
-            piece.meta = _LANDED_FROM_L3
-            offset = end
-        run.applied = ready
-
-    # ------------------------------------------------------------------ writes
-
-    def _backup_path(self, node: Node) -> None:
-        """Back up every run from `node` up that L2 does not hold yet (write-through)."""
-        runs = []
-        while node.num_pages and node.host_page_ids is None:
-            runs.append(node)
-            node = node.parent
-        for run in reversed(runs):
-            self._backup(run)
-
-    def _backup(self, run: Node) -> BackupOp | None:
-        """Copy one L1 run to L2 (allocating host pages, evicting L2 if needed)."""
-        self._tree.lock(run)
-        try:
-            self._make_room(Tier.L2, run.num_pages)
-        finally:
-            self._tree.unlock(run)
-        if self._host.num_free < run.num_pages:
-            self._metrics.writes_skipped += 1
-            return None
-        host_ids = self._host.alloc(run.num_pages)
-        self._tree.set_host(run, host_ids)
-        op = BackupOp(
-            kind=OpKind.BACKUP,
-            num_pages=run.num_pages,
-            num_bytes=run.num_pages * self.layout.bytes_per_page,
-            device_page_ids=list(run.device_page_ids),
-            host_page_ids=host_ids,
-        )
-        self._submit(op, [run])
-        return op
-
-    def _write_l3(self, runs: list[Node]) -> WriteL3Op | None:
-        """Copy L2 runs (a contiguous chain, deepest last) to L3."""
-        runs = [run for run in runs if not run.in_l3]
-        if not runs or not self._executor.has_l3:
-            return None
-        keys = [key for run in runs for key in self._tree.keys(run)]
-        op = WriteL3Op(
-            kind=OpKind.WRITE_L3,
-            num_pages=len(keys),
-            num_bytes=len(keys) * self.layout.bytes_per_page,
-            keys=keys,
-            host_page_ids=[page for run in runs for page in run.host_page_ids],
-        )
-        self._submit(op, runs)
-        return op
-
-    # ------------------------------------------------------------------ eviction
-
-    def _make_room(self, tier: Tier, num_pages: int) -> None:
-        """Evict from `tier` until `num_pages` pages are free there, or nothing is left.
-
-        L1: a run without an L2 copy is written back first under `write_back`. L2: a run
-        without an L3 copy is written to L3 first when a backend is attached. Either way
-        the write is waited for here: the room is needed now.
-        """
-        pool = self._device if tier == Tier.L1 else self._host
-        kept: list[Node] = []
-        while pool.num_free < num_pages:
-            victim = self._tree.take_victim(tier, num_pages - pool.num_free)
-            if victim is None and self._settle_one_write():
-                continue  # a finished copy out of a run may have made it evictable
-            if victim is None:
-                break
-            if victim in kept:
-                continue  # a failed write-back's unlock made it a candidate again: it stays
-            if tier == Tier.L1:
-                freed = self._evict_from_l1(victim)
-            else:
-                freed = self._evict_from_l2(victim)
-            if freed is None:
-                kept.append(victim)
-                continue
-            pool.free(freed)
-            self._metrics.evicted_pages[f"l{int(tier)}"] += len(freed)
-        for victim in kept:
-            self._tree.requeue(victim)
-
-    def _evict_from_l1(self, victim: Node) -> list[int] | None:
-        """Clear a victim's L1 copy, writing it back to L2 first under `write_back` or when
-        runs below depend on it; None if it has to stay."""
-        backed_up = victim.host_page_ids is not None
-        if not backed_up and (
-            self._policy.write_policy == "write_back" or not self._tree.can_clear(victim, Tier.L1)
-        ):
-            backed_up = self._write_back(victim)
-        if not self._tree.can_clear(victim, Tier.L1):
-            return None
-        freed = self._tree.clear_device(victim)
-        if backed_up and self.config.l3.write_policy == "on_backup":
-            self._write_l3([victim])  # deferred: it pins the run, L1 copy included
-        return freed
-
-    def _evict_from_l2(self, victim: Node) -> list[int] | None:
-        """Clear a victim's L2 copy, writing it to L3 first when a backend is attached."""
-        if not victim.in_l3 and self._executor.has_l3:
-            self._write_through_now(victim)
-        if not self._tree.can_clear(victim, Tier.L2):
-            return None
-        return self._tree.clear_host(victim)
-
-    def _settle_one_write(self) -> bool:
-        """Wait for the oldest backup or L3 write in flight and apply it; False if none."""
-        for op in self._inflight.values():
-            if op.kind in (OpKind.BACKUP, OpKind.WRITE_L3):
-                self._wait_and_apply(op)
-                return True
-        return False
-
-    def _write_back(self, victim: Node) -> bool:
-        """Back a victim up to L2 now (waiting for it); whether it worked."""
-        if not self._host.num_pages:
-            return False
-        op = self._backup(victim)
-        if op is None:
-            return False
-        op.context.chain_l3 = False
-        self._wait_and_apply(op)
-        return op.error is None
-
-    def _write_through_now(self, victim: Node) -> None:
-        op = self._write_l3([victim])
-        if op is not None:
-            self._wait_and_apply(op)
-
-    def _wait_and_apply(self, op: TransferOp) -> None:
-        self._executor.wait(op, None)
-        self._apply_completions()
-        if op.op_id in self._inflight:  # the executor has not handed it back yet
-            del self._inflight[op.op_id]
-            self._complete(op)
-
-    # ------------------------------------------------------------------ op bookkeeping
-
-    def _submit(self, op: TransferOp, runs: list[Node]) -> None:
-        """Hand an op to the executor, holding its runs until it completes.
-
-        Copies into runs (LOAD, PREFETCH) lock the path to the root: the runs above must
-        stay for the new pages to be reachable. Copies out of runs (BACKUP, WRITE_L3) pin
-        just those runs, so the pages above them stay evictable meanwhile.
-        """
-        op.context = _Run(tail=runs[-1], num_pages=op.num_pages)
-        if op.kind in (OpKind.LOAD, OpKind.PREFETCH):
-            self._tree.lock(runs[-1])
-        else:
-            for run in runs:
-                self._tree.pin(run)
-        op.submitted_s = self._executor.now()
-        self._inflight[op.op_id] = op
-        self._executor.submit(op)
-
-    def _let_go(self, op: TransferOp, run: _Run) -> None:
-        if op.kind in (OpKind.LOAD, OpKind.PREFETCH):
-            self._tree.unlock(run.tail)
-        else:
-            for piece in self._pieces(run):
-                self._tree.unpin(piece)
-
-    def _pieces(self, run: _Run) -> list[Node]:
-        """The nodes an op's run is made of now, first to last (splits add ancestors)."""
-        pieces = []
-        node, remaining = run.tail, run.num_pages
-        while remaining > 0:
-            pieces.append(node)
-            remaining -= node.num_pages
-            node = node.parent
-        pieces.reverse()
-        return pieces
-
-    def _apply_completions(self) -> None:
-        for op in self._executor.poll():
-            if self._inflight.pop(op.op_id, None) is not None:
-                self._complete(op)
-        for op in list(self._inflight.values()):
-            if isinstance(op, PrefetchOp):
-                self._advance_prefetch(op)
-
-    def _complete(self, op: TransferOp) -> None:
-        run: _Run = op.context
-        direction = _DIRECTION[op.kind]
-        moved_pages = op.num_pages
-        if op.error is not None:
-            self._metrics.background_errors += 1
-            if self._error is None:
-                self._error = op.error
-            logger.error("background %s failed: %r", op.kind.value, op.error)
-        if isinstance(op, PrefetchOp):
-            moved_pages = op.num_ready
-            self._advance_prefetch(op)
-        self._metrics.record_transfer(
-            direction,
-            moved_pages,
-            moved_pages * self.layout.bytes_per_page,
-            max(0.0, op.finished_s - op.submitted_s),
-        )
-        self._let_go(op, run)
-        if isinstance(op, LoadOp):
-            self._finish_load(op, run)
-        elif isinstance(op, BackupOp):
-            self._finish_backup(op, run)
-        elif isinstance(op, WriteL3Op):
-            self._finish_write_l3(op, run)
-        else:
-            self._finish_prefetch(op, run)
-
-    def _finish_load(self, op: LoadOp, run: _Run) -> None:
-        for piece in self._pieces(run):
-            if piece.meta is op:
-                piece.meta = None
-
-    def _finish_backup(self, op: BackupOp, run: _Run) -> None:
-        pieces = self._pieces(run)
-        if op.error is not None:
-            self._drop_failed_backup(pieces)
-            return
-        if run.chain_l3 and self._executor.has_l3 and self.config.l3.write_policy == "on_backup":
-            self._write_l3(pieces)
-
-    def _finish_write_l3(self, op: WriteL3Op, run: _Run) -> None:
-        written = 0 if op.error is not None else op.num_written
-        offset = 0
-        for piece in self._pieces(run):
-            if offset >= written:
-                break
-            if offset + piece.num_pages > written:
-                piece = self._tree.split(piece, written - offset)
-            self._tree.set_l3(piece)
-            offset += piece.num_pages
-
-    def _finish_prefetch(self, op: PrefetchOp, run: _Run) -> None:
-        self._metrics.prefetches_completed += 1
-        missing = op.num_pages - op.num_ready
-        if not missing:
-            return
-        # Pages L3 promised but did not deliver: their host pages go back, and the index
-        # stops believing L3 holds them (where nothing else holds them open).
-        self._metrics.prefetch_pages_missing += missing
-        self._host.free(op.host_page_ids[op.num_ready :])
-        pieces = [p for p in self._pieces(run) if p.meta is op]
-        for piece in reversed(pieces):
-            piece.meta = None
-            if not piece.children and not piece.lock_ref and piece.level == Tier.L3:
-                self._tree.clear_l3(piece)
-
-    def _drop_failed_backup(self, pieces: list[Node]) -> None:
-        """A backup failed: its host pages hold garbage, so the runs lose their L2 copy."""
-        for piece in reversed(pieces):
-            if piece.lock_ref or piece.children_at_level[Tier.L2]:
-                continue  # in use, or below it hangs L2 data: leave it (and the pages)
-            self._host.free(self._tree.clear_host(piece))
-
-    def _drain(self) -> None:
-        """Wait for every op in flight and apply it."""
-        while self._inflight:
-            for op in list(self._inflight.values()):
-                self._executor.wait(op, None)
-            self._apply_completions()
 
     def _check_background(self) -> None:
         if self._error is not None:
