@@ -129,17 +129,16 @@ class Metrics:
 
     def snapshot(self, **gauges) -> HiCacheStats:
         """Copy the counters, adding point-in-time values (pool usage, L3 counters)."""
-        copied = {
-            f.name: (
-                {k: v.copy() for k, v in getattr(self, f.name).items()}
-                if f.name == "transfer_latency"
-                else dict(getattr(self, f.name))
-                if isinstance(getattr(self, f.name, None), dict)
-                else getattr(self, f.name)
-            )
-            for f in dataclasses.fields(HiCacheStats)
-            if f.name not in gauges
-        }
+        copied = {}
+        for f in dataclasses.fields(HiCacheStats):
+            if f.name in gauges:
+                continue
+            value = getattr(self, f.name)
+            if f.name == "transfer_latency":
+                value = {direction: hist.copy() for direction, hist in value.items()}
+            elif isinstance(value, dict):
+                value = dict(value)
+            copied[f.name] = value
         return HiCacheStats(**copied, **gauges)
 
 

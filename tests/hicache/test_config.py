@@ -1,0 +1,84 @@
+import pytest
+
+from hicache.config import (
+    HiCacheConfig,
+    L1Config,
+    L2Config,
+    L3Config,
+    PolicyConfig,
+    parse_size,
+)
+from tiers.layout import KVLayout
+
+LAYOUT = KVLayout(
+    kind="mha", num_layers=2, page_size=16, dtype="bfloat16", num_kv_heads=2, head_dim=8
+)
+
+
+def test_from_env_reads_every_component():
+    config = HiCacheConfig.from_env(
+        environ={
+            "HICACHE_LAYOUT": LAYOUT.descriptor(),
+            "HICACHE_DEVICE": "cuda:1",
+            "HICACHE_L1_PAGES": "1024",
+            "HICACHE_L2_SIZE": "8GiB",
+            "HICACHE_L2_PIN": "false",
+            "HICACHE_L3_URL": "file:///data/kv?capacity=1TiB",
+            "HICACHE_L3_WRITE_POLICY": "on_evict",
+            "HICACHE_WRITE_POLICY": "write_back",
+            "HICACHE_PREFETCH_POLICY": "best_effort",
+            "HICACHE_PREFETCH_MIN_PAGES": "4",
+            "HICACHE_EVICTION_POLICY": "lfu",
+        }
+    )
+    assert config.layout == LAYOUT
+    assert config.l1 == L1Config(device="cuda:1", num_pages=1024)
+    assert config.l2.budget_bytes == 8 * 2**30 and config.l2.pin_memory is False
+    assert config.l3.url.startswith("file:///data/kv") and config.l3.write_policy == "on_evict"
+    assert config.policy.write_policy == "write_back"
+    assert config.policy.prefetch_policy == "best_effort"
+    assert config.policy.prefetch_min_pages == 4 and config.policy.eviction_policy == "lfu"
+
+
+def test_from_env_names_the_bad_variable():
+    with pytest.raises(ValueError, match="HICACHE_L2_SIZE='lots'"):
+        HiCacheConfig.from_env(LAYOUT, environ={"HICACHE_L2_SIZE": "lots"})
+    with pytest.raises(ValueError, match="unknown HICACHE_ variables.*HICACHE_L2_SZE"):
+        HiCacheConfig.from_env(LAYOUT, environ={"HICACHE_L2_SZE": "1GiB"})
+    with pytest.raises(ValueError, match="HICACHE_LAYOUT is required"):
+        HiCacheConfig.from_env(environ={})
+    with pytest.raises(ValueError, match="write_policy must be one of"):
+        HiCacheConfig.from_env(LAYOUT, environ={"HICACHE_WRITE_POLICY": "sometimes"})
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: L1Config(num_pages=-1), "L1Config.num_pages"),
+        (lambda: L1Config(device="tpu"), "L1Config.device"),
+        (lambda: L1Config(memory_fraction=1.5), "L1Config.memory_fraction"),
+        (lambda: L2Config(budget_bytes=-5), "L2Config.budget_bytes"),
+        (lambda: L3Config(url="nowhere"), "L3Config.url"),
+        (lambda: L3Config(write_policy="never"), "L3Config.write_policy"),
+        (lambda: L3Config(prefetch_chunk_pages=0), "L3Config.prefetch_chunk_pages"),
+        (lambda: PolicyConfig(prefetch_policy="maybe"), "PolicyConfig.prefetch_policy"),
+        (lambda: PolicyConfig(eviction_policy="fifo"), "PolicyConfig.eviction_policy"),
+        (lambda: PolicyConfig(write_through_threshold=0), "write_through_threshold"),
+        (lambda: PolicyConfig(prefetch_min_pages=0), "prefetch_min_pages"),
+        (lambda: HiCacheConfig(layout="mha"), "HiCacheConfig.layout"),
+    ],
+)
+def test_bad_values_name_the_field(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_sizes_and_budgets():
+    assert parse_size("8GiB") == 8 * 2**30
+    assert parse_size("100GB") == 100 * 10**9
+    assert parse_size("512 MiB") == 512 * 2**20
+    assert parse_size(4096) == 4096
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_size("8 parsecs")
+    policy = PolicyConfig(prefetch_timeout_base_s=0.05, prefetch_timeout_per_1k_tokens_s=0.01)
+    assert policy.prefetch_budget_s(4000) == pytest.approx(0.09)
