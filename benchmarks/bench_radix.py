@@ -21,6 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import DEFAULT_TRACE, device_name, emit  # noqa: E402
+from hicache.simulate.trace import open_text  # noqa: E402
 from radix.keys import TOKEN_BYTES, encode_tokens  # noqa: E402
 from radix.node import Tier  # noqa: E402
 from radix.tree import RadixTree  # noqa: E402
@@ -32,7 +33,7 @@ def load_requests(path: Path, limit: int | None) -> list[np.ndarray]:
     """Token arrays of the trace's requests (uint32, the index's own encoding)."""
     offsets = np.arange(BLOCK_TOKENS, dtype=np.uint32)
     requests = []
-    with open(path) as trace:
+    with open_text(path) as trace:
         for line in trace:
             if limit is not None and len(requests) >= limit:
                 break

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def git_revision() -> str:

@@ -16,6 +16,7 @@ This module knows nothing about caches or time models.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import dataclass, fields
@@ -90,12 +91,19 @@ class Trace:
 # ---------------------------------------------------------------------------- Mooncake JSONL
 
 
+def open_text(path: Path):
+    """A trace file for reading as text, gzip-compressed (`.gz`) or not."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def load_mooncake(path: str | Path, limit: int | None = None) -> Trace:
     """Read a Mooncake-format JSONL trace; every malformed line is a `TraceError` that
     names the file and line. Requests are ordered by timestamp (stable)."""
     path = Path(path)
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open_text(path)
     except OSError as error:
         raise TraceError(f"{path}: cannot open the trace: {error.strerror or error}") from None
     requests = []

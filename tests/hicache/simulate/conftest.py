@@ -13,14 +13,12 @@ from hicache.simulate.models import PRESETS as MODELS
 from hicache.simulate.trace import load_mooncake
 
 REPO = Path(__file__).resolve().parents[3]
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MOONCAKE = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 @pytest.fixture(scope="session")
 def mooncake():
-    """The synthetic Mooncake trace, where the checkout has it next to it (as CI does)."""
-    if not MOONCAKE.exists():
-        pytest.skip(f"the Mooncake synthetic trace is not at {MOONCAKE}")
+    """The synthetic Mooncake trace bundled with the repository."""
     return load_mooncake(MOONCAKE)
 
 

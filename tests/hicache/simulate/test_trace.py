@@ -143,3 +143,23 @@ def test_workload_specs_parse_and_reject_nonsense():
         ConversationWorkload.from_spec("sessions=many")
     with pytest.raises(ValueError, match="out of range: rate=0"):
         ConversationWorkload.from_spec("rate=0")
+
+
+def test_the_bundled_trace_is_the_published_one(mooncake):
+    assert len(mooncake.requests) == 3993
+    assert sum(request.input_length for request in mooncake.requests) == 61_194_628
+
+
+def test_gzip_traces_read_like_plain_ones(tmp_path):
+    import gzip
+
+    lines = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+    plain = tmp_path / "t.jsonl"
+    plain.write_text(lines + "not json\n")
+    packed = tmp_path / "t.jsonl.gz"
+    with gzip.open(packed, "wt") as handle:
+        handle.write(lines + "not json\n")
+    for path in (plain, packed):
+        with pytest.raises(TraceError, match=rf"{path.name}:2"):
+            load_mooncake(path)
+    assert load_mooncake(packed, limit=1).requests[0].input_length == 600
