@@ -17,6 +17,9 @@ retried with exponential backoff while the deadline allows. Pages travel in piec
 (`pieces`) so a page is copied once on the way out and never on the way in before the
 verified copy into the caller's buffer. gRPC compression stays off: pages are checked by
 their xxh3 checksum, and lz4 (the backend's `compression` option) is applied per page.
+gRPC Python itself copies each message through fresh heap buffers; on first use the backend
+sets glibc's malloc policy so that those reuse warm pages instead of faulting in new ones
+(`allocator`; `tune_malloc=false` leaves malloc alone).
 
 The first use checks every server: a refused token or an unknown namespace raises
 `BackendConfigError` (the server's message says which), no server answering raises
@@ -34,6 +37,7 @@ from urllib.parse import unquote, urlsplit
 
 import grpc
 
+from .allocator import tune_for_large_messages
 from .base import Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .guard import CopyGuard
@@ -89,6 +93,9 @@ class GrpcOptions(BackendOptions):
     down_s: float = url_option("down_for", "duration", 1.0, doc="skip a failed server this long")
     connect_timeout_s: float = url_option(
         "connect_timeout", "duration", 2.0, doc="first use: how long to wait for each server"
+    )
+    tune_malloc: bool = url_option(
+        "tune_malloc", "bool", True, doc="set this process' glibc malloc policy (`allocator`)"
     )
 
     def __post_init__(self) -> None:
@@ -181,6 +188,8 @@ class GrpcBackend(StorageBackend):
         return grpc.aio.secure_channel(target, credentials, options=channel_options)
 
     async def _open(self) -> None:
+        if self.options.tune_malloc:
+            tune_for_large_messages()
         if not self._servers:
             self._servers = [_Server(name, self._channel(name)) for name in self.options.servers]
         request = pb.StatsRequest(namespace=self.options.namespace)
@@ -375,10 +384,10 @@ class GrpcBackend(StorageBackend):
 
         def messages() -> Iterator[bytes]:
             namespace = self.options.namespace
-            pages = (
+            pages = [
                 (i, key, (obj.header, obj.payload))
                 for i, (key, obj) in enumerate(zip(keys, objects, strict=True))
-            )
+            ]
             for pieces in split_into_messages(pages, self.options.max_message_bytes):
                 yield encode_put_request(namespace, pieces)
                 namespace = ""

@@ -1,8 +1,9 @@
 """The cache-server process: an asyncio gRPC server around the KVStore service.
 
 `CacheServer` starts and stops one server (tests run it in-process too); `serve(config)` is
-`hicache serve`: it starts one, prints the address it listens on, and on SIGTERM or SIGINT
-shuts down gracefully:
+`hicache serve`: it sets the process' malloc policy for large messages
+(`storage_backends.allocator`), starts one, prints the address it listens on, and on SIGTERM
+or SIGINT shuts down gracefully:
 
 1. the health service turns NOT_SERVING (balancers stop sending);
 2. the gRPC server stops taking calls and lets those in flight finish (up to
@@ -22,6 +23,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from storage_backends.allocator import tune_for_large_messages
 from storage_backends.protocol import SERVICE
 
 from .auth import TokenCheck
@@ -111,6 +113,7 @@ class CacheServer:
 
 async def serve(config: ServerConfig) -> int:
     """Run a daemon until SIGTERM or SIGINT; returns the exit status."""
+    tune_for_large_messages()  # this process moves pages in messages of megabytes
     server = CacheServer(config)
     try:
         port = await server.start()

@@ -10,7 +10,7 @@ import urllib.request
 import grpc
 import pytest
 
-from storage_backends import BackendUnavailableError, encode_object, open_backend
+from storage_backends import BackendUnavailableError, encode_object, grpc_store, open_backend
 from storage_backends.pieces import OutPiece, encode_get_response
 from storage_backends.protocol import SERVICE
 from storage_backends.rendezvous import Rendezvous
@@ -51,6 +51,23 @@ def test_a_daemon_that_is_down_misses_only_its_own_keys(start_daemon):
             assert store.stats().num_reconnects == 0  # one channel per server, all along
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("query, tuned", [("", True), ("&tune_malloc=false", False)])
+def test_first_use_sets_the_malloc_policy_unless_told_not_to(
+    start_daemon, monkeypatch, query, tuned
+):
+    daemon = start_daemon("--capacity", "8MiB")
+    calls = []
+    monkeypatch.setattr(grpc_store, "tune_for_large_messages", lambda: calls.append(1))
+
+    async def body():
+        async with open_backend(f"grpc://{daemon.address}?timeout=2s{query}", layout=LAYOUT) as s:
+            assert await s.batch_exists([os.urandom(16)]) == 0
+            assert await s.batch_exists([os.urandom(16)]) == 0
+
+    asyncio.run(body())
+    assert calls == ([1] if tuned else [])
 
 
 def test_first_use_of_an_unreachable_daemon_fails_loudly():
