@@ -66,8 +66,10 @@ class SyncBackend:
     ) -> list[bool]:
         return self._run(self.backend.batch_put_objects(keys, blobs, verify=verify))
 
-    def batch_get_objects(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return self._run(self.backend.batch_get_objects(keys))
+    def batch_get_objects(
+        self, keys: Sequence[bytes], *, verify: bool = True
+    ) -> list[bytes | None]:
+        return self._run(self.backend.batch_get_objects(keys, verify=verify))
 
     def stats(self) -> BackendStats:
         return self.backend.stats()

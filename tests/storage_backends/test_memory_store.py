@@ -109,3 +109,21 @@ def test_exists_in_order_across_memory_and_spill(tmp_path, pages):
             assert await store.batch_exists([keys[1], keys[3], keys[2]]) == 2
 
     run(body())
+
+
+def test_reads_skip_the_checksum_only_when_asked(pages):
+    """verify=False (the daemon's memory reads) hands out what was stored; the default
+    checks it and refuses a damaged object."""
+    key = pages.key(0)
+    blob = bytearray(encode_object(key, pages.LAYOUT, pages.page(key, PAGE_BYTES)))
+    blob[-1] ^= 0xFF  # one payload bit flipped: its checksum no longer matches
+
+    async def body():
+        async with open_backend("memory://") as store:
+            assert await store.batch_put_objects([key], [bytes(blob)], verify=False) == [True]
+            assert await store.batch_get_objects([key]) == [None]
+            assert store.stats().num_corrupt == {"checksum": 1}
+            assert await store.batch_get_objects([key], verify=False) == [bytes(blob)]
+            assert store.stats().num_corrupt == {"checksum": 1}
+
+    run(body())
