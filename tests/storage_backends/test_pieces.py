@@ -160,11 +160,15 @@ def test_split_into_messages_respects_the_limit_and_keeps_every_byte(limit):
     assert num_messages <= len(sizes) + sum(56 + n for n in sizes) // (limit - 200)
 
 
-def test_small_objects_share_a_message_and_one_that_fits_is_never_cut():
+def test_small_objects_share_messages_evenly_and_one_that_fits_is_never_cut():
     objects = [(i, bytes(16), [bytes(300 << 10)]) for i in range(4)]
     batches = list(split_into_messages(objects, 1 << 20))
-    assert [len(b) for b in batches] == [3, 1]
+    assert [len(b) for b in batches] == [2, 2]  # not 3 + 1
     assert all(p.offset == 0 for b in batches for p in b)
+    pages = [(i, bytes(16), [bytes(100), bytes(256 << 10)]) for i in range(32)]
+    batches = list(split_into_messages(pages, 4 << 20))
+    assert [len(b) for b in batches] == [11, 11, 10]  # not 15 + 15 + 2
+    assert [p.index for b in batches for p in b] == list(range(32))
 
 
 # -- rendezvous hashing -----------------------------------------------------------------------
