@@ -29,6 +29,7 @@ from radix.keys import TOKEN_BYTES, Namespace, chain_keys, encode_tokens
 from radix.node import NO_TIER, Node, Tier
 
 DEFAULT_NAMESPACE = Namespace(model_id="default", layout="default")
+_TIERS = tuple(Tier)
 
 Tokens = Sequence[int] | np.ndarray | bytes
 
@@ -379,13 +380,12 @@ class RadixTree:
         faster tier than the run (or below a run no tier holds)."""
         if node.lock_ref or node.pins:
             return f"{node} is locked; its pages can't leave tier {tier.name}"
-        holds = {
-            Tier.L1: node.device_page_ids is not None,
-            Tier.L2: node.host_page_ids is not None,
-            Tier.L3: node.in_l3,
-        }
-        holds[tier] = False
-        new_level = next((t for t in Tier if holds[t]), NO_TIER)
+        holds = [
+            node.device_page_ids is not None and tier != Tier.L1,
+            node.host_page_ids is not None and tier != Tier.L2,
+            node.in_l3 and tier != Tier.L3,
+        ]
+        new_level = holds.index(True) + 1 if True in holds else NO_TIER
         faster_children = sum(node.children_at_level[1:new_level])
         if faster_children:
             return (
@@ -470,9 +470,13 @@ class RadixTree:
             self._refresh(node)
 
     def _count_locked(self, node: Node, sign: int) -> None:
-        for tier in Tier:
-            if self._holds(node, tier):
-                self._locked_pages[tier] += sign * node.num_pages
+        pages = sign * node.num_pages
+        if node.device_page_ids is not None:
+            self._locked_pages[Tier.L1] += pages
+        if node.host_page_ids is not None:
+            self._locked_pages[Tier.L2] += pages
+        if node.in_l3:
+            self._locked_pages[Tier.L3] += pages
 
     def touch(self, node: Node) -> None:
         """Count the run as just used (eviction order), without counting a hit."""
@@ -484,7 +488,7 @@ class RadixTree:
         lowered = priority < node.priority
         node.priority = priority
         if lowered:
-            for tier in Tier:
+            for tier in _TIERS:
                 if node.in_heap[tier]:
                     self._heaps[tier].push(node, force=True)
 
