@@ -203,15 +203,22 @@ class FileBackend(StorageBackend):
     def _read_group(self, items: list[tuple[bytes, int | None]]) -> list[Fetched]:
         return [self._read_page(key, size) for key, size in items]
 
-    def _read_page(self, key: bytes, size: int | None) -> Fetched:
+    def _open_page(self, key: bytes) -> tuple[int, str] | PageStatus | None:
+        """(fd, path) of a stored page; None if absent; ERROR (noted) if it can't be opened."""
         path = page_path(self.root, key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC), path
         except FileNotFoundError:
             return None
         except OSError as exc:
             self._note_page_error(f"{path}: {exc}")
             return PageStatus.ERROR
+
+    def _read_page(self, key: bytes, size: int | None) -> Fetched:
+        opened = self._open_page(key)
+        if not isinstance(opened, tuple):
+            return opened
+        fd, path = opened
         try:
             st = os.fstat(fd)
             limit = _MAX_OBJECT_BYTES if size is None else self._header_bytes + size
@@ -236,14 +243,10 @@ class FileBackend(StorageBackend):
         return self._buffers.cache_hits, outcomes
 
     def _read_page_into(self, key: bytes, view: memoryview, guard: CopyGuard) -> ReadInto:
-        path = page_path(self.root, key)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            self._note_page_error(f"{path}: {exc}")
-            return PageStatus.ERROR
+        opened = self._open_page(key)
+        if not isinstance(opened, tuple):
+            return opened
+        fd, path = opened
         try:
             st = os.fstat(fd)
             outcome = self._stream_into(fd, st.st_size, key, view, guard)
