@@ -7,13 +7,13 @@ import torch
 
 from hicache.errors import HiCacheError
 from tests.support.caches import MHA, MLA, put, read_pages, tokens_for
-from tests.support.servers import RedisServer
+from tests.support.servers import RedisProcess, free_port
 from tiers.errors import PoolExhaustedError
 
 
 @pytest.fixture
 def redis_url(tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
+    server = RedisProcess(tmp_path / "redis", free_port()).start()
     yield server.url
     server.stop()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.caches import put, read_pages, tokens_for
-from tests.support.servers import RedisServer
+from tests.support.servers import RedisProcess, free_port
 from tests.support.slow_backend import slow_file_url
 
 
@@ -25,7 +25,7 @@ def write_to_l3(cache_factory, url, tokens, seed=1):
 
 
 def test_l3_going_down_makes_misses_not_errors(cache_factory, tmp_path):
-    server = RedisServer(tmp_path / "redis").start()
+    server = RedisProcess(tmp_path / "redis", free_port()).start()
     try:
         url = server.url + "?timeout=300ms"
         tokens = tokens_for(1, 4)
