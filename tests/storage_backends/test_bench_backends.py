@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benchmarks import run_smoke
 
 
 def test_bench_backends_smoke_prints_one_json_line_per_backend(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_backends.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    lines, stdout = run_smoke("bench_backends.py", cwd=tmp_path)
     assert [r["backend"] for r in lines] == [
         "memory",
         "file",
@@ -35,4 +22,4 @@ def test_bench_backends_smoke_prints_one_json_line_per_backend(tmp_path):
         assert r["put_ratio"] > 0 and r["get_ratio"] > 0
     assert lines[1]["target_ratio"] == 0.7 and lines[4]["target_ratio"] == 0.9
     assert lines[1]["per_file_get_gbps"] > 0
-    assert "target" in result.stdout.splitlines()[-7]  # the table comes last
+    assert "target" in stdout.splitlines()[-7]  # the table comes last

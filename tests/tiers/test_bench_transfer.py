@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.benchmarks import run_smoke
 
 
 def test_bench_transfer_smoke_prints_one_json_line_per_case_and_op():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--smoke", "--reps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    lines, stdout = run_smoke("bench_transfer.py", "--reps", "1")
     assert [(r["case"], r["op"]) for r in lines] == [
         ("smoke-mha", "load_layer"),
         ("smoke-mha", "backup"),
@@ -32,4 +20,4 @@ def test_bench_transfer_smoke_prints_one_json_line_per_case_and_op():
         )
         assert r["gbps"] > 0 and r["ceiling_gbps"] > 0 and r["baseline_gbps"] > 0
         assert 1 <= r["num_programs"] <= 16
-    assert "x chunk" in result.stdout.splitlines()[-6]  # the table comes last
+    assert "x chunk" in stdout.splitlines()[-6]  # the table comes last

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.benchmarks import run_smoke
 
 
 def test_bench_server_smoke_prints_one_json_line_per_backend(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_server.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    lines, stdout = run_smoke("bench_server.py", cwd=tmp_path)
     assert [r["backend"] for r in lines] == ["redis", "grpc"]
     for r in lines:
         assert r["put_gb_s"] > 0 and r["get_gb_s"] > 0
