@@ -1,21 +1,25 @@
 """Space accounting of a `file://` directory that several processes share.
 
 Many engine processes (on one host, or on many hosts over NFS / 3FS) may write one cache
-directory at once. They agree on two things:
+directory at once. Pages live in packs (`file_pack`): one file per written batch, with a hard
+link per page key under `<root>/a/b/`. The processes agree on two things:
 
-- **How many bytes are stored**: a small ledger file, `.hicache-ledger`, holds the totals.
-  Every change of what is committed (a rename into place, an eviction, a delete) happens with
+- **How many bytes are stored**: a small ledger file, `.hicache-ledger`, holds the totals:
+  bytes of the packs that still have a page linked, and the number of page links. Every
+  change of what is committed (linking a pack's pages in, an eviction, a delete) happens with
   the ledger locked (`flock`, plus one lock per process for its threads) and updates it in the
   same critical section, so the totals are exact and the capacity is never exceeded by
-  committed pages. Temporary files being written are not counted until they are renamed in.
-- **What is least recently used**: each page file's mtime. A write sets it; a read that finds
-  it older than `touch_interval_s` sets it to now. Each process keeps an index of the files
-  it knows in mtime order (from a periodic directory scan, plus its own writes and reads
-  since), and re-checks a candidate's mtime before evicting it, so a page another process
-  read recently is never taken as old. Pages written by others since the last scan are
-  newer than anything scanned, so missing them from the index does not break LRU order.
+  committed packs. A link's count says when a pack's last page goes (its bytes with it).
+  Temporary files being written are not counted until they are linked in.
+- **What is least recently used**: each pack's mtime (shared by all its links). A write sets
+  it; a read that finds it older than `touch_interval_s` sets it to now. Each process keeps an
+  index of the packs it knows in mtime order (from a periodic directory scan, plus its own
+  writes and reads since), and re-checks a candidate's mtime before evicting it, so a pack
+  another process read recently is never taken as old. Packs written by others since the last
+  scan are newer than anything scanned, so missing them from the index does not break LRU
+  order. The pack is the unit of eviction: the store keeps packs small next to the capacity.
 
-The ledger can drift only if a process dies between a rename and its ledger update, or if
+The ledger can drift only if a process dies between linking and its ledger update, or if
 files are removed by hand. The periodic scan detects it: with `churn` the bytes added plus
 removed while it ran, a scan total further than `churn` from the ledger's cannot be explained
 by concurrent writers, and the ledger is rebuilt from a scan done under the lock.
@@ -28,18 +32,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import heapq
 import logging
 import os
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import numpy as np
-
 from .base import PageStatus
+from .file_pack import tombstone
 from .objects import KEY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -52,9 +55,11 @@ _TEMP_MARK = ".tmp."
 
 
 def page_path(root: str, key: bytes) -> str:
-    """<root>/ab/cd/abcd...: two levels of 256-way fan-out keep every directory small."""
+    """<root>/a/b/ab...: two levels of 16-way fan-out spread the page names over 256 folders,
+    all made within the first few batches (a folder costs a journaled mkdir; 65,536 of them,
+    as two hex digits a level would give, make every write of a young cache pay for one)."""
     name = key.hex()
-    return os.path.join(root, name[:2], name[2:4], name)
+    return os.path.join(root, name[0], name[1], name)
 
 
 def temp_path(path: str, serial: int) -> str:
@@ -142,22 +147,26 @@ class Ledger:
             return dataclasses.replace(state)
 
 
-class DirectoryScan(NamedTuple):
-    keys: np.ndarray  # (N, 16) uint8, oldest mtime first
-    mtimes_ns: np.ndarray  # (N,) int64, ascending
-    total_bytes: int
-    num_stale_temps: int  # temporary files of dead writers removed by this scan
+class PackInfo(NamedTuple):
+    """One pack as seen on disk: its inode, size, mtime, and the page keys linked to it."""
 
-    @property
-    def num_objects(self) -> int:
-        return len(self.mtimes_ns)
+    ino: int
+    nbytes: int
+    mtime_ns: int
+    keys: tuple[bytes, ...]
+
+
+class DirectoryScan(NamedTuple):
+    packs: list[PackInfo]  # oldest mtime first
+    total_bytes: int  # bytes of the packs (each counted once, however many links it has)
+    num_objects: int  # page links
+    num_stale_temps: int  # temporary files of dead writers removed by this scan
 
 
 def scan_directory(root: str, *, stale_temp_s: float) -> DirectoryScan:
-    """Every page file under root (size and mtime), and remove long-dead temporary files."""
-    keys = bytearray()
-    mtimes: list[int] = []
-    total = 0
+    """Every page link under root, grouped into packs; remove long-dead temporary files."""
+    packs: dict[int, list] = {}  # ino -> [size, mtime, keys]
+    links = 0
     stale = 0
     stale_before_ns = time.time_ns() - int(stale_temp_s * 1e9)
     for top in _hex_dirs(root):
@@ -174,16 +183,15 @@ def scan_directory(root: str, *, stale_temp_s: float) -> DirectoryScan:
                         elif len(name) == 2 * KEY_BYTES and name.startswith(prefix):
                             if not _HEX.issuperset(name):
                                 continue
-                            st = entry.stat()
-                            keys += bytes.fromhex(name)
-                            mtimes.append(st.st_mtime_ns)
-                            total += st.st_size
+                            st = entry.stat(follow_symlinks=False)
+                            found = packs.setdefault(st.st_ino, [st.st_size, st.st_mtime_ns, []])
+                            found[2].append(bytes.fromhex(name))
+                            links += 1
                     except FileNotFoundError:
                         continue  # evicted or renamed by another process while we looked
-    mtimes_arr = np.asarray(mtimes, dtype=np.int64)
-    order = np.argsort(mtimes_arr, kind="stable")
-    keys_arr = np.frombuffer(bytes(keys), dtype=np.uint8).reshape(-1, KEY_BYTES)[order]
-    return DirectoryScan(keys_arr, mtimes_arr[order], total, stale)
+    infos = [PackInfo(ino, size, mtime, tuple(keys)) for ino, (size, mtime, keys) in packs.items()]
+    infos.sort(key=lambda info: info.mtime_ns)
+    return DirectoryScan(infos, sum(info.nbytes for info in infos), links, stale)
 
 
 def _hex_dirs(path: str) -> list[os.DirEntry]:
@@ -192,62 +200,73 @@ def _hex_dirs(path: str) -> list[os.DirEntry]:
             return [
                 e
                 for e in entries
-                if len(e.name) == 2 and _HEX.issuperset(e.name) and e.is_dir(follow_symlinks=False)
+                if len(e.name) == 1 and _HEX.issuperset(e.name) and e.is_dir(follow_symlinks=False)
             ]
     except FileNotFoundError:
         return []
 
 
-class LruIndex:
+class PackIndex:
     """Eviction candidates, oldest first: the last scan, then this process's own activity.
 
-    Thread-safe: readers note touches while the committer pops candidates.
+    A lazy min-heap of (mtime, inode) over the packs this process knows: noting a pack again
+    pushes a newer entry and leaves the old one to be skipped. Thread-safe: readers note
+    touches while the committer pops candidates.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._keys = np.empty((0, KEY_BYTES), dtype=np.uint8)
-        self._mtimes = np.empty(0, dtype=np.int64)
-        self._next = 0
-        self._recent: OrderedDict[bytes, int] = OrderedDict()  # noted since the scan, in order
+        self._packs: dict[int, PackInfo] = {}
+        self._noted_ns: dict[int, int] = {}  # when this process last noted each pack
+        self._heap: list[tuple[int, int]] = []
 
     def load(self, scan: DirectoryScan, *, started_ns: int) -> None:
-        """Replace the scanned part; keep what was noted after the scan started."""
+        """Replace what was scanned before; keep packs noted after this scan started."""
         with self._lock:
-            self._keys, self._mtimes, self._next = scan.keys, scan.mtimes_ns, 0
-            for key in [k for k, t in self._recent.items() if t < started_ns]:
-                del self._recent[key]
+            recent = {ino: self._packs[ino] for ino, t in self._noted_ns.items() if t >= started_ns}
+            self._packs = {info.ino: info for info in scan.packs}
+            self._packs.update(recent)
+            self._noted_ns = {ino: self._noted_ns[ino] for ino in recent}
+            self._heap = [(info.mtime_ns, info.ino) for info in self._packs.values()]
+            heapq.heapify(self._heap)
 
-    def note(self, key: bytes, mtime_ns: int) -> None:
+    def add(self, info: PackInfo) -> None:
         with self._lock:
-            self._recent[key] = mtime_ns
-            self._recent.move_to_end(key)
+            self._packs[info.ino] = info
+            self._noted_ns[info.ino] = time.time_ns()
+            heapq.heappush(self._heap, (info.mtime_ns, info.ino))
 
-    def forget(self, key: bytes) -> None:
+    def touch(self, ino: int, mtime_ns: int) -> None:
+        """A pack was used at `mtime_ns` (unknown packs wait for the next scan)."""
         with self._lock:
-            self._recent.pop(key, None)
+            info = self._packs.get(ino)
+            if info is None or info.mtime_ns >= mtime_ns:
+                return
+            self._packs[ino] = info._replace(mtime_ns=mtime_ns)
+            self._noted_ns[ino] = time.time_ns()
+            heapq.heappush(self._heap, (mtime_ns, ino))
 
-    def pop_oldest(self) -> tuple[bytes, int] | None:
+    def pop_oldest(self) -> PackInfo | None:
         with self._lock:
-            scanned = self._mtimes[self._next] if self._next < len(self._mtimes) else None
-            if self._recent:
-                key, mtime = next(iter(self._recent.items()))
-                if scanned is None or mtime <= scanned:
-                    del self._recent[key]
-                    return key, mtime
-            if scanned is None:
-                return None
-            key = self._keys[self._next].tobytes()
-            self._next += 1
-            return key, int(scanned)
+            while self._heap:
+                mtime, ino = heapq.heappop(self._heap)
+                info = self._packs.get(ino)
+                if info is not None and info.mtime_ns == mtime:
+                    del self._packs[ino]
+                    self._noted_ns.pop(ino, None)
+                    return info
+            return None
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._mtimes) - self._next + len(self._recent)
+            return len(self._packs)
 
 
-class Staged(NamedTuple):
-    key: bytes
+class StagedPack(NamedTuple):
+    """A pack written to its temporary name, not yet linked in."""
+
+    keys: list[bytes]
+    positions: list[int]  # where each key is in the caller's batch
     temp_path: str
     nbytes: int
 
@@ -260,7 +279,7 @@ class DirectorySpace:
         self.capacity_bytes = capacity_bytes
         self.stale_temp_s = stale_temp_s
         self.ledger = Ledger(root)
-        self.index = LruIndex()
+        self.index = PackIndex()
         self.index_ready = threading.Event()
         self.last_state = LedgerState()  # as of this process's last look at the ledger
 
@@ -325,57 +344,70 @@ class DirectorySpace:
 
     # -- changes ----------------------------------------------------------------------------
 
-    def commit(self, staged: list[Staged | None]) -> list[PageStatus]:
-        """Rename written temporary files into place, evicting LRU pages to make room.
+    def commit(self, staged: list[StagedPack], num_keys: int) -> list[PageStatus]:
+        """Link written packs' pages in, evicting LRU packs to make room; one status per key
+        of the caller's batch (keys in no staged pack: ERROR, their write failed).
 
-        `None` entries are pages whose write failed (ERROR). A page that cannot fit is
-        REJECTED and its temporary file removed. Pages of this batch are never evicted for
-        each other.
+        A pack that cannot fit is REJECTED and its temporary file removed. Room is made for
+        the whole batch before any of it is linked, so a batch never evicts its own packs.
         """
         self.index_ready.wait()
-        statuses = [PageStatus.ERROR] * len(staged)
+        statuses = [PageStatus.ERROR] * num_keys
         todo = []
-        for i, item in enumerate(staged):
-            if item is None:
-                continue
-            if item.nbytes > self.capacity_bytes:
-                statuses[i] = PageStatus.REJECTED
-                unlink_quiet(item.temp_path)
+        for pack in staged:
+            if pack.nbytes > self.capacity_bytes:
+                _set(statuses, pack.positions, PageStatus.REJECTED)
+                unlink_quiet(pack.temp_path)
             else:
-                todo.append((i, item))
+                todo.append(pack)
         if not todo:
             return statuses
-        with self.ledger.locked() as state:
-            if not state.valid:
-                self._rebuild(state)
-            old_sizes = [_size_or_none(page_path(self.root, item.key)) for _, item in todo]
-            growth = sum(
-                item.nbytes - (old or 0) for (_, item), old in zip(todo, old_sizes, strict=True)
-            )
-            self._make_room(state, growth, protect={item.key for _, item in todo})
-            for (i, item), old in zip(todo, old_sizes, strict=True):
-                statuses[i] = self._rename_in(state, item, old)
-            self.last_state = dataclasses.replace(state)
+        try:
+            with self.ledger.locked() as state:
+                if not state.valid:
+                    self._rebuild(state)
+                self._make_room(state, sum(pack.nbytes for pack in todo))
+                for pack in todo:
+                    self._link_in(state, pack, statuses)
+                self.last_state = dataclasses.replace(state)
+        finally:
+            for pack in todo:
+                unlink_quiet(pack.temp_path)
         return statuses
 
-    def _rename_in(self, state: LedgerState, item: Staged, old: int | None) -> PageStatus:
-        if state.used_bytes + item.nbytes - (old or 0) > self.capacity_bytes:
-            unlink_quiet(item.temp_path)
-            return PageStatus.REJECTED
+    def _link_in(self, state: LedgerState, pack: StagedPack, statuses: list[PageStatus]) -> None:
+        """With the ledger locked: one link per key to the pack, replacing older pages."""
+        if state.used_bytes + pack.nbytes > self.capacity_bytes:
+            _set(statuses, pack.positions, PageStatus.REJECTED)
+            return
         try:
-            os.rename(item.temp_path, page_path(self.root, item.key))
+            st = os.stat(pack.temp_path)
         except OSError:
-            unlink_quiet(item.temp_path)
-            return PageStatus.ERROR
-        state.used_bytes += item.nbytes - (old or 0)
-        state.churn_bytes += item.nbytes + (old or 0)
-        state.num_changes += 1 if old is None else 2
-        state.num_objects += 1 if old is None else 0
-        self.index.note(item.key, time.time_ns())
-        return PageStatus.STORED
+            return  # ERROR for all
+        linked: list[bytes] = []
+        for key, position in zip(pack.keys, pack.positions, strict=True):
+            path = page_path(self.root, key)
+            try:
+                old = _lstat_or_none(path)
+                with _clearing(path, key, old):  # its old pack's other names must not find it
+                    _link(pack.temp_path, path, replace=old is not None)
+            except OSError:
+                continue
+            linked.append(key)
+            statuses[position] = PageStatus.STORED
+            state.num_changes += 1
+            if old is None:
+                state.num_objects += 1
+            elif old.st_nlink == 1:  # that was the last page of its pack: the pack is gone
+                state.used_bytes -= old.st_size
+                state.churn_bytes += old.st_size
+        if linked:
+            state.used_bytes += st.st_size
+            state.churn_bytes += st.st_size
+            self.index.add(PackInfo(st.st_ino, st.st_size, st.st_mtime_ns, tuple(linked)))
 
-    def _make_room(self, state: LedgerState, growth: int, *, protect: set[bytes]) -> None:
-        """Evict least recently used pages until `growth` more bytes fit (or nothing is left)."""
+    def _make_room(self, state: LedgerState, growth: int) -> None:
+        """Evict least recently used packs until `growth` more bytes fit (or none is left)."""
         rebuilt = False
         budget = 2 * len(self.index) + 64  # each candidate is re-queued at most once per touch
         while state.used_bytes + growth > self.capacity_bytes and budget > 0:
@@ -388,23 +420,36 @@ class DirectorySpace:
                 rebuilt = True
                 budget = 2 * len(self.index) + 64
                 continue
-            key, seen_mtime_ns = candidate
-            if key in protect:
-                continue
+            self._evict(state, candidate)
+
+    def _evict(self, state: LedgerState, pack: PackInfo) -> None:
+        """Remove every link to `pack`, unless it was used since the index saw it."""
+        live = []
+        for key in pack.keys:
             path = page_path(self.root, key)
+            st = _lstat_or_none(path)
+            if st is not None and st.st_ino == pack.ino:
+                live.append((path, st))
+        if not live:
+            return  # evicted or replaced by someone else (who updated the ledger)
+        newest = max(st.st_mtime_ns for _, st in live)
+        if newest > pack.mtime_ns:
+            self.index.add(pack._replace(mtime_ns=newest))  # used since we looked: not old
+            return
+        removed = 0
+        for path, _ in live:
             try:
-                st = os.stat(path)
-                if st.st_mtime_ns > seen_mtime_ns:
-                    self.index.note(key, st.st_mtime_ns)  # used since we looked: not old
-                    continue
                 os.unlink(path)
             except FileNotFoundError:
-                continue  # deleted by someone else (who updated the ledger)
-            state.used_bytes -= st.st_size
-            state.num_objects -= 1
-            state.churn_bytes += st.st_size
-            state.num_changes += 1
-            state.num_evictions += 1
+                continue
+            removed += 1
+        last = live[-1][1]
+        state.num_objects -= removed
+        state.num_changes += removed
+        state.num_evictions += removed
+        if removed == len(live) and last.st_nlink == len(live):  # no other link: freed
+            state.used_bytes -= last.st_size
+            state.churn_bytes += last.st_size
 
     def remove(self, keys: list[bytes]) -> int:
         removed = 0
@@ -414,23 +459,68 @@ class DirectorySpace:
             for key in keys:
                 path = page_path(self.root, key)
                 try:
-                    size = os.stat(path).st_size
-                    os.unlink(path)
+                    st = os.lstat(path)
+                    with _clearing(path, key, st):  # the pack's other names must not find it
+                        os.unlink(path)
                 except FileNotFoundError:
                     continue
-                self.index.forget(key)
-                state.used_bytes -= size
                 state.num_objects -= 1
-                state.churn_bytes += size
                 state.num_changes += 1
+                if st.st_nlink == 1:  # the pack's last page
+                    state.used_bytes -= st.st_size
+                    state.churn_bytes += st.st_size
                 removed += 1
             self.last_state = dataclasses.replace(state)
         return removed
 
 
-def _size_or_none(path: str) -> int | None:
+def _set(statuses: list[PageStatus], positions: list[int], status: PageStatus) -> None:
+    for position in positions:
+        statuses[position] = status
+
+
+def _link(source: str, path: str, *, replace: bool) -> None:
+    """Make `path` a link to `source`; an existing `path` is replaced atomically."""
+    if not replace:
+        try:
+            os.link(source, path)
+            return
+        except FileExistsError:
+            pass  # linked by another process since we looked: replace it
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)  # the first page in this folder
+            with contextlib.suppress(FileExistsError):
+                os.link(source, path)
+                return
+    temp = f"{path}{_TEMP_MARK}{os.getpid()}.link"  # under the ledger lock: one at a time
+    unlink_quiet(temp)
+    os.link(source, temp)
     try:
-        return os.stat(path).st_size
+        os.rename(temp, path)
+    except OSError:
+        unlink_quiet(temp)
+        raise
+
+
+@contextlib.contextmanager
+def _clearing(path: str, key: bytes, st: os.stat_result | None) -> Iterator[None]:
+    """Around unlinking or replacing `path`, a name of `key` in a pack with other pages: clear
+    the key's entry in that pack's table afterwards, so that no read through another name
+    finds the page (a reader that opens the name in between retries it and misses)."""
+    if st is None or st.st_nlink < 2:
+        yield  # no other names: the pack goes with this one
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        yield
+        tombstone(fd, key)
+    finally:
+        os.close(fd)
+
+
+def _lstat_or_none(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
     except FileNotFoundError:
         return None
 

@@ -1,13 +1,20 @@
-"""`file:///path?capacity=100GiB`: one file per page in a directory many processes may share.
+"""`file:///path?capacity=100GiB`: pages in files of a directory many processes may share.
 
-Layout: `<path>/ab/cd/<32 hex digits of the key>` holds one encoded object. A page is written
-to `<final name>.tmp.<pid>.<n>` and renamed into place, so a reader (in this process or in any
-other on the same local, NFS or 3FS directory) sees the old page, the new page or nothing,
-never a partial one. Capacity and LRU across processes are `file_space`'s job.
+Layout: a batch of pages is written as one pack (`file_pack`: a table, then the pages'
+encoded objects), and `<path>/a/b/<32 hex digits of the key>` is a hard link to the pack
+that holds that page. A pack is written to `<first key's name>.tmp.<pid>.<n>` and its pages
+linked into place one by one (a rename when a link is replaced), so a reader in this process
+or in any other on the same local, NFS or 3FS directory sees the old page, the new page or
+nothing, never a partial one. Capacity and LRU across processes are `file_space`'s job.
+
+Why packs and not one file per page: reading a page from the page cache is a memory copy of
+a few microseconds, and a file per page adds an open, a stat and a close to each, plus the
+Python around them, and hands the GIL back and forth on every call when threads share the
+work. A pack costs one stat per page (to find its pack), then one open and a few large reads
+per pack, so the copies dominate and two threads overlap them.
 
 I/O runs on a small thread pool with plain `os` calls, each worker doing a slice of the
-batch: a page costs one open, one vectored write (header and caller's page, no join) or one
-read, and one close, instead of a thread hop per call as with `aiofiles`.
+batch (instead of a thread hop per call as with `aiofiles`).
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too), the engine may hand that L2 page to something else. So the kernel only
@@ -15,7 +22,7 @@ writes into the caller's buffer with RWF_NOWAIT, a read that fails rather than w
 (a page-cache hit: a memory copy), under the call's CopyGuard. Anything that may wait - the
 page cache misses, or the filesystem cannot promise (NFS) - is read into the worker's own
 256 KiB chunk buffer and copied on through the guard, which refuses once the call is over.
-Each chunk is hashed while it is in cache; a page is True only after its checksum matched.
+Each piece is hashed while it is in cache; a page is True only after its checksum matched.
 """
 
 from __future__ import annotations
@@ -33,13 +40,15 @@ from urllib.parse import unquote, urlsplit
 
 from .base import Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
-from .file_space import DirectorySpace, Staged, page_path, temp_path, unlink_quiet
+from .file_pack import PackTable, pack_table, read_table
+from .file_space import DirectorySpace, StagedPack, page_path, temp_path, unlink_quiet
 from .guard import CopyGuard
 from .objects import (
     Compression,
     CorruptReason,
     FramedObject,
     StreamingCheck,
+    check_plain,
     decode_object_into,
     header_size,
 )
@@ -49,14 +58,21 @@ from .stats import Usage
 _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is not a page
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
-_CACHED_GROUP_BYTES = 4 << 20  # page-cache hits: one worker per this many bytes of a batch
+_CACHED_GROUP_BYTES = 1 << 20  # page-cache hits: one worker per this many bytes of a batch
+_STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
+_SHARED_STRETCH_BYTES = 2 << 20  # ... or this much when a helper shares the copies
+_STRETCH_PAGES = 64  # ... and at most this many pages
+_HELPER_MIN_BYTES = 4 << 20  # a batch this large shares its copies with a worker thread
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_PENDING = object()  # an outcome not decided yet
+_DEFERRED = object()  # a read left by the event loop's thread to the workers
 
 
 class _WorkerBuffers(threading.local):
     """Each I/O thread's own header and chunk buffers, reused for every page it reads."""
 
     def __init__(self) -> None:
-        self.head = bytearray(0)
+        self.heads: list[memoryview] = []  # one header buffer per page of a stretch
         self.chunk = bytearray(_CHUNK_BYTES)
         self.cache_hits = 0
 
@@ -67,6 +83,12 @@ class FileOptions(BackendOptions):
     capacity_bytes: int = url_option("capacity", "size", 0, doc="bytes on disk, all processes")
     fsync: bool = url_option("fsync", "bool", False, doc="fsync pages and directories on put")
     io_threads: int = url_option("io_threads", "int", 4, doc="parallel file operations")
+    inline_reads: bool = url_option(
+        "inline_reads", "bool", True, doc="read page-cache hits on the caller's thread too"
+    )
+    pack_bytes: int = url_option(
+        "pack_bytes", "size", 64 << 20, doc="at most this much per pack (and 1/16 of capacity)"
+    )
     scan_interval_s: float = url_option(
         "scan_interval", "duration", 300.0, doc="directory rescan (LRU index, ledger check)"
     )
@@ -86,6 +108,7 @@ class FileOptions(BackendOptions):
                 "file:// needs ?capacity=<size>, e.g. file:///data/kv?capacity=100GiB"
             )
         check_range("io_threads", self.io_threads, low=1, high=256)
+        check_range("pack_bytes", self.pack_bytes, low=1)
         check_range("scan_interval", self.scan_interval_s, low=0.001)
         check_range("touch_interval", self.touch_interval_s, low=0.0)
         check_range("stale_temp", self.stale_temp_s, low=1.0)
@@ -171,15 +194,37 @@ class FileBackend(StorageBackend):
     async def _fetch_into(
         self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
     ) -> list[ReadInto]:
+        """Pages the page cache holds are read on the caller's thread, the rest on workers.
+
+        Handing work to a thread and back costs more than copying a batch of cached pages
+        (about 0.1 ms each way on a busy virtual machine), so when recent batches were page
+        cache hits, the event loop's thread reads one share of the batch itself, with reads
+        that never wait for I/O, while workers read the other shares; whatever it can't take
+        whole from the page cache goes to a worker after it.
+        """
         self._maybe_rescan()
         items = list(zip(keys, views, strict=True))
         loop = asyncio.get_running_loop()
-        parts = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._io, self._read_group_into, group, guard)
-                for group in self._split(items, self._read_groups(views))
-            )
-        )
+        groups = self._split(items, self._read_groups(views))
+        inline = self.options.inline_reads and self._nowait and self._cache_hit_ratio >= 0.9
+        workers = [
+            loop.run_in_executor(self._io, self._read_group_into, group, guard)
+            for group in (groups[1:] if inline else groups)
+        ]
+        parts = []
+        if inline:
+            hits, first = self._read_group_into(groups[0], guard, inline=True)
+            deferred = [i for i, outcome in enumerate(first) if outcome is _DEFERRED]
+            if deferred:
+                later = [groups[0][i] for i in deferred]
+                workers.append(loop.run_in_executor(self._io, self._read_group_into, later, guard))
+            parts.append((hits, first))
+        parts += await asyncio.gather(*workers)
+        if inline and deferred:
+            hits, late = parts.pop()
+            for i, outcome in zip(deferred, late, strict=True):
+                first[i] = outcome
+            parts[0] = (parts[0][0] + hits, first)
         self._note_cache_hits(sum(hits for hits, _ in parts), len(keys))
         return [outcome for _, group in parts for outcome in group]
 
@@ -198,88 +243,242 @@ class FileBackend(StorageBackend):
         await self._ensure_connected()
         await asyncio.wrap_future(self._scanner.submit(self._space.refresh))
 
-    # -- workers ------------------------------------------------------------------------------
+    # -- workers: reads -----------------------------------------------------------------------
 
     def _read_group(self, items: list[tuple[bytes, int | None]]) -> list[Fetched]:
-        return [self._read_page(key, size) for key, size in items]
+        """Whole objects (at most header + size bytes each, when the size is known)."""
+        outcomes: list = [_PENDING] * len(items)
 
-    def _open_page(self, key: bytes) -> tuple[int, str] | PageStatus | None:
-        """(fd, path) of a stored page; None if absent; ERROR (noted) if it can't be opened."""
-        path = page_path(self.root, key)
+        def read(table: PackTable, members: list[int]) -> None:
+            for i in members:
+                key, size = items[i]
+                limit = _MAX_OBJECT_BYTES if size is None else self._header_bytes + size
+                entry = table.find(key, limit)  # (longer: not this page, don't read it)
+                if isinstance(entry, CorruptReason):
+                    outcomes[i] = entry
+                else:
+                    outcomes[i] = _pread_bytes(table.fd, entry[1], entry[0])
+
+        self._by_pack([key for key, _ in items], list(range(len(items))), outcomes, read)
+        return outcomes
+
+    def _read_group_into(
+        self, items: list[tuple[bytes, memoryview]], guard: CopyGuard, *, inline: bool = False
+    ) -> tuple[int, list[ReadInto]]:
+        """(how many pages the page cache served whole, the outcomes).
+
+        First `_read_cached`; then the pages it left go one by one through `_stream_into`,
+        which reads what the page cache lacks and names whatever is wrong. `inline` (on the
+        event loop's thread: never wait for I/O) stops after the first step and leaves them
+        `_DEFERRED` for a worker.
+        """
+        outcomes: list = [_PENDING] * len(items)
+        hits = self._read_cached(items, guard, outcomes) if self._nowait else 0
+        left = [i for i, outcome in enumerate(outcomes) if outcome is _PENDING]
+        if not left:
+            return hits, outcomes
+        if inline:
+            _fill(outcomes, left, _DEFERRED)
+            return hits, outcomes
+
+        def read(table: PackTable, members: list[int]) -> None:
+            for i in members:
+                key, view = items[i]
+                entry = table.find(key, self._header_bytes + len(view))
+                if isinstance(entry, CorruptReason):
+                    outcomes[i] = entry
+                else:
+                    outcomes[i] = self._stream_into(table.fd, *entry, key, view, guard)
+
+        self._by_pack([items[i][0] for i in left], left, outcomes, read)
+        return hits, outcomes
+
+    def _read_cached(
+        self, items: list[tuple[bytes, memoryview]], guard: CopyGuard, outcomes: list
+    ) -> int:
+        """The common read: uncompressed pages of the expected size that the page cache holds.
+
+        Pages that lie next to each other in a pack (a batch written together, read in the
+        same order) form stretches of up to `_STRETCH_BYTES`, each read with one system call
+        that never waits, headers and pages straight into place, then checked while still
+        in cache. With several stretches, a worker thread copies some of them while this one
+        copies and checks the rest (`_Stretches`): the copies run without the GIL, the checks
+        stay on one thread. Sets True (and None / ERROR / a CorruptReason for what can't even
+        be looked up); leaves `_PENDING` whatever needs a closer look. Returns how many pages
+        it served.
+        """
+        tables: list[PackTable] = []
+        hits = 0
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC), path
+            plan = self._plan_stretches(items, guard, outcomes, tables)
+            helper = None
+            if plan.worth_a_helper() and self._io is not None and self.options.io_threads > 1:
+                helper = self._io.submit(plan.copy_as_helper)
+            hits = plan.copy_and_check(items, outcomes, self._layout_bytes, helper)
+            if plan.unsupported:
+                self._nowait = False  # e.g. NFS: every read through the chunk buffer
+        except OSError as exc:
+            self._note_page_error(f"{tables[-1].path if tables else self.root}: {exc}")
+            _fill(outcomes, range(len(items)), PageStatus.ERROR)
+        finally:
+            for table in tables:
+                if table.served:
+                    self._touch(table)
+                os.close(table.fd)
+        return hits
+
+    def _plan_stretches(
+        self,
+        items: list[tuple[bytes, memoryview]],
+        guard: CopyGuard,
+        outcomes: list,
+        tables: list[PackTable],
+    ) -> _Stretches:
+        """Open the packs (into `tables`) and cut the batch into stretches."""
+        plain_head = self._header_bytes
+        heads = self._heads(len(items))
+        plan = _Stretches(guard)
+        batch_bytes = sum(len(view) for _, view in items)
+        shared = batch_bytes >= _HELPER_MIN_BYTES
+        stretch_bytes = _SHARED_STRETCH_BYTES if shared else _STRETCH_BYTES
+        num = len(items)
+        i = 0
+        while i < num:
+            key, view = items[i]
+            t = _table_of(tables, key)
+            if t < 0:
+                table = self._open_pack(key, outcomes, i)
+                if table is None:
+                    i += 1
+                    continue
+                t = len(tables)
+                tables.append(table)
+            table = tables[t]
+            entries = table.entries
+            offset, length = entries.get(key, (0, 0))
+            if length != plain_head + len(view) or offset + length > table.file_bytes:
+                i += 1  # not in this pack, lz4 or damaged: the closer look
+                continue
+            buffers = [heads[i], view]
+            total = length
+            end = i + 1
+            limit = min(num, i + _STRETCH_PAGES)
+            while end < limit and total < stretch_bytes:
+                next_key, next_view = items[end]
+                found = entries.get(next_key)
+                if found != (offset + total, plain_head + len(next_view)):
+                    break
+                buffers += (heads[end], next_view)
+                total += found[1]
+                end += 1
+            if offset + total > table.file_bytes:
+                end, total = i + 1, length  # (a damaged table: the closer look)
+                del buffers[2:]
+            plan.add(table, offset, total, buffers, i, end, heads)
+            i = end
+        return plan
+
+    def _by_pack(
+        self,
+        keys: list[bytes],
+        positions: list[int],
+        outcomes: list,
+        read: Callable[[PackTable, list[int]], None],
+    ) -> None:
+        """Open each key's pack once, then `read(table, members)` per pack with the positions
+        (in `outcomes`) of its keys.
+
+        A key is looked up first in the tables of the packs this call has opened (a batch
+        usually comes from a few packs written together), then through its own name. Absent
+        keys are None; a failing pack's keys ERROR; a damaged table's keys its reason.
+        """
+        tables: list[PackTable] = []
+        members: list[list[int]] = []
+        for key, i in zip(keys, positions, strict=True):
+            for table, found in zip(tables, members, strict=True):
+                if key in table.entries:
+                    found.append(i)
+                    break
+            else:
+                table = self._open_pack(key, outcomes, i)
+                if table is not None:
+                    tables.append(table)
+                    members.append([i])
+        try:
+            for table, found in zip(tables, members, strict=True):
+                try:
+                    read(table, found)
+                    if any(outcomes[i] is True for i in found):
+                        self._touch(table)
+                except OSError as exc:
+                    self._note_page_error(f"{table.path}: {exc}")
+                    _fill(outcomes, found, PageStatus.ERROR)
+        finally:
+            for table in tables:
+                os.close(table.fd)
+
+    def _open_pack(self, key: bytes, outcomes: list, i: int) -> PackTable | None:
+        """The open pack that `key`'s name links to, its table read; None (and outcomes[i]
+        set) if there is none or it can't be used.
+
+        A pack whose table lacks the key was replaced under us (the page written again and
+        its old entry cleared between our open and our read of the table): the name is
+        opened once more. A table still without it is damage, for the reader to report.
+        """
+        name = key.hex()  # page_path's layout, spelled out: this runs for every pack
+        path = f"{self.root}/{name[0]}/{name[1]}/{name}"
+        table = self._open_table(path)
+        if isinstance(table, PackTable) and key not in table.entries:
+            os.close(table.fd)
+            table = self._open_table(path)
+        if not isinstance(table, PackTable):
+            outcomes[i] = table
+            return None
+        return table
+
+    def _open_table(self, path: str) -> PackTable | PageStatus | CorruptReason | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as exc:
             self._note_page_error(f"{path}: {exc}")
             return PageStatus.ERROR
-
-    def _read_page(self, key: bytes, size: int | None) -> Fetched:
-        opened = self._open_page(key)
-        if not isinstance(opened, tuple):
-            return opened
-        fd, path = opened
         try:
-            st = os.fstat(fd)
-            limit = _MAX_OBJECT_BYTES if size is None else self._header_bytes + size
-            if st.st_size > limit:
-                fetched: Fetched = CorruptReason.LENGTH  # not this page: don't read it
-            else:
-                fetched = _read_bytes(fd, st.st_size)
+            table = read_table(fd, os.fstat(fd), path)
         except OSError as exc:
             self._note_page_error(f"{path}: {exc}")
-            return PageStatus.ERROR
-        finally:
+            table = PageStatus.ERROR
+        if not isinstance(table, PackTable):
             os.close(fd)
-        self._touch(key, path, st.st_mtime_ns)
-        return fetched
+        return table
 
-    def _read_group_into(
-        self, items: list[tuple[bytes, memoryview]], guard: CopyGuard
-    ) -> tuple[int, list[ReadInto]]:
-        """(how many pages the page cache served whole, the outcomes)."""
-        self._buffers.cache_hits = 0
-        outcomes = [self._read_page_into(key, view, guard) for key, view in items]
-        return self._buffers.cache_hits, outcomes
-
-    def _read_page_into(self, key: bytes, view: memoryview, guard: CopyGuard) -> ReadInto:
-        opened = self._open_page(key)
-        if not isinstance(opened, tuple):
-            return opened
-        fd, path = opened
-        try:
-            st = os.fstat(fd)
-            outcome = self._stream_into(fd, st.st_size, key, view, guard)
-        except OSError as exc:
-            self._note_page_error(f"{path}: {exc}")
-            return PageStatus.ERROR
-        finally:
-            os.close(fd)
-        if outcome is True:
-            self._touch(key, path, st.st_mtime_ns)
-        return outcome
+    def _heads(self, count: int) -> list[memoryview]:
+        heads = self._buffers.heads
+        if heads and len(heads[0]) != self._header_bytes:
+            heads.clear()
+        while len(heads) < count:
+            heads.append(memoryview(bytearray(self._header_bytes)))
+        return heads[:count]
 
     def _stream_into(
-        self, fd: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
+        self, fd: int, base: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
     ) -> ReadInto:
-        """Header first (refuse early), then the payload, hashed piece by piece.
+        """One object at `base`: header first (refuse early), then the payload, hashed piece
+        by piece.
 
         Where the page cache holds the page, the kernel copies it straight into the caller's
         buffer (a read that cannot wait, done under the guard). Otherwise each chunk is read
         into this thread's chunk buffer (a read that may wait, never into the caller's
         buffer) and copied on through the guard while it is in cache.
         """
-        if len(self._buffers.head) != self._header_bytes:
-            self._buffers.head = bytearray(self._header_bytes)
-        head, chunk = memoryview(self._buffers.head), memoryview(self._buffers.chunk)
+        head, chunk = self._heads(1)[0], memoryview(self._buffers.chunk)
         first = [head, view[: len(chunk)]]  # a small page in one syscall, hashed while hot
-        got = self._read_nowait(fd, first, 0, guard)
+        got = self._read_nowait(fd, first, base, guard)
         if got is None:
             return None
-        if got == min(object_bytes, len(head) + len(first[1])):
-            self._buffers.cache_hits += 1  # (counts pages whose first chunk was cached)
         if got < len(head):  # not cached: the header and the first chunk the slow way
-            got = _preadv_all(fd, [head, chunk], object_bytes)
+            got = _preadv_all(fd, [head, chunk], object_bytes, base)
             in_chunk = max(0, got - len(head))
         else:
             in_chunk = 0
@@ -293,8 +492,8 @@ class FileBackend(StorageBackend):
         if isinstance(check, CorruptReason):
             return check
         if check.header.compression is not Compression.NONE:
-            return self._decompress_into(fd, object_bytes, key, view, guard)
-        stored, start = check.header.stored_bytes, len(head)
+            return self._decompress_into(fd, base, object_bytes, key, view, guard)
+        stored, start = check.header.stored_bytes, base + len(head)
         if in_chunk:
             offset = min(in_chunk, stored)
             check.update(chunk[:offset])
@@ -329,56 +528,59 @@ class FileBackend(StorageBackend):
         waiting for I/O; 0 when nothing is cached (or the filesystem cannot promise that),
         None when the call is over."""
         if not self._nowait:
+            return 0 if not guard.closed else None
+        if not guard.enter():
+            return None
+        try:
+            return _preadv_nowait(fd, buffers, offset)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            self._nowait = False  # e.g. NFS: always read through the chunk buffer
             return 0
-        with guard.writing() as allowed:
-            if not allowed:
-                return None
-            try:
-                return os.preadv(fd, buffers, offset, _RWF_NOWAIT)
-            except BlockingIOError:
-                return 0
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
-                self._nowait = False  # e.g. NFS: always read through the chunk buffer
-                return 0
+        finally:
+            guard.leave()
 
     def _decompress_into(
-        self, fd: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
+        self, fd: int, base: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
     ) -> ReadInto:
-        blob = _read_bytes(fd, object_bytes)
+        blob = _pread_bytes(fd, object_bytes, base)
         raw = bytearray(len(view))
         reason = decode_object_into(blob, key, self._layout_bytes, raw)
         if reason is not None:
             return reason
         return True if guard.copy(view, 0, memoryview(raw)) else None
 
-    def _touch(self, key: bytes, path: str, mtime_ns: int) -> None:
-        """Mark a page used: its mtime is the LRU clock every process shares."""
+    def _touch(self, pack: PackTable) -> None:
+        """Mark a pack used: its mtime is the LRU clock every process shares."""
         now_ns = time.time_ns()
-        if now_ns - mtime_ns < self.options.touch_interval_s * 1e9:
+        if now_ns - pack.mtime_ns < self.options.touch_interval_s * 1e9:
             return
         try:
-            os.utime(path)
+            os.utime(pack.fd)
         except OSError:
-            return  # evicted since the read, or a read-only mount: the read still counts
-        self._space.index.note(key, now_ns)
+            return  # a read-only mount: the read still counts
+        self._space.index.touch(pack.ino, now_ns)
 
-    def _write_group(self, items: list[tuple[bytes, FramedObject]]) -> list[Staged | None]:
-        return [self._write_page(key, obj) for key, obj in items]
+    # -- workers: writes ----------------------------------------------------------------------
 
-    def _write_page(self, key: bytes, obj: FramedObject) -> Staged | None:
-        final = page_path(self.root, key)
-        tmp = temp_path(final, next(self._serial))
+    def _write_pack(self, group: list[tuple[int, bytes, FramedObject]]) -> StagedPack | None:
+        """Write one pack to its temporary name; None if that failed (noted)."""
+        keys = [key for _, key, _ in group]
+        table = pack_table(keys, [obj.nbytes for _, _, obj in group])
+        parts: list = [table]
+        for _, _, obj in group:
+            parts += (obj.header, obj.payload)
+        tmp = temp_path(page_path(self.root, keys[0]), next(self._serial))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             try:
                 fd = os.open(tmp, flags, 0o644)
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.makedirs(os.path.dirname(tmp), exist_ok=True)
                 fd = os.open(tmp, flags, 0o644)
             try:
-                _write_all(fd, [obj.header, obj.payload])
+                _write_all(fd, parts)
                 if self.options.fsync:
                     os.fsync(fd)
             finally:
@@ -387,25 +589,27 @@ class FileBackend(StorageBackend):
             self._note_page_error(f"{tmp}: {exc}")
             unlink_quiet(tmp)
             return None
-        return Staged(key, tmp, obj.nbytes)
+        nbytes = len(table) + sum(obj.nbytes for _, _, obj in group)
+        return StagedPack(keys, [position for position, _, _ in group], tmp, nbytes)
 
-    def _commit(self, staged: list[Staged | None]) -> list[PageStatus]:
-        statuses = self._space.commit(staged)
+    def _commit(self, staged: list[StagedPack], num_keys: int) -> list[PageStatus]:
+        statuses = self._space.commit(staged, num_keys)
         if self.options.fsync:
-            dirs = {os.path.dirname(s.temp_path) for s in staged if s is not None}
+            dirs = {os.path.dirname(page_path(self.root, k)) for pack in staged for k in pack.keys}
             for directory in sorted(dirs):
                 _fsync_dir(directory)
         return statuses
 
     def _submit_store(self, items: list[tuple[bytes, FramedObject]]) -> concurrent.futures.Future:
-        """Write groups in parallel, then commit them all under one ledger lock.
+        """Write packs in parallel, then link them all in under one ledger lock.
 
         Chained with callbacks, not awaited: a store whose caller timed out still commits or
         removes its temporary files, so none are left behind.
         """
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_running_or_notify_cancel()  # the caller may stop waiting, not stop the work
-        writes = [self._io.submit(self._write_group, g) for g in self._split(items)]
+        numbered = [(position, key, obj) for position, (key, obj) in enumerate(items)]
+        writes = [self._io.submit(self._write_pack, pack) for pack in self._packs(numbered)]
         remaining = [len(writes)]
         lock = threading.Lock()
 
@@ -415,8 +619,8 @@ class FileBackend(StorageBackend):
                 if remaining[0]:
                     return
             try:
-                staged = [s for w in writes for s in w.result()]
-                commit = self._io.submit(self._commit, staged)
+                staged = [pack for w in writes if (pack := w.result()) is not None]
+                commit = self._io.submit(self._commit, staged, len(items))
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                 done.set_exception(exc)
                 return
@@ -425,6 +629,24 @@ class FileBackend(StorageBackend):
         for write in writes:
             write.add_done_callback(written)
         return done
+
+    def _packs(self, items: list[tuple[int, bytes, FramedObject]]) -> list[list]:
+        """The batch cut into packs where it would pass the pack limit (`pack_bytes`, and 1/16
+        of the capacity: eviction frees a pack at a time, so a pack stays small next to what
+        the directory holds). One pack per batch is what reads want (one open for all); a
+        batch larger than that is written as several packs in parallel."""
+        limit = max(1, min(self.options.pack_bytes, self.options.capacity_bytes // 16))
+        packs: list[list] = []
+        pack: list = []
+        size = 0
+        for item in items:
+            if pack and size + item[2].nbytes > limit:
+                packs.append(pack)
+                pack, size = [], 0
+            pack.append(item)
+            size += item[2].nbytes
+        packs.append(pack)
+        return packs
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -447,7 +669,8 @@ class FileBackend(StorageBackend):
         if self._cache_hit_ratio < 0.9:
             return self.options.io_threads
         num_bytes = sum(len(view) for view in views)
-        return max(1, min(self.options.io_threads, num_bytes // _CACHED_GROUP_BYTES))
+        cores = os.cpu_count() or 1
+        return max(1, min(self.options.io_threads, cores, num_bytes // _CACHED_GROUP_BYTES))
 
     def _note_cache_hits(self, num_hits: int, num_reads: int) -> None:
         if num_reads:
@@ -467,8 +690,137 @@ class FileBackend(StorageBackend):
         self._scan = self._scanner.submit(self._space.refresh)
 
 
-def _preadv_all(fd: int, buffers: list[memoryview], limit: int) -> int:
-    """Fill `buffers` from offset 0 (up to `limit` bytes: the file's size); bytes read."""
+class _Stretch:
+    """Neighbouring pages of one pack, read with one system call."""
+
+    __slots__ = ("buffers", "end", "got", "heads", "offset", "start", "table", "total")
+
+    def __init__(self, table, offset, total, buffers, start, end, heads) -> None:
+        self.table: PackTable = table
+        self.offset: int = offset
+        self.total: int = total
+        self.buffers: list[memoryview] = buffers
+        self.start, self.end = start, end  # positions in the batch
+        self.heads: list[memoryview] = heads  # (indexed by position)
+        self.got: int | None = None  # bytes read; None: not yet
+
+
+class _Stretches:
+    """One batch's stretches, copied by this thread and at most one helper, checked in order.
+
+    Stretches are claimed in order under a lock; the caller's thread checks stretch k as soon
+    as it is copied, and otherwise copies the next unclaimed one itself rather than wait. It
+    waits for the helper only when the helper holds the last unfinished stretch. A helper
+    that starts after the caller has claimed everything does nothing.
+    """
+
+    def __init__(self, guard: CopyGuard) -> None:
+        self.guard = guard
+        self.stretches: list[_Stretch] = []
+        self.unsupported = False  # the filesystem has no RWF_NOWAIT
+        self._lock = threading.Lock()
+        self._next = 0  # first unclaimed
+        self._helper_started = False
+        self._helper_shut = False
+
+    def worth_a_helper(self) -> bool:
+        """A helper costs a thread wake-up and a GIL shared: worth it for long copies only."""
+        copies = sum(stretch.total for stretch in self.stretches)
+        return len(self.stretches) > 1 and copies >= _HELPER_MIN_BYTES
+
+    def add(self, table, offset, total, buffers, start, end, heads) -> None:
+        self.stretches.append(_Stretch(table, offset, total, buffers, start, end, heads))
+
+    def _claim(self) -> _Stretch | None:
+        with self._lock:
+            if self._next >= len(self.stretches):
+                return None
+            self._next += 1
+            return self.stretches[self._next - 1]
+
+    def _copy(self, stretch: _Stretch) -> None:
+        got = -1  # the call is over, or no RWF_NOWAIT: nothing read
+        if self.guard.enter():
+            try:
+                got = _preadv_nowait(stretch.table.fd, stretch.buffers, stretch.offset)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                self.unsupported = True
+            finally:
+                self.guard.leave()
+        stretch.got = got
+
+    def copy_as_helper(self) -> None:
+        with self._lock:
+            if self._helper_shut:
+                return
+            self._helper_started = True
+        while (stretch := self._claim()) is not None:
+            try:
+                self._copy(stretch)
+            except OSError:
+                stretch.got = -1  # the caller's thread reads it again and reports
+                raise
+
+    def copy_and_check(
+        self, items, outcomes, layout: bytes, helper: concurrent.futures.Future | None
+    ) -> int:
+        hits = 0
+        for stretch in self.stretches:
+            while stretch.got is None:
+                mine = self._claim()
+                if mine is not None:
+                    self._copy(mine)
+                    continue
+                with self._lock:
+                    self._helper_shut = True
+                    started = self._helper_started
+                if started and helper is not None:
+                    helper.result()  # it holds this stretch: a copy from the page cache
+                if stretch.got is None:
+                    stretch.got = -1
+            if stretch.got != stretch.total:
+                if stretch.got == -1 and self.guard.closed:
+                    _fill(outcomes, range(stretch.start, len(items)), None)
+                    break
+                continue  # not all cached: the closer look
+            heads = stretch.heads
+            for j in range(stretch.start, stretch.end):
+                key, view = items[j]
+                if check_plain(heads[j], view, key, layout):
+                    outcomes[j] = True
+                    hits += 1
+            stretch.table.served = True
+        with self._lock:
+            self._helper_shut = True
+        return hits
+
+
+def _table_of(tables: list[PackTable], key: bytes) -> int:
+    """Position of the first open pack whose table has `key`; -1 if none has."""
+    for t, table in enumerate(tables):
+        if key in table.entries:
+            return t
+    return -1
+
+
+def _fill(outcomes: list, positions: list[int], outcome: object) -> None:
+    for i in positions:
+        if outcomes[i] is _PENDING:
+            outcomes[i] = outcome
+
+
+def _preadv_nowait(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Bytes the page cache had for `buffers` at `offset`; 0 if it had none."""
+    try:
+        return os.preadv(fd, buffers, offset, _RWF_NOWAIT)
+    except BlockingIOError:
+        return 0
+
+
+def _preadv_all(fd: int, buffers: list[memoryview], limit: int, base: int = 0) -> int:
+    """Fill `buffers` from the object at `base` (up to `limit` bytes: its size); bytes read."""
     want = min(limit, sum(len(b) for b in buffers))
     got = 0
     while got < want:
@@ -479,18 +831,18 @@ def _preadv_all(fd: int, buffers: list[memoryview], limit: int) -> int:
                 continue
             views.append(buf[skip:])
             skip = 0
-        n = os.preadv(fd, views, got)
+        n = os.preadv(fd, views, base + got)
         if n == 0:
             break
         got += n
     return got
 
 
-def _read_bytes(fd: int, nbytes: int) -> bytes:
+def _pread_bytes(fd: int, nbytes: int, offset: int) -> bytes:
     chunks = []
     got = 0
     while got < nbytes:
-        chunk = os.read(fd, nbytes - got)
+        chunk = os.pread(fd, nbytes - got, offset + got)
         if not chunk:
             break
         chunks.append(chunk)
@@ -502,7 +854,7 @@ def _write_all(fd: int, buffers: list) -> None:
     """writev until every byte is written (a write may stop short, e.g. on a signal)."""
     views = [memoryview(b) for b in buffers if len(b)]
     while views:
-        written = os.writev(fd, views)
+        written = os.writev(fd, views[:_IOV_MAX])
         while views and written >= len(views[0]):
             written -= len(views[0])
             views.pop(0)

@@ -26,24 +26,38 @@ class CopyGuard:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._open = True
         self._active = 0
+
+    @property
+    def closed(self) -> bool:
+        """The call is over (a hint for skipping work; writes still go through `enter()`)."""
+        return not self._open
+
+    def enter(self) -> bool:
+        """Start a write: True if the buffers may be written until `leave()`; False if the
+        call is over (then don't write, and don't call `leave()`)."""
+        with self._cond:
+            if self._open:
+                self._active += 1
+            return self._open
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[bool]:
         """True: the buffers may be written until the block ends. False: the call is over."""
-        with self._cond:
-            entered = self._open
-            self._active += entered
+        entered = self.enter()
         try:
             yield entered
         finally:
             if entered:
-                with self._cond:
-                    self._active -= 1
-                    if not self._active:
-                        self._cond.notify_all()
+                self.leave()
 
     def copy(self, into: memoryview, offset: int, piece: memoryview) -> bool:
         """into[offset : offset + len(piece)] = piece, unless the call is over (False)."""

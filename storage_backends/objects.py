@@ -44,6 +44,7 @@ MAX_LAYOUT_BYTES = 0xFFFF
 _FIXED = struct.Struct("<4sHBBH6x16sQQQ")
 _CHECKSUM_OFFSET = 48
 _CHECKSUM = struct.Struct("<Q")
+_PLAIN = struct.Struct("<4sHBBH6x16sQQ")  # the fixed header up to the checksum
 assert _FIXED.size == HEADER_FIXED_BYTES
 
 Buffer = bytes | bytearray | memoryview
@@ -349,6 +350,21 @@ class StreamingCheck:
         if self._hasher.intdigest() != self.header.checksum:
             return CorruptReason.CHECKSUM
         return None
+
+
+def check_plain(head: Buffer, payload: Buffer, key: bytes, layout: bytes) -> bool:
+    """The fast check of an object read as `head` (its whole header) and `payload`: True if it
+    is exactly the uncompressed page `key` of `layout`, `len(payload)` long, checksum and all.
+
+    False for anything else, valid (an lz4 page) or not: the caller then runs the full check
+    (`StreamingCheck`, `decode_object_into`), which names the reason. One comparison covers
+    every header field, as the expected header is rebuilt around the computed checksum.
+    """
+    size = len(payload)
+    prefix = _PLAIN.pack(MAGIC, FORMAT_VERSION, Compression.NONE, 0, len(layout), key, size, size)
+    hasher = xxhash.xxh3_64(prefix + layout)
+    hasher.update(payload)
+    return head == prefix + _CHECKSUM.pack(hasher.intdigest()) + layout
 
 
 def verify_object(obj: ObjectParts, expected_key: bytes) -> CorruptReason | None:

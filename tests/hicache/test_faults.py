@@ -6,12 +6,14 @@ the counters say what happened.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from storage_backends.file_pack import read_table
 from tests.support.caches import put, read_pages, tokens_for
 from tests.support.servers import RedisProcess, free_port
 from tests.support.slow_backend import slow_file_url
@@ -68,20 +70,42 @@ def test_slow_l3_past_its_timeout_is_a_miss(cache_factory, tmp_path):
     assert cache.stats().l3_errors >= 1
 
 
+def page_names(directory: Path) -> list[Path]:
+    """The file backend's page names (each a hard link to the pack holding the page)."""
+    return [p for p in directory.rglob("*") if p.is_file() and len(p.name) == 32]
+
+
+def locate(path: Path) -> tuple[int, int]:
+    """(offset, length) of the page named `path` in its pack."""
+    with open(path, "rb") as f:
+        return read_table(f.fileno(), os.fstat(f.fileno())).entries[bytes.fromhex(path.name)]
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
 def corrupt_every_page(directory: Path, how: str) -> int:
-    files = [p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")]
-    touched = 0
-    for path in files:
-        blob = bytearray(path.read_bytes())
-        if len(blob) < 200:
-            continue  # not a page object (the backend's own bookkeeping)
+    """Flip a byte near the end of every page, or cut every pack in the middle of its first
+    page; returns how many pages were damaged."""
+    names = page_names(directory)
+    cuts: dict[int, tuple[Path, int]] = {}
+    for path in names:
+        offset, length = locate(path)
         if how == "flip":
-            blob[-5] ^= 0xFF
+            flip_byte(path, offset + length - 5)
         else:
-            blob = blob[: len(blob) // 2]
-        path.write_bytes(bytes(blob))
-        touched += 1
-    return touched
+            ino = path.stat().st_ino
+            cut = offset + length // 2
+            if ino not in cuts or cut < cuts[ino][1]:
+                cuts[ino] = (path, cut)
+    for path, cut in cuts.values():
+        os.truncate(path, cut)
+    return len(names)
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
@@ -111,11 +135,10 @@ def test_a_corrupt_page_in_the_middle_cuts_the_match_there(cache_factory, tmp_pa
     from radix.tree import DEFAULT_NAMESPACE
 
     third = page_keys(tokens, DEFAULT_NAMESPACE, reader.page_size)[2].hex()
-    victims = [p for p in directory.rglob(f"*{third}*") if p.is_file()]
+    victims = [p for p in page_names(directory) if p.name == third]
     assert len(victims) == 1
-    blob = bytearray(victims[0].read_bytes())
-    blob[-1] ^= 0x01
-    victims[0].write_bytes(bytes(blob))
+    offset, length = locate(victims[0])
+    flip_byte(victims[0], offset + length - 1)
     match = reader.match(tokens)
     assert match.num_l3_pages == 2
     for layer in range(reader.layout.num_layers):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from storage_backends import open_backend
+from storage_backends.file_pack import read_table
 from storage_backends.proto import kvstore_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -174,10 +175,14 @@ def test_a_damaged_spill_file_is_a_miss_never_data(start_daemon, tmp_path):
     assert _put(url, keys, pages) == [True] * 4
     daemon.stop()
     files = {p.name: p for p in spill.rglob("*") if p.is_file() and len(p.name) == 32}
-    damaged = files[keys[1].hex()]
-    data = bytearray(damaged.read_bytes())
-    data[-1] ^= 0x10
-    damaged.write_bytes(bytes(data))
+    damaged = files[keys[1].hex()]  # a name of the pack that holds the page
+    with open(damaged, "r+b") as f:
+        table = read_table(f.fileno(), os.fstat(f.fileno()))
+        offset, length = table.entries[keys[1]]
+        f.seek(offset + length - 1)  # the page's last byte
+        last = f.read(1)[0]
+        f.seek(offset + length - 1)
+        f.write(bytes([last ^ 0x10]))
     daemon.start()
     served = _read_back(url, keys, [len(p) for p in pages])
     assert served == [pages[0], None, pages[2], pages[3]]
