@@ -58,7 +58,6 @@ from .stats import Usage
 _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is not a page
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
-_CACHED_GROUP_BYTES = 1 << 20  # page-cache hits: one worker per this many bytes of a batch
 _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
 _SHARED_STRETCH_BYTES = 2 << 20  # ... or this much when a helper shares the copies
 _STRETCH_PAGES = 64  # ... and at most this many pages
@@ -205,7 +204,7 @@ class FileBackend(StorageBackend):
         self._maybe_rescan()
         items = list(zip(keys, views, strict=True))
         loop = asyncio.get_running_loop()
-        groups = self._split(items, self._read_groups(views))
+        groups = self._split(items, self._read_groups())
         inline = self.options.inline_reads and self._nowait and self._cache_hit_ratio >= 0.9
         workers = [
             loop.run_in_executor(self._io, self._read_group_into, group, guard)
@@ -219,7 +218,8 @@ class FileBackend(StorageBackend):
                 later = [groups[0][i] for i in deferred]
                 workers.append(loop.run_in_executor(self._io, self._read_group_into, later, guard))
             parts.append((hits, first))
-        parts += await asyncio.gather(*workers)
+        if workers:
+            parts += await asyncio.gather(*workers)
         if inline and deferred:
             hits, late = parts.pop()
             for i, outcome in zip(deferred, late, strict=True):
@@ -658,19 +658,18 @@ class FileBackend(StorageBackend):
         step = -(-len(items) // num)
         return [items[i : i + step] for i in range(0, len(items), step)]
 
-    def _read_groups(self, views: list[memoryview]) -> int:
-        """How many workers a batch of reads gets.
+    def _read_groups(self) -> int:
+        """How many groups a batch of reads is cut into.
 
-        Reads that wait for a device or a server overlap: all `io_threads`. Page-cache hits are
-        memory copies with some Python around each: more threads only fight over the GIL, so
-        they get one worker per `_CACHED_GROUP_BYTES`. Which kind the next batch will be is
-        guessed from the last ones.
+        Reads that wait for a device or a server overlap: one group per `io_threads`.
+        Page-cache hits are memory copies with some Python around each: one group (read on
+        the caller's thread when `inline_reads` is on; `_read_cached` shares the copies of a
+        large batch with one helper), as more threads would only take turns on the GIL.
+        Which kind the next batch will be is guessed from the last ones.
         """
         if self._cache_hit_ratio < 0.9:
             return self.options.io_threads
-        num_bytes = sum(len(view) for view in views)
-        cores = os.cpu_count() or 1
-        return max(1, min(self.options.io_threads, cores, num_bytes // _CACHED_GROUP_BYTES))
+        return 1
 
     def _note_cache_hits(self, num_hits: int, num_reads: int) -> None:
         if num_reads:

@@ -26,9 +26,10 @@ class CopyGuard:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._open = True
         self._active = 0
+        self._idle: threading.Event | None = None  # made by close() when it has to wait
 
     @property
     def closed(self) -> bool:
@@ -38,16 +39,16 @@ class CopyGuard:
     def enter(self) -> bool:
         """Start a write: True if the buffers may be written until `leave()`; False if the
         call is over (then don't write, and don't call `leave()`)."""
-        with self._cond:
+        with self._lock:
             if self._open:
                 self._active += 1
             return self._open
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
-            if not self._active:
-                self._cond.notify_all()
+            if not self._active and self._idle is not None:
+                self._idle.set()
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[bool]:
@@ -70,7 +71,10 @@ class CopyGuard:
             return allowed
 
     def close(self) -> None:
-        with self._cond:
+        """End the call: no write starts after this returns, and none is still under way."""
+        with self._lock:
             self._open = False
-            while self._active:
-                self._cond.wait()
+            if not self._active:
+                return
+            self._idle = threading.Event()
+        self._idle.wait()
