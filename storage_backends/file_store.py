@@ -9,12 +9,16 @@ nothing, never a partial one. Capacity and LRU across processes are `file_space`
 
 Why packs and not one file per page: reading a page from the page cache is a memory copy of
 a few microseconds, and a file per page adds an open, a stat and a close to each, plus the
-Python around them, and hands the GIL back and forth on every call when threads share the
-work. A pack costs one stat per page (to find its pack), then one open and a few large reads
-per pack, so the copies dominate and two threads overlap them.
+Python around them. A batch read from a pack costs one open and a table read per pack, a
+dictionary lookup per page, and one read per 512 KiB of neighbouring pages, so the copies
+and the checksums dominate. A page is found through its own name only when the packs
+already open for the batch don't hold it.
 
-I/O runs on a small thread pool with plain `os` calls, each worker doing a slice of the
-batch (instead of a thread hop per call as with `aiofiles`).
+Threads: a thread hand-off costs more than copying a batch from the page cache, so page-
+cache hits are read on the event loop's thread (reads that never wait), and only the copies
+of large batches are shared with one worker. Reads that may wait for a disk or a server, and
+all writes, run on a small pool with plain `os` calls, a slice of the batch per worker
+(instead of a thread hop per call as with `aiofiles`).
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too), the engine may hand that L2 page to something else. So the kernel only
@@ -59,7 +63,7 @@ _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is 
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
-_SHARED_STRETCH_BYTES = 2 << 20  # ... or this much when a helper shares the copies
+_SHARED_STRETCH_BYTES = 1 << 20  # ... or this much when a helper shares the copies
 _STRETCH_PAGES = 64  # ... and at most this many pages
 _HELPER_MIN_BYTES = 4 << 20  # a batch this large shares its copies with a worker thread
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
