@@ -67,6 +67,7 @@ _SHARED_STRETCH_BYTES = 1 << 20  # ... or this much when a helper shares the cop
 _STRETCH_PAGES = 64  # ... and at most this many pages
 _HELPER_MIN_BYTES = 4 << 20  # a batch this large shares its copies with a worker thread
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
 _PENDING = object()  # an outcome not decided yet
 _DEFERRED = object()  # a read left by the event loop's thread to the workers
 
@@ -854,15 +855,39 @@ def _pread_bytes(fd: int, nbytes: int, offset: int) -> bytes:
 
 
 def _write_all(fd: int, buffers: list) -> None:
-    """writev until every byte is written (a write may stop short, e.g. on a signal)."""
-    views = [memoryview(b) for b in buffers if len(b)]
-    while views:
-        written = os.writev(fd, views[:_IOV_MAX])
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
+    """Write the buffers in order, at most `_WRITE_BYTES` per system call.
+
+    Bounded calls, not one writev of the whole pack: a single 2 MiB write into a new file ran
+    at a tenth of the speed of the same bytes in 256 KiB calls (measured: 0.3 against 3.3
+    GB/s into the page cache of an ext4 directory on a 6.18 kernel; larger page-cache folios
+    for larger writes are the likely cause).
+    """
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while pending:
+        batch, size = [], 0
+        while pending and size < _WRITE_BYTES and len(batch) < _IOV_MAX:
+            view = pending[0]
+            take = view[: _WRITE_BYTES - size]
+            batch.append(take)
+            size += len(take)
+            if len(take) == len(view):
+                pending.pop(0)
+            else:
+                pending[0] = view[len(take) :]
+        written = os.writev(fd, batch)
+        if written < size:  # stopped short (a signal, a full disk): the rest goes again
+            pending[:0] = _unwritten(batch, written)
+
+
+def _unwritten(batch: list[memoryview], written: int) -> list[memoryview]:
+    rest = []
+    for view in batch:
+        if written >= len(view):
+            written -= len(view)
+            continue
+        rest.append(view[written:])
+        written = 0
+    return rest
 
 
 def _fsync_dir(directory: str) -> None:

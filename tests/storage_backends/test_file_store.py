@@ -565,3 +565,26 @@ def test_pages_not_in_the_page_cache_are_read_through_the_chunk_buffer(tmp_path,
                 assert into == page
 
     run(body())
+
+
+def test_writes_that_stop_short_are_resumed(tmp_path, pages, monkeypatch):
+    """A write may take fewer bytes than asked (a signal, a nearly full disk)."""
+    real_writev = os.writev
+
+    def short_writev(fd, buffers):
+        return real_writev(fd, [memoryview(buffers[0])[:777]])
+
+    keys = [pages.key(i) for i in range(3)]
+    data = [pages.page(k, 5000) for k in keys]
+
+    async def body():
+        url = f"file://{tmp_path / 'kv'}?capacity=1MiB"
+        async with open_backend(url, layout=pages.LAYOUT) as s:
+            monkeypatch.setattr(file_store_module.os, "writev", short_writev)
+            assert await s.batch_put(keys, data) == [True] * 3
+            monkeypatch.setattr(file_store_module.os, "writev", real_writev)
+            pool, views = pages.pool_views(3, 5000)
+            assert await s.batch_get(keys, views) == [True] * 3
+            assert bytes(pool) == b"".join(data)
+
+    run(body())
