@@ -369,10 +369,13 @@ class DirectorySpace:
                 self._make_room(state, sum(pack.nbytes for pack in todo))
                 for pack in todo:
                     self._link_in(state, pack, statuses)
+                    # Still under the lock: another process that replaces or evicts one of
+                    # its pages reads the pack's link count, which must be the pages' alone.
+                    unlink_quiet(pack.temp_path)
                 self.last_state = dataclasses.replace(state)
         finally:
             for pack in todo:
-                unlink_quiet(pack.temp_path)
+                unlink_quiet(pack.temp_path)  # (a commit that failed half-way)
         return statuses
 
     def _link_in(self, state: LedgerState, pack: StagedPack, statuses: list[PageStatus]) -> None:

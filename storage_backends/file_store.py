@@ -828,14 +828,7 @@ def _preadv_all(fd: int, buffers: list[memoryview], limit: int, base: int = 0) -
     want = min(limit, sum(len(b) for b in buffers))
     got = 0
     while got < want:
-        views, skip = [], got
-        for buf in buffers:
-            if skip >= len(buf):
-                skip -= len(buf)
-                continue
-            views.append(buf[skip:])
-            skip = 0
-        n = os.preadv(fd, views, base + got)
+        n = os.preadv(fd, _past(buffers, got), base + got)
         if n == 0:
             break
         got += n
@@ -876,17 +869,18 @@ def _write_all(fd: int, buffers: list) -> None:
                 pending[0] = view[len(take) :]
         written = os.writev(fd, batch)
         if written < size:  # stopped short (a signal, a full disk): the rest goes again
-            pending[:0] = _unwritten(batch, written)
+            pending[:0] = _past(batch, written)
 
 
-def _unwritten(batch: list[memoryview], written: int) -> list[memoryview]:
+def _past(buffers: list[memoryview], skip: int) -> list[memoryview]:
+    """Views of what `buffers` hold after their first `skip` bytes."""
     rest = []
-    for view in batch:
-        if written >= len(view):
-            written -= len(view)
+    for view in buffers:
+        if skip >= len(view):
+            skip -= len(view)
             continue
-        rest.append(view[written:])
-        written = 0
+        rest.append(view[skip:])
+        skip = 0
     return rest
 
 
