@@ -286,16 +286,17 @@ def test_compressed_pages_in_a_pack_take_the_full_path(tmp_path, pages):
     run(body())
 
 
-@pytest.mark.parametrize("io_threads", [1, 4])
-def test_large_batches_read_with_a_helper_thread_or_without(tmp_path, pages, io_threads):
-    """Batches of 4 MiB and more share their copies with a worker (when there is one)."""
+@pytest.mark.parametrize("io_threads, inline", [(1, 1), (4, 1), (4, 0)])
+def test_large_batches_read_with_a_helper_thread_or_without(tmp_path, pages, io_threads, inline):
+    """Batches of 4 MiB and more share their copies with a worker (when there is one); with
+    `inline_reads=0` the whole read runs on the workers."""
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]
     data = [pages.page(k, page_bytes) for k in keys]
 
     async def body():
-        url = f"file://{root}?capacity=1GiB&io_threads={io_threads}"
+        url = f"file://{root}?capacity=1GiB&io_threads={io_threads}&inline_reads={inline}"
         async with open_backend(url, layout=pages.LAYOUT) as store:
             assert await store.batch_put(keys[:12], data[:12]) == [True] * 12
             assert await store.batch_put(keys[12:], data[12:]) == [True] * 12
