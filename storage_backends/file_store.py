@@ -73,12 +73,11 @@ _DEFERRED = object()  # a read left by the event loop's thread to the workers
 
 
 class _WorkerBuffers(threading.local):
-    """Each I/O thread's own header and chunk buffers, reused for every page it reads."""
+    """Each reading thread's own header and chunk buffers, reused for every batch it reads."""
 
     def __init__(self) -> None:
-        self.heads: list[memoryview] = []  # one header buffer per page of a stretch
+        self.heads: list[memoryview] = []  # one header buffer per page of a batch
         self.chunk = bytearray(_CHUNK_BYTES)
-        self.cache_hits = 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class FileOptions(BackendOptions):
         "scan_interval", "duration", 300.0, doc="directory rescan (LRU index, ledger check)"
     )
     touch_interval_s: float = url_option(
-        "touch_interval", "duration", 1.0, doc="a read refreshes a page's mtime older than this"
+        "touch_interval", "duration", 1.0, doc="a read refreshes a pack's mtime older than this"
     )
     stale_temp_s: float = url_option(
         "stale_temp", "duration", 600.0, doc="temporary files older than this are removed"
