@@ -392,6 +392,9 @@ class DirectorySpace:
             path = page_path(self.root, key)
             try:
                 old = _lstat_or_none(path)
+                if old is not None and old.st_ino == st.st_ino:
+                    statuses[position] = PageStatus.STORED  # the key twice in one batch
+                    continue
                 with _clearing(path, key, old):  # its old pack's other names must not find it
                     _link(pack.temp_path, path, replace=old is not None)
             except OSError:

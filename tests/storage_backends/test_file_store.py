@@ -589,3 +589,22 @@ def test_writes_that_stop_short_are_resumed(tmp_path, pages, monkeypatch):
             assert bytes(pool) == b"".join(data)
 
     run(body())
+
+
+def test_a_key_twice_in_one_batch(tmp_path, pages):
+    root = tmp_path / "kv"
+    keys = [pages.key(0), pages.key(1), pages.key(0)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+
+    async def body():
+        async with open_backend(f"file://{root}?capacity=1MiB", layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 3
+            size = pack_bytes(*[PAGE_BYTES] * 3, layout=pages.LAYOUT)
+            assert ledger(root) == on_disk(root) == (size, 2)
+            assert temp_files(root) == []
+            pool, views = pages.pool_views(2, PAGE_BYTES)
+            assert await store.batch_get(keys[:2], views) == [True, True]
+            assert await store.delete(keys[:2]) == 2
+            assert ledger(root) == on_disk(root) == (0, 0)
+
+    run(body())
