@@ -63,9 +63,8 @@ _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is 
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
-_SHARED_STRETCH_BYTES = 1 << 20  # ... or this much when a helper shares the copies
 _STRETCH_PAGES = 64  # ... and at most this many pages
-_HELPER_MIN_BYTES = 4 << 20  # a batch this large shares its copies with a worker thread
+_HELPER_MIN_BYTES = 4 << 20  # a batch this large shares its stretches with a worker thread
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
 _PENDING = object()  # an outcome not decided yet
@@ -305,9 +304,8 @@ class FileBackend(StorageBackend):
         Pages that lie next to each other in a pack (a batch written together, read in the
         same order) form stretches of up to `_STRETCH_BYTES`, each read with one system call
         that never waits, headers and pages straight into place, then checked while still
-        in cache. With several stretches, a worker thread copies some of them while this one
-        copies and checks the rest (`_Stretches`): the copies run without the GIL, the checks
-        stay on one thread. Sets True (and None / ERROR / a CorruptReason for what can't even
+        in cache. A large batch shares its stretches with one worker thread (`_Stretches`).
+        Sets True (and None / ERROR / a CorruptReason for what can't even
         be looked up); leaves `_PENDING` whatever needs a closer look. Returns how many pages
         it served.
         """
@@ -317,7 +315,7 @@ class FileBackend(StorageBackend):
             plan = self._plan_stretches(items, guard, outcomes, tables)
             helper = None
             if plan.worth_a_helper() and self._io is not None and self.options.io_threads > 1:
-                helper = self._io.submit(plan.copy_as_helper)
+                helper = self._io.submit(plan.help, items, outcomes, self._layout_bytes)
             hits = plan.copy_and_check(items, outcomes, self._layout_bytes, helper)
             if plan.unsupported:
                 self._nowait = False  # e.g. NFS: every read through the chunk buffer
@@ -342,9 +340,6 @@ class FileBackend(StorageBackend):
         plain_head = self._header_bytes
         heads = self._heads(len(items))
         plan = _Stretches(guard)
-        batch_bytes = sum(len(view) for _, view in items)
-        shared = batch_bytes >= _HELPER_MIN_BYTES
-        stretch_bytes = _SHARED_STRETCH_BYTES if shared else _STRETCH_BYTES
         num = len(items)
         i = 0
         while i < num:
@@ -367,7 +362,7 @@ class FileBackend(StorageBackend):
             total = length
             end = i + 1
             limit = min(num, i + _STRETCH_PAGES)
-            while end < limit and total < stretch_bytes:
+            while end < limit and total < _STRETCH_BYTES:
                 next_key, next_view = items[end]
                 found = entries.get(next_key)
                 if found != (offset + total, plain_head + len(next_view)):
@@ -709,12 +704,12 @@ class _Stretch:
 
 
 class _Stretches:
-    """One batch's stretches, copied by this thread and at most one helper, checked in order.
+    """One batch's stretches, shared by this thread and at most one helper.
 
-    Stretches are claimed in order under a lock; the caller's thread checks stretch k as soon
-    as it is copied, and otherwise copies the next unclaimed one itself rather than wait. It
-    waits for the helper only when the helper holds the last unfinished stretch. A helper
-    that starts after the caller has claimed everything does nothing.
+    Each thread claims the next stretch (in order, under a lock), copies it and checks its
+    pages, until none is left; the caller then waits for the helper's last stretch. The copies
+    and the hashing run without the GIL, so two threads overlap when stretches are long; a
+    helper that starts after the caller has claimed everything does nothing.
     """
 
     def __init__(self, guard: CopyGuard) -> None:
@@ -754,39 +749,33 @@ class _Stretches:
                 self.guard.leave()
         stretch.got = got
 
-    def copy_as_helper(self) -> None:
+    def help(self, items, outcomes, layout: bytes) -> int:
+        """The helper's part: claimed stretches, copied and checked (0 if it came too late)."""
         with self._lock:
             if self._helper_shut:
-                return
+                return 0
             self._helper_started = True
-        while (stretch := self._claim()) is not None:
-            try:
-                self._copy(stretch)
-            except OSError:
-                stretch.got = -1  # the caller's thread reads it again and reports
-                raise
+        return self._work(items, outcomes, layout)
 
     def copy_and_check(
         self, items, outcomes, layout: bytes, helper: concurrent.futures.Future | None
     ) -> int:
+        """The caller's part, then the helper's result; returns the pages served."""
+        hits = self._work(items, outcomes, layout)
+        with self._lock:
+            self._helper_shut = True
+            started = self._helper_started
+        if started and helper is not None:
+            hits += helper.result()  # its last stretch: a copy from the page cache
+        return hits
+
+    def _work(self, items, outcomes, layout: bytes) -> int:
         hits = 0
-        for stretch in self.stretches:
-            while stretch.got is None:
-                mine = self._claim()
-                if mine is not None:
-                    self._copy(mine)
-                    continue
-                with self._lock:
-                    self._helper_shut = True
-                    started = self._helper_started
-                if started and helper is not None:
-                    helper.result()  # it holds this stretch: a copy from the page cache
-                if stretch.got is None:
-                    stretch.got = -1
+        while (stretch := self._claim()) is not None:
+            self._copy(stretch)
             if stretch.got != stretch.total:
                 if stretch.got == -1 and self.guard.closed:
-                    _fill(outcomes, range(stretch.start, len(items)), None)
-                    break
+                    _fill(outcomes, range(stretch.start, stretch.end), None)
                 continue  # not all cached: the closer look
             heads = stretch.heads
             for j in range(stretch.start, stretch.end):
@@ -795,8 +784,6 @@ class _Stretches:
                     outcomes[j] = True
                     hits += 1
             stretch.table.served = True
-        with self._lock:
-            self._helper_shut = True
         return hits
 
 
