@@ -391,12 +391,13 @@ class DirectorySpace:
         for key, position in zip(pack.keys, pack.positions, strict=True):
             path = page_path(self.root, key)
             try:
-                old = _lstat_or_none(path)
+                old = _link_new(pack.temp_path, path)  # one system call for a new page
                 if old is not None and old.st_ino == st.st_ino:
                     statuses[position] = PageStatus.STORED  # the key twice in one batch
                     continue
-                with _clearing(path, key, old):  # its old pack's other names must not find it
-                    _link(pack.temp_path, path, replace=old is not None)
+                if old is not None:
+                    with _clearing(path, key, old):  # its old pack's other names must not find it
+                        _replace(pack.temp_path, path)
             except OSError:
                 continue
             linked.append(key)
@@ -485,19 +486,26 @@ def _set(statuses: list[PageStatus], positions: list[int], status: PageStatus) -
         statuses[position] = status
 
 
-def _link(source: str, path: str, *, replace: bool) -> None:
-    """Make `path` a link to `source`; an existing `path` is replaced atomically."""
-    if not replace:
-        try:
-            os.link(source, path)
-            return
-        except FileExistsError:
-            pass  # linked by another process since we looked: replace it
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)  # the first page in this folder
-            with contextlib.suppress(FileExistsError):
-                os.link(source, path)
-                return
+def _link_new(source: str, path: str) -> os.stat_result | None:
+    """Make `path` a link to `source` if there is no such name (None); otherwise link nothing
+    and return the existing name's lstat."""
+    try:
+        return _try_link(source, path)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # the first page in this folder
+        return _try_link(source, path)
+
+
+def _try_link(source: str, path: str) -> os.stat_result | None:
+    try:
+        os.link(source, path)
+        return None
+    except FileExistsError:
+        return os.lstat(path)
+
+
+def _replace(source: str, path: str) -> None:
+    """Make the existing name `path` a link to `source`, atomically."""
     temp = f"{path}{_TEMP_MARK}{os.getpid()}.link"  # under the ledger lock: one at a time
     unlink_quiet(temp)
     os.link(source, temp)
