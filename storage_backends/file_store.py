@@ -200,34 +200,30 @@ class FileBackend(StorageBackend):
 
         Handing work to a thread and back costs more than copying a batch of cached pages
         (about 0.1 ms each way on a busy virtual machine), so when recent batches were page
-        cache hits, the event loop's thread reads one share of the batch itself, with reads
-        that never wait for I/O, while workers read the other shares; whatever it can't take
-        whole from the page cache goes to a worker after it.
+        cache hits, the event loop's thread reads the batch itself, with reads that never wait
+        for I/O (a large batch shares them with one worker: `_read_cached`); whatever it can't
+        take whole from the page cache goes to a worker after it.
         """
         self._maybe_rescan()
         items = list(zip(keys, views, strict=True))
         loop = asyncio.get_running_loop()
-        groups = self._split(items, self._read_groups())
-        inline = self.options.inline_reads and self._nowait and self._cache_hit_ratio >= 0.9
-        workers = [
-            loop.run_in_executor(self._io, self._read_group_into, group, guard)
-            for group in (groups[1:] if inline else groups)
-        ]
-        parts = []
-        if inline:
-            hits, first = self._read_group_into(groups[0], guard, inline=True)
-            deferred = [i for i, outcome in enumerate(first) if outcome is _DEFERRED]
+        if self.options.inline_reads and self._nowait and self._cache_hit_ratio >= 0.9:
+            hits, outcomes = self._read_group_into(items, guard, inline=True)
+            deferred = [i for i, outcome in enumerate(outcomes) if outcome is _DEFERRED]
             if deferred:
-                later = [groups[0][i] for i in deferred]
-                workers.append(loop.run_in_executor(self._io, self._read_group_into, later, guard))
-            parts.append((hits, first))
-        if workers:
-            parts += await asyncio.gather(*workers)
-        if inline and deferred:
-            hits, late = parts.pop()
-            for i, outcome in zip(deferred, late, strict=True):
-                first[i] = outcome
-            parts[0] = (parts[0][0] + hits, first)
+                later = [items[i] for i in deferred]
+                late_hits, late = await loop.run_in_executor(
+                    self._io, self._read_group_into, later, guard
+                )
+                for i, outcome in zip(deferred, late, strict=True):
+                    outcomes[i] = outcome
+                hits += late_hits
+            parts = [(hits, outcomes)]
+        else:
+            groups = self._split(items, self._read_groups())
+            parts = await asyncio.gather(
+                *(loop.run_in_executor(self._io, self._read_group_into, g, guard) for g in groups)
+            )
         self._note_cache_hits(sum(hits for hits, _ in parts), len(keys))
         return [outcome for _, group in parts for outcome in group]
 
