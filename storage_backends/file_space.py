@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import heapq
 import logging
@@ -282,12 +283,19 @@ class DirectorySpace:
         self.index = PackIndex()
         self.index_ready = threading.Event()
         self.last_state = LedgerState()  # as of this process's last look at the ledger
+        self.hard_links = True  # False: the filesystem has none, every pack holds one page
 
     def open(self) -> None:
         os.makedirs(self.root, exist_ok=True)
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
             raise PermissionError(f"{self.root} is not readable and writable")
         self.ledger.open()
+        self.hard_links = _can_hard_link(self.root)
+        if not self.hard_links:
+            logger.warning(
+                "%s: the filesystem has no hard links; storing one page per file (slower)",
+                self.root,
+            )
 
     def close(self) -> None:
         self.ledger.close()
@@ -383,6 +391,8 @@ class DirectorySpace:
         if state.used_bytes + pack.nbytes > self.capacity_bytes:
             _set(statuses, pack.positions, PageStatus.REJECTED)
             return
+        if not self.hard_links and len(pack.keys) != 1:
+            return  # ERROR for all: without hard links a pack can have but one name
         try:
             st = os.stat(pack.temp_path)
         except OSError:
@@ -391,11 +401,15 @@ class DirectorySpace:
         for key, position in zip(pack.keys, pack.positions, strict=True):
             path = page_path(self.root, key)
             try:
-                old = _link_new(pack.temp_path, path)  # one system call for a new page
+                if not self.hard_links:  # a pack of one page, renamed into place
+                    old = _lstat_or_none(path)
+                    os.rename(pack.temp_path, path)
+                else:
+                    old = _link_new(pack.temp_path, path)  # one system call for a new page
                 if old is not None and old.st_ino == st.st_ino:
                     statuses[position] = PageStatus.STORED  # the key twice in one batch
                     continue
-                if old is not None:
+                if old is not None and self.hard_links:
                     with _clearing(path, key, old):  # its old pack's other names must not find it
                         _replace(pack.temp_path, path)
             except OSError:
@@ -484,6 +498,24 @@ class DirectorySpace:
 def _set(statuses: list[PageStatus], positions: list[int], status: PageStatus) -> None:
     for position in positions:
         statuses[position] = status
+
+
+def _can_hard_link(root: str) -> bool:
+    """Whether the filesystem under root makes hard links (some FUSE mounts do not)."""
+    probe = os.path.join(root, f".hicache-probe{_TEMP_MARK}{os.getpid()}")
+    unlink_quiet(probe)
+    unlink_quiet(probe + ".link")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+        os.link(probe, probe + ".link")
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV):
+            return False
+        raise
+    finally:
+        unlink_quiet(probe + ".link")
+        unlink_quiet(probe)
+    return True
 
 
 def _link_new(source: str, path: str) -> os.stat_result | None:

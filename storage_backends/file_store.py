@@ -5,7 +5,9 @@ encoded objects), and `<path>/a/b/<32 hex digits of the key>` is a hard link to 
 that holds that page. A pack is written to `<first key's name>.tmp.<pid>.<n>` and its pages
 linked into place one by one (a rename when a link is replaced), so a reader in this process
 or in any other on the same local, NFS or 3FS directory sees the old page, the new page or
-nothing, never a partial one. Capacity and LRU across processes are `file_space`'s job.
+nothing, never a partial one. On a filesystem without hard links (found out when the directory
+is opened) every pack holds one page and is renamed into place under its name. Capacity and
+LRU across processes are `file_space`'s job.
 
 Why packs and not one file per page: reading a page from the page cache is a memory copy of
 a few microseconds, and a file per page adds an open, a stat and a close to each, plus the
@@ -631,6 +633,8 @@ class FileBackend(StorageBackend):
         the directory holds). One pack per batch is what reads want (one open for all); a
         batch larger than that is written as several packs in parallel."""
         limit = max(1, min(self.options.pack_bytes, self.options.capacity_bytes // 16))
+        if not self._space.hard_links:
+            limit = 1  # one page per pack: its one name is the file itself
         packs: list[list] = []
         pack: list = []
         size = 0

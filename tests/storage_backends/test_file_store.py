@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from storage_backends import file_space as file_space_module
 from storage_backends import file_store as file_store_module
 from storage_backends import open_backend
 from storage_backends.file_pack import ENTRY_BYTES, entry_position, read_table, table_bytes
@@ -606,5 +607,35 @@ def test_a_key_twice_in_one_batch(tmp_path, pages):
             assert await store.batch_get(keys[:2], views) == [True, True]
             assert await store.delete(keys[:2]) == 2
             assert ledger(root) == on_disk(root) == (0, 0)
+
+    run(body())
+
+
+def test_a_filesystem_without_hard_links_gets_a_file_per_page(tmp_path, pages, monkeypatch):
+    """Some FUSE mounts refuse link(2): every pack then holds one page, renamed into place."""
+
+    def no_links(source, target):
+        raise PermissionError(1, "Operation not permitted", source)
+
+    monkeypatch.setattr(file_space_module.os, "link", no_links)
+    root = tmp_path / "kv"
+    keys = [pages.key(i) for i in range(4)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+
+    async def body():
+        async with open_backend(f"file://{root}?capacity=1MiB", layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 4
+            assert await store.batch_put(keys[:1], data[:1]) == [True]  # replaced
+            stats = [os.stat(page_path(str(root), key)) for key in keys]
+            assert len({st.st_ino for st in stats}) == 4
+            assert {st.st_nlink for st in stats} == {1}
+            one = pack_bytes(PAGE_BYTES, layout=pages.LAYOUT)
+            assert ledger(root) == on_disk(root) == (4 * one, 4)
+            pool, views = pages.pool_views(4, PAGE_BYTES)
+            assert await store.batch_get(keys, views) == [True] * 4
+            assert bytes(pool) == b"".join(data)
+            assert await store.delete(keys[1:3]) == 2
+            assert ledger(root) == on_disk(root) == (2 * one, 2)
+            assert temp_files(root) == []
 
     run(body())
