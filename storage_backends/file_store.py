@@ -56,6 +56,7 @@ from .objects import (
     StreamingCheck,
     check_plain,
     decode_object_into,
+    frame_object,
     header_size,
 )
 from .options import BackendOptions, check_range, options_from_query, url_option
@@ -69,6 +70,7 @@ _STRETCH_PAGES = 64  # ... and at most this many pages
 _HELPER_MIN_BYTES = 4 << 20  # a batch this large shares its stretches with a worker thread
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
+_PARALLEL_BYTES = 2 << 20  # batches of several times this are framed and written in parallel
 _PENDING = object()  # an outcome not decided yet
 _DEFERRED = object()  # a read left by the event loop's thread to the workers
 
@@ -628,13 +630,20 @@ class FileBackend(StorageBackend):
         return done
 
     def _packs(self, items: list[tuple[int, bytes, FramedObject]]) -> list[list]:
-        """The batch cut into packs where it would pass the pack limit (`pack_bytes`, and 1/16
-        of the capacity: eviction frees a pack at a time, so a pack stays small next to what
-        the directory holds). One pack per batch is what reads want (one open for all); a
-        batch larger than that is written as several packs in parallel."""
+        """The batch cut into packs, written in parallel.
+
+        A pack holds at most `pack_bytes` and 1/16 of the capacity (eviction frees a pack at a
+        time, so a pack stays small next to what the directory holds). A batch of several
+        `_PARALLEL_BYTES` is also cut into up to `io_threads` packs of about equal size, so
+        that its writes run on several threads; a smaller one stays one pack, which is what
+        reads want (one open for the whole batch).
+        """
         limit = max(1, min(self.options.pack_bytes, self.options.capacity_bytes // 16))
         if not self._space.hard_links:
             limit = 1  # one page per pack: its one name is the file itself
+        total = sum(item[2].nbytes for item in items)
+        ways = max(1, min(self.options.io_threads, total // _PARALLEL_BYTES))
+        limit = min(limit, max(1, -(-total // ways)))
         packs: list[list] = []
         pack: list = []
         size = 0
@@ -646,6 +655,29 @@ class FileBackend(StorageBackend):
             size += item[2].nbytes
         packs.append(pack)
         return packs
+
+    async def _frame_all(
+        self, keys: list[bytes], views: list[memoryview], layout: str
+    ) -> list[FramedObject]:
+        """Frame (hash) a large batch on the pool, a slice per thread; a small one here."""
+        total = sum(len(view) for view in views)
+        ways = min(self.options.io_threads, total // _PARALLEL_BYTES)
+        if ways < 2 or self._io is None:
+            return await super()._frame_all(keys, views, layout)
+        loop = asyncio.get_running_loop()
+        slices = self._split(list(zip(keys, views, strict=True)), ways)
+        parts = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._io,
+                    lambda part=part: [
+                        frame_object(k, layout, v, self._compression) for k, v in part
+                    ],
+                )
+                for part in slices
+            )
+        )
+        return [framed for part in parts for framed in part]
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -639,3 +639,23 @@ def test_a_filesystem_without_hard_links_gets_a_file_per_page(tmp_path, pages, m
             assert temp_files(root) == []
 
     run(body())
+
+
+def test_a_large_batch_is_framed_and_written_in_parallel_packs(tmp_path, pages):
+    root = tmp_path / "kv"
+    page_bytes = 256 << 10
+    keys = [pages.key(i) for i in range(24)]  # 6 MiB: three packs of about 2 MiB
+    data = [pages.page(k, page_bytes) for k in keys]
+
+    async def body():
+        async with open_backend(f"file://{root}?capacity=1GiB", layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 24
+            packs = [os.stat(page_path(str(root), key)).st_ino for key in keys]
+            assert len(set(packs)) == 3
+            assert packs == sorted(packs, key=packs.index)  # each pack a run of the batch
+            assert ledger(root) == on_disk(root)
+            pool, views = pages.pool_views(24, page_bytes)
+            assert await store.batch_get(keys, views) == [True] * 24
+            assert bytes(pool) == b"".join(data)
+
+    run(body())
