@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
+import functools
 import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -217,7 +219,7 @@ class FileBackend(StorageBackend):
             if deferred:
                 later = [items[i] for i in deferred]
                 late_hits, late = await loop.run_in_executor(
-                    self._io, self._read_group_into, later, guard
+                    self._io, functools.partial(self._read_group_into, later, guard, cached=False)
                 )
                 for i, outcome in zip(deferred, late, strict=True):
                     outcomes[i] = outcome
@@ -262,27 +264,40 @@ class FileBackend(StorageBackend):
                 else:
                     outcomes[i] = _pread_bytes(table.fd, entry[1], entry[0])
 
-        self._by_pack([key for key, _ in items], list(range(len(items))), outcomes, read)
+        with self._open_tables() as tables:
+            self._by_pack([key for key, _ in items], range(len(items)), outcomes, read, tables)
         return outcomes
 
     def _read_group_into(
-        self, items: list[tuple[bytes, memoryview]], guard: CopyGuard, *, inline: bool = False
+        self,
+        items: list[tuple[bytes, memoryview]],
+        guard: CopyGuard,
+        *,
+        inline: bool = False,
+        cached: bool = True,
     ) -> tuple[int, list[ReadInto]]:
         """(how many pages the page cache served whole, the outcomes).
 
         First `_read_cached`; then the pages it left go one by one through `_stream_into`,
-        which reads what the page cache lacks and names whatever is wrong. `inline` (on the
-        event loop's thread: never wait for I/O) stops after the first step and leaves them
-        `_DEFERRED` for a worker.
+        which reads what the page cache lacks and names whatever is wrong, from the packs
+        the first step opened. `inline` (on the event loop's thread: never wait for I/O)
+        stops after the first step and leaves them `_DEFERRED` for a worker, which skips it
+        (`cached=False`).
         """
         outcomes: list = [_PENDING] * len(items)
-        hits = self._read_cached(items, guard, outcomes) if self._nowait else 0
-        left = [i for i, outcome in enumerate(outcomes) if outcome is _PENDING]
-        if not left:
-            return hits, outcomes
-        if inline:
-            _fill(outcomes, left, _DEFERRED)
-            return hits, outcomes
+        with self._open_tables() as tables:
+            hits = 0
+            if cached and self._nowait:
+                hits = self._read_cached(items, guard, outcomes, tables)
+            left = [i for i, outcome in enumerate(outcomes) if outcome is _PENDING]
+            if inline:
+                _fill(outcomes, left, _DEFERRED)
+            elif left:
+                self._read_closely(items, left, guard, outcomes, tables)
+        return hits, outcomes
+
+    def _read_closely(self, items, left: list[int], guard, outcomes, tables) -> None:
+        """The pages `_read_cached` left, one by one through `_stream_into`."""
 
         def read(table: PackTable, members: list[int]) -> None:
             for i in members:
@@ -293,11 +308,27 @@ class FileBackend(StorageBackend):
                 else:
                     outcomes[i] = self._stream_into(table.fd, *entry, key, view, guard)
 
-        self._by_pack([items[i][0] for i in left], left, outcomes, read)
-        return hits, outcomes
+        self._by_pack([items[i][0] for i in left], left, outcomes, read, tables)
+
+    @contextlib.contextmanager
+    def _open_tables(self) -> Iterator[list[PackTable]]:
+        """The packs one read opens, shared by its steps; on the way out, those that served a
+        page are marked used, and all are closed."""
+        tables: list[PackTable] = []
+        try:
+            yield tables
+        finally:
+            for table in tables:
+                if table.served:
+                    self._touch(table)
+                os.close(table.fd)
 
     def _read_cached(
-        self, items: list[tuple[bytes, memoryview]], guard: CopyGuard, outcomes: list
+        self,
+        items: list[tuple[bytes, memoryview]],
+        guard: CopyGuard,
+        outcomes: list,
+        tables: list[PackTable],
     ) -> int:
         """The common read: uncompressed pages of the expected size that the page cache holds.
 
@@ -309,7 +340,6 @@ class FileBackend(StorageBackend):
         be looked up); leaves `_PENDING` whatever needs a closer look. Returns how many pages
         it served.
         """
-        tables: list[PackTable] = []
         hits = 0
         try:
             plan = self._plan_stretches(items, guard, outcomes, tables)
@@ -322,11 +352,6 @@ class FileBackend(StorageBackend):
         except OSError as exc:
             self._note_page_error(f"{tables[-1].path if tables else self.root}: {exc}")
             _fill(outcomes, range(len(items)), PageStatus.ERROR)
-        finally:
-            for table in tables:
-                if table.served:
-                    self._touch(table)
-                os.close(table.fd)
         return hits
 
     def _plan_stretches(
@@ -344,15 +369,10 @@ class FileBackend(StorageBackend):
         i = 0
         while i < num:
             key, view = items[i]
-            t = _table_of(tables, key)
-            if t < 0:
-                table = self._open_pack(key, outcomes, i)
-                if table is None:
-                    i += 1
-                    continue
-                t = len(tables)
-                tables.append(table)
-            table = tables[t]
+            table = self._pack_of(key, tables, outcomes, i)
+            if table is None:
+                i += 1
+                continue
             entries = table.entries
             offset, length = entries.get(key, (0, 0))
             if length != plain_head + len(view) or offset + length > table.file_bytes:
@@ -380,41 +400,44 @@ class FileBackend(StorageBackend):
     def _by_pack(
         self,
         keys: list[bytes],
-        positions: list[int],
+        positions: Sequence[int],
         outcomes: list,
         read: Callable[[PackTable, list[int]], None],
+        tables: list[PackTable],
     ) -> None:
-        """Open each key's pack once, then `read(table, members)` per pack with the positions
-        (in `outcomes`) of its keys.
+        """`read(table, members)` once per pack with the positions (in `outcomes`) of its keys.
 
-        A key is looked up first in the tables of the packs this call has opened (a batch
-        usually comes from a few packs written together), then through its own name. Absent
-        keys are None; a failing pack's keys ERROR; a damaged table's keys its reason.
+        A key is looked up first in the tables of the packs this read has opened (a batch
+        usually comes from a few packs written together), then through its own name, whose
+        pack joins `tables`. Absent keys are None; a failing pack's keys ERROR; a damaged
+        table's keys its reason.
         """
-        tables: list[PackTable] = []
-        members: list[list[int]] = []
+        members: dict[PackTable, list[int]] = {}  # (tables hash by identity)
         for key, i in zip(keys, positions, strict=True):
-            for table, found in zip(tables, members, strict=True):
-                if key in table.entries:
-                    found.append(i)
-                    break
-            else:
-                table = self._open_pack(key, outcomes, i)
-                if table is not None:
-                    tables.append(table)
-                    members.append([i])
-        try:
-            for table, found in zip(tables, members, strict=True):
-                try:
-                    read(table, found)
-                    if any(outcomes[i] is True for i in found):
-                        self._touch(table)
-                except OSError as exc:
-                    self._note_page_error(f"{table.path}: {exc}")
-                    _fill(outcomes, found, PageStatus.ERROR)
-        finally:
-            for table in tables:
-                os.close(table.fd)
+            table = self._pack_of(key, tables, outcomes, i)
+            if table is not None:
+                members.setdefault(table, []).append(i)
+        for table, found in members.items():
+            try:
+                read(table, found)
+            except OSError as exc:
+                self._note_page_error(f"{table.path}: {exc}")
+                _fill(outcomes, found, PageStatus.ERROR)
+            if any(outcomes[i] is True for i in found):
+                table.served = True
+
+    def _pack_of(
+        self, key: bytes, tables: list[PackTable], outcomes: list, i: int
+    ) -> PackTable | None:
+        """The pack to read `key` from: one of `tables` that holds it, else the one its name
+        links to (added to `tables`); None (and outcomes[i] set) if there is none."""
+        for table in tables:
+            if key in table.entries:
+                return table
+        table = self._open_pack(key, outcomes, i)
+        if table is not None:
+            tables.append(table)
+        return table
 
     def _open_pack(self, key: bytes, outcomes: list, i: int) -> PackTable | None:
         """The open pack that `key`'s name links to, its table read; None (and outcomes[i]
@@ -817,14 +840,6 @@ class _Stretches:
                     hits += 1
             stretch.table.served = True
         return hits
-
-
-def _table_of(tables: list[PackTable], key: bytes) -> int:
-    """Position of the first open pack whose table has `key`; -1 if none has."""
-    for t, table in enumerate(tables):
-        if key in table.entries:
-            return t
-    return -1
 
 
 def _fill(outcomes: list, positions: list[int], outcome: object) -> None:
