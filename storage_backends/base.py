@@ -482,14 +482,12 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
 
 
 def _writable_views(buffers: Sequence[Buffer]) -> list[memoryview]:
-    """Flat writable byte views of the caller's buffers (a bad one named by its position)."""
-    if all(
-        type(b) is memoryview and b.format == "B" and b.ndim == 1 and not b.readonly
-        and b.c_contiguous
-        for b in buffers
-    ):  # fmt: skip
-        return list(buffers)  # slices of an L2 pool: nothing to convert
-    return [byte_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(buffers)]
+    """Flat writable byte views of the caller's buffers; a bad one is named by its position
+    (the names are built only then: this runs for every read)."""
+    try:
+        return [byte_view(buf, writable=True) for buf in buffers]
+    except ValueError:
+        return [byte_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(buffers)]
 
 
 def _check_same_length(name: str, keys: list[bytes], values: Sequence[object]) -> None:
