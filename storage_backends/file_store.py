@@ -69,7 +69,8 @@ _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in ca
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
 _STRETCH_PAGES = 64  # ... and at most this many pages
-_HELPER_MIN_BYTES = 4 << 20  # a batch this large shares its stretches with a worker thread
+_HELPER_BYTES = 4 << 20  # a batch shares its copies with a worker per this much beyond the first
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
 _PARALLEL_BYTES = 2 << 20  # batches of several times this are framed and written in parallel
@@ -335,18 +336,25 @@ class FileBackend(StorageBackend):
         Pages that lie next to each other in a pack (a batch written together, read in the
         same order) form stretches of up to `_STRETCH_BYTES`, each read with one system call
         that never waits, headers and pages straight into place, then checked while still
-        in cache. A large batch shares its stretches with one worker thread (`_Stretches`).
+        in cache. A large batch shares its stretches with worker threads (`_Stretches`).
         Sets True (and None / ERROR / a CorruptReason for what can't even
         be looked up); leaves `_PENDING` whatever needs a closer look. Returns how many pages
         it served.
         """
         hits = 0
         try:
-            plan = self._plan_stretches(items, guard, outcomes, tables)
-            helper = None
-            if plan.worth_a_helper() and self._io is not None and self.options.io_threads > 1:
-                helper = self._io.submit(plan.help, items, outcomes, self._layout_bytes)
-            hits = plan.copy_and_check(items, outcomes, self._layout_bytes, helper)
+            total = sum(len(view) for _, view in items)
+            threads = self._copy_threads(total)
+            stretch_bytes = _STRETCH_BYTES
+            if threads > 1:  # about four stretches per thread, so that they finish together
+                stretch_bytes = min(_STRETCH_BYTES, max(128 << 10, total // (4 * threads)))
+            plan = self._plan_stretches(items, guard, outcomes, tables, stretch_bytes)
+            threads = min(threads, len(plan.stretches))
+            helpers = [
+                self._io.submit(plan.help, n, items, outcomes, self._layout_bytes)
+                for n in range(threads - 1)
+            ]
+            hits = plan.copy_and_check(items, outcomes, self._layout_bytes, helpers)
             if plan.unsupported:
                 self._nowait = False  # e.g. NFS: every read through the chunk buffer
         except OSError as exc:
@@ -354,12 +362,20 @@ class FileBackend(StorageBackend):
             _fill(outcomes, range(len(items)), PageStatus.ERROR)
         return hits
 
+    def _copy_threads(self, nbytes: int) -> int:
+        """How many threads share the copies of a batch of `nbytes` read from the page cache:
+        one per `_HELPER_BYTES`, at most one per worker and per core."""
+        if self._io is None:
+            return 1
+        return max(1, min(nbytes // _HELPER_BYTES, self.options.io_threads, _CPUS))
+
     def _plan_stretches(
         self,
         items: list[tuple[bytes, memoryview]],
         guard: CopyGuard,
         outcomes: list,
         tables: list[PackTable],
+        stretch_bytes: int = _STRETCH_BYTES,
     ) -> _Stretches:
         """Open the packs (into `tables`) and cut the batch into stretches."""
         plain_head = self._header_bytes
@@ -382,7 +398,7 @@ class FileBackend(StorageBackend):
             total = length
             end = i + 1
             limit = min(num, i + _STRETCH_PAGES)
-            while end < limit and total < _STRETCH_BYTES:
+            while end < limit and total < stretch_bytes:
                 next_key, next_view = items[end]
                 found = entries.get(next_key)
                 if found != (offset + total, plain_head + len(next_view)):
@@ -622,16 +638,24 @@ class FileBackend(StorageBackend):
                 _fsync_dir(directory)
         return statuses
 
+    def _write_and_commit(self, group: list, num_keys: int) -> list[PageStatus]:
+        staged = self._write_pack(group)
+        return self._commit([staged] if staged is not None else [], num_keys)
+
     def _submit_store(self, items: list[tuple[bytes, FramedObject]]) -> concurrent.futures.Future:
         """Write packs in parallel, then link them all in under one ledger lock.
 
         Chained with callbacks, not awaited: a store whose caller timed out still commits or
-        removes its temporary files, so none are left behind.
+        removes its temporary files, so none are left behind. (A one-pack store is one task:
+        if the caller gives up before it starts, it never writes anything.)
         """
+        numbered = [(position, key, obj) for position, (key, obj) in enumerate(items)]
+        packs = self._packs(numbered)
+        if len(packs) == 1:  # one hand-off: written and linked by the same worker
+            return self._io.submit(self._write_and_commit, packs[0], len(items))
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_running_or_notify_cancel()  # the caller may stop waiting, not stop the work
-        numbered = [(position, key, obj) for position, (key, obj) in enumerate(items)]
-        writes = [self._io.submit(self._write_pack, pack) for pack in self._packs(numbered)]
+        writes = [self._io.submit(self._write_pack, pack) for pack in packs]
         remaining = [len(writes)]
         lock = threading.Lock()
 
@@ -759,12 +783,13 @@ class _Stretch:
 
 
 class _Stretches:
-    """One batch's stretches, shared by this thread and at most one helper.
+    """One batch's stretches, shared by this thread and its helpers (worker threads).
 
     Each thread claims the next stretch (in order, under a lock), copies it and checks its
-    pages, until none is left; the caller then waits for the helper's last stretch. The copies
-    and the hashing run without the GIL, so two threads overlap when stretches are long; a
-    helper that starts after the caller has claimed everything does nothing.
+    pages, until none is left; the caller then waits for the helpers that started to finish
+    their last stretch. The copies and the hashing run without the GIL, so the threads
+    overlap; a helper that starts after the caller has claimed everything does nothing, and
+    one that has not started by then is cancelled.
     """
 
     def __init__(self, guard: CopyGuard) -> None:
@@ -773,13 +798,8 @@ class _Stretches:
         self.unsupported = False  # the filesystem has no RWF_NOWAIT
         self._lock = threading.Lock()
         self._next = 0  # first unclaimed
-        self._helper_started = False
-        self._helper_shut = False
-
-    def worth_a_helper(self) -> bool:
-        """A helper costs a thread wake-up and a GIL shared: worth it for long copies only."""
-        copies = sum(stretch.total for stretch in self.stretches)
-        return len(self.stretches) > 1 and copies >= _HELPER_MIN_BYTES
+        self._started: list[int] = []  # helpers that began, by number
+        self._shut = False  # the caller is done claiming: helpers starting now do nothing
 
     def add(self, table, offset, total, buffers, start, end, heads) -> None:
         self.stretches.append(_Stretch(table, offset, total, buffers, start, end, heads))
@@ -804,24 +824,27 @@ class _Stretches:
                 self.guard.leave()
         stretch.got = got
 
-    def help(self, items, outcomes, layout: bytes) -> int:
-        """The helper's part: claimed stretches, copied and checked (0 if it came too late)."""
+    def help(self, number: int, items, outcomes, layout: bytes) -> int:
+        """Helper `number`'s part: claimed stretches, copied and checked (0 if it came late)."""
         with self._lock:
-            if self._helper_shut:
+            if self._shut:
                 return 0
-            self._helper_started = True
+            self._started.append(number)
         return self._work(items, outcomes, layout)
 
     def copy_and_check(
-        self, items, outcomes, layout: bytes, helper: concurrent.futures.Future | None
+        self, items, outcomes, layout: bytes, helpers: list[concurrent.futures.Future]
     ) -> int:
-        """The caller's part, then the helper's result; returns the pages served."""
+        """The caller's part, then the helpers' results; returns the pages served."""
         hits = self._work(items, outcomes, layout)
         with self._lock:
-            self._helper_shut = True
-            started = self._helper_started
-        if started and helper is not None:
-            hits += helper.result()  # its last stretch: a copy from the page cache
+            self._shut = True
+            started = list(self._started)
+        for number, helper in enumerate(helpers):
+            if number in started:
+                hits += helper.result()  # its last stretch: a copy from the page cache
+            else:
+                helper.cancel()  # still queued: free the worker (if running, it returns 0)
         return hits
 
     def _work(self, items, outcomes, layout: bytes) -> int:
