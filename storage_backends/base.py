@@ -45,7 +45,7 @@ from .objects import (
     byte_view,
     check_key,
     decode_object_into,
-    frame_object,
+    frame_objects,
     join_parts,
     layout_bytes,
     split_object,
@@ -430,14 +430,10 @@ class StorageBackend(abc.ABC):
         self, keys: list[bytes], views: list[memoryview], layout: str
     ) -> list[FramedObject]:
         if self._compression is Compression.NONE:
-            return [frame_object(k, layout, v) for k, v in zip(keys, views, strict=True)]
+            return frame_objects(keys, layout, views)
         loop = asyncio.get_running_loop()  # lz4 releases the GIL: keep it off the event loop
         return await loop.run_in_executor(
-            None,
-            lambda: [
-                frame_object(k, layout, v, self._compression)
-                for k, v in zip(keys, views, strict=True)
-            ],
+            None, frame_objects, keys, layout, views, self._compression
         )
 
     async def _store_counted(

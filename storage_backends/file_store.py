@@ -58,7 +58,7 @@ from .objects import (
     StreamingCheck,
     check_plain,
     decode_object_into,
-    frame_object,
+    frame_objects,
     header_size,
 )
 from .options import BackendOptions, check_range, options_from_query, url_option
@@ -717,9 +717,11 @@ class FileBackend(StorageBackend):
             *(
                 loop.run_in_executor(
                     self._io,
-                    lambda part=part: [
-                        frame_object(k, layout, v, self._compression) for k, v in part
-                    ],
+                    frame_objects,
+                    [k for k, _ in part],
+                    layout,
+                    [v for _, v in part],
+                    self._compression,
                 )
                 for part in slices
             )

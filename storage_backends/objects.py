@@ -165,6 +165,21 @@ def encode_object(
     return b"".join((framed.header, framed.payload))
 
 
+def frame_objects(
+    keys: Sequence[bytes],
+    layout: str,
+    payloads: Sequence[Buffer],
+    compression: str | Compression = "none",
+) -> list[FramedObject]:
+    """`frame_object` for a batch, the layout and the codec checked once."""
+    encoded = layout_bytes(layout)
+    codec = Compression.parse(compression)
+    return [
+        _frame(check_key(key), encoded, payload, codec)
+        for key, payload in zip(keys, payloads, strict=True)
+    ]
+
+
 def _frame(key: bytes, layout: bytes, payload: Buffer, compression: Compression) -> FramedObject:
     raw = byte_view(payload, what="page")
     stored: memoryview | bytes = raw
@@ -178,14 +193,12 @@ def _frame(key: bytes, layout: bytes, payload: Buffer, compression: Compression)
             compression = Compression.NONE
     elif compression is not Compression.NONE:
         compression = Compression.NONE
-    fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, compression, 0, len(layout), key, len(stored), len(raw), 0
+    prefix = _PLAIN.pack(
+        MAGIC, FORMAT_VERSION, compression, 0, len(layout), key, len(stored), len(raw)
     )
-    hasher = xxhash.xxh3_64(fixed[:_CHECKSUM_OFFSET])
-    hasher.update(layout)
+    hasher = xxhash.xxh3_64(prefix + layout)
     hasher.update(stored)
-    header = b"".join((fixed[:_CHECKSUM_OFFSET], _CHECKSUM.pack(hasher.intdigest()), layout))
-    return FramedObject(header, stored)
+    return FramedObject(prefix + _CHECKSUM.pack(hasher.intdigest()) + layout, stored)
 
 
 # -- decoding --------------------------------------------------------------------------------
