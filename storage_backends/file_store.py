@@ -69,7 +69,7 @@ _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in ca
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
 _STRETCH_PAGES = 64  # ... and at most this many pages
-_HELPER_BYTES = 4 << 20  # a batch shares its copies with a worker per this much beyond the first
+_HELPER_BYTES = 2 << 20  # a batch's page-cache copies take a thread per this much (see below)
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
@@ -364,7 +364,12 @@ class FileBackend(StorageBackend):
 
     def _copy_threads(self, nbytes: int) -> int:
         """How many threads share the copies of a batch of `nbytes` read from the page cache:
-        one per `_HELPER_BYTES`, at most one per worker and per core."""
+        one per `_HELPER_BYTES`, at most one per worker and per core.
+
+        Measured on the 16 cores of an H200 host: a 2 MiB batch (32 pages of 64 KiB) read no
+        faster with helpers (the threads take turns on the GIL between short copies), an 8 MiB
+        one 1.3x faster with four threads than with two, a 64 MiB one 1.6-1.8x.
+        """
         if self._io is None:
             return 1
         return max(1, min(nbytes // _HELPER_BYTES, self.options.io_threads, _CPUS))

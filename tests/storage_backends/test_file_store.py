@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -287,10 +288,14 @@ def test_compressed_pages_in_a_pack_take_the_full_path(tmp_path, pages):
     run(body())
 
 
-@pytest.mark.parametrize("io_threads, inline", [(1, 1), (4, 1), (4, 0)])
-def test_large_batches_read_with_a_helper_thread_or_without(tmp_path, pages, io_threads, inline):
-    """Batches of 4 MiB and more share their copies with a worker (when there is one); with
-    `inline_reads=0` the whole read runs on the workers."""
+@pytest.mark.parametrize("io_threads, inline, cpus", [(1, 1, 8), (4, 1, 8), (4, 1, 1), (4, 0, 8)])
+def test_large_batches_read_with_helper_threads_or_without(
+    tmp_path, pages, monkeypatch, io_threads, inline, cpus
+):
+    """A batch of 6 MiB shares its copies with two workers (three threads: at most one per
+    core and per worker, none with one core or one worker); with `inline_reads=0` the whole
+    read runs on the workers."""
+    monkeypatch.setattr(file_store_module, "_CPUS", cpus)
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]
@@ -304,11 +309,40 @@ def test_large_batches_read_with_a_helper_thread_or_without(tmp_path, pages, io_
             order = keys[6:] + [pages.key(99)] + keys[:6]  # two packs, a gap, out of order
             pool, views = pages.pool_views(len(order), page_bytes)
             expected = [True] * 18 + [False] + [True] * 6
-            for _ in range(3):  # the later ones take the page-cache path with a helper
+            for _ in range(3):  # the later ones take the page-cache path with helpers
                 assert await store.batch_get(order, views) == expected
                 got = [bytes(v) for v, ok in zip(views, expected, strict=True) if ok]
                 assert got == data[6:] + data[:6]
+            assert store._copy_threads(6 << 20) == min(3, io_threads, cpus)
             assert store.stats().num_corrupt_total == 0
+
+    run(body())
+
+
+def test_helpers_that_never_start_do_not_hold_up_a_read(tmp_path, pages, monkeypatch):
+    """With every worker busy, the caller copies the whole batch itself and returns without
+    waiting for its queued helpers (were it to wait, the read would time out into misses)."""
+    monkeypatch.setattr(file_store_module, "_CPUS", 8)
+    monkeypatch.setattr(file_store_module, "_HELPER_BYTES", 64 << 10)
+    page_bytes = 64 << 10
+    keys = [pages.key(i) for i in range(16)]
+    data = [pages.page(k, page_bytes) for k in keys]
+
+    async def body():
+        url = f"file://{tmp_path}/kv?capacity=1GiB&io_threads=2&timeout=5s"
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 16
+            release = threading.Event()
+            busy = [store._io.submit(release.wait, 30) for _ in range(2)]
+            try:
+                pool, views = pages.pool_views(16, page_bytes)
+                for _ in range(3):
+                    assert await store.batch_get(keys, views) == [True] * 16
+                    assert bytes(pool) == b"".join(data)
+            finally:
+                release.set()
+            assert all(f.result() for f in busy)
+            assert await store.batch_get(keys, views) == [True] * 16  # helpers run again
 
     run(body())
 
