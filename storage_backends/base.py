@@ -240,8 +240,7 @@ class StorageBackend(abc.ABC):
         self._require_layout("batch_put")
         if not keys:
             return []
-        framed = await self._frame_all(keys, views, self.layout)
-        return await self._store_counted("batch_put", keys, framed)
+        return await self._frame_and_store(keys, views)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Remove keys; returns how many were stored (0 on a fault)."""
@@ -436,12 +435,24 @@ class StorageBackend(abc.ABC):
             None, frame_objects, keys, layout, views, self._compression
         )
 
+    async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """`batch_put`'s work once the arguments are checked: frame, store, count. (The file
+        backend overrides it to frame each pack on the thread that writes it.)"""
+        framed = await self._frame_all(keys, views, self.layout)
+        return await self._store_counted("batch_put", keys, framed)
+
     async def _store_counted(
         self, op: str, keys: list[bytes], objects: list[FramedObject]
     ) -> list[bool]:
         statuses = await self._call(op, lambda: self._store(keys, objects))
+        return self._count_stores(op, statuses, objects)
+
+    def _count_stores(
+        self, op: str, statuses: list[PageStatus] | _Fault, objects: Sequence[FramedObject | None]
+    ) -> list[bool]:
+        """Count a store's outcome (`objects[i]` is read only where the page was stored)."""
         if statuses is _FAULT:
-            return [False] * len(keys)
+            return [False] * len(objects)
         stored = [status is PageStatus.STORED for status in statuses]
         tally = Counter(statuses)
         self._counts["puts"] += tally[PageStatus.STORED]

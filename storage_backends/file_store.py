@@ -193,9 +193,20 @@ class FileBackend(StorageBackend):
         return [fetched for group in parts for fetched in group]
 
     async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
+        """Objects framed already (the objects API)."""
         self._maybe_rescan()
-        done = self._submit_store(list(zip(keys, objects, strict=True)))
-        return await asyncio.wrap_future(done)
+        return await asyncio.wrap_future(self._submit_store(keys, objects, None))
+
+    async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """Pages: each pack is framed by the thread that writes it (one hand-off per pack)."""
+        framed: list[FramedObject | None] = [None] * len(keys)  # filled in by the workers
+
+        def store() -> asyncio.Future:
+            self._maybe_rescan()
+            return asyncio.wrap_future(self._submit_store(keys, views, framed))
+
+        statuses = await self._call("batch_put", store)
+        return self._count_stores("batch_put", statuses, framed)
 
     async def _delete(self, keys: list[bytes]) -> int:
         return await self._run(lambda: self._space.remove(keys))
@@ -643,95 +654,104 @@ class FileBackend(StorageBackend):
                 _fsync_dir(directory)
         return statuses
 
-    def _write_and_commit(self, group: list, num_keys: int) -> list[PageStatus]:
-        staged = self._write_pack(group)
-        return self._commit([staged] if staged is not None else [], num_keys)
+    def _put_pack(
+        self,
+        positions: list[int],
+        keys: list[bytes],
+        sources: Sequence[memoryview | FramedObject],
+        framed: list[FramedObject | None] | None,
+    ) -> list[PageStatus]:
+        """One pack of a batch, start to end on this thread: its pages framed (when `framed`
+        is given: `sources` are pages, and their objects go into it), written, linked in.
+        Statuses for the whole batch (ERROR outside `positions`)."""
+        pack_keys = [keys[i] for i in positions]
+        if framed is None:
+            objects = [sources[i] for i in positions]
+        else:
+            pages = [sources[i] for i in positions]
+            objects = frame_objects(pack_keys, self.layout, pages, self._compression)
+            for i, obj in zip(positions, objects, strict=True):
+                framed[i] = obj
+        staged = self._write_pack(list(zip(positions, pack_keys, objects, strict=True)))
+        return self._commit([staged] if staged is not None else [], len(keys))
 
-    def _submit_store(self, items: list[tuple[bytes, FramedObject]]) -> concurrent.futures.Future:
-        """Write packs in parallel, then link them all in under one ledger lock.
+    def _submit_store(
+        self,
+        keys: list[bytes],
+        sources: Sequence[memoryview | FramedObject],
+        framed: list[FramedObject | None] | None,
+    ) -> concurrent.futures.Future:
+        """Write a batch as packs on the pool, each linked in as soon as it is written.
 
-        Chained with callbacks, not awaited: a store whose caller timed out still commits or
-        removes its temporary files, so none are left behind. (A one-pack store is one task:
-        if the caller gives up before it starts, it never writes anything.)
+        A batch of several `_PARALLEL_BYTES` is cut into packs written in parallel (one task
+        each: frame, write, link); the batch's statuses come when the last is in. The tasks
+        are not cancelled when the caller stops waiting: every pack is either linked in or its
+        temporary file removed. (A one-pack store is one task: if the caller gives up before
+        it starts, it never writes anything.) Each pack makes its own room, so a batch larger
+        than the free room may evict its own first packs, as the next batch would.
         """
-        numbered = [(position, key, obj) for position, (key, obj) in enumerate(items)]
-        packs = self._packs(numbered)
-        if len(packs) == 1:  # one hand-off: written and linked by the same worker
-            return self._io.submit(self._write_and_commit, packs[0], len(items))
+        if framed is None:
+            sizes = [obj.nbytes for obj in sources]
+        else:  # an upper bound: lz4 is kept only where it is smaller
+            sizes = [self._header_bytes + len(page) for page in sources]
+        packs = self._packs(sizes)
+        if len(packs) == 1:
+            return self._io.submit(self._put_pack, packs[0], keys, sources, framed)
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_running_or_notify_cancel()  # the caller may stop waiting, not stop the work
-        writes = [self._io.submit(self._write_pack, pack) for pack in packs]
-        remaining = [len(writes)]
+        tasks = [self._io.submit(self._put_pack, pack, keys, sources, framed) for pack in packs]
+        remaining = [len(tasks)]
         lock = threading.Lock()
 
-        def written(_: concurrent.futures.Future) -> None:
+        def finished(_: concurrent.futures.Future) -> None:
             with lock:
                 remaining[0] -= 1
                 if remaining[0]:
                     return
-            try:
-                staged = [pack for w in writes if (pack := w.result()) is not None]
-                commit = self._io.submit(self._commit, staged, len(items))
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
-                done.set_exception(exc)
-                return
-            commit.add_done_callback(lambda f: _copy_outcome(f, done))
+            statuses = [PageStatus.ERROR] * len(keys)
+            failure = None
+            for pack, task in zip(packs, tasks, strict=True):
+                if task.exception() is not None:
+                    failure = failure or task.exception()
+                    continue
+                result = task.result()
+                for i in pack:
+                    statuses[i] = result[i]
+            if failure is not None:
+                done.set_exception(failure)
+            else:
+                done.set_result(statuses)
 
-        for write in writes:
-            write.add_done_callback(written)
+        for task in tasks:
+            task.add_done_callback(finished)
         return done
 
-    def _packs(self, items: list[tuple[int, bytes, FramedObject]]) -> list[list]:
-        """The batch cut into packs, written in parallel.
+    def _packs(self, sizes: list[int]) -> list[list[int]]:
+        """The batch (the objects' `sizes`) cut into packs: lists of positions.
 
         A pack holds at most `pack_bytes` and 1/16 of the capacity (eviction frees a pack at a
         time, so a pack stays small next to what the directory holds). A batch of several
-        `_PARALLEL_BYTES` is also cut into up to `io_threads` packs of about equal size, so
-        that its writes run on several threads; a smaller one stays one pack, which is what
-        reads want (one open for the whole batch).
+        `_PARALLEL_BYTES` is also cut into up to `io_threads` packs (one per core at most) of
+        about equal size, so that they are written on several threads; a smaller one stays
+        one pack, which is what reads want (one open for the whole batch).
         """
         limit = max(1, min(self.options.pack_bytes, self.options.capacity_bytes // 16))
         if not self._space.hard_links:
             limit = 1  # one page per pack: its one name is the file itself
-        total = sum(item[2].nbytes for item in items)
-        ways = max(1, min(self.options.io_threads, total // _PARALLEL_BYTES))
+        total = sum(sizes)
+        ways = max(1, min(self.options.io_threads, _CPUS, total // _PARALLEL_BYTES))
         limit = min(limit, max(1, -(-total // ways)))
-        packs: list[list] = []
-        pack: list = []
+        packs: list[list[int]] = []
+        pack: list[int] = []
         size = 0
-        for item in items:
-            if pack and size + item[2].nbytes > limit:
+        for position, nbytes in enumerate(sizes):
+            if pack and size + nbytes > limit:
                 packs.append(pack)
                 pack, size = [], 0
-            pack.append(item)
-            size += item[2].nbytes
+            pack.append(position)
+            size += nbytes
         packs.append(pack)
         return packs
-
-    async def _frame_all(
-        self, keys: list[bytes], views: list[memoryview], layout: str
-    ) -> list[FramedObject]:
-        """Frame (hash) a large batch on the pool, a slice per thread; a small one here."""
-        total = sum(len(view) for view in views)
-        ways = min(self.options.io_threads, total // _PARALLEL_BYTES)
-        if ways < 2 or self._io is None:
-            return await super()._frame_all(keys, views, layout)
-        loop = asyncio.get_running_loop()
-        slices = self._split(list(zip(keys, views, strict=True)), ways)
-        parts = await asyncio.gather(
-            *(
-                loop.run_in_executor(
-                    self._io,
-                    frame_objects,
-                    [k for k, _ in part],
-                    layout,
-                    [v for _, v in part],
-                    self._compression,
-                )
-                for part in slices
-            )
-        )
-        return [framed for part in parts for framed in part]
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -953,14 +973,6 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _copy_outcome(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
-    exc = source.exception()
-    if exc is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
 
 
 def open_url(url: str, *, layout: str | None = None, name: str = "") -> FileBackend:

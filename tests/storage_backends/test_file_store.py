@@ -4,6 +4,7 @@ processes, faults."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -675,7 +676,38 @@ def test_a_filesystem_without_hard_links_gets_a_file_per_page(tmp_path, pages, m
     run(body())
 
 
-def test_a_large_batch_is_framed_and_written_in_parallel_packs(tmp_path, pages):
+def test_one_failed_pack_of_a_batch_fails_its_pages_alone(tmp_path, pages, monkeypatch):
+    """A pack whose write fails (a full disk) loses its pages only; the batch's other packs
+    are stored, no temporary file is left and the ledger matches the disk."""
+    monkeypatch.setattr(file_store_module, "_CPUS", 8)
+    root = tmp_path / "kv"
+    page_bytes = 256 << 10
+    keys = [pages.key(i) for i in range(24)]  # three packs of eight pages
+    data = [pages.page(k, page_bytes) for k in keys]
+    write_all = file_store_module._write_all
+
+    def disk_full_for_the_middle_pack(fd, parts):
+        if keys[12] in bytes(parts[0]):  # the pack's table names its keys
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(fd, parts)
+
+    monkeypatch.setattr(file_store_module, "_write_all", disk_full_for_the_middle_pack)
+
+    async def body():
+        async with open_backend(f"file://{root}?capacity=1GiB", layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 8 + [False] * 8 + [True] * 8
+            assert store.stats().num_errors == 8
+            assert temp_files(root) == []
+            assert ledger(root) == on_disk(root)
+            pool, views = pages.pool_views(24, page_bytes)
+            assert await store.batch_get(keys, views) == [True] * 8 + [False] * 8 + [True] * 8
+
+    run(body())
+
+
+def test_a_large_batch_is_framed_and_written_in_parallel_packs(tmp_path, pages, monkeypatch):
+    """Each pack of a large batch is framed, written and linked by its own worker."""
+    monkeypatch.setattr(file_store_module, "_CPUS", 8)
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]  # 6 MiB: three packs of about 2 MiB
@@ -688,6 +720,8 @@ def test_a_large_batch_is_framed_and_written_in_parallel_packs(tmp_path, pages):
             assert len(set(packs)) == 3
             assert packs == sorted(packs, key=packs.index)  # each pack a run of the batch
             assert ledger(root) == on_disk(root)
+            object_bytes = header_size(pages.LAYOUT) + page_bytes
+            assert store.stats().written_bytes == 24 * object_bytes
             pool, views = pages.pool_views(24, page_bytes)
             assert await store.batch_get(keys, views) == [True] * 24
             assert bytes(pool) == b"".join(data)
