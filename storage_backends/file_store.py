@@ -18,9 +18,10 @@ already open for the batch don't hold it.
 
 Threads: a thread hand-off costs more than copying a batch from the page cache, so page-
 cache hits are read on the event loop's thread (reads that never wait), and only the copies
-of large batches are shared with one worker. Reads that may wait for a disk or a server, and
-all writes, run on a small pool with plain `os` calls, a slice of the batch per worker
-(instead of a thread hop per call as with `aiofiles`).
+of large batches are shared with workers (a helper per 2 MiB). Reads that may wait for a disk
+or a server run on a small pool with plain `os` calls, a slice of the batch per worker
+(instead of a thread hop per call as with `aiofiles`); so do all writes, each pack of a batch
+framed, written and linked in by one worker task.
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too), the engine may hand that L2 page to something else. So the kernel only
@@ -73,7 +74,7 @@ _HELPER_BYTES = 2 << 20  # a batch's page-cache copies take a thread per this mu
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
-_PARALLEL_BYTES = 2 << 20  # batches of several times this are framed and written in parallel
+_PARALLEL_BYTES = 2 << 20  # batches of several times this are cut into packs written in parallel
 _PENDING = object()  # an outcome not decided yet
 _DEFERRED = object()  # a read left by the event loop's thread to the workers
 
@@ -769,7 +770,7 @@ class FileBackend(StorageBackend):
         Reads that wait for a device or a server overlap: one group per `io_threads`.
         Page-cache hits are memory copies with some Python around each: one group (read on
         the caller's thread when `inline_reads` is on; `_read_cached` shares the copies of a
-        large batch with one helper), as more threads would only take turns on the GIL.
+        large batch with helpers), as more groups would only take turns on the GIL.
         Which kind the next batch will be is guessed from the last ones.
         """
         if self._cache_hit_ratio < 0.9:
