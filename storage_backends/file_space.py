@@ -76,6 +76,16 @@ class LedgerState:
     num_changes: int = 0  # objects added plus removed, ever
     num_evictions: int = 0
 
+    def grow(self, nbytes: int) -> None:
+        """A pack's bytes came in."""
+        self.used_bytes += nbytes
+        self.churn_bytes += nbytes
+
+    def shrink(self, nbytes: int) -> None:
+        """A pack's bytes went (its last page link was removed)."""
+        self.used_bytes -= nbytes
+        self.churn_bytes += nbytes
+
     def pack(self) -> bytes:
         return _LEDGER.pack(
             _LEDGER_MAGIC,
@@ -420,11 +430,9 @@ class DirectorySpace:
             if old is None:
                 state.num_objects += 1
             elif old.st_nlink == 1:  # that was the last page of its pack: the pack is gone
-                state.used_bytes -= old.st_size
-                state.churn_bytes += old.st_size
+                state.shrink(old.st_size)
         if linked:
-            state.used_bytes += st.st_size
-            state.churn_bytes += st.st_size
+            state.grow(st.st_size)
             self.index.add(PackInfo(st.st_ino, st.st_size, st.st_mtime_ns, tuple(linked)))
 
     def _make_room(self, state: LedgerState, growth: int) -> None:
@@ -469,8 +477,7 @@ class DirectorySpace:
         state.num_changes += removed
         state.num_evictions += removed
         if removed == len(live) and last.st_nlink == len(live):  # no other link: freed
-            state.used_bytes -= last.st_size
-            state.churn_bytes += last.st_size
+            state.shrink(last.st_size)
 
     def remove(self, keys: list[bytes]) -> int:
         removed = 0
@@ -488,8 +495,7 @@ class DirectorySpace:
                 state.num_objects -= 1
                 state.num_changes += 1
                 if st.st_nlink == 1:  # the pack's last page
-                    state.used_bytes -= st.st_size
-                    state.churn_bytes += st.st_size
+                    state.shrink(st.st_size)
                 removed += 1
             self.last_state = dataclasses.replace(state)
         return removed

@@ -77,6 +77,7 @@ _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
 _PARALLEL_BYTES = 2 << 20  # batches of several times this are cut into packs written in parallel
 _PENDING = object()  # an outcome not decided yet
 _DEFERRED = object()  # a read left by the event loop's thread to the workers
+_UNSUPPORTED = -2  # _preadv_guarded: the filesystem has no RWF_NOWAIT
 
 
 class _WorkerBuffers(threading.local):
@@ -220,7 +221,7 @@ class FileBackend(StorageBackend):
         Handing work to a thread and back costs more than copying a batch of cached pages
         (about 0.1 ms each way on a busy virtual machine), so when recent batches were page
         cache hits, the event loop's thread reads the batch itself, with reads that never wait
-        for I/O (a large batch shares them with one worker: `_read_cached`); whatever it can't
+        for I/O (a large batch shares them with workers: `_read_cached`); whatever it can't
         take whole from the page cache goes to a worker after it.
         """
         self._maybe_rescan()
@@ -584,17 +585,11 @@ class FileBackend(StorageBackend):
         None when the call is over."""
         if not self._nowait:
             return 0 if not guard.closed else None
-        if not guard.enter():
-            return None
-        try:
-            return _preadv_nowait(fd, buffers, offset)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
+        got = _preadv_guarded(fd, buffers, offset, guard)
+        if got == _UNSUPPORTED:
             self._nowait = False  # e.g. NFS: always read through the chunk buffer
             return 0
-        finally:
-            guard.leave()
+        return got
 
     def _decompress_into(
         self, fd: int, base: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
@@ -840,17 +835,10 @@ class _Stretches:
             return self.stretches[self._next - 1]
 
     def _copy(self, stretch: _Stretch) -> None:
-        got = -1  # the call is over, or no RWF_NOWAIT: nothing read
-        if self.guard.enter():
-            try:
-                got = _preadv_nowait(stretch.table.fd, stretch.buffers, stretch.offset)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
-                self.unsupported = True
-            finally:
-                self.guard.leave()
-        stretch.got = got
+        got = _preadv_guarded(stretch.table.fd, stretch.buffers, stretch.offset, self.guard)
+        if got == _UNSUPPORTED:
+            self.unsupported = True
+        stretch.got = -1 if got is None or got == _UNSUPPORTED else got  # -1: nothing read
 
     def help(self, number: int, items, outcomes, layout: bytes) -> int:
         """Helper `number`'s part: claimed stretches, copied and checked (0 if it came late)."""
@@ -899,12 +887,24 @@ def _fill(outcomes: list, positions: list[int], outcome: object) -> None:
             outcomes[i] = outcome
 
 
-def _preadv_nowait(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """Bytes the page cache had for `buffers` at `offset`; 0 if it had none."""
+def _preadv_guarded(
+    fd: int, buffers: list[memoryview], offset: int, guard: CopyGuard
+) -> int | None:
+    """Bytes the page cache had for the caller's `buffers` at `offset`, read under `guard`
+    with a read that never waits: 0 if none was cached, None if the call is over,
+    `_UNSUPPORTED` if the filesystem cannot promise not to wait (RWF_NOWAIT refused)."""
+    if not guard.enter():
+        return None
     try:
         return os.preadv(fd, buffers, offset, _RWF_NOWAIT)
     except BlockingIOError:
         return 0
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        return _UNSUPPORTED
+    finally:
+        guard.leave()
 
 
 def _preadv_all(fd: int, buffers: list[memoryview], limit: int, base: int = 0) -> int:

@@ -193,12 +193,19 @@ def _frame(key: bytes, layout: bytes, payload: Buffer, compression: Compression)
             compression = Compression.NONE
     elif compression is not Compression.NONE:
         compression = Compression.NONE
+    return FramedObject(_header(key, layout, stored, len(raw), compression), stored)
+
+
+def _header(
+    key: bytes, layout: bytes, stored: Buffer, raw_bytes: int, compression: Compression
+) -> bytes:
+    """The whole header of an object storing `stored`: fixed fields, checksum, layout."""
     prefix = _PLAIN.pack(
-        MAGIC, FORMAT_VERSION, compression, 0, len(layout), key, len(stored), len(raw)
+        MAGIC, FORMAT_VERSION, compression, 0, len(layout), key, len(stored), raw_bytes
     )
     hasher = xxhash.xxh3_64(prefix + layout)
     hasher.update(stored)
-    return FramedObject(prefix + _CHECKSUM.pack(hasher.intdigest()) + layout, stored)
+    return prefix + _CHECKSUM.pack(hasher.intdigest()) + layout
 
 
 # -- decoding --------------------------------------------------------------------------------
@@ -373,11 +380,7 @@ def check_plain(head: Buffer, payload: Buffer, key: bytes, layout: bytes) -> boo
     (`StreamingCheck`, `decode_object_into`), which names the reason. One comparison covers
     every header field, as the expected header is rebuilt around the computed checksum.
     """
-    size = len(payload)
-    prefix = _PLAIN.pack(MAGIC, FORMAT_VERSION, Compression.NONE, 0, len(layout), key, size, size)
-    hasher = xxhash.xxh3_64(prefix + layout)
-    hasher.update(payload)
-    return head == prefix + _CHECKSUM.pack(hasher.intdigest()) + layout
+    return head == _header(key, layout, payload, len(payload), Compression.NONE)
 
 
 def verify_object(obj: ObjectParts, expected_key: bytes) -> CorruptReason | None:
