@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import xxhash
 
+from . import native
+
 MAGIC = b"HCKV"
 FORMAT_VERSION = 1
 KEY_BYTES = 16
@@ -174,10 +176,36 @@ def frame_objects(
     """`frame_object` for a batch, the layout and the codec checked once."""
     encoded = layout_bytes(layout)
     codec = Compression.parse(compression)
+    if codec is Compression.NONE and native.pageio is not None:
+        return _frame_natively(keys, encoded, payloads)
     return [
         _frame(check_key(key), encoded, payload, codec)
         for key, payload in zip(keys, payloads, strict=True)
     ]
+
+
+def _frame_natively(
+    keys: Sequence[bytes], layout: bytes, payloads: Sequence[Buffer]
+) -> list[FramedObject]:
+    """Uncompressed pages framed by the C extension (the same headers as `_frame`'s)."""
+    pages = [byte_view(payload, what="page") for payload in payloads]
+    joined = b"".join([check_key(key) for key in keys])
+    if len(joined) != KEY_BYTES * len(pages):
+        raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+    size = HEADER_FIXED_BYTES + len(layout)
+    headers = bytearray(size * len(pages))
+    native.pageio.frame_headers(joined, plain_template(layout), layout, pages, headers, 1)
+    view = memoryview(headers)
+    return [
+        FramedObject(bytes(view[size * i : size * (i + 1)]), page) for i, page in enumerate(pages)
+    ]
+
+
+def plain_template(layout: bytes) -> bytes:
+    """The first 48 bytes of the header of an uncompressed page of `layout`, with the key and
+    the lengths zero: what the C extension fills in per page (key at 16, lengths at 32 and
+    40), to frame pages and to check them."""
+    return _PLAIN.pack(MAGIC, FORMAT_VERSION, Compression.NONE, 0, len(layout), b"", 0, 0)
 
 
 def _frame(key: bytes, layout: bytes, payload: Buffer, compression: Compression) -> FramedObject:

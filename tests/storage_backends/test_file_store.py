@@ -19,7 +19,7 @@ import pytest
 
 from storage_backends import file_space as file_space_module
 from storage_backends import file_store as file_store_module
-from storage_backends import open_backend
+from storage_backends import native, open_backend
 from storage_backends.file_pack import ENTRY_BYTES, entry_position, read_table, table_bytes
 from storage_backends.file_space import LEDGER_NAME, page_path, temp_path
 from storage_backends.objects import decode_object, encode_object, header_size
@@ -30,6 +30,17 @@ PAGE_BYTES = 4096
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def pageio(request, monkeypatch):
+    """Every test runs twice: with the C extension reading and framing pages, and with the
+    Python paths alone (an install that could not build it)."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "pageio", None)
+    elif native.pageio is None:
+        pytest.skip("storage_backends._pageio is not built here")
+    return request.param
 
 
 def page_files(root: Path) -> list[Path]:
@@ -291,12 +302,24 @@ def test_compressed_pages_in_a_pack_take_the_full_path(tmp_path, pages):
 
 @pytest.mark.parametrize("io_threads, inline, cpus", [(1, 1, 8), (4, 1, 8), (4, 1, 1), (4, 0, 8)])
 def test_large_batches_read_with_helper_threads_or_without(
-    tmp_path, pages, monkeypatch, io_threads, inline, cpus
+    tmp_path, pages, monkeypatch, pageio, io_threads, inline, cpus
 ):
-    """A batch of 6 MiB shares its copies with two workers (three threads: at most one per
-    core and per worker, none with one core or one worker); with `inline_reads=0` the whole
-    read runs on the workers."""
+    """A batch of 6 MiB shares its copies with other threads: with the C reader one per
+    512 KiB, in Python one per 2 MiB (so three); at most one per core and per worker, none
+    with one core or one worker. With `inline_reads=0` the whole read runs on the workers."""
     monkeypatch.setattr(file_store_module, "_CPUS", cpus)
+    asked = []
+    if pageio == "c":
+        real = native.pageio
+
+        class Spy:
+            frame_headers = real.frame_headers
+
+            def read_stretches(self, *args):
+                asked.append(args[-1])
+                return real.read_stretches(*args)
+
+        monkeypatch.setattr(native, "pageio", Spy())
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]
@@ -314,7 +337,10 @@ def test_large_batches_read_with_helper_threads_or_without(
                 assert await store.batch_get(order, views) == expected
                 got = [bytes(v) for v, ok in zip(views, expected, strict=True) if ok]
                 assert got == data[6:] + data[:6]
-            assert store._copy_threads(6 << 20) == min(3, io_threads, cpus)
+            threads = min(12 if pageio == "c" else 3, io_threads, cpus)
+            assert store._copy_threads(6 << 20) == threads
+            if pageio == "c":
+                assert asked and set(asked) == {threads}
             assert store.stats().num_corrupt_total == 0
 
     run(body())

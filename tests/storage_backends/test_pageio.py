@@ -1,0 +1,263 @@
+"""The C extension `storage_backends._pageio` against the Python it stands in for: xxh3 against
+the `xxhash` package, framing against `objects._frame`, checks against `objects.check_plain`."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import xxhash
+
+from storage_backends import native
+from storage_backends.objects import (
+    Compression,
+    _frame,
+    check_plain,
+    frame_objects,
+    header_size,
+    layout_bytes,
+    plain_template,
+)
+
+pageio = native.pageio
+pytestmark = pytest.mark.skipif(pageio is None, reason="storage_backends._pageio is not built")
+
+LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=bfloat16"
+
+
+def instruction_sets() -> list[str]:
+    """Every xxh3 kernel this CPU can run (the default, the widest, is restored after)."""
+    found = []
+    default = pageio.simd()
+    for name in ("scalar", "avx2", "avx512"):
+        try:
+            pageio.simd(name)
+        except ValueError:
+            continue
+        found.append(name)
+    pageio.simd(default)
+    return found
+
+
+@pytest.fixture(params=instruction_sets() if pageio is not None else ["none"])
+def simd(request):
+    default = pageio.simd()
+    pageio.simd(request.param)
+    yield request.param
+    pageio.simd(default)
+
+
+def test_xxh3_matches_the_xxhash_package_at_every_length_and_split(simd):
+    rng = random.Random(7)
+    lengths = [*range(0, 1300), 2047, 2048, 2049, 4096 + 63, 65536, 65536 + 57, 1 << 20]
+    for length in lengths:
+        data = rng.randbytes(length)
+        want = xxhash.xxh3_64_intdigest(data)
+        assert pageio.xxh3_64(data) == want, length
+        for cut in {0, 1, 63, 64, 65, 100, 200, length // 2, length}:
+            cut = min(cut, length)
+            assert pageio.xxh3_64(data[:cut], data[cut:]) == want, (length, cut)
+    # a first part longer than the stack copy it straddles with
+    data = rng.randbytes(10_000)
+    assert pageio.xxh3_64(data[:5000], data[5000:]) == xxhash.xxh3_64_intdigest(data)
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, "x" * 700, ""])
+def test_framing_matches_the_python_framing(simd, layout):
+    rng = random.Random(3)
+    sizes = [0, 1, 17, 100, 200, 241, 4096, 65536 + 3]
+    keys = [rng.randbytes(16) for _ in sizes]
+    pages = [rng.randbytes(n) for n in sizes]
+    framed = frame_objects(keys, layout, pages)
+    encoded = layout_bytes(layout)
+    for key, page, obj in zip(keys, pages, framed, strict=True):
+        assert obj.header == _frame(key, encoded, page, Compression.NONE).header
+        assert bytes(obj.payload) == page
+        assert check_plain(obj.header, page, key, encoded)
+
+
+def test_frame_headers_refuses_wrong_sizes():
+    encoded = layout_bytes(LAYOUT)
+    headers = bytearray(header_size(LAYOUT))
+    with pytest.raises(ValueError, match="plain must be 48 bytes"):
+        pageio.frame_headers(b"k" * 16, b"short", encoded, [b"page"], headers, 1)
+    with pytest.raises(ValueError, match="keys 16"):
+        pageio.frame_headers(b"k" * 15, plain_template(encoded), encoded, [b"p"], headers, 1)
+    with pytest.raises(TypeError):
+        pageio.frame_headers(b"k" * 16, plain_template(encoded), encoded, [3], headers, 1)
+    with pytest.raises(ValueError, match="keys must be 16 bytes|page key"):
+        frame_objects([b"short"], LAYOUT, [b"page"])
+
+
+class Pack:
+    """Objects written back to back in one file, as a pack holds them (after a table)."""
+
+    def __init__(self, path, keys, pages, layout=LAYOUT, *, offset=4096):
+        self.layout = layout_bytes(layout)
+        self.keys, self.pages = keys, pages
+        framed = frame_objects(keys, layout, pages)
+        blob = bytearray(offset)
+        self.offsets = []
+        for obj in framed:
+            self.offsets.append(len(blob))
+            blob += obj.header + bytes(obj.payload)
+        self.blob = blob
+        path.write_bytes(blob)
+        self.fd = os.open(path, os.O_RDWR)
+
+    def buffers(self, first, end):
+        """(stretch buffers, heads, views) for pages [first, end)."""
+        size = header_size(self.layout.decode())
+        heads = [bytearray(size) for _ in range(first, end)]
+        views = [bytearray(len(self.pages[i])) for i in range(first, end)]
+        buffers = [b for pair in zip(heads, views, strict=True) for b in pair]
+        return buffers, heads, views
+
+    def read(self, stretches, threads=1, keys=None):
+        """Read [(first, end), ...] as stretches; (verified, got, views by page)."""
+        keys = keys or self.keys
+        verified = bytearray(len(keys))
+        work, views = [], {}
+        for first, end in stretches:
+            buffers, _, got_views = self.buffers(first, end)
+            work.append((self.fd, self.offsets[first], buffers, first))
+            views.update(zip(range(first, end), got_views, strict=True))
+        got = pageio.read_stretches(
+            work, b"".join(keys), plain_template(self.layout), self.layout, verified, threads
+        )
+        return verified, got, views
+
+    def close(self):
+        os.close(self.fd)
+
+
+@pytest.fixture
+def pack(tmp_path):
+    rng = random.Random(11)
+    keys = [rng.randbytes(16) for _ in range(12)]
+    pages = [rng.randbytes(n) for n in [4096] * 8 + [300, 65536, 100, 4096]]
+    made = Pack(tmp_path / "pack", keys, pages)
+    yield made
+    made.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_read_stretches_reads_and_verifies_every_page(pack, threads, simd):
+    spans = [(0, 4), (4, 8), (8, 10), (10, 12)]
+    verified, got, views = pack.read(spans, threads)
+    assert list(verified) == [1] * 12
+    for (first, end), n in zip(spans, got, strict=True):
+        sizes = [header_size(LAYOUT) + len(pack.pages[i]) for i in range(first, end)]
+        assert n == sum(sizes)
+    assert all(bytes(views[i]) == pack.pages[i] for i in range(12))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["payload", "checksum", "magic", "length", "layout", "key"],
+)
+def test_a_damaged_page_is_not_verified_and_spares_its_neighbours(tmp_path, pack, damage):
+    """Each damage fails the check of page 5 only (the Python reader then names it)."""
+    size = header_size(LAYOUT)
+    start = pack.offsets[5]
+    at = {
+        "payload": start + size + 1000,  # a flipped byte of the page
+        "checksum": start + 48,
+        "magic": start,
+        "length": start + 32,  # the stored length
+        "layout": start + 56 + 3,
+    }
+    keys = list(pack.keys)
+    if damage == "key":
+        keys[5] = b"\x01" * 16  # asked for under another key
+    else:
+        os.pwrite(pack.fd, bytes([pack.blob[at[damage]] ^ 0x40]), at[damage])
+    verified, _, views = pack.read([(0, 8)], threads=2, keys=keys)
+    assert list(verified[:8]) == [1] * 5 + [0] + [1] * 2
+    assert all(bytes(views[i]) == pack.pages[i] for i in range(8) if i != 5)
+
+
+def test_a_short_pack_is_read_short_and_not_verified(tmp_path, pack):
+    os.ftruncate(pack.fd, pack.offsets[3] + 100)
+    verified, got, _ = pack.read([(0, 4)])
+    assert got[0] == pack.offsets[3] + 100 - pack.offsets[0]
+    assert list(verified[:4]) == [0] * 4  # a stretch read short: all left to the closer look
+
+
+def test_a_read_error_is_minus_one_for_its_stretch_only(pack):
+    verified = bytearray(12)
+    buffers, _, _ = pack.buffers(0, 2)
+    other, _, _ = pack.buffers(2, 4)
+    bad_fd = os.open(os.devnull, os.O_WRONLY)  # not readable: EBADF
+    try:
+        got = pageio.read_stretches(
+            [(bad_fd, 0, buffers, 0), (pack.fd, pack.offsets[2], other, 2)],
+            b"".join(pack.keys),
+            plain_template(pack.layout),
+            pack.layout,
+            verified,
+            2,
+        )
+    finally:
+        os.close(bad_fd)
+    assert got[0] == -1 and got[1] > 0
+    assert list(verified[:4]) == [0, 0, 1, 1]
+
+
+def test_read_stretches_refuses_malformed_work(pack):
+    plain, layout = plain_template(pack.layout), pack.layout
+    keys = b"".join(pack.keys)
+    buffers, _, _ = pack.buffers(0, 2)
+    verified = bytearray(12)
+    with pytest.raises(TypeError, match="fd, offset, buffers, first_page"):
+        pageio.read_stretches([(pack.fd, 0, buffers)], keys, plain, layout, verified, 1)
+    with pytest.raises(ValueError, match="outside the batch"):
+        pageio.read_stretches([(pack.fd, 0, buffers, 11)], keys, plain, layout, verified, 1)
+    with pytest.raises(ValueError, match="header buffer"):
+        short = [bytearray(10), buffers[1]]
+        pageio.read_stretches([(pack.fd, 0, short, 0)], keys, plain, layout, verified, 1)
+    with pytest.raises(TypeError, match="writable"):
+        frozen = [bytes(buffers[0]), buffers[1]]
+        pageio.read_stretches([(pack.fd, 0, frozen, 0)], keys, plain, layout, verified, 1)
+    with pytest.raises(ValueError, match="pairs"):
+        pageio.read_stretches([(pack.fd, 0, buffers[:1], 0)], keys, plain, layout, verified, 1)
+    with pytest.raises(ValueError, match="verified one byte per key"):
+        pageio.read_stretches([], keys, plain, layout, bytearray(3), 1)
+    assert pageio.read_stretches([], keys, plain, layout, verified, 4) == []
+
+
+def test_concurrent_callers_share_the_pool_safely(pack):
+    """Callers on several Python threads at once (one owns the pool, the others run alone)."""
+    import concurrent.futures
+
+    def one(_):
+        verified, _, views = pack.read([(0, 3), (3, 6), (6, 9), (9, 12)], threads=4)
+        return bytes(verified), [bytes(views[i]) for i in range(12)]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(40)))
+    for verified, views in results:
+        assert verified == b"\x01" * 12
+        assert views == pack.pages
+
+
+def test_the_pool_works_in_a_forked_child(pack):
+    pack.read([(0, 6), (6, 12)], threads=4)  # the parent's pool threads exist now
+    pid = os.fork()
+    if pid == 0:  # the child has none of them; its pool starts afresh
+        verified, _, _ = pack.read([(0, 6), (6, 12)], threads=4)
+        os._exit(0 if verified == b"\x01" * 12 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_header_offsets_match_the_object_format():
+    """The C side fills the key at 16 and the lengths at 32 and 40 of `plain_template`."""
+    encoded = layout_bytes(LAYOUT)
+    key, page = os.urandom(16), os.urandom(1000)
+    python = _frame(key, encoded, page, Compression.NONE).header
+    plain = plain_template(encoded)
+    assert python[:16] == plain[:16]
+    assert python[16:32] == key
+    assert python[32:48] == len(page).to_bytes(8, "little") * 2
