@@ -6,7 +6,8 @@
  *   - read_stretches(): read runs of neighbouring pages of packs with reads that never wait
  *     (RWF_NOWAIT: page-cache hits only) straight into the caller's buffers, and check each
  *     page's header and checksum, on this thread and up to `threads - 1` pool threads;
- *   - frame_headers(): build the object headers (checksum included) of a batch of pages.
+ *   - frame_headers(): build the object headers (checksum included) of a batch of pages;
+ *   - link_all(): hard-link a pack's pages into place, several names at once.
  *
  * Python keeps every decision: which pages form a stretch, what a failed check means (this
  * module only says "verified" or "not"; the Python readers name the reason), the guard that
@@ -28,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -721,6 +723,69 @@ done:
     return result;
 }
 
+/* -- link_all -------------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *source;
+    const char **paths;
+    int *errors;
+} links_t;
+
+static void link_one(batch_t *batch, size_t unit) {
+    links_t *links = batch->data;
+    links->errors[unit] = link(links->source, links->paths[unit]) == 0 ? 0 : errno;
+}
+
+PyDoc_STRVAR(link_all_doc,
+"link_all(source, paths, threads) -> list[int]\n\n"
+"link(source, path) for each path, on up to `threads` threads without the GIL; the errno of\n"
+"each (0: linked). Nothing else: the caller handles names that exist or folders missing.");
+
+static PyObject *link_all(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *source_obj, *paths;
+    int threads;
+    if (!PyArg_ParseTuple(args, "O&O!i", PyUnicode_FSConverter, &source_obj, &PyList_Type, &paths,
+                          &threads))
+        return NULL;
+    Py_ssize_t num = PyList_GET_SIZE(paths);
+    PyObject *result = NULL;
+    PyObject **encoded = PyMem_Calloc(num ? num : 1, sizeof *encoded);
+    const char **names = PyMem_Calloc(num ? num : 1, sizeof *names);
+    int *errors = PyMem_Calloc(num ? num : 1, sizeof *errors);
+    if (encoded == NULL || names == NULL || errors == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < num; i++) {
+        if (!PyUnicode_FSConverter(PyList_GET_ITEM(paths, i), &encoded[i]))
+            goto done;
+        names[i] = PyBytes_AS_STRING(encoded[i]);
+    }
+    links_t links = {PyBytes_AS_STRING(source_obj), names, errors};
+    batch_t batch = {.num_units = (size_t)num, .run = link_one, .data = &links};
+    atomic_init(&batch.next, 0);
+    Py_BEGIN_ALLOW_THREADS
+    run_batch(&batch, threads);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(num);
+    for (Py_ssize_t i = 0; result != NULL && i < num; i++) {
+        PyObject *code = PyLong_FromLong(errors[i]);
+        if (code == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, i, code);
+    }
+done:
+    for (Py_ssize_t i = 0; encoded != NULL && i < num; i++)
+        Py_XDECREF(encoded[i]);
+    PyMem_Free(encoded);
+    PyMem_Free(names);
+    PyMem_Free(errors);
+    Py_DECREF(source_obj);
+    return result;
+}
+
 /* -- xxh3_64 ---------------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(xxh3_64_doc,
@@ -806,6 +871,7 @@ static PyObject *simd(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"read_stretches", read_stretches, METH_VARARGS, read_stretches_doc},
     {"frame_headers", frame_headers, METH_VARARGS, frame_headers_doc},
+    {"link_all", link_all, METH_VARARGS, link_all_doc},
     {"xxh3_64", xxh3_64, METH_VARARGS, xxh3_64_doc},
     {"simd", simd, METH_VARARGS, simd_doc},
     {NULL, NULL, 0, NULL},

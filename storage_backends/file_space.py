@@ -42,6 +42,7 @@ import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from . import native
 from .base import PageStatus
 from .file_pack import tombstone
 from .objects import KEY_BYTES
@@ -285,10 +286,13 @@ class StagedPack(NamedTuple):
 class DirectorySpace:
     """Capacity and LRU for one directory. Every method blocks: call from worker threads."""
 
-    def __init__(self, root: str, capacity_bytes: int, *, stale_temp_s: float) -> None:
+    def __init__(
+        self, root: str, capacity_bytes: int, *, stale_temp_s: float, link_threads: int = 1
+    ) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.stale_temp_s = stale_temp_s
+        self.link_threads = link_threads  # a pack's names are linked on up to this many threads
         self.ledger = Ledger(root)
         self.index = PackIndex()
         self.index_ready = threading.Event()
@@ -408,12 +412,16 @@ class DirectorySpace:
         except OSError:
             return  # ERROR for all
         linked: list[bytes] = []
-        for key, position in zip(pack.keys, pack.positions, strict=True):
-            path = page_path(self.root, key)
+        paths = [page_path(self.root, key) for key in pack.keys]
+        new_names = self._link_new_names(pack.temp_path, paths)
+        names = zip(pack.keys, pack.positions, paths, new_names, strict=True)
+        for key, position, path, new in names:
             try:
                 if not self.hard_links:  # a pack of one page, renamed into place
                     old = _lstat_or_none(path)
                     os.rename(pack.temp_path, path)
+                elif new:
+                    old = None  # linked already
                 else:
                     old = _link_new(pack.temp_path, path)  # one system call for a new page
                 if old is not None and old.st_ino == st.st_ino:
@@ -434,6 +442,15 @@ class DirectorySpace:
         if linked:
             state.grow(st.st_size)
             self.index.add(PackInfo(st.st_ino, st.st_size, st.st_mtime_ns, tuple(linked)))
+
+    def _link_new_names(self, source: str, paths: list[str]) -> list[bool]:
+        """Link `source` at each of `paths` that is not taken, several at once (the C
+        extension, on `link_threads` threads); True where that made the name. The others
+        (taken, folder missing, anything else) are left to `_link_new`, one by one."""
+        threads = min(self.link_threads, len(paths) // 8)
+        if native.pageio is None or not self.hard_links or threads < 2:
+            return [False] * len(paths)
+        return [error == 0 for error in native.pageio.link_all(source, paths, threads)]
 
     def _make_room(self, state: LedgerState, growth: int) -> None:
         """Evict least recently used packs until `growth` more bytes fit (or none is left)."""

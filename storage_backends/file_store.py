@@ -137,7 +137,10 @@ class FileBackend(StorageBackend):
         self.options: FileOptions = options
         self.root = options.path
         self._space = DirectorySpace(
-            options.path, options.capacity_bytes, stale_temp_s=options.stale_temp_s
+            options.path,
+            options.capacity_bytes,
+            stale_temp_s=options.stale_temp_s,
+            link_threads=min(options.io_threads, _CPUS),
         )
         self._header_bytes = header_size(layout) if layout is not None else 0
         self._plain = plain_template(self._layout_bytes) if layout is not None else b""
@@ -675,7 +678,10 @@ class FileBackend(StorageBackend):
             objects = [sources[i] for i in positions]
         else:
             pages = [sources[i] for i in positions]
-            objects = frame_objects(pack_keys, self.layout, pages, self._compression)
+            threads = self._copy_threads(sum(len(page) for page in pages))
+            objects = frame_objects(
+                pack_keys, self.layout, pages, self._compression, threads=threads
+            )
             for i, obj in zip(positions, objects, strict=True):
                 framed[i] = obj
         staged = self._write_pack(list(zip(positions, pack_keys, objects, strict=True)))

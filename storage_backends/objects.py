@@ -172,12 +172,15 @@ def frame_objects(
     layout: str,
     payloads: Sequence[Buffer],
     compression: str | Compression = "none",
+    *,
+    threads: int = 1,
 ) -> list[FramedObject]:
-    """`frame_object` for a batch, the layout and the codec checked once."""
+    """`frame_object` for a batch, the layout and the codec checked once. Uncompressed pages
+    are framed by the C extension where it is built, hashed on up to `threads` threads."""
     encoded = layout_bytes(layout)
     codec = Compression.parse(compression)
     if codec is Compression.NONE and native.pageio is not None:
-        return _frame_natively(keys, encoded, payloads)
+        return _frame_natively(keys, encoded, payloads, threads)
     return [
         _frame(check_key(key), encoded, payload, codec)
         for key, payload in zip(keys, payloads, strict=True)
@@ -185,7 +188,7 @@ def frame_objects(
 
 
 def _frame_natively(
-    keys: Sequence[bytes], layout: bytes, payloads: Sequence[Buffer]
+    keys: Sequence[bytes], layout: bytes, payloads: Sequence[Buffer], threads: int
 ) -> list[FramedObject]:
     """Uncompressed pages framed by the C extension (the same headers as `_frame`'s)."""
     pages = [byte_view(payload, what="page") for payload in payloads]
@@ -194,7 +197,7 @@ def _frame_natively(
         raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
     size = HEADER_FIXED_BYTES + len(layout)
     headers = bytearray(size * len(pages))
-    native.pageio.frame_headers(joined, plain_template(layout), layout, pages, headers, 1)
+    native.pageio.frame_headers(joined, plain_template(layout), layout, pages, headers, threads)
     view = memoryview(headers)
     return [
         FramedObject(bytes(view[size * i : size * (i + 1)]), page) for i, page in enumerate(pages)

@@ -261,3 +261,22 @@ def test_header_offsets_match_the_object_format():
     assert python[:16] == plain[:16]
     assert python[16:32] == key
     assert python[32:48] == len(page).to_bytes(8, "little") * 2
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_link_all_links_free_names_and_reports_the_rest(tmp_path, threads):
+    import errno
+
+    source = tmp_path / "pack"
+    source.write_bytes(b"pack")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "taken").write_bytes(b"other")
+    free = [str(tmp_path / "a" / f"n{i}") for i in range(20)]
+    paths = [*free, str(tmp_path / "a" / "taken"), str(tmp_path / "missing" / "x")]
+    errors = pageio.link_all(str(source), paths, threads)
+    assert errors == [0] * 20 + [errno.EEXIST, errno.ENOENT]
+    assert all(os.path.samefile(path, source) for path in free)
+    assert (tmp_path / "a" / "taken").read_bytes() == b"other"
+    assert os.stat(source).st_nlink == 21
+    with pytest.raises(TypeError):
+        pageio.link_all(str(source), [3], 1)
