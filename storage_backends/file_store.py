@@ -17,8 +17,11 @@ and the checksums dominate. A page is found through its own name only when the p
 already open for the batch don't hold it.
 
 Threads: a thread hand-off costs more than copying a batch from the page cache, so page-
-cache hits are read on the event loop's thread (reads that never wait), and only the copies
-of large batches are shared with workers (a helper per 2 MiB). Reads that may wait for a disk
+cache hits are read on the event loop's thread (reads that never wait). Where the C extension
+is built (`native`), one call copies and checks the whole batch without the GIL, shared with
+its own pool threads (one per 512 KiB); without it only the copies of large batches are
+shared with workers (a helper per 2 MiB), as Python threads take turns on the GIL between
+copies. Reads that may wait for a disk
 or a server run on a small pool with plain `os` calls, a slice of the batch per worker
 (instead of a thread hop per call as with `aiofiles`); so do all writes, each pack of a batch
 framed, written and linked in by one worker task.
