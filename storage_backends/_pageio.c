@@ -439,6 +439,14 @@ static void run_batch(batch_t *batch, int threads) {
     pthread_mutex_unlock(&pool.lock);
 }
 
+/* Run every unit of `batch` (its num_units, run and data set) with the GIL released. */
+static void run_without_gil(batch_t *batch, int threads) {
+    atomic_init(&batch->next, 0);
+    Py_BEGIN_ALLOW_THREADS
+    run_batch(batch, threads);
+    Py_END_ALLOW_THREADS
+}
+
 /* -- buffers ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -620,10 +628,7 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
     reads_t reads = {stretches, keys.buf, plain.buf, layout.buf, (size_t)layout.len,
                      verified.buf};
     batch_t batch = {.num_units = (size_t)num, .run = read_one_stretch, .data = &reads};
-    atomic_init(&batch.next, 0);
-    Py_BEGIN_ALLOW_THREADS
-    run_batch(&batch, threads);
-    Py_END_ALLOW_THREADS
+    run_without_gil(&batch, threads);
     result = PyList_New(num);
     if (result == NULL)
         goto done;
@@ -709,10 +714,7 @@ static PyObject *frame_headers(PyObject *self, PyObject *args) {
     frames_t frames = {keys.buf, plain.buf, layout.buf, (size_t)layout.len, held.views,
                        headers.buf};
     batch_t batch = {.num_units = (size_t)num, .run = frame_one, .data = &frames};
-    atomic_init(&batch.next, 0);
-    Py_BEGIN_ALLOW_THREADS
-    run_batch(&batch, threads);
-    Py_END_ALLOW_THREADS
+    run_without_gil(&batch, threads);
     result = Py_NewRef(Py_None);
 done:
     release_all(&held);
@@ -764,10 +766,7 @@ static PyObject *link_all(PyObject *self, PyObject *args) {
     }
     links_t links = {PyBytes_AS_STRING(source_obj), names, errors};
     batch_t batch = {.num_units = (size_t)num, .run = link_one, .data = &links};
-    atomic_init(&batch.next, 0);
-    Py_BEGIN_ALLOW_THREADS
-    run_batch(&batch, threads);
-    Py_END_ALLOW_THREADS
+    run_without_gil(&batch, threads);
     result = PyList_New(num);
     for (Py_ssize_t i = 0; result != NULL && i < num; i++) {
         PyObject *code = PyLong_FromLong(errors[i]);
