@@ -797,36 +797,20 @@ static PyObject *xxh3_64(PyObject *self, PyObject *args) {
     Py_buffer first, second = {0};
     if (!PyArg_ParseTuple(args, "y*|y*", &first, &second))
         return NULL;
+    const uint8_t *head = first.buf, *body = second.buf;
+    size_t head_len = (size_t)first.len, body_len = (size_t)second.len;
+    if (body_len == 0) { /* one part: all of it is the body */
+        body = head;
+        body_len = head_len;
+        head_len = 0;
+    }
     uint64_t h;
-    if (second.len > 0 && first.len > 0 && first.len + second.len > 240) {
-        /* hash_long wants its head short; a long first part is hashed as head + body in
-         * two steps only when it fits the stack: join otherwise */
-        if (first.len <= 4096) {
-            Py_BEGIN_ALLOW_THREADS
-            h = hash_two(first.buf, (size_t)first.len, second.buf, (size_t)second.len);
-            Py_END_ALLOW_THREADS
-        } else {
-            uint8_t *joined = PyMem_Malloc((size_t)(first.len + second.len));
-            if (joined == NULL) {
-                PyBuffer_Release(&first);
-                PyBuffer_Release(&second);
-                return PyErr_NoMemory();
-            }
-            memcpy(joined, first.buf, (size_t)first.len);
-            memcpy(joined + first.len, second.buf, (size_t)second.len);
-            Py_BEGIN_ALLOW_THREADS
-            h = hash_two(joined, 0, joined, (size_t)(first.len + second.len));
-            Py_END_ALLOW_THREADS
-            PyMem_Free(joined);
-        }
-    } else if (second.len > 0) {
-        h = hash_two(first.buf, (size_t)first.len, second.buf, (size_t)second.len);
-    } else if (first.len >= (64 << 10)) {
+    if (head_len + body_len >= (64 << 10)) {
         Py_BEGIN_ALLOW_THREADS
-        h = hash_two(first.buf, 0, first.buf, (size_t)first.len);
+        h = hash_two(head, head_len, body, body_len);
         Py_END_ALLOW_THREADS
     } else {
-        h = hash_two(first.buf, 0, first.buf, (size_t)first.len);
+        h = hash_two(head, head_len, body, body_len);
     }
     PyBuffer_Release(&first);
     if (second.obj != NULL)
