@@ -389,8 +389,18 @@ class DirectorySpace:
                 if not state.valid:
                     self._rebuild(state)
                 self._make_room(state, sum(pack.nbytes for pack in todo))
+                room = self.capacity_bytes - state.used_bytes
+                fitting = []
                 for pack in todo:
-                    self._link_in(state, pack, statuses)
+                    if pack.nbytes > room:
+                        _set(statuses, pack.positions, PageStatus.REJECTED)
+                    elif self.hard_links or len(pack.keys) == 1:
+                        fitting.append(pack)  # (without hard links a pack has but one name)
+                        room -= pack.nbytes
+                paths = [[page_path(self.root, key) for key in pack.keys] for pack in fitting]
+                errors = self._link_new_names(fitting, paths)
+                for pack, pack_paths, pack_errors in zip(fitting, paths, errors, strict=True):
+                    self._link_in(state, pack, pack_paths, pack_errors, statuses)
                     # Still under the lock: another process that replaces or evicts one of
                     # its pages reads the pack's link count, which must be the pages' alone.
                     unlink_quiet(pack.temp_path)
@@ -400,27 +410,28 @@ class DirectorySpace:
                 unlink_quiet(pack.temp_path)  # (a commit that failed half-way)
         return statuses
 
-    def _link_in(self, state: LedgerState, pack: StagedPack, statuses: list[PageStatus]) -> None:
-        """With the ledger locked: one link per key to the pack, replacing older pages."""
-        if state.used_bytes + pack.nbytes > self.capacity_bytes:
-            _set(statuses, pack.positions, PageStatus.REJECTED)
-            return
-        if not self.hard_links and len(pack.keys) != 1:
-            return  # ERROR for all: without hard links a pack can have but one name
+    def _link_in(
+        self,
+        state: LedgerState,
+        pack: StagedPack,
+        paths: list[str],
+        errors: list[int],
+        statuses: list[PageStatus],
+    ) -> None:
+        """With the ledger locked: make each of `paths` a name of the pack (where `errors`
+        says 0, `_link_new_names` did already), replacing older pages; count them in."""
         try:
             st = os.stat(pack.temp_path)
         except OSError:
             return  # ERROR for all
         linked: list[bytes] = []
-        paths = [page_path(self.root, key) for key in pack.keys]
-        new_names = self._link_new_names(pack.temp_path, paths)
-        names = zip(pack.keys, pack.positions, paths, new_names, strict=True)
-        for key, position, path, new in names:
+        names = zip(pack.keys, pack.positions, paths, errors, strict=True)
+        for key, position, path, error in names:
             try:
                 if not self.hard_links:  # a pack of one page, renamed into place
                     old = _lstat_or_none(path)
                     os.rename(pack.temp_path, path)
-                elif new:
+                elif error == 0:
                     old = None  # linked already
                 else:
                     old = _link_new(pack.temp_path, path)  # one system call for a new page
@@ -443,14 +454,27 @@ class DirectorySpace:
             state.grow(st.st_size)
             self.index.add(PackInfo(st.st_ino, st.st_size, st.st_mtime_ns, tuple(linked)))
 
-    def _link_new_names(self, source: str, paths: list[str]) -> list[bool]:
-        """Link `source` at each of `paths` that is not taken, several at once (the C
-        extension, on `link_threads` threads); True where that made the name. The others
-        (taken, folder missing, anything else) are left to `_link_new`, one by one."""
-        threads = min(self.link_threads, len(paths) // 8)
+    def _link_new_names(self, packs: list[StagedPack], paths: list[list[str]]) -> list[list[int]]:
+        """Link each pack at each of its `paths` that is not taken, all in one go (the C
+        extension, on up to `link_threads` threads, the packs' names taken in turn so that the
+        threads link to different files); 0 where that made the name. The others (taken,
+        folder missing, anything else; -1: not tried) are left to `_link_new`, one by one."""
+        errors = [[-1] * len(names) for names in paths]
+        threads = min(self.link_threads, sum(map(len, paths)) // 8)
         if native.pageio is None or not self.hard_links or threads < 2:
-            return [False] * len(paths)
-        return [error == 0 for error in native.pageio.link_all(source, paths, threads)]
+            return errors
+        turns = [
+            (i, j)
+            for j in range(max(map(len, paths)))
+            for i in range(len(paths))
+            if j < len(paths[i])
+        ]
+        codes = native.pageio.link_all(
+            [packs[i].temp_path for i, _ in turns], [paths[i][j] for i, j in turns], threads
+        )
+        for (i, j), code in zip(turns, codes, strict=True):
+            errors[i][j] = code
+        return errors
 
     def _make_room(self, state: LedgerState, growth: int) -> None:
         """Evict least recently used packs until `growth` more bytes fit (or none is left)."""
@@ -595,6 +619,7 @@ def _lstat_or_none(path: str) -> os.stat_result | None:
 
 
 def unlink_quiet(path: str) -> None:
-    """Remove a temporary file we own; already gone is fine."""
-    with contextlib.suppress(FileNotFoundError):
+    """Remove a temporary file we own; already gone (or never made: its folder is not one)
+    is fine."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.unlink(path)

@@ -23,8 +23,10 @@ its own pool threads (one per 512 KiB); without it only the copies of large batc
 shared with workers (a helper per 2 MiB), as Python threads take turns on the GIL between
 copies. Reads that may wait for a disk
 or a server run on a small pool with plain `os` calls, a slice of the batch per worker
-(instead of a thread hop per call as with `aiofiles`); so do all writes, each pack of a batch
-framed, written and linked in by one worker task.
+(instead of a thread hop per call as with `aiofiles`); so do all writes. With the C extension
+a batch of pages is one task: its packs (one per 1 MiB, at most one per core and per worker)
+framed and written by one call on that many threads, then linked in with the ledger locked,
+their names on several threads. Without it each pack is one task: framed, written, linked.
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too), the engine may hand that L2 page to something else. So the kernel only
@@ -81,6 +83,7 @@ _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
 _PARALLEL_BYTES = 2 << 20  # batches of several times this are cut into packs written in parallel
+_NATIVE_PARALLEL_BYTES = 1 << 20  # ... this when the C extension writes them (one call, no GIL)
 _PENDING = object()  # an outcome not decided yet
 _DEFERRED = object()  # a read left by the event loop's thread to the workers
 _UNSUPPORTED = -2  # _preadv_guarded, the C reader: the filesystem has no RWF_NOWAIT
@@ -666,6 +669,38 @@ class FileBackend(StorageBackend):
                 _fsync_dir(directory)
         return statuses
 
+    def _put_natively(
+        self, keys: list[bytes], pages: Sequence[memoryview], framed: list[FramedObject | None]
+    ) -> list[PageStatus]:
+        """A batch of uncompressed pages through the C extension: its packs framed and
+        written in one call without the GIL, a thread per pack (`write_packs`), then linked
+        in together (`commit`, which links them on several threads too)."""
+        sizes = [self._header_bytes + len(page) for page in pages]
+        staged: list[StagedPack] = []
+        work: list[tuple] = []
+        for positions in self._packs(sizes, _NATIVE_PARALLEL_BYTES):
+            pack_keys = [keys[i] for i in positions]
+            table = pack_table(pack_keys, [sizes[i] for i in positions])
+            temp = temp_path(page_path(self.root, pack_keys[0]), next(self._serial))
+            nbytes = len(table) + sum(sizes[i] for i in positions)
+            headers = bytearray(self._header_bytes * len(positions))
+            staged.append(StagedPack(pack_keys, positions, temp, nbytes))
+            work.append((temp, table, b"".join(pack_keys), [pages[i] for i in positions], headers))
+        threads = min(len(work), self.options.io_threads, _CPUS)
+        errors = native.pageio.write_packs(
+            work, self._plain, self._layout_bytes, self.options.fsync, threads
+        )
+        written = []
+        for pack, (*_, headers), error in zip(staged, work, errors, strict=True):
+            if error:
+                self._note_page_error(f"{pack.temp_path}: {os.strerror(error)}")
+                continue
+            written.append(pack)
+            size = self._header_bytes
+            for j, i in enumerate(pack.positions):
+                framed[i] = FramedObject(memoryview(headers)[size * j : size * (j + 1)], pages[i])
+        return self._commit(written, len(keys))
+
     def _put_pack(
         self,
         positions: list[int],
@@ -705,6 +740,8 @@ class FileBackend(StorageBackend):
         it starts, it never writes anything.) Each pack makes its own room, so a batch larger
         than the free room may evict its own first packs, as the next batch would.
         """
+        if framed is not None and self._native_puts():
+            return self._io.submit(self._put_natively, keys, sources, framed)
         if framed is None:
             sizes = [obj.nbytes for obj in sources]
         else:  # an upper bound: lz4 is kept only where it is smaller
@@ -741,12 +778,20 @@ class FileBackend(StorageBackend):
             task.add_done_callback(finished)
         return done
 
-    def _packs(self, sizes: list[int]) -> list[list[int]]:
+    def _native_puts(self) -> bool:
+        """Whether pages are framed and written by the C extension (`_put_natively`)."""
+        return (
+            native.pageio is not None
+            and self._compression is Compression.NONE
+            and self._space.hard_links
+        )
+
+    def _packs(self, sizes: list[int], parallel_bytes: int = _PARALLEL_BYTES) -> list[list[int]]:
         """The batch (the objects' `sizes`) cut into packs: lists of positions.
 
         A pack holds at most `pack_bytes` and 1/16 of the capacity (eviction frees a pack at a
         time, so a pack stays small next to what the directory holds). A batch of several
-        `_PARALLEL_BYTES` is also cut into up to `io_threads` packs (one per core at most) of
+        `parallel_bytes` is also cut into up to `io_threads` packs (one per core at most) of
         about equal size, so that they are written on several threads; a smaller one stays
         one pack, which is what reads want (one open for the whole batch).
         """
@@ -754,7 +799,7 @@ class FileBackend(StorageBackend):
         if not self._space.hard_links:
             limit = 1  # one page per pack: its one name is the file itself
         total = sum(sizes)
-        ways = max(1, min(self.options.io_threads, _CPUS, total // _PARALLEL_BYTES))
+        ways = max(1, min(self.options.io_threads, _CPUS, total // parallel_bytes))
         limit = min(limit, max(1, -(-total // ways)))
         packs: list[list[int]] = []
         pack: list[int] = []

@@ -1,5 +1,5 @@
-"""The C fast paths of the storage backends (page framing, the file backend's reads),
-where this install has them.
+"""The C fast paths of the storage backends (page framing, the file backend's reads and
+writes), where this install has them.
 
 `pageio` is the `_pageio` extension (built from `_pageio.c` when the project is installed) or
 None where it could not be built (no C compiler, not Linux). Every user of it has a Python

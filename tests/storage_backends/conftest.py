@@ -13,8 +13,11 @@ own.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
+import resource
+import signal
 import subprocess
 import time
 import uuid
@@ -226,3 +229,22 @@ class PageMaker:
 @pytest.fixture
 def pages() -> type[PageMaker]:
     return PageMaker
+
+
+@pytest.fixture
+def file_size_limit() -> Callable[[int], contextlib.AbstractContextManager[None]]:
+    """`with file_size_limit(nbytes):` this process's writes past `nbytes` of a file fail
+    with EFBIG: a real write error half-way through a file, as a full disk gives."""
+
+    @contextlib.contextmanager
+    def limit(nbytes: int) -> Iterator[None]:
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+
+    return limit

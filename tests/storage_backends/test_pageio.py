@@ -10,6 +10,7 @@ import pytest
 import xxhash
 
 from storage_backends import native
+from storage_backends.file_pack import pack_table
 from storage_backends.objects import (
     Compression,
     _frame,
@@ -267,16 +268,112 @@ def test_header_offsets_match_the_object_format():
 def test_link_all_links_free_names_and_reports_the_rest(tmp_path, threads):
     import errno
 
-    source = tmp_path / "pack"
-    source.write_bytes(b"pack")
+    packs = [tmp_path / "pack0", tmp_path / "pack1"]
+    for source in packs:
+        source.write_bytes(source.name.encode())
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "taken").write_bytes(b"other")
     free = [str(tmp_path / "a" / f"n{i}") for i in range(20)]
     paths = [*free, str(tmp_path / "a" / "taken"), str(tmp_path / "missing" / "x")]
-    errors = pageio.link_all(str(source), paths, threads)
+    sources = [str(packs[i % 2]) for i in range(len(paths))]
+    errors = pageio.link_all(sources, paths, threads)
     assert errors == [0] * 20 + [errno.EEXIST, errno.ENOENT]
-    assert all(os.path.samefile(path, source) for path in free)
+    assert all(os.path.samefile(path, packs[i % 2]) for i, path in enumerate(free))
     assert (tmp_path / "a" / "taken").read_bytes() == b"other"
-    assert os.stat(source).st_nlink == 21
+    assert [os.stat(source).st_nlink for source in packs] == [11, 11]
     with pytest.raises(TypeError):
-        pageio.link_all(str(source), [3], 1)
+        pageio.link_all(sources[:1], [3], 1)
+    with pytest.raises(ValueError, match="one source per path"):
+        pageio.link_all(sources[:1], paths, 1)
+
+
+def write_work(root, keys, pages, layout=LAYOUT, *, serial=0):
+    """write_packs' work for one pack of `keys`: (temp, table, keys, pages, headers)."""
+    size = header_size(layout)
+    temp = str(root / keys[0].hex()[0] / keys[0].hex()[1] / f"{keys[0].hex()}.tmp.{serial}")
+    table = pack_table(keys, [size + len(page) for page in pages])
+    return (temp, table, b"".join(keys), pages, bytearray(size * len(keys)))
+
+
+def packed(work, layout=LAYOUT):
+    """The bytes a pack of `work` holds, framed by the Python framing."""
+    _, table, keys, pages, _ = work
+    encoded = layout_bytes(layout)
+    blob = bytearray(table)
+    for i, page in enumerate(pages):
+        blob += _frame(keys[16 * i : 16 * (i + 1)], encoded, page, Compression.NONE).header + page
+    return bytes(blob)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("fsync", [False, True])
+def test_write_packs_writes_what_the_python_framing_writes(tmp_path, simd, threads, fsync):
+    """Each pack framed and written (pages past 256 KiB take several write calls), the
+    folders made where missing."""
+    rng = random.Random(5)
+    sizes = [[4096] * 5, [0, 300 << 10, 17], [1 << 20], [65536 + 3] * 9]
+    work = []
+    for serial, pack_sizes in enumerate(sizes):
+        keys = [rng.randbytes(16) for _ in pack_sizes]
+        pages = [rng.randbytes(n) for n in pack_sizes]
+        work.append(write_work(tmp_path, keys, pages, serial=serial))
+    encoded = layout_bytes(LAYOUT)
+    assert pageio.write_packs(work, plain_template(encoded), encoded, fsync, threads) == [0] * 4
+    size = header_size(LAYOUT)
+    for item in work:
+        temp, _, keys, pages, headers = item
+        with open(temp, "rb") as f:
+            assert f.read() == packed(item)
+        for i, page in enumerate(pages):
+            key = keys[16 * i : 16 * (i + 1)]
+            assert check_plain(headers[size * i : size * (i + 1)], page, key, encoded)
+
+
+def test_a_pack_that_cannot_be_written_is_removed_and_spares_the_others(tmp_path, file_size_limit):
+    """A write that fails half-way (here: the process's file size limit) removes that pack's
+    temporary file; a pack whose folder is a file is not made; the others are written."""
+    import errno
+
+    rng = random.Random(8)
+    small = write_work(
+        tmp_path,
+        [rng.randbytes(16) for _ in range(4)],
+        [rng.randbytes(100 << 10) for _ in range(4)],
+    )
+    big = write_work(tmp_path, [rng.randbytes(16)], [rng.randbytes(3 << 20)], serial=1)
+    blocked = write_work(tmp_path, [rng.randbytes(16)], [b"page"], serial=2)
+    folder = os.path.dirname(blocked[0])
+    assert not os.path.exists(folder)  # (the seeded keys have folders of their own)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    with open(folder, "wb"):  # a file where the folder should be
+        pass
+    encoded = layout_bytes(LAYOUT)
+    with file_size_limit(1 << 20):
+        errors = pageio.write_packs(
+            [small, big, blocked], plain_template(encoded), encoded, False, 3
+        )
+    assert errors == [0, errno.EFBIG, errno.ENOTDIR]
+    assert not os.path.exists(big[0])
+    with open(small[0], "rb") as f:
+        assert f.read() == packed(small)
+
+
+def test_write_packs_refuses_malformed_work(tmp_path):
+    encoded = layout_bytes(LAYOUT)
+    plain = plain_template(encoded)
+    work = write_work(tmp_path, [b"k" * 16, b"j" * 16], [b"page", b"page"])
+    with pytest.raises(ValueError, match="plain must be 48 bytes"):
+        pageio.write_packs([work], b"short", encoded, False, 1)
+    with pytest.raises(TypeError, match=r"\(temp, table, keys, pages, headers\)"):
+        pageio.write_packs([work[:4]], plain, encoded, False, 1)
+    with pytest.raises(ValueError, match="1 to 2\\*\\*20 pages"):
+        pageio.write_packs([(*work[:3], [], work[4])], plain, encoded, False, 1)
+    with pytest.raises(ValueError, match="keys must be 16 bytes per page"):
+        pageio.write_packs([(work[0], work[1], b"k" * 17, *work[3:])], plain, encoded, False, 1)
+    with pytest.raises(ValueError, match="headers 56"):
+        pageio.write_packs([(*work[:4], bytearray(3))], plain, encoded, False, 1)
+    with pytest.raises(TypeError, match="write_packs: page"):
+        pageio.write_packs([(*work[:3], [b"page", 7], work[4])], plain, encoded, False, 1)
+    with pytest.raises(TypeError, match="writable"):
+        pageio.write_packs([(*work[:4], bytes(work[4]))], plain, encoded, False, 1)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
