@@ -691,14 +691,15 @@ class FileBackend(StorageBackend):
             work, self._plain, self._layout_bytes, self.options.fsync, threads
         )
         written = []
+        size = self._header_bytes
         for pack, (*_, headers), error in zip(staged, work, errors, strict=True):
             if error:
                 self._note_page_error(f"{pack.temp_path}: {os.strerror(error)}")
                 continue
             written.append(pack)
-            size = self._header_bytes
+            view = memoryview(headers)
             for j, i in enumerate(pack.positions):
-                framed[i] = FramedObject(memoryview(headers)[size * j : size * (j + 1)], pages[i])
+                framed[i] = FramedObject(view[size * j : size * (j + 1)], pages[i])
         return self._commit(written, len(keys))
 
     def _put_pack(
