@@ -479,6 +479,20 @@ static Py_buffer *hold(held_t *held, PyObject *obj, int writable, const char *wh
     return view;
 }
 
+/* A list of the ints at first, first + stride, ... (n of them): an errno per item, say, kept
+ * in an array or in a field of an array of structs. NULL with an exception. */
+static PyObject *int_list(const void *first, size_t stride, Py_ssize_t n) {
+    PyObject *list = PyList_New(n);
+    for (Py_ssize_t i = 0; list != NULL && i < n; i++) {
+        PyObject *value = PyLong_FromLong(*(const int *)((const char *)first + stride * (size_t)i));
+        if (value == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, value);
+    }
+    return list;
+}
+
 /* -- read_stretches --------------------------------------------------------------------------- */
 
 typedef struct {
@@ -790,14 +804,7 @@ static PyObject *link_all(PyObject *self, PyObject *args) {
     links_t links = {names, names + num, errors};
     batch_t batch = {.num_units = (size_t)num, .run = link_one, .data = &links};
     run_without_gil(&batch, threads);
-    result = PyList_New(num);
-    for (Py_ssize_t i = 0; result != NULL && i < num; i++) {
-        PyObject *code = PyLong_FromLong(errors[i]);
-        if (code == NULL)
-            Py_CLEAR(result);
-        else
-            PyList_SET_ITEM(result, i, code);
-    }
+    result = int_list(errors, sizeof *errors, num);
 done:
     for (Py_ssize_t i = 0; encoded != NULL && i < 2 * num; i++)
         Py_XDECREF(encoded[i]);
@@ -1028,14 +1035,7 @@ static PyObject *write_packs(PyObject *self, PyObject *args) {
     writes_t writes = {packs, plain.buf, layout.buf, (size_t)layout.len, fsync_wanted};
     batch_t batch = {.num_units = (size_t)num, .run = write_one, .data = &writes};
     run_without_gil(&batch, threads);
-    result = PyList_New(num);
-    for (Py_ssize_t p = 0; result != NULL && p < num; p++) {
-        PyObject *code = PyLong_FromLong(packs[p].error);
-        if (code == NULL)
-            Py_CLEAR(result);
-        else
-            PyList_SET_ITEM(result, p, code);
-    }
+    result = int_list(&packs[0].error, sizeof *packs, num);
 done:
     release_all(&held);
     for (Py_ssize_t p = 0; temps != NULL && p < num; p++)
