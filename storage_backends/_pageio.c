@@ -8,7 +8,8 @@
  *     page's header and checksum, on this thread and up to `threads - 1` pool threads;
  *   - frame_headers(): build the object headers (checksum included) of a batch of pages;
  *   - link_all(): hard-link packs' pages into place, several names at once;
- *   - write_packs(): frame and write the packs of a batch, a thread per pack.
+ *   - write_packs(): frame and write the packs of a batch, a thread per pack;
+ *   - sync_all(): fsync a batch's packs and the folders it linked names into, all at once.
  *
  * Python keeps every decision: which pages form a stretch, what a failed check means (this
  * module only says "verified" or "not"; the Python readers name the reason), the guard that
@@ -814,6 +815,74 @@ done:
     return result;
 }
 
+/* -- sync_all ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    const char **paths; /* NULL where the target is an open file (fds) */
+    const int *fds;
+    int *errors;
+} syncs_t;
+
+static void sync_one(batch_t *batch, size_t unit) {
+    syncs_t *syncs = batch->data;
+    const char *path = syncs->paths[unit];
+    int fd = path != NULL ? open(path, O_RDONLY | O_CLOEXEC) : syncs->fds[unit];
+    int error = fd < 0 ? errno : 0;
+    if (fd >= 0 && fsync(fd) != 0)
+        error = errno;
+    if (fd >= 0 && path != NULL)
+        close(fd);
+    syncs->errors[unit] = error;
+}
+
+PyDoc_STRVAR(sync_all_doc,
+"sync_all(targets, threads) -> list[int]\n\n"
+"fsync each target, a path (a file or folder, opened read-only) or an open file descriptor,\n"
+"on up to `threads` threads without the GIL; the errno of each (0: durable). All at once: a\n"
+"filesystem that commits one journal for all of them waits for the disk once, not once each.");
+
+static PyObject *sync_all(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *targets;
+    int threads;
+    if (!PyArg_ParseTuple(args, "O!i", &PyList_Type, &targets, &threads))
+        return NULL;
+    Py_ssize_t num = PyList_GET_SIZE(targets);
+    PyObject *result = NULL;
+    PyObject **encoded = PyMem_Calloc(num + 1, sizeof *encoded);
+    const char **paths = PyMem_Calloc(num + 1, sizeof *paths);
+    int *fds = PyMem_Calloc(num + 1, sizeof *fds);
+    int *errors = PyMem_Calloc(num + 1, sizeof *errors);
+    if (encoded == NULL || paths == NULL || fds == NULL || errors == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < num; i++) {
+        PyObject *target = PyList_GET_ITEM(targets, i);
+        if (PyLong_Check(target)) {
+            fds[i] = PyObject_AsFileDescriptor(target);
+            if (fds[i] < 0)
+                goto done;
+        } else if (PyUnicode_FSConverter(target, &encoded[i])) {
+            paths[i] = PyBytes_AS_STRING(encoded[i]);
+        } else {
+            goto done;
+        }
+    }
+    syncs_t syncs = {paths, fds, errors};
+    batch_t batch = {.num_units = (size_t)num, .run = sync_one, .data = &syncs};
+    run_without_gil(&batch, threads);
+    result = int_list(errors, sizeof *errors, num);
+done:
+    for (Py_ssize_t i = 0; encoded != NULL && i < num; i++)
+        Py_XDECREF(encoded[i]);
+    PyMem_Free(encoded);
+    PyMem_Free(paths);
+    PyMem_Free(fds);
+    PyMem_Free(errors);
+    return result;
+}
+
 /* -- write_packs ------------------------------------------------------------------------------ */
 
 #define WRITE_BYTES (256 << 10) /* at most this much per write call (see write_all) */
@@ -1119,6 +1188,7 @@ static PyMethodDef methods[] = {
     {"frame_headers", frame_headers, METH_VARARGS, frame_headers_doc},
     {"link_all", link_all, METH_VARARGS, link_all_doc},
     {"write_packs", write_packs, METH_VARARGS, write_packs_doc},
+    {"sync_all", sync_all, METH_VARARGS, sync_all_doc},
     {"xxh3_64", xxh3_64, METH_VARARGS, xxh3_64_doc},
     {"simd", simd, METH_VARARGS, simd_doc},
     {NULL, NULL, 0, NULL},

@@ -27,6 +27,8 @@ or a server run on a small pool with plain `os` calls, a slice of the batch per 
 a batch of pages is one task: its packs (one per 1 MiB, at most one per core and per worker)
 framed and written by one call on that many threads, then linked in with the ledger locked,
 their names on several threads. Without it each pack is one task: framed, written, linked.
+With `fsync=true` a batch is durable before it is answered: the folders that got its names
+are fsynced all at once after the linking, and on the C path its packs in the same round.
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too), the engine may hand that L2 page to something else. So the kernel only
@@ -84,6 +86,7 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
 _PARALLEL_BYTES = 2 << 20  # batches of several times this are cut into packs written in parallel
 _NATIVE_PARALLEL_BYTES = 1 << 20  # ... this when the C extension writes them (one call, no GIL)
+_SYNC_THREADS = 16  # folders fsynced at once: they wait on the disk, not on a core
 _PENDING = object()  # an outcome not decided yet
 _DEFERRED = object()  # a read left by the event loop's thread to the workers
 _UNSUPPORTED = -2  # _preadv_guarded, the C reader: the filesystem has no RWF_NOWAIT
@@ -661,13 +664,38 @@ class FileBackend(StorageBackend):
         nbytes = len(table) + sum(obj.nbytes for _, _, obj in group)
         return StagedPack(keys, [position for position, _, _ in group], tmp, nbytes)
 
-    def _commit(self, staged: list[StagedPack], num_keys: int) -> list[PageStatus]:
+    def _commit(
+        self, staged: list[StagedPack], num_keys: int, unsynced: Sequence[int] = ()
+    ) -> list[PageStatus]:
+        """Link the packs in; with `fsync`, make the batch durable before it is answered: the
+        folders that got names and the packs still open in `unsynced` (written, not fsynced:
+        the C path), in one round (`_sync`)."""
         statuses = self._space.commit(staged, num_keys)
         if self.options.fsync:
-            dirs = {os.path.dirname(page_path(self.root, k)) for pack in staged for k in pack.keys}
-            for directory in sorted(dirs):
-                _fsync_dir(directory)
+            folders = {os.path.dirname(page_path(self.root, k)) for p in staged for k in p.keys}
+            self._sync([*unsynced, *sorted(folders)])
         return statuses
+
+    def _sync(self, targets: list[int | str]) -> None:
+        """fsync each target (an open pack, or a folder by path); OSError if one fails.
+
+        With the C extension all at once, on up to `_SYNC_THREADS` threads: a batch of 32
+        pages names about 30 of the 256 folders, and one by one each waited for its own
+        journal commit and disk flush (4.6-5.0 ms a batch on a virtual disk, against about 1
+        ms at once). A pack fsynced after its names are linked can leave, after a power cut,
+        names of a pack whose bytes never reached the disk: its pages fail their checksums,
+        misses like any torn page, and the put was never acknowledged."""
+        threads = min(len(targets), _SYNC_THREADS)
+        if native.pageio is None or threads < 2:
+            for target in targets:
+                if isinstance(target, int):
+                    os.fsync(target)
+                else:
+                    _fsync_dir(target)
+            return
+        for target, error in zip(targets, native.pageio.sync_all(targets, threads), strict=True):
+            if error:
+                raise OSError(error, f"fsync failed: {os.strerror(error)}", str(target))
 
     def _put_natively(
         self, keys: list[bytes], pages: Sequence[memoryview], framed: list[FramedObject | None]
@@ -687,9 +715,8 @@ class FileBackend(StorageBackend):
             staged.append(StagedPack(pack_keys, positions, temp, nbytes))
             work.append((temp, table, b"".join(pack_keys), [pages[i] for i in positions], headers))
         threads = min(len(work), self.options.io_threads, _CPUS)
-        errors = native.pageio.write_packs(
-            work, self._plain, self._layout_bytes, self.options.fsync, threads
-        )
+        # fsync later, with the folders (`_commit`)
+        errors = native.pageio.write_packs(work, self._plain, self._layout_bytes, False, threads)
         written = []
         size = self._header_bytes
         for pack, (*_, headers), error in zip(staged, work, errors, strict=True):
@@ -700,7 +727,16 @@ class FileBackend(StorageBackend):
             view = memoryview(headers)
             for j, i in enumerate(pack.positions):
                 framed[i] = FramedObject(view[size * j : size * (j + 1)], pages[i])
-        return self._commit(written, len(keys))
+        if not self.options.fsync:
+            return self._commit(written, len(keys))
+        unsynced: list[int] = []
+        try:
+            for pack in written:
+                unsynced.append(os.open(pack.temp_path, os.O_RDONLY | os.O_CLOEXEC))
+            return self._commit(written, len(keys), unsynced)
+        finally:
+            for fd in unsynced:
+                os.close(fd)
 
     def _put_pack(
         self,

@@ -590,6 +590,51 @@ def test_fsync_mode_round_trips(tmp_path, pages):
     run(body())
 
 
+def test_fsync_mode_syncs_every_pack_and_folder_before_answering(tmp_path, pages, monkeypatch):
+    """What put made durable, seen from the calls themselves (they still run): the inode of
+    every pack and every folder that got a page name, fsynced before batch_put returned."""
+    root = tmp_path / "kv"
+    keys = [pages.key(i) for i in range(40)]
+    synced: set[int] = set()
+
+    def note(target) -> None:
+        synced.add(os.fstat(target).st_ino if isinstance(target, int) else os.stat(target).st_ino)
+
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        note(fd)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(file_store_module.os, "fsync", fsync)
+    if native.pageio is not None:
+        real_sync_all = native.pageio.sync_all
+
+        class Observed:
+            def __getattr__(self, name):
+                return getattr(real_sync_all.__self__, name)
+
+            @staticmethod
+            def sync_all(targets, threads):
+                for target in targets:
+                    note(target)
+                return real_sync_all(targets, threads)
+
+        monkeypatch.setattr(native, "pageio", Observed())
+
+    async def body():
+        url = f"file://{root}?capacity=64MiB&fsync=true&io_threads=4"
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            views = [pages.page(k, 128 << 10) for k in keys]  # 5 MiB: several packs
+            assert await store.batch_put(keys, views) == [True] * len(keys)
+            paths = [page_path(str(root), key) for key in keys]
+            assert len({os.stat(p).st_ino for p in paths}) > 1
+            assert {os.stat(p).st_ino for p in paths} <= synced
+            assert {os.stat(os.path.dirname(p)).st_ino for p in paths} <= synced
+
+    run(body())
+
+
 def test_a_pack_grown_on_disk_still_serves_its_pages(tmp_path, pages):
     """Bytes past a pack's objects are never read (a table that points past the page's size
     is refused unread: `huge_length_in_table` above)."""

@@ -287,6 +287,27 @@ def test_link_all_links_free_names_and_reports_the_rest(tmp_path, threads):
         pageio.link_all(sources[:1], paths, 1)
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_sync_all_fsyncs_paths_and_open_files_and_reports_each(tmp_path, threads):
+    import errno
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "f").write_bytes(b"page")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    not_open = 1 << 30  # past any limit: a number that no open() reuses meanwhile
+    try:
+        targets = [str(tmp_path / "a"), str(tmp_path), fd, str(tmp_path / "gone"), not_open]
+        assert pageio.sync_all(targets, threads) == [0, 0, 0, errno.ENOENT, errno.EBADF]
+        os.fstat(fd)  # an fd given is left open
+    finally:
+        os.close(fd)
+    assert pageio.sync_all([], threads) == []
+    with pytest.raises(TypeError):
+        pageio.sync_all([1.5], threads)
+    with pytest.raises(ValueError):
+        pageio.sync_all([-1], threads)
+
+
 def write_work(root, keys, pages, layout=LAYOUT, *, serial=0):
     """write_packs' work for one pack of `keys`: (temp, table, keys, pages, headers)."""
     size = header_size(layout)
