@@ -235,7 +235,10 @@ class StorageBackend(abc.ABC):
         checked by its checksum like any other.
         """
         keys = _check_keys(keys)
-        views = [byte_view(page, what=f"pages[{i}]") for i, page in enumerate(pages)]
+        try:
+            views = [byte_view(page) for page in pages]
+        except (TypeError, ValueError):  # name the bad one (names are built only then)
+            views = [byte_view(page, what=f"pages[{i}]") for i, page in enumerate(pages)]
         _check_same_length("pages", keys, views)
         self._require_layout("batch_put")
         if not keys:
@@ -445,21 +448,22 @@ class StorageBackend(abc.ABC):
         self, op: str, keys: list[bytes], objects: list[FramedObject]
     ) -> list[bool]:
         statuses = await self._call(op, lambda: self._store(keys, objects))
-        return self._count_stores(op, statuses, objects)
+        return self._count_stores(op, statuses, [obj.nbytes for obj in objects])
 
     def _count_stores(
-        self, op: str, statuses: list[PageStatus] | _Fault, objects: Sequence[FramedObject | None]
+        self, op: str, statuses: list[PageStatus] | _Fault, sizes: Sequence[int]
     ) -> list[bool]:
-        """Count a store's outcome (`objects[i]` is read only where the page was stored)."""
+        """Count a store's outcome (`sizes[i]`, the object's bytes, is read only where the
+        page was stored)."""
         if statuses is _FAULT:
-            return [False] * len(objects)
+            return [False] * len(sizes)
         stored = [status is PageStatus.STORED for status in statuses]
         tally = Counter(statuses)
         self._counts["puts"] += tally[PageStatus.STORED]
         self._counts["put_rejected"] += tally[PageStatus.REJECTED]
         self._counts["errors"] += tally[PageStatus.ERROR]
         self._counts["written_bytes"] += sum(
-            o.nbytes for o, ok in zip(objects, stored, strict=True) if ok
+            size for size, ok in zip(sizes, stored, strict=True) if ok
         )
         if tally[PageStatus.ERROR]:
             self._warn_page_errors(op, tally[PageStatus.ERROR])

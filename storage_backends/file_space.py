@@ -59,9 +59,10 @@ _TEMP_MARK = ".tmp."
 def page_path(root: str, key: bytes) -> str:
     """<root>/a/b/ab...: two levels of 16-way fan-out spread the page names over 256 folders,
     all made within the first few batches (a folder costs a journaled mkdir; 65,536 of them,
-    as two hex digits a level would give, make every write of a young cache pay for one)."""
+    as two hex digits a level would give, make every write of a young cache pay for one).
+    Spelled out rather than os.path.join (a sixth of the time; a batch makes 30 to 70)."""
     name = key.hex()
-    return os.path.join(root, name[0], name[1], name)
+    return f"{root}/{name[0]}/{name[1]}/{name}"
 
 
 def temp_path(path: str, serial: int) -> str:

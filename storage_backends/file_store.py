@@ -217,14 +217,14 @@ class FileBackend(StorageBackend):
 
     async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         """Pages: each pack is framed by the thread that writes it (one hand-off per pack)."""
-        framed: list[FramedObject | None] = [None] * len(keys)  # filled in by the workers
+        sizes = [0] * len(keys)  # each object's bytes, filled in by the workers
 
         def store() -> asyncio.Future:
             self._maybe_rescan()
-            return asyncio.wrap_future(self._submit_store(keys, views, framed))
+            return asyncio.wrap_future(self._submit_store(keys, views, sizes))
 
         statuses = await self._call("batch_put", store)
-        return self._count_stores("batch_put", statuses, framed)
+        return self._count_stores("batch_put", statuses, sizes)
 
     async def _delete(self, keys: list[bytes]) -> int:
         return await self._run(lambda: self._space.remove(keys))
@@ -503,8 +503,7 @@ class FileBackend(StorageBackend):
         its old entry cleared between our open and our read of the table): the name is
         opened once more. A table still without it is damage, for the reader to report.
         """
-        name = key.hex()  # page_path's layout, spelled out: this runs for every pack
-        path = f"{self.root}/{name[0]}/{name[1]}/{name}"
+        path = page_path(self.root, key)
         table = self._open_table(path)
         if isinstance(table, PackTable) and key not in table.entries:
             os.close(table.fd)
@@ -698,12 +697,12 @@ class FileBackend(StorageBackend):
                 raise OSError(error, f"fsync failed: {os.strerror(error)}", str(target))
 
     def _put_natively(
-        self, keys: list[bytes], pages: Sequence[memoryview], framed: list[FramedObject | None]
+        self, keys: list[bytes], pages: Sequence[memoryview], sizes: list[int]
     ) -> list[PageStatus]:
         """A batch of uncompressed pages through the C extension: its packs framed and
         written in one call without the GIL, a thread per pack (`write_packs`), then linked
         in together (`commit`, which links them on several threads too)."""
-        sizes = [self._header_bytes + len(page) for page in pages]
+        sizes[:] = [self._header_bytes + len(page) for page in pages]
         staged: list[StagedPack] = []
         work: list[tuple] = []
         for positions in self._packs(sizes, _NATIVE_PARALLEL_BYTES):
@@ -718,15 +717,11 @@ class FileBackend(StorageBackend):
         # fsync later, with the folders (`_commit`)
         errors = native.pageio.write_packs(work, self._plain, self._layout_bytes, False, threads)
         written = []
-        size = self._header_bytes
-        for pack, (*_, headers), error in zip(staged, work, errors, strict=True):
+        for pack, error in zip(staged, errors, strict=True):
             if error:
                 self._note_page_error(f"{pack.temp_path}: {os.strerror(error)}")
-                continue
-            written.append(pack)
-            view = memoryview(headers)
-            for j, i in enumerate(pack.positions):
-                framed[i] = FramedObject(view[size * j : size * (j + 1)], pages[i])
+            else:
+                written.append(pack)
         if not self.options.fsync:
             return self._commit(written, len(keys))
         unsynced: list[int] = []
@@ -743,13 +738,13 @@ class FileBackend(StorageBackend):
         positions: list[int],
         keys: list[bytes],
         sources: Sequence[memoryview | FramedObject],
-        framed: list[FramedObject | None] | None,
+        sizes: list[int] | None,
     ) -> list[PageStatus]:
-        """One pack of a batch, start to end on this thread: its pages framed (when `framed`
-        is given: `sources` are pages, and their objects go into it), written, linked in.
-        Statuses for the whole batch (ERROR outside `positions`)."""
+        """One pack of a batch, start to end on this thread: its pages framed (when `sizes`
+        is given: `sources` are pages, and their objects' bytes go into it), written, linked
+        in. Statuses for the whole batch (ERROR outside `positions`)."""
         pack_keys = [keys[i] for i in positions]
-        if framed is None:
+        if sizes is None:
             objects = [sources[i] for i in positions]
         else:
             pages = [sources[i] for i in positions]
@@ -758,7 +753,7 @@ class FileBackend(StorageBackend):
                 pack_keys, self.layout, pages, self._compression, threads=threads
             )
             for i, obj in zip(positions, objects, strict=True):
-                framed[i] = obj
+                sizes[i] = obj.nbytes
         staged = self._write_pack(list(zip(positions, pack_keys, objects, strict=True)))
         return self._commit([staged] if staged is not None else [], len(keys))
 
@@ -766,9 +761,11 @@ class FileBackend(StorageBackend):
         self,
         keys: list[bytes],
         sources: Sequence[memoryview | FramedObject],
-        framed: list[FramedObject | None] | None,
+        sizes: list[int] | None,
     ) -> concurrent.futures.Future:
         """Write a batch as packs on the pool, each linked in as soon as it is written.
+        `sources` are pages, framed on the way (each object's bytes put into `sizes`), or
+        objects framed already (`sizes` None).
 
         A batch of several `_PARALLEL_BYTES` is cut into packs written in parallel (one task
         each: frame, write, link); the batch's statuses come when the last is in. The tasks
@@ -777,18 +774,18 @@ class FileBackend(StorageBackend):
         it starts, it never writes anything.) Each pack makes its own room, so a batch larger
         than the free room may evict its own first packs, as the next batch would.
         """
-        if framed is not None and self._native_puts():
-            return self._io.submit(self._put_natively, keys, sources, framed)
-        if framed is None:
-            sizes = [obj.nbytes for obj in sources]
+        if sizes is not None and self._native_puts():
+            return self._io.submit(self._put_natively, keys, sources, sizes)
+        if sizes is None:
+            bounds = [obj.nbytes for obj in sources]
         else:  # an upper bound: lz4 is kept only where it is smaller
-            sizes = [self._header_bytes + len(page) for page in sources]
-        packs = self._packs(sizes)
+            bounds = [self._header_bytes + len(page) for page in sources]
+        packs = self._packs(bounds)
         if len(packs) == 1:
-            return self._io.submit(self._put_pack, packs[0], keys, sources, framed)
+            return self._io.submit(self._put_pack, packs[0], keys, sources, sizes)
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_running_or_notify_cancel()  # the caller may stop waiting, not stop the work
-        tasks = [self._io.submit(self._put_pack, pack, keys, sources, framed) for pack in packs]
+        tasks = [self._io.submit(self._put_pack, pack, keys, sources, sizes) for pack in packs]
         remaining = [len(tasks)]
         lock = threading.Lock()
 
