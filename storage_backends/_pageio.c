@@ -7,6 +7,8 @@
  *     (RWF_NOWAIT: page-cache hits only) straight into the caller's buffers, and check each
  *     page's header and checksum, on this thread and up to `threads - 1` pool threads;
  *   - frame_headers(): build the object headers (checksum included) of a batch of pages;
+ *   - check_copy(): check whole objects held in memory (a network backend's replies) and copy
+ *     each payload into its page, several at once;
  *   - link_all(): hard-link packs' pages into place, several names at once;
  *   - write_packs(): frame and write the packs of a batch, a thread per pack;
  *   - sync_all(): fsync a batch's packs and the folders it linked names into, all at once.
@@ -671,6 +673,83 @@ done:
     return result;
 }
 
+/* -- check_copy ------------------------------------------------------------------------------- */
+
+typedef struct {
+    reads_t reads;     /* keys, plain, layout, verified (no stretches) */
+    Py_buffer *objects; /* whole encoded objects: header then payload */
+    Py_buffer *into;    /* each page's destination, exactly its payload's size */
+} copies_t;
+
+static void check_copy_one(batch_t *batch, size_t unit) {
+    copies_t *copies = batch->data;
+    const Py_buffer *obj = &copies->objects[unit], *into = &copies->into[unit];
+    size_t header_bytes = FIXED_BYTES + copies->reads.layout_len;
+    if ((size_t)obj->len != header_bytes + (size_t)into->len)
+        return; /* not verified: the Python decoder names the reason */
+    const uint8_t *head = obj->buf;
+    uint8_t scratch[PLAIN_BYTES + MAX_LAYOUT_BYTES];
+    if (!check_page(&copies->reads, (Py_ssize_t)unit, head, head + header_bytes,
+                    (size_t)into->len, scratch))
+        return;
+    memcpy(into->buf, head + header_bytes, (size_t)into->len);
+    copies->reads.verified[unit] = 1;
+}
+
+PyDoc_STRVAR(check_copy_doc,
+"check_copy(objects, into, keys, plain, layout, verified, threads) -> None\n\n"
+"For each whole uncompressed object (header then payload, one buffer) check it as\n"
+"read_stretches checks a page - its header against `plain` with the key (16 bytes each,\n"
+"joined in `keys`) and the length of into[i] filled in, `layout`, the checksum - and only\n"
+"then copy its payload into into[i] and set verified[i] = 1. An object that does not check\n"
+"out leaves into[i] untouched. Runs without the GIL, on up to `threads` threads.");
+
+static PyObject *check_copy(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *objects, *into;
+    Py_buffer keys, plain, layout, verified;
+    int threads;
+    if (!PyArg_ParseTuple(args, "O!O!y*y*y*w*i", &PyList_Type, &objects, &PyList_Type, &into,
+                          &keys, &plain, &layout, &verified, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t num = PyList_GET_SIZE(objects);
+    held_t held = {NULL, 0};
+    if (PyList_GET_SIZE(into) != num || plain.len != PLAIN_BYTES || keys.len != KEY_BYTES * num ||
+        verified.len < num || layout.len > MAX_LAYOUT_BYTES) {
+        PyErr_SetString(PyExc_ValueError,
+                        "check_copy: one destination and 16 key bytes per object, plain must "
+                        "be 48 bytes, verified one byte per object");
+        goto done;
+    }
+    held.views = PyMem_Calloc(2 * num + 1, sizeof *held.views);
+    if (held.views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < num; i++)
+        if (hold(&held, PyList_GET_ITEM(objects, i), 0, "check_copy") == NULL)
+            goto done;
+    for (Py_ssize_t i = 0; i < num; i++)
+        if (hold(&held, PyList_GET_ITEM(into, i), 1, "check_copy") == NULL)
+            goto done;
+    copies_t copies = {
+        .reads = {NULL, keys.buf, plain.buf, layout.buf, (size_t)layout.len, verified.buf},
+        .objects = held.views,
+        .into = held.views + num,
+    };
+    batch_t batch = {.num_units = (size_t)num, .run = check_copy_one, .data = &copies};
+    run_without_gil(&batch, threads);
+    result = Py_NewRef(Py_None);
+done:
+    release_all(&held);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&plain);
+    PyBuffer_Release(&layout);
+    PyBuffer_Release(&verified);
+    return result;
+}
+
 /* -- frame_headers ---------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1186,6 +1265,7 @@ static PyObject *simd(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"read_stretches", read_stretches, METH_VARARGS, read_stretches_doc},
     {"frame_headers", frame_headers, METH_VARARGS, frame_headers_doc},
+    {"check_copy", check_copy, METH_VARARGS, check_copy_doc},
     {"link_all", link_all, METH_VARARGS, link_all_doc},
     {"write_packs", write_packs, METH_VARARGS, write_packs_doc},
     {"sync_all", sync_all, METH_VARARGS, sync_all_doc},

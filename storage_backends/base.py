@@ -28,6 +28,7 @@ import abc
 import asyncio
 import enum
 import logging
+import os
 import types
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -45,6 +46,7 @@ from .objects import (
     byte_view,
     check_key,
     decode_object_into,
+    decode_objects_into,
     frame_objects,
     join_parts,
     layout_bytes,
@@ -58,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _timeout = getattr(asyncio, "timeout", None)  # 3.11+: a deadline without a task per call
+_SHARE_BYTES = 1 << 20  # a batch's checksums and copies: a thread per this many bytes ...
+_SHARE_THREADS = 8  # ... and at most this many
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class PageStatus(enum.Enum):
@@ -146,13 +151,30 @@ class StorageBackend(abc.ABC):
         here on the event loop. A backend that copies from worker threads overrides this and
         copies only through `guard` (after the call returns it refuses)."""
         fetched = await self._fetch(keys, [len(view) for view in views])
-        return [  # on the event loop, within the call: no guard needed
-            self._decode_into(key, view, item)
-            for key, view, item in zip(keys, views, fetched, strict=True)
-        ]
+        return self._decode_all(keys, views, fetched)  # on the event loop: no guard needed
+
+    def _decode_all(
+        self, keys: list[bytes], views: list[memoryview], fetched: list[Fetched]
+    ) -> list[ReadInto]:
+        """Verify a batch and copy it into `views`: `_decode_into` for every page at once,
+        checked and copied on a thread per `_SHARE_BYTES` where the C extension is built."""
+        outcomes: list[ReadInto] = list(fetched)  # misses, errors and reasons stay as they are
+        found = [i for i, item in enumerate(fetched) if not _settled(item)]
+        if not found:
+            return outcomes
+        reasons = decode_objects_into(
+            [fetched[i] for i in found],
+            [keys[i] for i in found],
+            self._layout_bytes,
+            [views[i] for i in found],
+            threads=_share(sum(len(views[i]) for i in found)),
+        )
+        for i, reason in zip(found, reasons, strict=True):
+            outcomes[i] = True if reason is None else reason
+        return outcomes
 
     def _decode_into(self, key: bytes, view: memoryview, item: Fetched) -> ReadInto:
-        if item is None or isinstance(item, (PageStatus, CorruptReason)):
+        if _settled(item):
             return item
         reason = decode_object_into(item, key, self._layout_bytes, view)
         return True if reason is None else reason
@@ -431,8 +453,8 @@ class StorageBackend(abc.ABC):
     async def _frame_all(
         self, keys: list[bytes], views: list[memoryview], layout: str
     ) -> list[FramedObject]:
-        if self._compression is Compression.NONE:
-            return frame_objects(keys, layout, views)
+        if self._compression is Compression.NONE:  # checksums on a thread per _SHARE_BYTES
+            return frame_objects(keys, layout, views, threads=_share(sum(map(len, views))))
         loop = asyncio.get_running_loop()  # lz4 releases the GIL: keep it off the event loop
         return await loop.run_in_executor(
             None, frame_objects, keys, layout, views, self._compression
@@ -481,6 +503,17 @@ class StorageBackend(abc.ABC):
         if corrupt:
             self._corrupt.update(corrupt)
             self._warnings.warn("corrupt", f"refused corrupt pages on read: {_describe(corrupt)}")
+
+
+def _settled(item: Fetched) -> bool:
+    """Whether a fetched item is an outcome already (a miss, an error, a reason), not bytes."""
+    return item is None or isinstance(item, (PageStatus, CorruptReason))
+
+
+def _share(nbytes: int) -> int:
+    """Threads that share the checksums (and copies) of `nbytes` of pages: one per
+    `_SHARE_BYTES`, at most `_SHARE_THREADS` (past that, memory bandwidth is the limit)."""
+    return max(1, min(nbytes // _SHARE_BYTES, _SHARE_THREADS, _CPUS))
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -484,6 +484,59 @@ def decode_object_into(
     return None
 
 
+def decode_objects_into(
+    objs: Sequence[ObjectParts],
+    expected_keys: Sequence[bytes],
+    expected_layout: bytes,
+    intos: Sequence[memoryview],
+    *,
+    threads: int = 1,
+) -> list[CorruptReason | None]:
+    """`decode_object_into` for a batch: one None (verified and copied) or reason per object.
+
+    Where the C extension is built, whole uncompressed objects (one buffer each, the common
+    reply of a network backend) are checked and copied by it on up to `threads` threads;
+    anything else, and anything it refused, goes through `decode_object_into`, which names the
+    reason. Either way a destination is written only once its object has checked out.
+    """
+    results: list[CorruptReason | None | bool] = [False] * len(objs)  # False: not decoded yet
+    if native.pageio is not None:
+        size = HEADER_FIXED_BYTES + len(expected_layout)
+        buffers = [_one_buffer(obj) for obj in objs]
+        whole = [
+            i
+            for i, buf in enumerate(buffers)
+            if buf is not None and len(buf) == size + len(intos[i])
+        ]
+        if whole:
+            verified = bytearray(len(whole))
+            native.pageio.check_copy(
+                [buffers[i] for i in whole],
+                [intos[i] for i in whole],
+                b"".join([expected_keys[i] for i in whole]),
+                plain_template(expected_layout),
+                expected_layout,
+                verified,
+                threads,
+            )
+            for i, ok in zip(whole, verified, strict=True):
+                if ok:
+                    results[i] = None
+    for i, result in enumerate(results):
+        if result is False:
+            results[i] = decode_object_into(objs[i], expected_keys[i], expected_layout, intos[i])
+    return results
+
+
+def _one_buffer(obj: ObjectParts) -> Buffer | None:
+    """The object as one buffer where it is one (alone, or the only part); else None."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return obj
+    if len(obj) == 1 and isinstance(obj[0], (bytes, bytearray, memoryview)):
+        return obj[0]
+    return None
+
+
 def _decompress(header: ObjectHeader, payload: list[memoryview]) -> bytes | CorruptReason:
     import lz4.block
 

@@ -10,6 +10,7 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 
+from storage_backends import native
 from storage_backends.objects import (
     HEADER_FIXED_BYTES,
     MAGIC,
@@ -17,10 +18,12 @@ from storage_backends.objects import (
     CorruptReason,
     decode_object,
     decode_object_into,
+    decode_objects_into,
     encode_object,
     frame_object,
     header_size,
     join_parts,
+    layout_bytes,
     parse_header,
     split_object,
     verify_object,
@@ -111,6 +114,40 @@ def test_each_refusal_names_its_reason():
         assert into == b"\xa5" * 2000  # untouched on refusal
     assert decode_object(b"", KEY, LAYOUT) is CorruptReason.TRUNCATED
     assert decode_object(MAGIC + b"\x01", KEY, LAYOUT) is CorruptReason.TRUNCATED
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_batch_decodes_as_each_object_alone(path, threads, monkeypatch):
+    """decode_objects_into: whole objects, one-part and two-part replies, lz4, and every kind
+    of damage, each with decode_object_into's outcome; a refused page is left untouched."""
+    if path == "python":
+        monkeypatch.setattr(native, "pageio", None)
+    elif native.pageio is None:
+        pytest.skip("storage_backends._pageio is not built here")
+    keys = [bytes([i]) * 16 for i in range(9)]
+    payloads = [os.urandom(3000) for _ in keys]
+    blobs = [encode_object(k, LAYOUT, p) for k, p in zip(keys, payloads, strict=True)]
+    packed = encode_object(keys[3], LAYOUT, b"z" * 3000, compression="lz4")
+    objs = [
+        blobs[0],  # whole bytes
+        [blobs[1]],  # the one part of a reply
+        [blobs[2][:100], memoryview(blobs[2])[100:]],  # two parts
+        packed,  # lz4
+        _flip(blobs[4], len(blobs[4]) - 1),  # checksum
+        encode_object(keys[0], LAYOUT, payloads[5]),  # another key's page
+        encode_object(keys[6], LAYOUT + ";x=1", payloads[6]),  # another layout
+        blobs[7][:-1],  # truncated
+        bytearray(blobs[8]),
+    ]
+    want = [None, None, None, None, CorruptReason.CHECKSUM, CorruptReason.KEY]
+    want += [CorruptReason.LAYOUT, CorruptReason.TRUNCATED, None]
+    pool = bytearray(b"\xa5" * 3000 * len(keys))
+    intos = [memoryview(pool)[3000 * i : 3000 * (i + 1)] for i in range(len(keys))]
+    got = decode_objects_into(objs, keys, layout_bytes(LAYOUT), intos, threads=threads)
+    assert got == want
+    expected = [*payloads[:3], b"z" * 3000, *[b"\xa5" * 3000] * 4, payloads[8]]
+    assert [bytes(into) for into in intos] == expected
 
 
 def test_verify_object_checks_all_but_the_layout():

@@ -15,6 +15,7 @@ from storage_backends.objects import (
     Compression,
     _frame,
     check_plain,
+    encode_object,
     frame_objects,
     header_size,
     layout_bytes,
@@ -306,6 +307,30 @@ def test_sync_all_fsyncs_paths_and_open_files_and_reports_each(tmp_path, threads
         pageio.sync_all([1.5], threads)
     with pytest.raises(ValueError):
         pageio.sync_all([-1], threads)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_check_copy_copies_only_what_checks_out(simd, threads):
+    encoded = layout_bytes(LAYOUT)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    pages = [os.urandom(size) for size in (0, 1, 4096, 70_000, 1 << 20, 5000)]
+    objects = [encode_object(k, LAYOUT, p) for k, p in zip(keys, pages, strict=True)]
+    objects[3] = objects[3][:-1] + bytes([objects[3][-1] ^ 1])  # a flipped payload byte
+    objects[5] = encode_object(keys[0], LAYOUT, pages[5])  # another key's object
+    into = [bytearray(b"\xa5" * len(p)) for p in pages]
+    verified = bytearray(len(keys))
+    plain = plain_template(encoded)
+    pageio.check_copy(objects, into, b"".join(keys), plain, encoded, verified, threads)
+    assert list(verified) == [1, 1, 1, 0, 1, 0]
+    assert [bytes(b) for b in into] == [*pages[:3], b"\xa5" * 70_000, pages[4], b"\xa5" * 5000]
+    short = [bytearray(len(pages[2]) - 1)]  # a destination of another size: not verified
+    verified = bytearray(1)
+    pageio.check_copy([objects[2]], short, keys[2], plain, encoded, verified, threads)
+    assert verified == b"\0" and short == [bytearray(len(pages[2]) - 1)]
+    with pytest.raises(ValueError, match="one destination"):
+        pageio.check_copy(objects, into[:1], b"".join(keys), plain, encoded, verified, 1)
+    with pytest.raises(TypeError):
+        pageio.check_copy(objects[:1], [b"read-only"], keys[0], plain, encoded, verified, 1)
 
 
 def write_work(root, keys, pages, layout=LAYOUT, *, serial=0):
