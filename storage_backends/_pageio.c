@@ -482,6 +482,14 @@ static Py_buffer *hold(held_t *held, PyObject *obj, int writable, const char *wh
     return view;
 }
 
+/* Take every item of `list` into held (as hold does); 0 with an exception. */
+static int hold_list(held_t *held, PyObject *list, int writable, const char *what) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++)
+        if (hold(held, PyList_GET_ITEM(list, i), writable, what) == NULL)
+            return 0;
+    return 1;
+}
+
 /* A list of the ints at first, first + stride, ... (n of them): an errno per item, say, kept
  * in an array or in a field of an array of structs. NULL with an exception. */
 static PyObject *int_list(const void *first, size_t stride, Py_ssize_t n) {
@@ -727,12 +735,8 @@ static PyObject *check_copy(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < num; i++)
-        if (hold(&held, PyList_GET_ITEM(objects, i), 0, "check_copy") == NULL)
-            goto done;
-    for (Py_ssize_t i = 0; i < num; i++)
-        if (hold(&held, PyList_GET_ITEM(into, i), 1, "check_copy") == NULL)
-            goto done;
+    if (!hold_list(&held, objects, 0, "check_copy") || !hold_list(&held, into, 1, "check_copy"))
+        goto done;
     copies_t copies = {
         .reads = {NULL, keys.buf, plain.buf, layout.buf, (size_t)layout.len, verified.buf},
         .objects = held.views,
@@ -815,9 +819,8 @@ static PyObject *frame_headers(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < num; i++)
-        if (hold(&held, PyList_GET_ITEM(pages, i), 0, "frame_headers") == NULL)
-            goto done;
+    if (!hold_list(&held, pages, 0, "frame_headers"))
+        goto done;
     frames_t frames = {keys.buf, plain.buf, layout.buf, (size_t)layout.len, held.views,
                        headers.buf};
     batch_t batch = {.num_units = (size_t)num, .run = frame_one, .data = &frames};
@@ -1174,9 +1177,8 @@ static PyObject *write_packs(PyObject *self, PyObject *args) {
         pack->headers = headers->buf;
         pack->num_pages = (int)n;
         pack->pages = &held.views[held.count];
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (hold(&held, PyList_GET_ITEM(pages, i), 0, "write_packs: page") == NULL)
-                goto done;
+        if (!hold_list(&held, pages, 0, "write_packs: page"))
+            goto done;
         pack->iov = iov;
         iov += 1 + 2 * n;
     }
