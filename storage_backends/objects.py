@@ -528,12 +528,16 @@ def decode_objects_into(
     return results
 
 
-def _one_buffer(obj: ObjectParts) -> Buffer | None:
-    """The object as one buffer where it is one (alone, or the only part); else None."""
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return obj
-    if len(obj) == 1 and isinstance(obj[0], (bytes, bytearray, memoryview)):
-        return obj[0]
+def _one_buffer(obj: ObjectParts) -> memoryview | None:
+    """The object as one flat byte view where it is one buffer (alone, or the only part)
+    that C can read as it is; else None."""
+    part = obj if isinstance(obj, (bytes, bytearray, memoryview)) else None
+    if part is None and len(obj) == 1:
+        part = obj[0]
+    if isinstance(part, (bytes, bytearray)):
+        return memoryview(part)
+    if isinstance(part, memoryview) and part.c_contiguous:
+        return part.cast("B") if part.format != "B" or part.ndim != 1 else part
     return None
 
 
