@@ -635,6 +635,52 @@ def test_fsync_mode_syncs_every_pack_and_folder_before_answering(tmp_path, pages
     run(body())
 
 
+def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(
+    tmp_path, pages, monkeypatch, pageio
+):
+    """The disk refuses a flush (EIO, injected at the fsync calls): a put with fsync=true that
+    cannot be made durable is not acknowledged, all False; the store goes on. (The C path
+    syncs the batch after linking it: one fault. The Python path syncs each pack before: an
+    error per page, the pack never linked.)"""
+    root = tmp_path / "kv"
+    keys = [pages.key(i) for i in range(8)]
+    real_fsync = os.fsync
+    failing = [True]
+
+    def fsync(fd):
+        if failing[0]:
+            raise OSError(errno.EIO, "injected")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(file_store_module.os, "fsync", fsync)
+    if native.pageio is not None:
+        real_sync_all = native.pageio.sync_all
+
+        class Failing:
+            def __getattr__(self, name):
+                return getattr(real_sync_all.__self__, name)
+
+            @staticmethod
+            def sync_all(targets, threads):
+                errors = real_sync_all(targets, threads)
+                return [errno.EIO, *errors[1:]] if failing[0] else errors
+
+        monkeypatch.setattr(native, "pageio", Failing())
+
+    async def body():
+        url = f"file://{root}?capacity=64MiB&fsync=true"
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            data = [pages.page(k, 64 << 10) for k in keys]
+            assert await store.batch_put(keys[:4], data[:4]) == [False] * 4
+            assert store.stats().num_errors == (1 if pageio == "c" else 4)
+            failing[0] = False
+            assert await store.batch_put(keys[4:], data[4:]) == [True] * 4
+            assert await store.batch_put(keys[:4], data[:4]) == [True] * 4
+            assert temp_files(root) == [] and ledger(root) == on_disk(root)
+
+    run(body())
+
+
 def test_a_pack_grown_on_disk_still_serves_its_pages(tmp_path, pages):
     """Bytes past a pack's objects are never read (a table that points past the page's size
     is refused unread: `huge_length_in_table` above)."""
