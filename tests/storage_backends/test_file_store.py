@@ -590,6 +590,36 @@ def test_fsync_mode_round_trips(tmp_path, pages):
     run(body())
 
 
+def hook_fsyncs(monkeypatch, seen, *, failing) -> None:
+    """Route the file backend's fsyncs (os.fsync, and the C extension's sync_all) through
+    `seen(target)`, an fd or a path, each then synced for real; while `failing()`, each fails
+    with EIO instead (as a disk that refuses a flush: os.fsync raises, sync_all reports it)."""
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        seen(fd)
+        if failing():
+            raise OSError(errno.EIO, "injected")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(file_store_module.os, "fsync", fsync)
+    if native.pageio is None:
+        return
+    real = native.pageio
+
+    class Hooked:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def sync_all(targets, threads):
+            for target in targets:
+                seen(target)
+            return [errno.EIO] * len(targets) if failing() else real.sync_all(targets, threads)
+
+    monkeypatch.setattr(native, "pageio", Hooked())
+
+
 def test_fsync_mode_syncs_every_pack_and_folder_before_answering(tmp_path, pages, monkeypatch):
     """What put made durable, seen from the calls themselves (they still run): the inode of
     every pack and every folder that got a page name, fsynced before batch_put returned."""
@@ -600,27 +630,7 @@ def test_fsync_mode_syncs_every_pack_and_folder_before_answering(tmp_path, pages
     def note(target) -> None:
         synced.add(os.fstat(target).st_ino if isinstance(target, int) else os.stat(target).st_ino)
 
-    real_fsync = os.fsync
-
-    def fsync(fd):
-        note(fd)
-        return real_fsync(fd)
-
-    monkeypatch.setattr(file_store_module.os, "fsync", fsync)
-    if native.pageio is not None:
-        real_sync_all = native.pageio.sync_all
-
-        class Observed:
-            def __getattr__(self, name):
-                return getattr(real_sync_all.__self__, name)
-
-            @staticmethod
-            def sync_all(targets, threads):
-                for target in targets:
-                    note(target)
-                return real_sync_all(targets, threads)
-
-        monkeypatch.setattr(native, "pageio", Observed())
+    hook_fsyncs(monkeypatch, note, failing=lambda: False)
 
     async def body():
         url = f"file://{root}?capacity=64MiB&fsync=true&io_threads=4"
@@ -644,28 +654,8 @@ def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(
     error per page, the pack never linked.)"""
     root = tmp_path / "kv"
     keys = [pages.key(i) for i in range(8)]
-    real_fsync = os.fsync
     failing = [True]
-
-    def fsync(fd):
-        if failing[0]:
-            raise OSError(errno.EIO, "injected")
-        return real_fsync(fd)
-
-    monkeypatch.setattr(file_store_module.os, "fsync", fsync)
-    if native.pageio is not None:
-        real_sync_all = native.pageio.sync_all
-
-        class Failing:
-            def __getattr__(self, name):
-                return getattr(real_sync_all.__self__, name)
-
-            @staticmethod
-            def sync_all(targets, threads):
-                errors = real_sync_all(targets, threads)
-                return [errno.EIO, *errors[1:]] if failing[0] else errors
-
-        monkeypatch.setattr(native, "pageio", Failing())
+    hook_fsyncs(monkeypatch, lambda target: None, failing=lambda: failing[0])
 
     async def body():
         url = f"file://{root}?capacity=64MiB&fsync=true"
