@@ -978,7 +978,7 @@ typedef struct {
     int num_pages;
     uint8_t *headers;  /* (FIXED_BYTES + layout_len) per page, filled in here */
     struct iovec *iov; /* 1 + 2 * num_pages: the table, then header, payload, ... */
-    int error;         /* errno of the create, write, fsync or close; 0 when written */
+    int error;         /* errno of the create, write or close; 0 when written */
 } pack_t;
 
 typedef struct {
@@ -986,7 +986,6 @@ typedef struct {
     const uint8_t *plain;
     const uint8_t *layout;
     size_t layout_len;
-    int fsync;
 } writes_t;
 
 /* Write the buffers in order, at most WRITE_BYTES per call: a single 2 MiB write into a new
@@ -1088,8 +1087,6 @@ static void write_one(batch_t *batch, size_t unit) {
         return;
     }
     int error = write_all(fd, iov, 1 + 2 * pack->num_pages);
-    if (error == 0 && writes->fsync && fsync(fd) != 0)
-        error = errno;
     if (close(fd) != 0 && error == 0 && errno != EINTR)
         error = errno;
     if (error) {
@@ -1099,20 +1096,19 @@ static void write_one(batch_t *batch, size_t unit) {
 }
 
 PyDoc_STRVAR(write_packs_doc,
-"write_packs(packs, plain, layout, fsync, threads) -> list[int]\n\n"
+"write_packs(packs, plain, layout, threads) -> list[int]\n\n"
 "Write each pack (temp, table, keys, pages, headers) on its own thread, without the GIL:\n"
 "frame its uncompressed pages into `headers` (as frame_headers does), create `temp`\n"
 "(O_EXCL; its two folders made if missing), write the table then each header and page,\n"
-"fsync if asked, close. Returns the errno of each pack: 0 when written; otherwise its\n"
-"temporary file is removed.");
+"close (no fsync: sync_all makes a batch durable once its names are linked). Returns the\n"
+"errno of each pack: 0 when written; otherwise its temporary file is removed.");
 
 static PyObject *write_packs(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *list;
     Py_buffer plain, layout;
-    int fsync_wanted, threads;
-    if (!PyArg_ParseTuple(args, "O!y*y*pi", &PyList_Type, &list, &plain, &layout, &fsync_wanted,
-                          &threads))
+    int threads;
+    if (!PyArg_ParseTuple(args, "O!y*y*i", &PyList_Type, &list, &plain, &layout, &threads))
         return NULL;
     Py_ssize_t num = PyList_GET_SIZE(list);
     PyObject *result = NULL;
@@ -1182,7 +1178,7 @@ static PyObject *write_packs(PyObject *self, PyObject *args) {
         pack->iov = iov;
         iov += 1 + 2 * n;
     }
-    writes_t writes = {packs, plain.buf, layout.buf, (size_t)layout.len, fsync_wanted};
+    writes_t writes = {packs, plain.buf, layout.buf, (size_t)layout.len};
     batch_t batch = {.num_units = (size_t)num, .run = write_one, .data = &writes};
     run_without_gil(&batch, threads);
     result = int_list(&packs[0].error, sizeof *packs, num);

@@ -714,8 +714,7 @@ class FileBackend(StorageBackend):
             staged.append(StagedPack(pack_keys, positions, temp, nbytes))
             work.append((temp, table, b"".join(pack_keys), [pages[i] for i in positions], headers))
         threads = min(len(work), self.options.io_threads, _CPUS)
-        # fsync later, with the folders (`_commit`)
-        errors = native.pageio.write_packs(work, self._plain, self._layout_bytes, False, threads)
+        errors = native.pageio.write_packs(work, self._plain, self._layout_bytes, threads)
         written = []
         for pack, error in zip(staged, errors, strict=True):
             if error:

@@ -352,8 +352,7 @@ def packed(work, layout=LAYOUT):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("fsync", [False, True])
-def test_write_packs_writes_what_the_python_framing_writes(tmp_path, simd, threads, fsync):
+def test_write_packs_writes_what_the_python_framing_writes(tmp_path, simd, threads):
     """Each pack framed and written (pages past 256 KiB take several write calls), the
     folders made where missing."""
     rng = random.Random(5)
@@ -364,7 +363,7 @@ def test_write_packs_writes_what_the_python_framing_writes(tmp_path, simd, threa
         pages = [rng.randbytes(n) for n in pack_sizes]
         work.append(write_work(tmp_path, keys, pages, serial=serial))
     encoded = layout_bytes(LAYOUT)
-    assert pageio.write_packs(work, plain_template(encoded), encoded, fsync, threads) == [0] * 4
+    assert pageio.write_packs(work, plain_template(encoded), encoded, threads) == [0] * 4
     size = header_size(LAYOUT)
     for item in work:
         temp, _, keys, pages, headers = item
@@ -395,9 +394,7 @@ def test_a_pack_that_cannot_be_written_is_removed_and_spares_the_others(tmp_path
         pass
     encoded = layout_bytes(LAYOUT)
     with file_size_limit(1 << 20):
-        errors = pageio.write_packs(
-            [small, big, blocked], plain_template(encoded), encoded, False, 3
-        )
+        errors = pageio.write_packs([small, big, blocked], plain_template(encoded), encoded, 3)
     assert errors == [0, errno.EFBIG, errno.ENOTDIR]
     assert not os.path.exists(big[0])
     with open(small[0], "rb") as f:
@@ -409,17 +406,17 @@ def test_write_packs_refuses_malformed_work(tmp_path):
     plain = plain_template(encoded)
     work = write_work(tmp_path, [b"k" * 16, b"j" * 16], [b"page", b"page"])
     with pytest.raises(ValueError, match="plain must be 48 bytes"):
-        pageio.write_packs([work], b"short", encoded, False, 1)
+        pageio.write_packs([work], b"short", encoded, 1)
     with pytest.raises(TypeError, match=r"\(temp, table, keys, pages, headers\)"):
-        pageio.write_packs([work[:4]], plain, encoded, False, 1)
+        pageio.write_packs([work[:4]], plain, encoded, 1)
     with pytest.raises(ValueError, match="1 to 2\\*\\*20 pages"):
-        pageio.write_packs([(*work[:3], [], work[4])], plain, encoded, False, 1)
+        pageio.write_packs([(*work[:3], [], work[4])], plain, encoded, 1)
     with pytest.raises(ValueError, match="keys must be 16 bytes per page"):
-        pageio.write_packs([(work[0], work[1], b"k" * 17, *work[3:])], plain, encoded, False, 1)
+        pageio.write_packs([(work[0], work[1], b"k" * 17, *work[3:])], plain, encoded, 1)
     with pytest.raises(ValueError, match="headers 56"):
-        pageio.write_packs([(*work[:4], bytearray(3))], plain, encoded, False, 1)
+        pageio.write_packs([(*work[:4], bytearray(3))], plain, encoded, 1)
     with pytest.raises(TypeError, match="write_packs: page"):
-        pageio.write_packs([(*work[:3], [b"page", 7], work[4])], plain, encoded, False, 1)
+        pageio.write_packs([(*work[:3], [b"page", 7], work[4])], plain, encoded, 1)
     with pytest.raises(TypeError, match="writable"):
-        pageio.write_packs([(*work[:4], bytes(work[4]))], plain, encoded, False, 1)
+        pageio.write_packs([(*work[:4], bytes(work[4]))], plain, encoded, 1)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
