@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 LEDGER_NAME = ".hicache-ledger"
 _LEDGER = struct.Struct("<8s5q")
 _LEDGER_MAGIC = b"HCLEDG01"
-_HEX = frozenset("0123456789abcdef")
+_HEX_DIGITS = "0123456789abcdef"
+_HEX = frozenset(_HEX_DIGITS)
 _TEMP_MARK = ".tmp."
 
 
@@ -314,6 +315,18 @@ class DirectorySpace:
 
     def close(self) -> None:
         self.ledger.close()
+
+    def make_folders_durable(self) -> None:
+        """Make all 256 page folders now and fsync the folders above them (for `fsync=true`):
+        a durable put fsyncs the folders its names went into, not the ones above, so a folder
+        made on the way by a put would not survive a power cut with the names in it."""
+        for a in _HEX_DIGITS:
+            for b in _HEX_DIGITS:
+                os.makedirs(f"{self.root}/{a}/{b}", exist_ok=True)
+        for folder in [os.path.dirname(self.root), self.root]:
+            fsync_folder(folder)
+        for a in _HEX_DIGITS:
+            fsync_folder(f"{self.root}/{a}")
 
     # -- scans --------------------------------------------------------------------------------
 
@@ -617,6 +630,15 @@ def _lstat_or_none(path: str) -> os.stat_result | None:
         return os.lstat(path)
     except FileNotFoundError:
         return None
+
+
+def fsync_folder(path: str) -> None:
+    """Make a folder's entries durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def unlink_quiet(path: str) -> None:

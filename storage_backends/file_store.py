@@ -28,7 +28,8 @@ a batch of pages is one task: its packs (one per 1 MiB, at most one per core and
 framed and written by one call on that many threads, then linked in with the ledger locked,
 their names on several threads. Without it each pack is one task: framed, written, linked.
 With `fsync=true` a batch is durable before it is answered: the folders that got its names
-are fsynced all at once after the linking, and on the C path its packs in the same round.
+are fsynced all at once after the linking, and on the C path its packs in the same round
+(the 256 folders themselves are made and made durable when the backend opens).
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too), the engine may hand that L2 page to something else. So the kernel only
@@ -58,7 +59,14 @@ from . import native
 from .base import Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .file_pack import PackTable, pack_table, read_table
-from .file_space import DirectorySpace, StagedPack, page_path, temp_path, unlink_quiet
+from .file_space import (
+    DirectorySpace,
+    StagedPack,
+    fsync_folder,
+    page_path,
+    temp_path,
+    unlink_quiet,
+)
 from .guard import CopyGuard
 from .objects import (
     Compression,
@@ -173,6 +181,8 @@ class FileBackend(StorageBackend):
                 1, thread_name_prefix="hicache-file-scan"
             )
         await self._run(self._space.open)
+        if self.options.fsync:
+            await self._run(self._space.make_folders_durable)
         if self._scan is None:
             self._next_scan_at = time.monotonic() + self.options.scan_interval_s
             self._scan = self._scanner.submit(self._space.initial_scan)
@@ -690,7 +700,7 @@ class FileBackend(StorageBackend):
                 if isinstance(target, int):
                     os.fsync(target)
                 else:
-                    _fsync_dir(target)
+                    fsync_folder(target)
             return
         for target, error in zip(targets, native.pageio.sync_all(targets, threads), strict=True):
             if error:
@@ -1093,14 +1103,6 @@ def _past(buffers: list[memoryview], skip: int) -> list[memoryview]:
         rest.append(view[skip:])
         skip = 0
     return rest
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_url(url: str, *, layout: str | None = None, name: str = "") -> FileBackend:

@@ -645,6 +645,36 @@ def test_fsync_mode_syncs_every_pack_and_folder_before_answering(tmp_path, pages
     run(body())
 
 
+def test_fsync_mode_makes_every_folder_durable_when_it_opens(tmp_path, pages, monkeypatch):
+    """With fsync=true the 256 page folders are made at open and the folders above them
+    fsynced (a put then syncs only the folders its names went into); without, none is made
+    before a page needs it."""
+    synced: set[str] = set()
+
+    def note(target) -> None:
+        path = f"/proc/self/fd/{target}" if isinstance(target, int) else target
+        synced.add(os.path.realpath(path))
+
+    hook_fsyncs(monkeypatch, note, failing=lambda: False)
+    hexes = "0123456789abcdef"
+
+    async def body():
+        for fsync in ("true", "false"):
+            root = tmp_path / fsync / "kv"
+            url = f"file://{root}?capacity=1MiB&fsync={fsync}"
+            async with open_backend(url, layout=pages.LAYOUT) as store:
+                await store.connect()
+            folders = sorted(p.relative_to(root).as_posix() for p in root.glob("*/*"))
+            if fsync == "true":
+                assert folders == [f"{a}/{b}" for a in hexes for b in hexes]
+                above = [root.parent, root, *(root / a for a in hexes)]
+                assert {os.path.realpath(p) for p in above} <= synced
+            else:
+                assert folders == []
+
+    run(body())
+
+
 def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(
     tmp_path, pages, monkeypatch, pageio
 ):
@@ -654,12 +684,14 @@ def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(
     error per page, the pack never linked.)"""
     root = tmp_path / "kv"
     keys = [pages.key(i) for i in range(8)]
-    failing = [True]
+    failing = [False]
     hook_fsyncs(monkeypatch, lambda target: None, failing=lambda: failing[0])
 
     async def body():
         url = f"file://{root}?capacity=64MiB&fsync=true"
         async with open_backend(url, layout=pages.LAYOUT) as store:
+            await store.connect()
+            failing[0] = True
             data = [pages.page(k, 64 << 10) for k in keys]
             assert await store.batch_put(keys[:4], data[:4]) == [False] * 4
             assert store.stats().num_errors == (1 if pageio == "c" else 4)
