@@ -62,7 +62,8 @@ T = TypeVar("T")
 _timeout = getattr(asyncio, "timeout", None)  # 3.11+: a deadline without a task per call
 _SHARE_BYTES = 1 << 20  # a batch's checksums and copies: a thread per this many bytes ...
 _SHARE_THREADS = 8  # ... and at most this many
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+# The cores this process may run on (what thread counts are capped by, here and in backends).
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class PageStatus(enum.Enum):
@@ -513,7 +514,7 @@ def _settled(item: Fetched) -> bool:
 def _share(nbytes: int) -> int:
     """Threads that share the checksums (and copies) of `nbytes` of pages: one per
     `_SHARE_BYTES`, at most `_SHARE_THREADS` (past that, memory bandwidth is the limit)."""
-    return max(1, min(nbytes // _SHARE_BYTES, _SHARE_THREADS, _CPUS))
+    return max(1, min(nbytes // _SHARE_BYTES, _SHARE_THREADS, CPUS))
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from . import native
+from .base import CPUS as _CPUS  # a module name of its own: tests set it
 from .base import Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .file_pack import PackTable, pack_table, read_table
@@ -89,7 +90,6 @@ _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much pe
 _STRETCH_PAGES = 64  # ... and at most this many pages
 _HELPER_BYTES = 2 << 20  # a batch's page-cache copies take a thread per this much (see below)
 _NATIVE_HELPER_BYTES = 512 << 10  # ... this much when the C reader does them (no GIL)
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _WRITE_BYTES = 256 << 10  # at most this much per write call (see _write_all)
 _PARALLEL_BYTES = 2 << 20  # batches of several times this are cut into packs written in parallel
