@@ -30,7 +30,10 @@ from benchmarks.common import device_name, emit  # noqa: E402
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig  # noqa: E402
 from hicache.controller import HiCache  # noqa: E402
 from hicache.executor import RealExecutor  # noqa: E402
+from radix.keys import Namespace
 from tiers.layout import KVLayout  # noqa: E402
+
+NS = Namespace(model_id="bench-controller", layout="bench")  # every prompt's namespace
 
 
 class TimedExecutor(RealExecutor):
@@ -82,10 +85,10 @@ def run_policy(layout, prompts, policy: str, l1_pages: int, l2_pages: int, l3_di
     cache = HiCache(config, executor)
     start = time.perf_counter()
     for tokens in prompts:
-        match = cache.match(tokens[:-1])
+        match = cache.match(tokens[:-1], NS)
         new_pages = len(tokens) // layout.page_size - match.num_pages
         ids = cache.alloc_device_pages(new_pages)
-        cache.insert(tokens, match.device_page_ids + ids)
+        cache.insert(tokens, match.device_page_ids + ids, NS)
         cache.release(match)
     cache.flush()
     elapsed = time.perf_counter() - start
@@ -148,7 +151,7 @@ def part_overlap(args) -> None:
     tokens = list(range(num_pages * layout.page_size + 1))
     ids = cache.alloc_device_pages(num_pages)
     cache.device_pool.kv[:, ids].normal_()
-    cache.insert(tokens, ids)
+    cache.insert(tokens, ids, NS)
     cache.flush()
     work = torch.randn(args.compute_rows, 4096, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -168,7 +171,7 @@ def part_overlap(args) -> None:
 
     def load_only():
         cache.evict("l1", num_pages)
-        match = cache.match(tokens)
+        match = cache.match(tokens, NS)
         for layer in range(layout.num_layers):
             cache.wait_layer(match, layer)
         torch.cuda.current_stream().synchronize()
@@ -177,7 +180,7 @@ def part_overlap(args) -> None:
 
     def overlapped():
         cache.evict("l1", num_pages)
-        match = cache.match(tokens)
+        match = cache.match(tokens, NS)
         for layer in range(layout.num_layers):
             cache.wait_layer(match, layer)  # the compute stream waits for this layer only
             layer_compute(repeats)

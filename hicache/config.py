@@ -101,9 +101,16 @@ class L3Config:
     write_policy: str = "on_backup"  # when L2 pages go to L3: on backup, or on L2 eviction
     exists_timeout_s: float = 0.5
     prefetch_chunk_pages: int = 32  # pages per read; a prefetch is usable chunk by chunk
+    # Pages known only to L3 that the index keeps (least recently used forgotten first; a
+    # lookup past a match finds them again). 0: what the backend says it can hold, else 2**20.
+    max_indexed_pages: int = 0
 
     def __post_init__(self) -> None:
         _one_of("L3Config", "write_policy", self.write_policy, L3_WRITE_POLICIES)
+        _require(
+            self.max_indexed_pages >= 0,
+            f"L3Config.max_indexed_pages must be >= 0, got {self.max_indexed_pages}",
+        )
         _require(
             self.url is None or "://" in self.url,
             f"L3Config.url must be a backend URL like file:///path, got {self.url!r}",
@@ -234,6 +241,7 @@ ENV_VARIABLES = {
     "HICACHE_L2_PIN": ("l2", "pin_memory", _bool),
     "HICACHE_L3_URL": ("l3", "url", str),
     "HICACHE_L3_WRITE_POLICY": ("l3", "write_policy", str),
+    "HICACHE_L3_MAX_INDEXED_PAGES": ("l3", "max_indexed_pages", int),
     "HICACHE_WRITE_POLICY": ("policy", "write_policy", str),
     "HICACHE_WRITE_THROUGH_THRESHOLD": ("policy", "write_through_threshold", int),
     "HICACHE_PREFETCH_POLICY": ("policy", "prefetch_policy", str),

@@ -23,12 +23,16 @@ from hicache.config import HiCacheConfig
 from hicache.errors import BackgroundTransferError, HiCacheError
 from hicache.metrics import HiCacheStats, Metrics
 from hicache.ops import Executor, LoadOp, OpKind, PrefetchOp, TransferOp
-from hicache.transfers import LANDED_FROM_L3, PageMovement
+from hicache.transfers import FAILED_LOAD, INDEX, PageMovement, _op_owner
 from radix.keys import Namespace, encode_tokens
 from radix.node import Node, Tier
-from radix.tree import DEFAULT_NAMESPACE, MatchResult, RadixTree
+from radix.tree import MatchResult, RadixTree
 from tiers.allocator import PageAllocator
-from tiers.errors import PoolExhaustedError
+from tiers.errors import PageIdError, PoolExhaustedError
+
+# Owners of L1 / L2 page ids (besides an op in flight, `_op_owner(op)`): every allocated
+# page is held by exactly one of these, and the pools record which (`PageAllocator`).
+REQUEST = "a request"  # allocated by alloc_device_pages, not inserted or freed yet
 
 
 @dataclass(eq=False)
@@ -42,7 +46,7 @@ class Match:
 
     namespace: Namespace
     num_tokens: int
-    device_page_ids: list[int]
+    num_pages: int
     num_l1_pages: int  # already in L1
     num_l2_pages: int  # loaded from L2 for this match
     num_l3_pages: int  # fetched from L3 (through L2) for this match
@@ -51,8 +55,17 @@ class Match:
     released: bool = False
 
     @property
-    def num_pages(self) -> int:
-        return len(self.device_page_ids)
+    def device_page_ids(self) -> list[int]:
+        """The L1 page of each matched page, in order, read off the locked run now.
+
+        The locked runs' pages never move, so the list stays right until `release`; it is
+        computed from the index when asked (a run split since the match changes nothing).
+        """
+        if self.released:
+            raise HiCacheError("this match was released: its pages are no longer held")
+        if self._node is None:
+            return []
+        return [page for run in RadixTree.path(self._node) for page in run.device_page_ids]
 
 
 class CachedPrefix(NamedTuple):
@@ -68,10 +81,10 @@ class _NoPool:
 
     num_pages = num_free = num_used = 0
 
-    def alloc(self, num_pages: int) -> list[int]:
+    def alloc(self, num_pages: int, owner: object = None) -> list[int]:
         raise PoolExhaustedError("L2", num_pages, 0, 0)
 
-    def free(self, page_ids) -> None:
+    def free(self, page_ids, owner: object = None) -> None:
         if list(page_ids):
             raise HiCacheError("freeing L2 pages in a cache without L2")
 
@@ -100,11 +113,14 @@ class HiCache(PageMovement):
         )
         self._lock = threading.RLock()
         self._inflight: dict[int, TransferOp] = {}
+        self._failed_loads: list[Node] = []  # runs whose L1 copy a failed load left wrong
         self._error: BaseException | None = None
         self._metrics = Metrics()
         self._policy = config.policy
+        self._max_l3_pages = 0  # L3-only pages the index keeps (set when L3 is attached)
         if config.l3.url:
             executor.attach_l3(config.l3.url)
+            self._max_l3_pages = self._l3_index_limit()
 
     # ------------------------------------------------------------------ engine API
 
@@ -112,16 +128,16 @@ class HiCache(PageMovement):
     def executor(self) -> Executor:
         return self._executor
 
-    def match(self, tokens, namespace: Namespace | None = None) -> Match:
+    def match(self, tokens, namespace: Namespace, *, priority: int = 0) -> Match:
         """The longest cached prefix of `tokens`, ready for the engine to attend over.
 
         L1 pages are usable at once; L2 pages are loaded into fresh L1 pages layer by layer
         (`wait_layer`); pages only in L3 are prefetched into L2 and loaded in turn, waiting
         as the prefetch policy says. L3 trouble (down, slow, corrupt pages) makes the match
-        shorter; it never raises. The result is locked until `release`.
+        shorter; it never raises. The result is locked until `release`. `priority` is the
+        request's (the `priority` eviction policy keeps high-priority runs longest).
         """
-        namespace = namespace or DEFAULT_NAMESPACE
-        data = encode_tokens(tokens)
+        data = _request_tokens(tokens, namespace)
         with self._lock:
             self._check_background()
             self._apply_completions()
@@ -135,16 +151,15 @@ class HiCache(PageMovement):
             self._apply_completions()
             if prefetch is not None and not prefetch.done:
                 self._metrics.prefetches_cut_short += 1
-            return self._finish_match(data, namespace)
+            return self._finish_match(data, namespace, priority)
 
-    def prefetch(self, tokens, namespace: Namespace | None = None) -> int:
+    def prefetch(self, tokens, namespace: Namespace) -> int:
         """Start fetching the L3 part of `tokens`' prefix into L2, without waiting.
 
         For a scheduler to call when a request is queued, so that by the time it runs
         (`match`) its pages have arrived. Returns the number of pages being fetched.
         """
-        namespace = namespace or DEFAULT_NAMESPACE
-        data = encode_tokens(tokens)
+        data = _request_tokens(tokens, namespace)
         with self._lock:
             self._check_background()
             self._apply_completions()
@@ -152,15 +167,15 @@ class HiCache(PageMovement):
             op = self._start_prefetch(data, namespace, first)
             return op.num_pages if op is not None else 0
 
-    def cached_prefix(self, tokens, namespace: Namespace | None = None) -> CachedPrefix:
+    def cached_prefix(self, tokens, namespace: Namespace) -> CachedPrefix:
         """How much of `tokens`' prefix each tier holds, by the index alone.
 
         Changes nothing a match would: no eviction order, no hit, no transfer, no lock.
         For a router choosing the instance with the longest cached prefix.
         """
-        data = encode_tokens(tokens)
+        data = _request_tokens(tokens, namespace)
         with self._lock:
-            found = self._tree.match_prefix(data, namespace or DEFAULT_NAMESPACE, touch=False)
+            found = self._tree.match_prefix(data, namespace, touch=False)
             return CachedPrefix(found.num_l1_pages, found.num_l2_pages, found.num_l3_pages)
 
     def poll(self) -> None:
@@ -181,27 +196,47 @@ class HiCache(PageMovement):
             return pools[tier].num_used
 
     def wait_layer(self, match: Match, layer: int) -> None:
-        """Block until layer `layer` of every page `match` loads is in L1."""
+        """Block until layer `layer` of every page `match` loads is in L1.
+
+        Raises BackgroundTransferError if a load of this match failed: its pages hold
+        wrong KV, and the request must not use them (release the match and recompute).
+        """
         for load in match._loads:
             self._executor.wait_layer(load, layer)
+            if load.error is not None:
+                raise BackgroundTransferError(
+                    f"loading this match's pages into L1 failed: {load.error!r}"
+                ) from load.error
 
-    def insert(self, tokens, device_page_ids, namespace: Namespace | None = None) -> int:
+    def insert(self, tokens, device_page_ids, namespace: Namespace, *, priority: int = 0) -> int:
         """Hand a request's full pages to the cache; returns how many pages were new.
 
-        `device_page_ids[i]` holds page i of `tokens` (ids beyond the full pages stay the
-        caller's). Pages the cache already held are freed here, so the caller never frees
-        any of the full pages' ids afterwards. The write policy then schedules backups.
+        `device_page_ids[i]` holds page i of `tokens`: the match's own ids for its prefix,
+        then pages from `alloc_device_pages` (ids beyond the full pages stay the caller's).
+        Pages the cache already held are freed here, so the caller never frees any of the
+        full pages' ids afterwards. The write policy then schedules backups.
         """
-        namespace = namespace or DEFAULT_NAMESPACE
-        data = encode_tokens(tokens)
+        data = _request_tokens(tokens, namespace)
+        num_pages = len(data) // 4 // self.page_size
+        ids = list(device_page_ids[:num_pages])
         with self._lock:
             self._check_background()
             self._apply_completions()
-            result = self._tree.insert(data, device_page_ids, namespace)
-            if result.duplicate_device_page_ids:
-                self._device.free(result.duplicate_device_page_ids)
+            self._check_insert_ids(data, namespace, ids)
+            result = self._tree.insert(data, ids, namespace)
+            duplicates = set(result.duplicate_device_page_ids)
+            if duplicates:
+                self._device.free(result.duplicate_device_page_ids, REQUEST)
+            adopted = [page for page in ids if page not in duplicates]
+            self._device.give(
+                [page for page in adopted if self._device.owner_of(page) == REQUEST],
+                REQUEST,
+                INDEX,
+            )
+            if priority:
+                self._tree.raise_priority(result.last_node, priority)
             self._metrics.inserted_pages += result.num_new_pages
-            self._metrics.duplicate_pages += len(result.duplicate_device_page_ids)
+            self._metrics.duplicate_pages += len(duplicates)
             if self._policy.write_policy == "write_through" and self._host.num_pages:
                 self._backup_path(result.last_node)
             return result.num_new_pages
@@ -225,12 +260,15 @@ class HiCache(PageMovement):
             self._check_background()
             self._apply_completions()
             self._make_room(Tier.L1, num_pages)
-            return self._device.alloc(num_pages)
+            return self._device.alloc(num_pages, REQUEST)
 
     def free_device_pages(self, device_page_ids) -> None:
         """Give back L1 pages the caller allocated and did not insert."""
         with self._lock:
-            self._device.free(device_page_ids)
+            try:
+                self._device.free(device_page_ids, REQUEST)
+            except PageIdError as error:
+                raise HiCacheError(f"free_device_pages: {error}") from None
 
     def evict(self, tier: str, num_pages: int) -> int:
         """Free up to `num_pages` unlocked pages of "l1" or "l2" now (with the same
@@ -288,13 +326,18 @@ class HiCache(PageMovement):
         with self._lock:
             self._drain()
             self._executor.attach_l3(url)
+            self._max_l3_pages = self._l3_index_limit()
 
     def detach_l3(self) -> None:
-        """Stop using L3 (waits for in-flight transfers); the index forgets L3 copies."""
+        """Stop using L3 (waits for in-flight transfers); the index forgets L3 copies.
+
+        Matches may be held meanwhile: the pages they use stay where they are.
+        """
         with self._lock:
             self._drain()
-            self._executor.attach_l3(None)
             self._tree.forget_all_l3()
+            self._executor.attach_l3(None)
+            self._max_l3_pages = 0
 
     def close(self) -> None:
         with self._lock:
@@ -304,44 +347,59 @@ class HiCache(PageMovement):
                 self._executor.close()
 
     def check_invariants(self) -> None:
-        """The index's invariants, plus: the pools account for every page the index holds."""
+        """The index's invariants, and exact ownership: every L1 and L2 page the index
+        maps is owned by the index and every page the index owns is mapped by exactly one
+        run; every page an op owns belongs to an op in flight."""
         with self._lock:
             self._tree.check_invariants()
             self._device.check_invariants()
             self._host.check_invariants()
+            mapped: dict[Tier, list[int]] = {Tier.L1: [], Tier.L2: []}
+            for node in self._tree.nodes():
+                if node.device_page_ids is not None:
+                    mapped[Tier.L1].extend(node.device_page_ids)
+                if node.host_page_ids is not None:
+                    mapped[Tier.L2].extend(node.host_page_ids)
+            ops = {_op_owner(op) for op in self._inflight.values()}
             for tier, pool in ((Tier.L1, self._device), (Tier.L2, self._host)):
-                if self._tree.num_pages(tier) > pool.num_used:
-                    raise HiCacheError(
-                        f"the index holds {self._tree.num_pages(tier)} {tier.name} pages, "
-                        f"the pool has only {pool.num_used} in use"
-                    )
+                _check_ownership(tier, pool, mapped[tier], ops)
 
     # ------------------------------------------------------------------ match internals
 
-    def _finish_match(self, data: bytes, namespace: Namespace) -> Match:
-        """Load the L2 part of the (now current) match into L1, lock it, count the hits."""
+    def _finish_match(self, data: bytes, namespace: Namespace, priority: int) -> Match:
+        """Load the L2 part of the (now current) match into L1, lock it, count the hits.
+
+        The match's run is locked first, so nothing it holds can leave a tier while room
+        is made; its page ids are read off the locked run afterwards (`Match`), never off
+        a list of runs taken before pages moved.
+        """
         current = self._tree.match_prefix(data, namespace, touch=False)
-        # Where each page comes from: L1 as is; L2; or L3, for pages a prefetch landed.
-        from_l3 = [run.num_pages for run in current.l2_nodes if run.meta is LANDED_FROM_L3]
         usable = current.l1_nodes + current.l2_nodes
-        if current.l2_nodes:
-            loaded = self._load_into_l1(current.l2_nodes)
-            usable = current.l1_nodes + loaded
-        device_ids = [page for node in usable for page in node.device_page_ids]
+        usable = usable[: self._first_failed(usable)]
         node = usable[-1] if usable else None
+        num_loaded = num_from_l3 = 0
+        loads: list[LoadOp] = []
         if node is not None:
             self._tree.lock(node)
-        loads = []
-        for run in usable:
+            node, load, num_from_l3 = self._load_into_l1(node)
+            if load is not None:
+                loads.append(load)
+                num_loaded = load.num_pages
+        path = RadixTree.path(node) if node is not None else []
+        for run in path:
             if isinstance(run.meta, LoadOp) and run.meta not in loads:
                 loads.append(run.meta)
-        num_l1 = current.num_l1_pages
-        num_l3 = min(sum(from_l3), len(device_ids) - num_l1)
-        num_l2 = len(device_ids) - num_l1 - num_l3
-        for tier, pages in (("l1", num_l1), ("l2", num_l2), ("l3", num_l3)):
+        if node is not None and priority:
+            self._tree.raise_priority(node, priority)
+        num_pages = sum(run.num_pages for run in path)
+        for tier, pages in (
+            ("l1", num_pages - num_loaded),
+            ("l2", num_loaded - num_from_l3),
+            ("l3", num_from_l3),
+        ):
             self._metrics.record_hit(tier, pages, self.page_size)
         if self._policy.write_policy == "write_through_selective" and self._host.num_pages:
-            for run in current.l1_nodes:
+            for run in path:
                 if (
                     run.host_page_ids is None
                     and run.hit_count >= self._policy.write_through_threshold
@@ -349,14 +407,41 @@ class HiCache(PageMovement):
                     self._backup(run)
         return Match(
             namespace=namespace,
-            num_tokens=len(device_ids) * self.page_size,
-            device_page_ids=device_ids,
-            num_l1_pages=num_l1,
-            num_l2_pages=num_l2,
-            num_l3_pages=num_l3,
+            num_tokens=num_pages * self.page_size,
+            num_pages=num_pages,
+            num_l1_pages=num_pages - num_loaded,
+            num_l2_pages=num_loaded - num_from_l3,
+            num_l3_pages=num_from_l3,
             _node=node,
             _loads=loads,
         )
+
+    def _first_failed(self, runs: list[Node]) -> int:
+        """How many leading runs are usable: a run a failed load left wrong, and every run
+        below it, are not (they are dropped as soon as nothing holds them)."""
+        for index, run in enumerate(runs):
+            if run.meta is FAILED_LOAD:
+                return index
+        return len(runs)
+
+    def _check_insert_ids(self, data: bytes, namespace: Namespace, ids: list[int]) -> None:
+        """Validate before anything changes: each id is the caller's own (from
+        alloc_device_pages), or the page the index already maps at that very position."""
+        held = self._tree.match_prefix(data, namespace, touch=False).device_page_ids
+        if len(set(ids)) != len(ids):
+            raise HiCacheError("insert: a device page id is listed twice")
+        for position, page in enumerate(ids):
+            if position < len(held) and page == held[position]:
+                continue
+            try:
+                owner = self._device.owner_of(page)
+            except PageIdError as error:
+                raise HiCacheError(f"insert: page {position} of the prompt: {error}") from None
+            if owner != REQUEST:
+                raise HiCacheError(
+                    f"insert: device page {page} (page {position} of the prompt) is not the "
+                    f"caller's to insert: {owner or 'nobody'} holds it"
+                )
 
     # ------------------------------------------------------------------ L3 lookup
 
@@ -389,7 +474,23 @@ class HiCache(PageMovement):
         if num_pages < self._policy.prefetch_min_pages:
             return None
         current = self._tree.match_prefix(data, namespace, touch=False)
-        return self._submit_prefetch(current.l3_nodes)
+        op = self._submit_prefetch(current.l3_nodes[-1]) if current.l3_nodes else None
+        self._trim_l3_index()
+        return op
+
+    def _l3_index_limit(self) -> int:
+        """L3-only pages the index may keep: the configured number, else as many pages as
+        the backend says it can hold, else a million. Past it the index forgets the least
+        recently used (a lookup past a match finds them again if L3 still has them)."""
+        if self.config.l3.max_indexed_pages:
+            return self.config.l3.max_indexed_pages
+        capacity = self._executor.l3_capacity_pages()
+        return capacity if capacity else 1 << 20
+
+    def _trim_l3_index(self) -> None:
+        excess = self._tree.num_pages_at_level(Tier.L3) - self._max_l3_pages
+        if excess > 0 and self._max_l3_pages:
+            self._tree.forget_l3(excess)
 
     def _check_background(self) -> None:
         if self._error is not None:
@@ -397,6 +498,40 @@ class HiCache(PageMovement):
             raise BackgroundTransferError(
                 f"a background transfer failed (its pages were dropped): {error!r}"
             ) from error
+
+
+def _request_tokens(tokens, namespace) -> bytes:
+    """A request's tokens in the index encoding, once its namespace has been checked."""
+    if not isinstance(namespace, Namespace):
+        raise TypeError(
+            f"namespace must be a radix.keys.Namespace (model, layout, tenant), got {namespace!r}"
+        )
+    return encode_tokens(tokens)
+
+
+def _check_ownership(tier: Tier, pool, mapped: list[int], ops: set[str]) -> None:
+    """Page by page: the index maps exactly the pages the index owns; ops own only while
+    in flight; everything else is a request's or free."""
+    if isinstance(pool, _NoPool):
+        if mapped:
+            raise HiCacheError(f"the index maps {len(mapped)} {tier.name} pages, and no L2")
+        return
+    owned = set(pool.owned_by(INDEX))
+    for page in mapped:
+        if pool.owner_of(page) != INDEX:
+            raise HiCacheError(
+                f"{tier.name} page {page} is mapped by the index but owned by "
+                f"{pool.owner_of(page) or 'nobody (free)'}"
+            )
+    unmapped = owned.difference(mapped)
+    if unmapped:
+        raise HiCacheError(
+            f"{tier.name} pages {sorted(unmapped)[:5]} are owned by the index, which maps none"
+        )
+    for page in range(pool.num_pages):
+        owner = pool.owner_of(page)
+        if owner not in (None, INDEX, REQUEST) and owner not in ops:
+            raise HiCacheError(f"{tier.name} page {page} is owned by {owner}, not in flight")
 
 
 __all__ = ["CachedPrefix", "HiCache", "Match", "PoolExhaustedError"]

@@ -27,6 +27,7 @@ from hicache.ops import (
     WriteL3Op,
 )
 from storage_backends.errors import StorageError
+from storage_backends.objects import header_size
 from storage_backends.registry import open_backend
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
@@ -164,6 +165,14 @@ class RealExecutor(Executor):
 
     def l3_stats(self):
         return self._backend.stats() if self._backend is not None else None
+
+    def l3_capacity_pages(self) -> int | None:
+        stats = self.l3_stats()
+        if stats is None or not stats.capacity_bytes:
+            return None
+        descriptor = self._layout.descriptor()
+        object_bytes = header_size(descriptor) + self._layout.bytes_per_page
+        return max(1, stats.capacity_bytes // object_bytes)
 
     def attach_l3(self, url: str | None) -> None:
         if self._backend is not None:

@@ -115,6 +115,10 @@ class Executor(abc.ABC):
     def l3_stats(self):
         """The attached backend's counters (with `errors` and `corrupt`), or None."""
 
+    def l3_capacity_pages(self) -> int | None:
+        """How many pages the attached L3 can hold at most, where it says (else None)."""
+        return None
+
     @property
     @abc.abstractmethod
     def num_device_pages(self) -> int:

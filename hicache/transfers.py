@@ -32,10 +32,19 @@ from hicache.ops import (
     WriteL3Op,
 )
 from radix.node import Node, Tier
+from radix.tree import RadixTree
 
 logger = logging.getLogger(__name__)
 
 LANDED_FROM_L3 = "landed from L3"  # a run's meta: in L2 by prefetch, not yet used by a match
+FAILED_LOAD = "failed load"  # a run's meta: its L1 copy is wrong (its load failed)
+INDEX = "the index"  # the owner of the L1 / L2 pages the index maps (as in the controller)
+
+
+def _op_owner(op: TransferOp) -> str:
+    """The owner of pages an op holds that the index does not map yet."""
+    return f"{op.kind.value} op {op.op_id}"
+
 
 _DIRECTION = {
     OpKind.BACKUP: "l1_to_l2",
@@ -64,20 +73,18 @@ class PageMovement:
 
     # ------------------------------------------------------------------ loads
 
-    def _fit_runs(self, runs: list[Node], tier: Tier) -> list[Node]:
-        """Make room in `tier` for a chain of runs; return the leading runs that fit (the
-        last one cut to what fits). The chain is locked meanwhile: eviction must not take it.
-        """
+    def _fit_chain(self, tail: Node, level: Tier) -> list[Node]:
+        """Make room one tier above `level` for the runs at `level` that end the path to
+        `tail` (locked by the caller); return the leading ones that fit, the last one cut
+        to what fits. The chain is read off the path again after making room: making room
+        applies finished ops, and a partial L3 write splits runs."""
+        tier = Tier(level - 1)
         pool = self._device if tier == Tier.L1 else self._host
-        self._tree.lock(runs[-1])
-        try:
-            wanted = sum(run.num_pages for run in runs)
-            self._make_room(tier, wanted)
-            available = min(wanted, pool.num_free)
-        finally:
-            self._tree.unlock(runs[-1])
+        wanted = sum(run.num_pages for run in self._trailing(tail, level))
+        self._make_room(tier, wanted)
+        available = min(wanted, pool.num_free)
         fitting: list[Node] = []
-        for run in runs:
+        for run in self._trailing(tail, level):
             if available <= 0:
                 break
             if run.num_pages > available:
@@ -86,50 +93,85 @@ class PageMovement:
             available -= run.num_pages
         return fitting
 
-    def _load_into_l1(self, l2_runs: list[Node]) -> list[Node]:
-        """Give the L2 runs L1 pages and start loading them; returns the runs loaded."""
-        loaded = self._fit_runs(l2_runs, Tier.L1)
+    @staticmethod
+    def _trailing(tail: Node, level: Tier) -> list[Node]:
+        """The runs at `level` that end the path to `tail`, first to last."""
+        runs = []
+        node = tail
+        while node.num_pages and node.level == level:
+            runs.append(node)
+            node = node.parent
+        runs.reverse()
+        return runs
+
+    def _move_lock(self, old: Node, new: Node | None) -> Node | None:
+        """Hold `new` (an ancestor of `old`, or None for nothing) instead of `old`."""
+        if new is not old:
+            if new is not None:
+                self._tree.lock(new)
+            self._tree.unlock(old)
+        return new
+
+    def _load_into_l1(self, tail: Node) -> tuple[Node | None, LoadOp | None, int]:
+        """Load the L2 runs at the end of the locked path to `tail` into L1.
+
+        Returns the run the match holds now (the lock moves up when not all of them fit;
+        None when nothing is left), the load (None if none), and how many of its pages a
+        prefetch had brought from L3.
+        """
+        if tail.level != Tier.L2:
+            return tail, None, 0
+        loaded = self._fit_chain(tail, Tier.L2)
         if not loaded:
-            return []
-        device_ids = self._device.alloc(sum(run.num_pages for run in loaded))
-        host_ids = []
+            parent = self._trailing(tail, Tier.L2)[0].parent
+            return self._move_lock(tail, parent if parent.num_pages else None), None, 0
+        num_pages = sum(run.num_pages for run in loaded)
+        from_l3 = sum(run.num_pages for run in loaded if run.meta is LANDED_FROM_L3)
+        device_ids = self._device.alloc(num_pages, INDEX)
+        op = LoadOp(
+            kind=OpKind.LOAD,
+            num_pages=num_pages,
+            num_bytes=num_pages * self.layout.bytes_per_page,
+            host_page_ids=[page for run in loaded for page in run.host_page_ids],
+            device_page_ids=device_ids,
+        )
+        if not self._submit(op, loaded):
+            self._device.free(device_ids, INDEX)
+            parent = loaded[0].parent
+            return self._move_lock(tail, parent if parent.num_pages else None), None, 0
         offset = 0
         for run in loaded:
             self._tree.set_device(run, device_ids[offset : offset + run.num_pages])
-            host_ids.extend(run.host_page_ids)
-            offset += run.num_pages
-        op = LoadOp(
-            kind=OpKind.LOAD,
-            num_pages=len(device_ids),
-            num_bytes=len(device_ids) * self.layout.bytes_per_page,
-            host_page_ids=host_ids,
-            device_page_ids=device_ids,
-        )
-        for run in loaded:
             run.meta = op
-        self._submit(op, loaded)
-        return loaded
+            offset += run.num_pages
+        return self._move_lock(tail, loaded[-1]), op, from_l3
 
     # ------------------------------------------------------------------ L3 prefetch
 
-    def _submit_prefetch(self, runs: list[Node]) -> PrefetchOp | None:
-        chosen = self._fit_runs(runs, Tier.L2)
+    def _submit_prefetch(self, tail: Node) -> PrefetchOp | None:
+        """Fetch the L3-only runs that end the path to `tail` into L2 (as many as fit)."""
+        self._tree.lock(tail)
+        try:
+            chosen = self._fit_chain(tail, Tier.L3)
+        finally:
+            self._tree.unlock(tail)
         if not chosen:
             self._metrics.writes_skipped += 1
             return None
         keys = [key for run in chosen for key in self._tree.keys(run)]
-        host_ids = self._host.alloc(len(keys))
         op = PrefetchOp(
             kind=OpKind.PREFETCH,
             num_pages=len(keys),
             num_bytes=len(keys) * self.layout.bytes_per_page,
             keys=keys,
-            host_page_ids=host_ids,
         )
+        op.host_page_ids = self._host.alloc(len(keys), _op_owner(op))
+        if not self._submit(op, chosen):
+            self._host.free(op.host_page_ids, _op_owner(op))
+            return None
         for run in chosen:
             run.meta = op
         self._metrics.prefetches_issued += 1
-        self._submit(op, chosen)
         return op
 
     def _wait_prefetch(self, op: PrefetchOp) -> None:
@@ -146,13 +188,18 @@ class PageMovement:
             self._executor.wait(op, remaining)
 
     def _advance_prefetch(self, op: PrefetchOp) -> None:
+        """Record the pages of a prefetch that have landed in L2 (leading ones, verified).
+
+        A run the engine has inserted meanwhile holds the prompt's pages in L1 and may
+        have a write-through backup of its own by now: it keeps that, and the prefetch's
+        copy of it goes back to the pool.
+        """
         run: _Run = op.context
         ready = op.num_ready
         if ready <= run.applied:
             return
-        pieces = self._pieces(run)
         offset = 0
-        for piece in pieces:
+        for piece in self._pieces(run):
             end = offset + piece.num_pages
             if end <= run.applied:
                 offset = end
@@ -162,35 +209,58 @@ class PageMovement:
             if end > ready:
                 piece = self._tree.split(piece, ready - offset)
                 end = ready
-            self._tree.set_host(piece, op.host_page_ids[offset:end])
-            self._tree.touch(piece)  # fetched for a request: not the first thing to evict
-            piece.meta = LANDED_FROM_L3
+            landed = op.host_page_ids[offset:end]
+            if piece.host_page_ids is None:
+                self._host.give(landed, _op_owner(op), INDEX)
+                self._tree.set_host(piece, landed)
+                self._tree.touch(piece)  # fetched for a request: not the first thing to evict
+                if piece.level == Tier.L2:
+                    piece.meta = LANDED_FROM_L3
+            else:
+                self._host.free(landed, _op_owner(op))
+            if piece.meta is op:
+                piece.meta = None
             offset = end
         run.applied = ready
 
     # ------------------------------------------------------------------ writes
 
     def _backup_path(self, node: Node) -> None:
-        """Back up every run from `node` up that L2 does not hold yet (write-through)."""
-        runs = []
-        while node.num_pages and node.host_page_ids is None:
-            runs.append(node)
-            node = node.parent
-        for run in reversed(runs):
-            self._backup(run)
+        """Back up every run on the path to `node` that L2 does not hold yet
+        (write-through), top first. The path is locked meanwhile and read again after
+        each backup, which may make room in L2."""
+        self._tree.lock(node)
+        try:
+            tried: set[int] = set()
+            while True:
+                todo = [
+                    run
+                    for run in RadixTree.path(node)
+                    if run.host_page_ids is None and id(run) not in tried
+                ]
+                if not todo:
+                    return
+                tried.add(id(todo[0]))
+                self._backup(todo[0])
+        finally:
+            self._tree.unlock(node)
 
     def _backup(self, run: Node) -> BackupOp | None:
-        """Copy one L1 run to L2 (allocating host pages, evicting L2 if needed)."""
+        """Copy one L1 run to L2 (allocating host pages, evicting L2 if needed).
+
+        A run a prefetch is filling from L3 is not backed up: that prefetch is its L2 copy.
+        """
+        if isinstance(run.meta, PrefetchOp) or run.meta is FAILED_LOAD:
+            return None
         self._tree.lock(run)
         try:
             self._make_room(Tier.L2, run.num_pages)
         finally:
             self._tree.unlock(run)
-        if self._host.num_free < run.num_pages:
+        if self._host.num_free < run.num_pages or run.host_page_ids is not None:
             self._metrics.writes_skipped += 1
             return None
-        host_ids = self._host.alloc(run.num_pages)
-        self._tree.set_host(run, host_ids)
+        host_ids = self._host.alloc(run.num_pages, INDEX)
         op = BackupOp(
             kind=OpKind.BACKUP,
             num_pages=run.num_pages,
@@ -198,14 +268,29 @@ class PageMovement:
             device_page_ids=list(run.device_page_ids),
             host_page_ids=host_ids,
         )
-        self._submit(op, [run])
+        if not self._submit(op, [run]):
+            self._host.free(host_ids, INDEX)
+            return None
+        self._tree.set_host(run, host_ids)
         return op
 
     def _write_l3(self, runs: list[Node]) -> WriteL3Op | None:
-        """Copy L2 runs (a contiguous chain, deepest last) to L3."""
-        runs = [run for run in runs if not run.in_l3]
-        if not runs or not self._executor.has_l3:
+        """Copy L2 runs (a contiguous chain, deepest last) to L3: those not there yet, an
+        op per contiguous stretch of them (an op names one chain). Returns the last op."""
+        if not self._executor.has_l3:
             return None
+        op = None
+        stretch: list[Node] = []
+        for run in [*runs, None]:
+            if run is not None and not run.in_l3:
+                stretch.append(run)
+                continue
+            if stretch:
+                op = self._write_stretch(stretch) or op
+                stretch = []
+        return op
+
+    def _write_stretch(self, runs: list[Node]) -> WriteL3Op | None:
         keys = [key for run in runs for key in self._tree.keys(run)]
         op = WriteL3Op(
             kind=OpKind.WRITE_L3,
@@ -214,8 +299,7 @@ class PageMovement:
             keys=keys,
             host_page_ids=[page for run in runs for page in run.host_page_ids],
         )
-        self._submit(op, runs)
-        return op
+        return op if self._submit(op, runs) else None
 
     # ------------------------------------------------------------------ eviction
 
@@ -243,7 +327,7 @@ class PageMovement:
             if freed is None:
                 kept.append(victim)
                 continue
-            pool.free(freed)
+            pool.free(freed, INDEX)
             self._metrics.evicted_pages[f"l{int(tier)}"] += len(freed)
         for victim in kept:
             self._tree.requeue(victim)
@@ -258,6 +342,8 @@ class PageMovement:
             backed_up = self._write_back(victim)
         if not self._tree.can_clear(victim, Tier.L1):
             return None
+        if victim.meta is FAILED_LOAD:
+            victim.meta = None
         freed = self._tree.clear_device(victim)
         if backed_up and self.config.l3.write_policy == "on_backup":
             self._write_l3([victim])  # deferred: it pins the run, L1 copy included
@@ -304,22 +390,35 @@ class PageMovement:
 
     # ------------------------------------------------------------------ op bookkeeping
 
-    def _submit(self, op: TransferOp, runs: list[Node]) -> None:
-        """Hand an op to the executor, holding its runs until it completes.
+    def _submit(self, op: TransferOp, runs: list[Node]) -> bool:
+        """Hand an op to the executor; once it has it, hold the op's runs until it
+        completes. Returns False (holding nothing, recording nothing) if `submit` raised:
+        the failure is kept for the caller's next call, and the caller undoes its part.
 
         Copies into runs (LOAD, PREFETCH) lock the path to the root: the runs above must
         stay for the new pages to be reachable. Copies out of runs (BACKUP, WRITE_L3) pin
         just those runs, so the pages above them stay evictable meanwhile.
         """
         op.context = _Run(tail=runs[-1], num_pages=op.num_pages)
+        op.submitted_s = self._executor.now()
+        try:
+            self._executor.submit(op)
+        except Exception as error:  # a surprise: reported on the next call, never lost
+            self._record_failure(op, error)
+            return False
         if op.kind in (OpKind.LOAD, OpKind.PREFETCH):
             self._tree.lock(runs[-1])
         else:
             for run in runs:
                 self._tree.pin(run)
-        op.submitted_s = self._executor.now()
         self._inflight[op.op_id] = op
-        self._executor.submit(op)
+        return True
+
+    def _record_failure(self, op: TransferOp, error: BaseException) -> None:
+        self._metrics.background_errors += 1
+        if self._error is None:
+            self._error = error
+        logger.error("%s failed: %r", op.kind.value, error)
 
     def _let_go(self, op: TransferOp, run: _Run) -> None:
         if op.kind in (OpKind.LOAD, OpKind.PREFETCH):
@@ -346,16 +445,15 @@ class PageMovement:
         for op in list(self._inflight.values()):
             if isinstance(op, PrefetchOp):
                 self._advance_prefetch(op)
+        if self._failed_loads:
+            self._drop_failed_loads()
 
     def _complete(self, op: TransferOp) -> None:
         run: _Run = op.context
         direction = _DIRECTION[op.kind]
         moved_pages = op.num_pages
         if op.error is not None:
-            self._metrics.background_errors += 1
-            if self._error is None:
-                self._error = op.error
-            logger.error("background %s failed: %r", op.kind.value, op.error)
+            self._record_failure(op, op.error)
         if isinstance(op, PrefetchOp):
             moved_pages = op.num_ready
             self._advance_prefetch(op)
@@ -378,12 +476,32 @@ class PageMovement:
     def _finish_load(self, op: LoadOp, run: _Run) -> None:
         for piece in self._pieces(run):
             if piece.meta is op:
-                piece.meta = None
+                piece.meta = None if op.error is None else FAILED_LOAD
+                if op.error is not None:
+                    self._failed_loads.append(piece)
+        if op.error is not None:
+            self._drop_failed_loads()
+
+    def _drop_failed_loads(self) -> None:
+        """Drop the L1 copy of runs a failed load left wrong, once nothing holds them
+        (until then no match hands them out: `_first_failed`). Their L2 copy is intact."""
+        waiting = []
+        for piece in self._failed_loads:
+            if piece.parent is None or piece.device_page_ids is None:
+                continue  # evicted or gone meanwhile
+            if not self._tree.can_clear(piece, Tier.L1):
+                waiting.append(piece)
+                continue
+            piece.meta = None
+            self._device.free(self._tree.clear_device(piece), INDEX)
+        self._failed_loads = waiting
 
     def _finish_backup(self, op: BackupOp, run: _Run) -> None:
         pieces = self._pieces(run)
         if op.error is not None:
-            self._drop_failed_backup(pieces)
+            # Its host pages hold garbage: the runs lose their L2 copy, locked or not.
+            for piece in reversed(pieces):
+                self._host.free(self._tree.invalidate(piece, Tier.L2), INDEX)
             return
         if run.chain_l3 and self._executor.has_l3 and self.config.l3.write_policy == "on_backup":
             self._write_l3(pieces)
@@ -398,6 +516,7 @@ class PageMovement:
                 piece = self._tree.split(piece, written - offset)
             self._tree.set_l3(piece)
             offset += piece.num_pages
+        self._trim_l3_index()
 
     def _finish_prefetch(self, op: PrefetchOp, run: _Run) -> None:
         self._metrics.prefetches_completed += 1
@@ -407,19 +526,12 @@ class PageMovement:
         # Pages L3 promised but did not deliver: their host pages go back, and the index
         # stops believing L3 holds them (where nothing else holds them open).
         self._metrics.prefetch_pages_missing += missing
-        self._host.free(op.host_page_ids[op.num_ready :])
+        self._host.free(op.host_page_ids[op.num_ready :], _op_owner(op))
         pieces = [p for p in self._pieces(run) if p.meta is op]
         for piece in reversed(pieces):
             piece.meta = None
             if not piece.children and not piece.lock_ref and piece.level == Tier.L3:
                 self._tree.clear_l3(piece)
-
-    def _drop_failed_backup(self, pieces: list[Node]) -> None:
-        """A backup failed: its host pages hold garbage, so the runs lose their L2 copy."""
-        for piece in reversed(pieces):
-            if piece.lock_ref or piece.children_at_level[Tier.L2]:
-                continue  # in use, or below it hangs L2 data: leave it (and the pages)
-            self._host.free(self._tree.clear_host(piece))
 
     def _drain(self) -> None:
         """Wait for every op in flight and apply it."""

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 def check_tree(tree: RadixTree) -> None:
     pages = [0, 0, 0, 0]
     locked = [0, 0, 0, 0]
+    levels = [0, 0, 0, 0, 0]
     live = {tier: heap.live_entries() for tier, heap in tree._heaps.items()}
     seen_ids: dict[Tier, set[int]] = {Tier.L1: set(), Tier.L2: set()}
     num_nodes = 0
@@ -29,6 +30,7 @@ def check_tree(tree: RadixTree) -> None:
             if node is not root:
                 num_nodes += 1
                 _check_node(tree, node, live, seen_ids)
+                levels[node.level] += node.num_pages
                 for tier in Tier:
                     if tree._holds(node, tier):
                         pages[tier] += node.num_pages
@@ -36,6 +38,10 @@ def check_tree(tree: RadixTree) -> None:
                             locked[tier] += node.num_pages
             _check_children(tree, node)
     _expect(num_nodes == tree.num_nodes, f"num_nodes is {tree.num_nodes}, counted {num_nodes}")
+    _expect(
+        levels == tree._level_pages,
+        f"pages per level are {tree._level_pages}, counted {levels}",
+    )
     for tier in Tier:
         _expect(
             pages[tier] == tree._pages[tier],

@@ -92,6 +92,7 @@ class RadixTree:
         self._num_nodes = 0
         self._pages = [0, 0, 0, 0]  # pages held per Tier
         self._locked_pages = [0, 0, 0, 0]  # of those, pages in locked nodes
+        self._level_pages = [0, 0, 0, 0, 0]  # pages per level (the fastest tier holding them)
         key = eviction_key_function(eviction_policy)
         self._heaps = {tier: CandidateHeap(tier, key, self._is_candidate) for tier in Tier}
 
@@ -100,6 +101,29 @@ class RadixTree:
     def num_pages(self, tier: Tier) -> int:
         """Pages of `tier` the index holds."""
         return self._pages[tier]
+
+    def num_pages_at_level(self, level: Tier) -> int:
+        """Pages whose fastest tier is `level` (for L3: the pages only L3 holds)."""
+        return self._level_pages[level]
+
+    def nodes(self):
+        """Every run in the index, every namespace (a walk: for checks, not hot paths)."""
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                yield node
+                stack.extend(node.children.values())
+
+    @staticmethod
+    def path(node: Node) -> list[Node]:
+        """The runs from the top of `node`'s namespace down to `node` (no root)."""
+        runs = []
+        while node is not None and node.num_pages:
+            runs.append(node)
+            node = node.parent
+        runs.reverse()
+        return runs
 
     def num_evictable_pages(self, tier: Tier) -> int:
         """Pages of `tier` in unlocked nodes (an upper bound on what `evict` can free)."""
@@ -299,6 +323,7 @@ class RadixTree:
         parent.children[data[: self._page_bytes]] = node
         parent.children_at_level[tier] += 1
         self._pages[tier] += node.num_pages
+        self._level_pages[tier] += node.num_pages
         self._num_nodes += 1
         self._refresh(node)
         self._refresh(parent)
@@ -346,10 +371,19 @@ class RadixTree:
             )
         self._set_residency(node, tier, value)
 
-    def _drop_copy(self, node: Node, tier: Tier) -> list[int] | bool:
+    def invalidate(self, node: Node, tier: Tier) -> list[int] | bool:
+        """Forget a copy that holds wrong bytes (a copy into it failed), even while the run
+        is locked or pinned: locks keep pages in the tiers they are used from, and nobody
+        may use these. The tier rules still hold (a run below can't be left in a faster
+        tier). Returns the copy's page ids, as `clear_device` / `clear_host` do."""
+        return self._drop_copy(node, tier, check_locks=False)
+
+    def _drop_copy(self, node: Node, tier: Tier, check_locks: bool = True) -> list[int] | bool:
         if not self._holds(node, tier):
             raise RadixError(f"{node} is not in {tier.name}")
-        self._check_can_lower(node, tier)
+        problem = self._lowering_problem(node, tier, check_locks)
+        if problem is not None:
+            raise RadixError(problem)
         held = node.device_page_ids if tier == Tier.L1 else node.host_page_ids
         self._set_residency(node, tier, False if tier == Tier.L3 else None)
         return held
@@ -367,18 +401,13 @@ class RadixTree:
             raise RadixError(f"{len(ids)} {tier.name} page ids for a run of {node.num_pages} pages")
 
     def can_clear(self, node: Node, tier: Tier) -> bool:
-        """Whether `tier` can leave the run now (see `_check_can_lower`)."""
+        """Whether `tier` can leave the run now (see `_lowering_problem`)."""
         return self._lowering_problem(node, tier) is None
 
-    def _check_can_lower(self, node: Node, tier: Tier) -> None:
-        problem = self._lowering_problem(node, tier)
-        if problem is not None:
-            raise RadixError(problem)
-
-    def _lowering_problem(self, node: Node, tier: Tier) -> str | None:
+    def _lowering_problem(self, node: Node, tier: Tier, check_locks: bool = True) -> str | None:
         """Why `tier` cannot leave the run: it is held, or a child would end up in a
         faster tier than the run (or below a run no tier holds)."""
-        if node.lock_ref or node.pins:
+        if check_locks and (node.lock_ref or node.pins):
             return f"{node} is locked; its pages can't leave tier {tier.name}"
         holds = [
             node.device_page_ids is not None and tier != Tier.L1,
@@ -407,6 +436,8 @@ class RadixTree:
         if new_level != old_level:
             parent.children_at_level[old_level] -= 1
             parent.children_at_level[new_level] += 1
+            self._level_pages[old_level] -= node.num_pages
+            self._level_pages[new_level] += node.num_pages
         if new_level == NO_TIER:
             self._detach(node)
         else:
@@ -483,6 +514,15 @@ class RadixTree:
         self._clock += 1
         node.last_access = self._clock
 
+    def raise_priority(self, node: Node, priority: int) -> None:
+        """Give `node` and its ancestors at least `priority` (a request's priority: a run
+        shared by several requests keeps the highest). Keys only grow: no heap work."""
+        walk = node
+        while walk is not None and walk.num_pages:
+            if walk.priority < priority:
+                walk.priority = priority
+            walk = walk.parent
+
     def set_priority(self, node: Node, priority: int) -> None:
         """Eviction priority for the `priority` policy: lower is evicted first."""
         lowered = priority < node.priority
@@ -550,8 +590,13 @@ class RadixTree:
     def forget_all_l3(self) -> int:
         """Drop every L3 mark (the L3 backend was detached); returns the pages forgotten.
 
-        Runs held only by L3 leave the index; they must not be locked.
+        Runs held only by L3 leave the index; they must not be locked (checked before
+        anything changes). A locked run that another tier holds just loses its mark: the
+        lock keeps its pages where they are used, and L3 is gone.
         """
+        for node in self.nodes():
+            if node.level == Tier.L3 and (node.lock_ref or node.pins):
+                raise RadixError(f"{node} is held only by L3 and is locked: can't forget L3")
         forgotten = 0
         for root in self._roots.values():
             stack = [(root, False)]
@@ -562,7 +607,7 @@ class RadixTree:
                     stack.extend((child, False) for child in node.children.values())
                 elif node.in_l3:
                     forgotten += node.num_pages
-                    self.clear_l3(node)
+                    self._drop_copy(node, Tier.L3, check_locks=node.level == Tier.L3)
         return forgotten
 
     def _is_candidate(self, node: Node, tier: Tier) -> bool:
@@ -624,6 +669,7 @@ class RadixTree:
         parent = node.parent
         del parent.children[node.data[: self._page_bytes]]
         parent.children_at_level[NO_TIER] -= 1
+        self._level_pages[NO_TIER] -= node.num_pages
         self._num_nodes -= 1
         node.parent = None
 

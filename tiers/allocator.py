@@ -1,9 +1,14 @@
-"""Page allocator: which page ids of one pool are free.
+"""Page allocator: which page ids of one pool are free, and who owns each one in use.
 
 Pure bookkeeping over ids 0..num_pages-1; it knows nothing about tensors or devices, so the
 device pool and the host pool share it. `alloc` and `free` are O(1) per page. Errors leave
 the allocator unchanged: an `alloc` that cannot be satisfied allocates nothing, a `free` with
 one bad id frees nothing.
+
+Ownership is data: every allocated page carries its owner, an opaque tag the caller chooses
+(the controller uses "the index", "a request", or an op in flight). `free` and `give` name
+the owner they expect and refuse a page someone else owns, so a page can never be freed or
+handed on by a party that does not hold it.
 
 Not thread-safe: the controller that owns a pool serializes calls to its allocator.
 """
@@ -34,6 +39,7 @@ class PageAllocator:
         self._num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # stack; top = lowest id
         self._state = bytearray(num_pages)  # _NEVER / _ALLOCATED / _FREED per page
+        self._owner: list[object] = [None] * num_pages  # the owner of each allocated page
 
     @property
     def num_pages(self) -> int:
@@ -50,9 +56,13 @@ class PageAllocator:
     def is_allocated(self, page_id: int) -> bool:
         return self._state[self._check_range(page_id)] == _ALLOCATED
 
-    def alloc(self, num_pages: int) -> list[int]:
-        """Take `num_pages` free ids; raises `PoolExhaustedError` (allocating none) if fewer
-        are free. `alloc(0)` returns []."""
+    def owner_of(self, page_id: int) -> object:
+        """The owner of an allocated page (None for a free one)."""
+        return self._owner[self._check_range(page_id)]
+
+    def alloc(self, num_pages: int, owner: object = "caller") -> list[int]:
+        """Take `num_pages` free ids for `owner`; raises `PoolExhaustedError` (allocating
+        none) if fewer are free. `alloc(0)` returns []."""
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
             raise ValueError(f"{self.name}: alloc needs an int >= 0, got {num_pages!r}")
         if num_pages > len(self._free):
@@ -63,30 +73,52 @@ class PageAllocator:
         del self._free[-num_pages:]
         page_ids.reverse()
         state = self._state
+        owners = self._owner
         for page_id in page_ids:
             state[page_id] = _ALLOCATED
+            owners[page_id] = owner
         return page_ids
 
-    def free(self, page_ids: Iterable[int]) -> None:
-        """Return allocated ids to the pool.
+    def free(self, page_ids: Iterable[int], owner: object = "caller") -> None:
+        """Return `owner`'s allocated ids to the pool.
 
         Raises `PageIdError` (freeing none of them) when an id is out of range, was never
-        allocated, is already free (double free), or appears twice in `page_ids`.
+        allocated, is already free (double free), is owned by someone else, or appears
+        twice in `page_ids`.
         """
+        page_ids = self._check_owned(page_ids, owner, "free")
+        for page_id in reversed(page_ids):
+            self._state[page_id] = _FREED
+            self._owner[page_id] = None
+            self._free.append(page_id)
+
+    def give(self, page_ids: Iterable[int], owner: object, new_owner: object) -> None:
+        """Hand `owner`'s pages to `new_owner` (checked as `free` checks; all or none)."""
+        for page_id in self._check_owned(page_ids, owner, "give"):
+            self._owner[page_id] = new_owner
+
+    def _check_owned(self, page_ids: Iterable[int], owner: object, action: str) -> list[int]:
         page_ids = [self._check_range(page_id) for page_id in page_ids]
         seen: set[int] = set()
         for page_id in page_ids:
             state = self._state[page_id]
             if state == _FREED:
-                raise PageIdError(f"{self.name}: double free of page {page_id}")
+                raise PageIdError(f"{self.name}: double {action} of page {page_id} (it is free)")
             if state == _NEVER:
                 raise PageIdError(f"{self.name}: page {page_id} was never allocated")
+            if self._owner[page_id] != owner:
+                raise PageIdError(
+                    f"{self.name}: {action} of page {page_id} by {owner}, "
+                    f"but {self._owner[page_id]} owns it"
+                )
             if page_id in seen:
-                raise PageIdError(f"{self.name}: page {page_id} listed twice in one free")
+                raise PageIdError(f"{self.name}: page {page_id} listed twice in one {action}")
             seen.add(page_id)
-        for page_id in reversed(page_ids):
-            self._state[page_id] = _FREED
-            self._free.append(page_id)
+        return page_ids
+
+    def owned_by(self, owner: object) -> list[int]:
+        """Every page `owner` holds (a walk over the pool: for checks, not hot paths)."""
+        return [page for page, held in enumerate(self._owner) if held == owner]
 
     def check_invariants(self) -> None:
         """Recompute every invariant from scratch; raises AssertionError naming the broken one."""
@@ -98,6 +130,8 @@ class PageAllocator:
                 raise AssertionError(f"{self.name}: free list holds out-of-range id {page_id}")
             if self._state[page_id] == _ALLOCATED:
                 raise AssertionError(f"{self.name}: page {page_id} is free and allocated")
+            if self._owner[page_id] is not None:
+                raise AssertionError(f"{self.name}: free page {page_id} has an owner")
         num_allocated = sum(1 for s in self._state if s == _ALLOCATED)
         if num_allocated + len(free_ids) != self._num_pages:
             raise AssertionError(

@@ -265,5 +265,8 @@ class VirtualExecutor(Executor):
     def l3_stats(self):
         return self._store.stats() if self._store is not None else None
 
+    def l3_capacity_pages(self) -> int | None:
+        return self._store.capacity_pages if self._store is not None else None
+
     def close(self) -> None:
         self._store = None

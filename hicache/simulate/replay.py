@@ -44,6 +44,7 @@ from hicache.simulate.executor import URL_SCHEME, Link, Links, VirtualExecutor
 from hicache.simulate.l3 import SimulatedL3
 from hicache.simulate.result import RequestStats, SimulationResult, summarize
 from hicache.simulate.trace import Request, Trace
+from radix.keys import Namespace
 from tiers.errors import PoolExhaustedError
 
 ProgressCallback = Callable[[int, int], None]  # (requests done, total)
@@ -93,6 +94,8 @@ class Replay:
         self._layout = config.model.kv_layout(config.page_size)
         if self._layout.bytes_per_page != config.page_bytes:
             raise SimulationError("the model's page layout and its KV bytes per token disagree")
+        # One model on every instance: they share prefixes (and a shared L3) in one namespace.
+        self._namespace = Namespace(model_id=config.model.name, layout=self._layout.descriptor())
         self._trace_pages = sum(r.input_length // config.page_size for r in trace.requests)
         self._stores = self._make_stores()
         aggregate = config.l3_aggregate_bytes_per_s
@@ -237,14 +240,15 @@ class Replay:
         instance.queue.append(job)
         instance.queued_s += job.estimate_s
         if instance.executor.has_l3:
-            instance.cache.prefetch(job.data)  # the scheduler's hint for a queued request
+            # the scheduler's hint for a queued request
+            instance.cache.prefetch(job.data, self._namespace)
 
     def _start(self, instance: _Instance, job: _Job, at_s: float) -> None:
         c = self.config
         executor, cache = instance.executor, instance.cache
         executor.advance_to(at_s)
         began_s = executor.now()  # later than at_s when the scheduler was blocked
-        match = cache.match(job.data)
+        match = cache.match(job.data, self._namespace)
         matched_s = executor.now()
         length = job.request.input_length
         computed_from = min(match.num_tokens, length - 1)  # the last token is always computed
@@ -279,7 +283,7 @@ class Replay:
         job = instance.running
         cache = instance.cache
         instance.executor.advance_to(at_s)
-        cache.insert(job.data, job.match.device_page_ids + job.new_page_ids)
+        cache.insert(job.data, job.match.device_page_ids + job.new_page_ids, self._namespace)
         cache.release(job.match)
         self._trim_l1(instance)
         instance.running = None
@@ -336,19 +340,20 @@ class Replay:
             backlog = instance.backlog_s(now_s)
             if backlog > limit:
                 continue
-            key = (_local_prefix_pages(instance.cache, job.data), -backlog, -instance.index)
+            local = _local_prefix_pages(instance.cache, job.data, self._namespace)
+            key = (local, -backlog, -instance.index)
             if best_key is None or key > best_key:
                 best, best_key = instance, key
         return best
 
 
-def _local_prefix_pages(cache: HiCache, data: bytes) -> int:
+def _local_prefix_pages(cache: HiCache, data: bytes, namespace: Namespace) -> int:
     """Pages of the prompt's prefix the instance holds in L1 or L2, by its index.
 
     A match that neither touches (no eviction-order or hit-count change), nor counts, nor
     moves anything: routing must not change what the caches do.
     """
-    cached = cache.cached_prefix(data)
+    cached = cache.cached_prefix(data, namespace)
     return cached.num_l1_pages + cached.num_l2_pages
 
 

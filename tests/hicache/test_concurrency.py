@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from tests.support.caches import tokens_for
+from tests.support.caches import NS, tokens_for
 from tiers.errors import PoolExhaustedError
 
 
@@ -33,7 +33,7 @@ def test_threads_never_see_a_page_freed_under_them(cache_factory, tmp_path):
         for _ in range(60):
             tokens = rng.choice(prompts)
             num_pages = len(tokens) // size
-            match = cache.match(tokens)
+            match = cache.match(tokens, NS)
             for layer in range(cache.layout.num_layers):
                 cache.wait_layer(match, layer)
             kv = cache.device_pool.kv
@@ -48,7 +48,7 @@ def test_threads_never_see_a_page_freed_under_them(cache_factory, tmp_path):
                 continue
             for offset, page_id in enumerate(new_ids):
                 kv[:, page_id] = page_value(tokens, match.num_pages + offset, size)
-            cache.insert(tokens, match.device_page_ids + new_ids)
+            cache.insert(tokens, match.device_page_ids + new_ids, NS)
             cache.release(match)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]

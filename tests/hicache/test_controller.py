@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hicache.errors import HiCacheError
-from tests.support.caches import MHA, MLA, put, read_pages, tokens_for
+from tests.support.caches import MHA, MLA, NS, put, read_pages, tokens_for
 from tests.support.servers import RedisProcess, free_port
 from tiers.errors import PoolExhaustedError
 
@@ -40,13 +40,13 @@ def test_kv_comes_back_bitwise_from_every_tier(cache_factory, tmp_path, request,
     stats = cache.stats()
     assert stats.pages_moved["l1_to_l2"] == 5 and stats.pages_moved["l2_to_l3"] == 5
 
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert (match.num_l1_pages, match.num_l2_pages, match.num_l3_pages) == (5, 0, 0)
     assert torch.equal(read_pages(cache, match.device_page_ids), written)
     cache.release(match)
 
     assert cache.evict("l1", 100) == 5  # the L2 copy stays
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert (match.num_l1_pages, match.num_l2_pages, match.num_l3_pages) == (0, 5, 0)
     wait_all_layers(cache, match)
     assert torch.equal(read_pages(cache, match.device_page_ids), written)
@@ -54,7 +54,7 @@ def test_kv_comes_back_bitwise_from_every_tier(cache_factory, tmp_path, request,
 
     cache.evict("l1", 100)
     assert cache.evict("l2", 100) == 5  # now only L3 holds it
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert (match.num_l1_pages, match.num_l2_pages, match.num_l3_pages) == (0, 0, 5)
     wait_all_layers(cache, match)
     assert torch.equal(read_pages(cache, match.device_page_ids), written)
@@ -73,7 +73,7 @@ def test_a_second_cache_on_the_same_directory_hits_the_first_ones_pages(cache_fa
     first.flush()
 
     second = cache_factory(l3_url=url, prefetch_policy="wait_complete")
-    match = second.match(tokens + [1, 2, 3])
+    match = second.match(tokens + [1, 2, 3], NS)
     assert match.num_l3_pages == 6 and match.num_tokens == 24
     wait_all_layers(second, match)
     assert torch.equal(read_pages(second, match.device_page_ids), written)
@@ -86,7 +86,7 @@ def test_a_partial_hit_returns_the_shared_prefix_only(cache_factory):
     base = tokens_for(3, 4, tail=0)
     written = put(cache, base, seed=3)
     other = base[:8] + [99999] * 12  # shares two pages
-    match = cache.match(other)
+    match = cache.match(other, NS)
     assert match.num_tokens == 8 and match.num_l1_pages == 2
     assert torch.equal(read_pages(cache, match.device_page_ids), written[:, :2])
     cache.release(match)
@@ -99,7 +99,7 @@ def test_insert_frees_duplicates_and_counts(cache_factory):
     used = cache.stats().l1_pages_used
     # A second request computed the same pages into its own pages: they are freed.
     ids = cache.alloc_device_pages(3)
-    assert cache.insert(tokens, ids) == 0
+    assert cache.insert(tokens, ids, NS) == 0
     stats = cache.stats()
     assert stats.l1_pages_used == used and stats.duplicate_pages == 3
 
@@ -108,7 +108,7 @@ def test_locked_pages_are_never_evicted(cache_factory):
     cache = cache_factory(l1_pages=6, l2_pages=0)
     tokens = tokens_for(5, 4)
     written = put(cache, tokens, seed=5)
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     with pytest.raises(PoolExhaustedError, match="cannot allocate 4 pages, 2 of 6 are free"):
         cache.alloc_device_pages(4)  # only 2 free and 4 locked
     assert torch.equal(read_pages(cache, match.device_page_ids), written)
@@ -128,9 +128,9 @@ def test_detach_and_attach_l3_at_runtime(cache_factory, tmp_path):
     cache.detach_l3()
     cache.evict("l1", 100)
     cache.evict("l2", 100)
-    assert cache.match(tokens).num_tokens == 0  # no L3: nothing
+    assert cache.match(tokens, NS).num_tokens == 0  # no L3: nothing
     cache.attach_l3(url)
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert match.num_l3_pages == 3
     wait_all_layers(cache, match)
     assert torch.equal(read_pages(cache, match.device_page_ids), written)
@@ -152,7 +152,7 @@ def test_cached_prefix_reports_tiers_without_touching_anything(cache_factory):
     cache.flush()
     cache.evict("l1", 2)  # the last two pages now only in L2
     before = cache.stats()
-    assert cache.cached_prefix(tokens) == (2, 2, 0)
+    assert cache.cached_prefix(tokens, NS) == (2, 2, 0)
     after = cache.stats()
     assert after.requests == before.requests and after.hit_pages == before.hit_pages
     assert cache.pages_in_use("l1") == 2 and cache.pages_in_use("l2") == 4

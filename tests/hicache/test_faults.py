@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from storage_backends.file_pack import read_table
-from tests.support.caches import put, read_pages, tokens_for
+from tests.support.caches import NS, put, read_pages, tokens_for
 from tests.support.servers import RedisProcess, free_port
 from tests.support.slow_backend import slow_file_url
 
@@ -40,11 +40,11 @@ def test_l3_going_down_makes_misses_not_errors(cache_factory, tmp_path):
         cache.evict("l2", 100)
         server.kill()
         start = time.monotonic()
-        match = cache.match(tokens)  # the index believes L3 has it; L3 is gone
+        match = cache.match(tokens, NS)  # the index believes L3 has it; L3 is gone
         assert time.monotonic() - start < 2.0
         assert match.num_tokens == 0
         cache.release(match)
-        other = cache.match(tokens_for(2, 4))  # a lookup past the index fails quietly too
+        other = cache.match(tokens_for(2, 4), NS)  # a lookup past the index fails quietly too
         assert other.num_tokens == 0
         stats = cache.stats()
         assert stats.l3_errors >= 1
@@ -64,7 +64,7 @@ def test_slow_l3_past_its_timeout_is_a_miss(cache_factory, tmp_path):
     url = slow_file_url(directory, delay_s=1.0, timeout="200ms")
     cache = cache_factory(l3_url=url, prefetch_policy="wait_complete")
     start = time.monotonic()
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert time.monotonic() - start < 1.0
     assert match.num_tokens == 0
     assert cache.stats().l3_errors >= 1
@@ -117,7 +117,7 @@ def test_corrupt_l3_pages_are_never_served(cache_factory, tmp_path, how):
     cache = cache_factory(
         l3_url=f"file://{directory}?capacity=1GiB", prefetch_policy="wait_complete"
     )
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert match.num_tokens == 0
     stats = cache.stats()
     assert stats.l3_corrupt_pages >= 1
@@ -132,14 +132,13 @@ def test_a_corrupt_page_in_the_middle_cuts_the_match_there(cache_factory, tmp_pa
         l3_url=f"file://{directory}?capacity=1GiB", prefetch_policy="wait_complete"
     )
     from radix.keys import page_keys
-    from radix.tree import DEFAULT_NAMESPACE
 
-    third = page_keys(tokens, DEFAULT_NAMESPACE, reader.page_size)[2].hex()
+    third = page_keys(tokens, NS, reader.page_size)[2].hex()
     victims = [p for p in page_names(directory) if p.name == third]
     assert len(victims) == 1
     offset, length = locate(victims[0])
     flip_byte(victims[0], offset + length - 1)
-    match = reader.match(tokens)
+    match = reader.match(tokens, NS)
     assert match.num_l3_pages == 2
     for layer in range(reader.layout.num_layers):
         reader.wait_layer(match, layer)

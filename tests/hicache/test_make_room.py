@@ -13,7 +13,7 @@ from hicache.controller import HiCache
 from hicache.simulate.executor import Link, Links, VirtualExecutor
 from hicache.simulate.l3 import SimulatedL3
 from radix.keys import page_keys
-from radix.tree import DEFAULT_NAMESPACE
+from tests.support.caches import NS
 from tiers.layout import KVLayout
 
 LAYOUT = KVLayout(
@@ -49,7 +49,7 @@ def make_cache(store: SimulatedL3) -> HiCache:
 
 def put(cache: HiCache, tokens: list[int]) -> None:
     ids = cache.alloc_device_pages(len(tokens) // 4)
-    cache.insert(tokens, ids)
+    cache.insert(tokens, ids, NS)
 
 
 def test_a_run_that_cannot_be_written_back_stays_and_eviction_returns():
@@ -58,11 +58,11 @@ def test_a_run_that_cannot_be_written_back_stays_and_eviction_returns():
     locked = list(range(1000, 1016))  # 4 pages that will fill L2, locked by a match
     put(cache, locked)
     assert cache.evict("l1", 4) == 4  # written back: L2 is full
-    holding = cache.match(locked)  # loaded into L1; its L2 pages stay locked
+    holding = cache.match(locked, NS)  # loaded into L1; its L2 pages stay locked
     prompt = list(range(32))  # 8 pages; L3 holds all of them, L1 will hold the first 4
-    store.put(page_keys(prompt, DEFAULT_NAMESPACE, 4), visible_s=0.0)
+    store.put(page_keys(prompt, NS, 4), visible_s=0.0)
     put(cache, prompt[:16])
-    match = cache.match(prompt)  # finds pages 4..7 in L3; no L2 room to fetch them
+    match = cache.match(prompt, NS)  # finds pages 4..7 in L3; no L2 room to fetch them
     assert match.num_pages == 4
     cache.release(match)
     # The first 4 pages are the only copy above an L3-only run, and L2 has no room for

@@ -5,7 +5,7 @@ import urllib.request
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hicache.metrics import Histogram, PrometheusCollector, serve_prometheus
-from tests.support.caches import put, tokens_for
+from tests.support.caches import NS, put, tokens_for
 from tests.support.servers import free_port
 
 
@@ -15,7 +15,7 @@ def exercised_cache(cache_factory):
     put(cache, tokens, seed=1)
     cache.flush()
     cache.evict("l1", 4)
-    cache.release(cache.match(tokens))
+    cache.release(cache.match(tokens, NS))
     return cache
 
 
@@ -46,7 +46,7 @@ def test_serve_prometheus_answers_http(cache_factory):
 def test_stats_snapshot_is_independent_of_later_counting(cache_factory):
     cache = exercised_cache(cache_factory)
     before = cache.stats()
-    cache.release(cache.match(tokens_for(1, 4)))
+    cache.release(cache.match(tokens_for(1, 4), NS))
     assert cache.stats().requests == before.requests + 1
     assert before.hit_rate > 0 and before.as_dict()["hit_rate"] == before.hit_rate
     assert before.gb_per_s("l1_to_l2") >= 0

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.support.caches import put, tokens_for
+from tests.support.caches import NS, put, tokens_for
 from tests.support.slow_backend import slow_file_url
 
 
@@ -29,10 +29,10 @@ def test_write_through_selective_waits_for_hits(cache_factory):
     put(cache, tokens, seed=2)
     cache.flush()
     assert l2_used(cache) == 0
-    cache.release(cache.match(tokens))  # one hit: below the threshold
+    cache.release(cache.match(tokens, NS))  # one hit: below the threshold
     cache.flush()
     assert l2_used(cache) == 0
-    cache.release(cache.match(tokens))  # the second hit backs the run up
+    cache.release(cache.match(tokens, NS))  # the second hit backs the run up
     cache.flush()
     assert l2_used(cache) == 3
 
@@ -45,7 +45,7 @@ def test_write_back_copies_only_on_eviction(cache_factory):
     assert l2_used(cache) == 0
     assert cache.evict("l1", 3) == 3
     assert l2_used(cache) == 3
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert match.num_l2_pages == 3
     cache.release(match)
 
@@ -55,7 +55,7 @@ def test_without_write_back_an_evicted_page_is_gone(cache_factory):
     tokens = tokens_for(4, 3)
     put(cache, tokens, seed=4)
     cache.evict("l1", 3)
-    assert cache.match(tokens).num_tokens == 0
+    assert cache.match(tokens, NS).num_tokens == 0
 
 
 def test_l3_on_evict_writes_only_when_l2_evicts(cache_factory, tmp_path):
@@ -72,7 +72,7 @@ def test_l3_on_evict_writes_only_when_l2_evicts(cache_factory, tmp_path):
     cache.evict("l1", 4)
     cache.evict("l2", 4)
     assert cache.stats().pages_moved["l2_to_l3"] == 4
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert match.num_l3_pages == 4
     cache.release(match)
 
@@ -99,7 +99,7 @@ def reader(cache_factory, url, **policy):
 def test_wait_complete_waits_for_every_page(cache_factory, slow_l3):
     url, tokens = slow_l3
     cache = reader(cache_factory, url, prefetch_policy="wait_complete")
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert match.num_l3_pages == 40
     assert cache.stats().prefetches_cut_short == 0
 
@@ -114,7 +114,7 @@ def test_timeout_returns_what_arrived_within_the_budget(cache_factory, slow_l3):
         prefetch_timeout_per_1k_tokens_s=0.0,
     )
     start = time.monotonic()
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     took = time.monotonic() - start
     assert 0 < match.num_l3_pages < 40  # a chunk or two, not all five
     assert match.num_l3_pages % 8 == 0
@@ -123,7 +123,7 @@ def test_timeout_returns_what_arrived_within_the_budget(cache_factory, slow_l3):
     cache.release(match)
     cache.flush()
     time.sleep(1.2)  # the prefetch carried on in the background...
-    again = cache.match(tokens)
+    again = cache.match(tokens, NS)
     assert again.num_tokens == 160  # ...so the next request finds everything
     assert again.num_l1_pages == match.num_pages  # what the first request loaded
     assert again.num_l3_pages == 40 - match.num_pages  # landed later, first used now
@@ -132,9 +132,9 @@ def test_timeout_returns_what_arrived_within_the_budget(cache_factory, slow_l3):
 def test_best_effort_uses_what_a_queued_prefetch_fetched(cache_factory, slow_l3):
     url, tokens = slow_l3
     cache = reader(cache_factory, url, prefetch_policy="best_effort")
-    assert cache.prefetch(tokens) == 40  # the scheduler's hint, when the request queues
+    assert cache.prefetch(tokens, NS) == 40  # the scheduler's hint, when the request queues
     time.sleep(0.5)  # the request waits in the queue; two chunks land meanwhile
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert 8 <= match.num_l3_pages < 40
     cache.release(match)
 
@@ -143,7 +143,7 @@ def test_best_effort_without_a_hint_does_not_wait(cache_factory, slow_l3):
     url, tokens = slow_l3
     cache = reader(cache_factory, url, prefetch_policy="best_effort")
     start = time.monotonic()
-    match = cache.match(tokens)
+    match = cache.match(tokens, NS)
     assert time.monotonic() - start < 0.15
     assert match.num_l3_pages == 0
 
@@ -153,6 +153,6 @@ def test_short_l3_runs_are_not_worth_a_lookup(cache_factory, tmp_path):
     tokens = tokens_for(7, 2)
     seed_l3(cache_factory, url, tokens)
     cache = cache_factory(l3_url=url, prefetch_policy="wait_complete", prefetch_min_pages=3)
-    assert cache.match(tokens).num_tokens == 0
+    assert cache.match(tokens, NS).num_tokens == 0
     other = cache_factory(l3_url=url, prefetch_policy="wait_complete", prefetch_min_pages=2)
-    assert other.match(tokens).num_l3_pages == 2
+    assert other.match(tokens, NS).num_l3_pages == 2

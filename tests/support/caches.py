@@ -6,9 +6,11 @@ import torch
 
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
 from hicache.controller import HiCache
+from radix.keys import Namespace
 from tiers.layout import KVLayout
 
 MHA = KVLayout(kind="mha", num_layers=2, page_size=4, dtype="float32", num_kv_heads=2, head_dim=4)
+NS = Namespace(model_id="test-model", layout="test-layout")  # every test prompt's namespace
 MLA = KVLayout(kind="mla", num_layers=3, page_size=4, dtype="bfloat16", kv_lora_rank=6, rope_dim=2)
 
 
@@ -58,5 +60,5 @@ def put(cache: HiCache, tokens: list[int], seed: int) -> torch.Tensor:
     num_pages = len(tokens) // cache.page_size
     ids = cache.alloc_device_pages(num_pages)
     values = fill_pages(cache, ids, seed)
-    cache.insert(tokens, ids)
+    cache.insert(tokens, ids, NS)
     return values

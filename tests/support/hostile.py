@@ -34,9 +34,7 @@ VALUE_BYTES = 8  # per page and layer
 
 def page_bytes(key: bytes, num_layers: int) -> bytes:
     """The KV a page with this key holds: one value per layer."""
-    return b"".join(
-        xxhash.xxh3_64_digest(key + bytes([layer])) for layer in range(num_layers)
-    )
+    return b"".join(xxhash.xxh3_64_digest(key + bytes([layer])) for layer in range(num_layers))
 
 
 def garbage(num_layers: int, rng: random.Random) -> bytes:
@@ -240,6 +238,9 @@ class HostileExecutor(Executor):
     def l3_stats(self):
         return self.store.stats() if self.store is not None else None
 
+    def l3_capacity_pages(self) -> int | None:
+        return None
+
     @property
     def num_device_pages(self) -> int:
         return len(self.device)
@@ -325,8 +326,12 @@ class HostileExecutor(Executor):
 
 # ---------------------------------------------------------------------- a cache over it
 
-LAYOUT = KVLayout(kind="mha", num_layers=2, page_size=4, dtype="float32", num_kv_heads=1, head_dim=2)
-CALM = Faults(finish_on_poll=0.0, progress_on_poll=0.0, wait_times_out=0.0)  # ops finish only when a test says
+LAYOUT = KVLayout(
+    kind="mha", num_layers=2, page_size=4, dtype="float32", num_kv_heads=1, head_dim=2
+)
+CALM = Faults(
+    finish_on_poll=0.0, progress_on_poll=0.0, wait_times_out=0.0
+)  # ops finish only when a test says
 
 
 def namespace(model_id: str = "model-a", tenant: str = "") -> Namespace:

@@ -125,3 +125,18 @@ def test_random_operations_match_a_set_model():
             held -= set(ids)
         assert allocator.num_free == 64 - len(held)
         allocator.check_invariants()
+
+
+def test_pages_have_owners_and_only_the_owner_frees_or_hands_them_on():
+    allocator = PageAllocator(4)
+    mine = allocator.alloc(2, owner="a request")
+    theirs = allocator.alloc(1, owner="the index")
+    assert [allocator.owner_of(page) for page in mine + theirs] == ["a request"] * 2 + ["the index"]
+    with pytest.raises(PageIdError, match="the index owns it"):
+        allocator.free(mine + theirs, owner="a request")  # nothing is freed
+    assert allocator.num_free == 1
+    allocator.give(mine[:1], "a request", "the index")
+    assert sorted(allocator.owned_by("the index")) == sorted(mine[:1] + theirs)
+    allocator.free(mine[1:], owner="a request")
+    assert allocator.owner_of(mine[1]) is None
+    allocator.check_invariants()

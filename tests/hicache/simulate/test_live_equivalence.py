@@ -24,6 +24,7 @@ from hicache.simulate.hardware import HardwareSpec
 from hicache.simulate.models import ModelSpec
 from hicache.simulate.trace import ConversationWorkload, Trace, generate_conversations
 from storage_backends.objects import header_size
+from tests.support.caches import NS
 
 PAGE_SIZE = 4
 TINY = ModelSpec(
@@ -85,9 +86,9 @@ def replay_live(trace: Trace, l1_pages: int, l2_pages: int, l3_pages: int, polic
     try:
         for request in trace.requests:
             tokens = request.token_bytes()
-            match = cache.match(tokens)
+            match = cache.match(tokens, NS)
             new_ids = cache.alloc_device_pages(request.input_length // PAGE_SIZE - match.num_pages)
-            cache.insert(tokens, match.device_page_ids + new_ids)
+            cache.insert(tokens, match.device_page_ids + new_ids, NS)
             cache.release(match)
             cache.flush()
             over = cache.stats().l1_pages_used - l1_pages
