@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hicache.ops import (
@@ -128,6 +128,7 @@ class VirtualExecutor(Executor):
         links: Links,
         stores: Mapping[str, SimulatedL3] | None = None,
         prefetch_chunk_pages: int = 32,
+        acknowledge: Callable[[int], int] | None = None,
     ) -> None:
         self._num_device_pages = num_device_pages
         self._num_host_pages = num_host_pages
@@ -135,6 +136,9 @@ class VirtualExecutor(Executor):
         self._links = links
         self._stores = dict(stores or {})
         self._chunk_pages = prefetch_chunk_pages
+        # How many leading pages of an L3 write of n pages the store acknowledges (and
+        # keeps); the rest are lost, as with a full disk or a daemon down. Default: all.
+        self._acknowledge = acknowledge
         self._store: SimulatedL3 | None = None
         self._now = 0.0
         self._inflight: list[tuple[float, int, TransferOp]] = []  # (done_s, seq, op) heap
@@ -183,6 +187,8 @@ class VirtualExecutor(Executor):
             _, end = reserve(links.l3_write, now, op.num_bytes)
             done = end + links.l3_latency_s
             op.num_written = len(op.keys)
+            if self._acknowledge is not None:
+                op.num_written = max(0, min(op.num_written, self._acknowledge(len(op.keys))))
         elif isinstance(op, PrefetchOp):
             done = self._submit_prefetch(op, now)
         else:
@@ -190,7 +196,7 @@ class VirtualExecutor(Executor):
         done = max(done, self._last_done[op.kind])  # FIFO per kind and link
         self._last_done[op.kind] = done
         if isinstance(op, WriteL3Op):
-            self._store.put(op.keys, done)
+            self._store.put(op.keys[: op.num_written], done)
         elif isinstance(op, LoadOp):
             self.loads_done_s = max(self.loads_done_s, done)
         self._done_s[op.op_id] = done

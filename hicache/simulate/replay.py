@@ -84,13 +84,20 @@ class Replay:
     """One simulation run. `run()` once; it returns a `SimulationResult`."""
 
     def __init__(
-        self, config: SimulationConfig, trace: Trace, progress: ProgressCallback | None = None
+        self,
+        config: SimulationConfig,
+        trace: Trace,
+        progress: ProgressCallback | None = None,
+        acknowledge: Callable[[int], int] | None = None,
     ) -> None:
+        """`acknowledge(n)`: how many leading pages of an L3 write of n pages the store
+        keeps (default all; a test makes L3 lose the rest, as a full disk does)."""
         if not trace.requests:
             raise SimulationError("the trace holds no requests")
         self.config = config
         self.trace = trace
         self.progress = progress
+        self._acknowledge = acknowledge
         self._layout = config.model.kv_layout(config.page_size)
         if self._layout.bytes_per_page != config.page_bytes:
             raise SimulationError("the model's page layout and its KV bytes per token disagree")
@@ -169,6 +176,7 @@ class Replay:
             links=links,
             stores=self._stores,
             prefetch_chunk_pages=c.prefetch_chunk_pages,
+            acknowledge=self._acknowledge,
         )
         url = None
         if self._stores:

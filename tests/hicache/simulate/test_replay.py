@@ -245,3 +245,27 @@ def test_a_shared_l3s_aggregate_bandwidth_slows_its_reads(config_factory):
     lookup_and_chunks = (1 + chunks) * shared.l3_latency_s
     assert waits[0] == pytest.approx(lookup_and_chunks + num_bytes / shared.l3_instance_bytes_per_s)
     assert waits[1] == pytest.approx(lookup_and_chunks + num_bytes / 1e9)
+
+
+def test_l3_that_keeps_part_of_each_write_costs_hits_and_breaks_nothing(
+    conversations, config_factory
+):
+    """The simulator walks the controller's partial-acknowledgement path (a full disk, a
+    daemon down): L3 keeps only the first pages of each write, and the index knows it."""
+    config = config_factory(
+        page_size=64,
+        l1_pages=400,
+        l2_pages=800,
+        l3_pages=10000,
+        policy=PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete"),
+    )
+    trace = conversations.head(600)
+    whole = Replay(config, trace).run()
+    halves = Replay(config, trace, acknowledge=lambda n: n // 2)
+    result = halves.run()
+    assert 0 < result.tiers["l3"].hit_tokens < whole.tiers["l3"].hit_tokens
+    assert result.tiers["l1"].hit_tokens == whole.tiers["l1"].hit_tokens
+    for cache in halves.caches:
+        stats = cache.stats()
+        assert stats.prefetch_pages_missing == 0  # the index never believed in a lost page
+        cache.check_invariants()
