@@ -22,9 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import DEFAULT_TRACE, device_name, emit  # noqa: E402
 from hicache.simulate.trace import open_text  # noqa: E402
-from radix.keys import TOKEN_BYTES, encode_tokens  # noqa: E402
+from radix.keys import TOKEN_BYTES, Namespace, encode_tokens  # noqa: E402
 from radix.node import Tier  # noqa: E402
 from radix.tree import RadixTree  # noqa: E402
+
+NS = Namespace(model_id="bench-radix", layout="bench")
 
 BLOCK_TOKENS = 512
 
@@ -56,7 +58,7 @@ def replay(requests: list[np.ndarray], page_size: int, capacity_pages: int) -> d
         num_pages = len(tokens) // page_size
         start = time.perf_counter()
         data = encode_tokens(tokens)  # once per request, as the controller does
-        match = tree.match_prefix(data)
+        match = tree.match_prefix(data, NS)
         needed = num_pages - match.matched_pages
         if capacity_pages:
             over = tree.num_pages(Tier.L1) + needed - capacity_pages
@@ -74,7 +76,7 @@ def replay(requests: list[np.ndarray], page_size: int, capacity_pages: int) -> d
         start = time.perf_counter()
         if needed > 0:
             keep = (match.matched_pages + needed) * page_size
-            result = tree.insert(data[: keep * TOKEN_BYTES], match.device_page_ids + new_ids)
+            result = tree.insert(data[: keep * TOKEN_BYTES], match.device_page_ids + new_ids, NS)
             free_ids.extend(result.duplicate_device_page_ids)
         elapsed += time.perf_counter() - start
         hit_tokens += match.matched_tokens

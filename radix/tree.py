@@ -28,7 +28,6 @@ from radix.eviction import CandidateHeap, eviction_key_function
 from radix.keys import TOKEN_BYTES, Namespace, chain_keys, encode_tokens
 from radix.node import NO_TIER, Node, Tier
 
-DEFAULT_NAMESPACE = Namespace(model_id="default", layout="default")
 _TIERS = tuple(Tier)
 
 Tokens = Sequence[int] | np.ndarray | bytes
@@ -133,9 +132,11 @@ class RadixTree:
     def num_nodes(self) -> int:
         return self._num_nodes
 
-    def root(self, namespace: Namespace | None = None) -> Node:
+    def root(self, namespace: Namespace) -> Node:
         """The empty run at the top of a namespace (created on first use)."""
-        digest = (namespace or DEFAULT_NAMESPACE).digest
+        if not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a radix.keys.Namespace, got {namespace!r}")
+        digest = namespace.digest
         root = self._roots.get(digest)
         if root is None:
             root = Node(None, b"", 0)
@@ -146,7 +147,7 @@ class RadixTree:
     def match_prefix(
         self,
         tokens: Tokens,
-        namespace: Namespace | None = None,
+        namespace: Namespace,
         *,
         remainder_keys: bool = False,
         touch: bool = True,
@@ -242,7 +243,7 @@ class RadixTree:
     # ------------------------------------------------------------------ insert
 
     def insert(
-        self, tokens: Tokens, device_page_ids: Sequence[int], namespace: Namespace | None = None
+        self, tokens: Tokens, device_page_ids: Sequence[int], namespace: Namespace
     ) -> InsertResult:
         """Index a request's full pages, held in L1 under `device_page_ids` (one per page).
 
@@ -259,7 +260,7 @@ class RadixTree:
         return self._insert(data, num_pages, namespace, Tier.L1, list(device_page_ids))
 
     def insert_l3(
-        self, tokens: Tokens, namespace: Namespace | None = None, *, num_pages: int | None = None
+        self, tokens: Tokens, namespace: Namespace, *, num_pages: int | None = None
     ) -> InsertResult:
         """Index the first `num_pages` full pages of `tokens` (default: all) as held by L3.
 
@@ -278,7 +279,7 @@ class RadixTree:
         self,
         data: bytes,
         num_pages: int,
-        namespace: Namespace | None,
+        namespace: Namespace,
         tier: Tier,
         ids: list[int] | None,
     ) -> InsertResult:

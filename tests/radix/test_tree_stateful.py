@@ -11,8 +11,11 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from radix.keys import Namespace
 from radix.node import Tier
 from radix.tree import RadixTree
+
+NS = Namespace(model_id="test-model", layout="test-layout")
 
 PAGE_SIZE = 2
 tokens_strategy = st.lists(st.integers(0, 2), min_size=0, max_size=12)
@@ -108,7 +111,7 @@ class TreeMachine(RuleBasedStateMachine):
     def insert(self, tokens):
         prefixes = self.ref.prefixes(tokens)
         ids = self.fresh_ids(len(prefixes))
-        result = self.tree.insert(tokens, ids)
+        result = self.tree.insert(tokens, ids, NS)
         present = len(self.ref.matched(tokens))
         assert result.num_present_pages == present
         assert result.num_new_pages == len(prefixes) - present
@@ -123,7 +126,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens_strategy, lock=st.booleans())
     def match(self, tokens, lock):
-        match = self.tree.match_prefix(tokens)
+        match = self.tree.match_prefix(tokens, NS)
         matched = self.ref.matched(tokens)
         assert match.matched_pages == len(matched)
         levels = [self.ref.pages[p].level for p in matched]
@@ -151,7 +154,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens_strategy)
     def pin_last_run(self, tokens):
-        match = self.tree.match_prefix(tokens)
+        match = self.tree.match_prefix(tokens, NS)
         if not match.matched_pages:
             return
         node = match.last_node
@@ -176,7 +179,7 @@ class TreeMachine(RuleBasedStateMachine):
     @rule(tokens=tokens_strategy, to_l3=st.booleans())
     def backup(self, tokens, to_l3):
         """Give the first L1 run of a match without an L2 copy one (and maybe an L3 copy)."""
-        match = self.tree.match_prefix(tokens)
+        match = self.tree.match_prefix(tokens, NS)
         start = 0
         for node in match.l1_nodes:
             if node.host_page_ids is None:
@@ -194,7 +197,7 @@ class TreeMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens_strategy)
     def insert_l3(self, tokens):
-        self.tree.insert_l3(tokens)
+        self.tree.insert_l3(tokens, NS)
         for prefix in self.ref.prefixes(tokens):
             self.ref.pages.setdefault(prefix, PageState(in_l3=True))
 
@@ -232,7 +235,7 @@ class TreeMachine(RuleBasedStateMachine):
         gone = {
             p
             for p in before
-            if not self.tree.match_prefix(list(p)).matched_pages * PAGE_SIZE >= len(p)
+            if not self.tree.match_prefix(list(p), NS).matched_pages * PAGE_SIZE >= len(p)
         }
         assert len(gone) == forgotten
         for prefix in gone:
