@@ -80,6 +80,7 @@ class Held:
         self.match = match
         self.tokens = tokens
         self.ns = ns
+        self.checked = False  # its loads waited for and its KV checked
 
 
 class ControllerMachine(RuleBasedStateMachine):
@@ -125,33 +126,50 @@ class ControllerMachine(RuleBasedStateMachine):
 
     @rule(tokens=prompts, space=spaces, tail=st.integers(0, SIZE - 1))
     def match(self, tokens, space, tail) -> None:
+        """Match and hold, without waiting: its loads may still be in flight (or fail)."""
         ns = NAMESPACES[space]
         tokens = tokens + [7] * tail if tail else tokens
         match = retrying(lambda: self.cache.match(tokens, ns))
+        tally("matches")
+        self.held.append(Held(match, tokens, ns))
+
+    @precondition(lambda self: any(not held.checked for held in self.held))
+    @rule(index=st.integers(0, 100))
+    def use(self, index) -> None:
+        """Wait for a held match's loads, as the engine's layers do, and check its KV."""
+        waiting = [held for held in self.held if not held.checked]
+        self._use(waiting[index % len(waiting)])
+
+    def _use(self, held: Held) -> bool:
+        match = held.match
         try:
-            wrong = wrong_pages(self.cache, self.executor, tokens, ns, match)
+            wrong = wrong_pages(self.cache, self.executor, held.tokens, held.ns, match)
         except BackgroundTransferError:  # its load failed: never used, given back
             tally("failed loads refused")
+            self.held.remove(held)
             self.cache.release(match)
-            return
+            return False
         assert wrong == [], f"match handed out pages holding other KV: {wrong}"
-        tally("matches")
+        held.checked = True
         for tier in ("l1", "l2", "l3"):
             tally(f"{tier} pages checked", getattr(match, f"num_{tier}_pages"))
-        self.held.append(Held(match, tokens, ns))
+        return True
 
     @rule(tokens=prompts, space=spaces, priority=st.integers(0, 3))
     def request(self, tokens, space, priority) -> None:
         """A whole request at once: match, check, compute the rest, insert, release."""
         self.match(tokens, space, 0)
-        if self.held and self.held[-1].tokens is tokens:
+        if self._use(self.held[-1]):
             self.finish_request(len(self.held) - 1, priority)
 
     @precondition(lambda self: self.held)
     @rule(index=st.integers(0, 100), priority=st.integers(0, 3))
     def finish_request(self, index, priority) -> None:
         """Compute the rest of a held match's prompt, insert it, release the match."""
-        held = self.held.pop(index % len(self.held))
+        held = self.held[index % len(self.held)]
+        if not held.checked and not self._use(held):
+            return
+        self.held.remove(held)
         match = held.match
         num_pages = len(held.tokens) // SIZE
         try:
@@ -240,8 +258,9 @@ class ControllerMachine(RuleBasedStateMachine):
         if self.cache is None:
             return
         for held in self.held:
-            expected = wrong_pages(self.cache, self.executor, held.tokens, held.ns, held.match)
-            assert expected == [], f"a held match's pages changed under it: {expected}"
+            if held.checked:
+                wrong = wrong_pages(self.cache, self.executor, held.tokens, held.ns, held.match)
+                assert wrong == [], f"a held match's pages changed under it: {wrong}"
 
     @invariant()
     def invariants_hold(self) -> None:

@@ -102,15 +102,15 @@ class HostileL3:
             del self.objects[rng.choice(sorted(self.objects))]
 
     def corrupt(self, rng: random.Random) -> None:
-        if self.objects:
-            key = rng.choice(sorted(self.objects))
+        if any(self.objects.values()):
+            key = rng.choice(sorted(key for key, blob in self.objects.items() if blob))
             blob = bytearray(self.objects[key])
             blob[rng.randrange(len(blob))] ^= 1 << rng.randrange(8)
             self.objects[key] = bytes(blob)
 
     def truncate(self, rng: random.Random) -> None:
-        if self.objects:
-            key = rng.choice(sorted(self.objects))
+        if any(self.objects.values()):
+            key = rng.choice(sorted(key for key, blob in self.objects.items() if blob))
             blob = self.objects[key]
             self.objects[key] = blob[: rng.randrange(len(blob))]
 
