@@ -369,9 +369,15 @@ class HiCacheSGLangStorage(HiCacheStorage):
         hicache's backend counters (hits, misses, corrupt pages, timeouts...) as `.hicache`."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        metrics = StorageMetrics(**self._throughput.take())
+        metrics = StorageMetrics(**self.take_throughput())
         metrics.hicache = self.backend_stats()
         return metrics
+
+    def take_throughput(self) -> dict[str, list[float]]:
+        """Pages and GB/s of each get (prefetch) and set (backup) since the last take, under
+        the names of SGLang's `StorageMetrics` (recorded when SGLang runs with
+        --enable-metrics: `enable_storage_metrics`)."""
+        return self._throughput.take()
 
     def backend_stats(self) -> BackendStats | None:
         attached = self._attached
