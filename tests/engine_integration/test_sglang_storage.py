@@ -27,7 +27,6 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 
 from engine_integration.sglang_storage import HiCacheSGLangStorage  # noqa: E402
 from storage_backends import BackendConfigError, BackendUnavailableError  # noqa: E402
-from tests.support.benchmarks import run_smoke  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
 from tests.support.sglang_pools import HostPool  # noqa: E402
@@ -472,9 +471,21 @@ def test_throughput_metrics_in_the_form_sglang_reads(file_url):
     backend.close()
 
 
-def test_bench_sglang_storage_smoke(tmp_path):
-    run = run_smoke("bench_sglang_storage.py", "--dir", str(tmp_path))
-    assert {r["case"] for r in run.records} == {"mha_llama_8b", "mla_deepseek_v3"}
-    for record in run.records:
+def test_bench_sglang_storage_smoke(tmp_path, monkeypatch, capsys):
+    """The benchmark end to end at its --smoke sizes, in this process (SGLang is imported
+    already: a second interpreter would spend most of the run importing it again)."""
+    from benchmarks import bench_sglang_storage
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr("sys.argv", ["bench", "--smoke", "--dir", str(tmp_path)])
+    try:
+        bench_sglang_storage.main()
+    finally:
+        torch.set_num_threads(threads)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    records = [json.loads(line) for line in lines]
+    assert {r["case"] for r in records} == {"mha_llama_8b", "mla_deepseek_v3"}
+    for record in records:
         assert record["pages_verified"] == record["pages"] > 0
         assert record["get_ratio"] > 0 and record["set_ratio"] > 0
+    assert list(tmp_path.iterdir()) == []  # it removes what it wrote

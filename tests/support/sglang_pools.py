@@ -17,9 +17,10 @@ they expose and the tests need:
     get_dummy_flat_data_page()               a zeroed flat page
     set_from_flat_data_page(index, page)     write a flat page back
 
-The adapter uses the first five names only (the test suite's pools have no other attribute,
-so any other use fails there); SGLang's flat-page path (`_generic_page_get/_set` in its
-cache_controller, with the `file` backend) uses the other two.
+The adapter uses the first five names only (test_sglang_storage records every attribute it
+reads); SGLang's flat-page path (`_generic_page_get/_set` in its cache_controller, taken with
+its `file` backend) uses the last two as well. One difference: SGLang allocates its dummy
+pages with `pin_memory` of the pool (pinned on a GPU host, dearer); here they are not pinned.
 """
 
 from __future__ import annotations
