@@ -276,15 +276,7 @@ class HiCacheSGLangStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Read pages into the host pool at `host_indices`; True per verified page."""
-        attached = self._pool()
-        pages = attached.geometry.page_numbers(host_indices, len(keys))
-        if not keys:
-            return []
-        views = attached.geometry.page_views(attached.buffer, pages)
-        start = time.perf_counter()
-        found = attached.per_page(attached.store.batch_get(attached.object_keys(keys), views))
-        self._record("prefetch", attached, sum(found), start)
-        return found
+        return self._move("prefetch", keys, host_indices)
 
     def batch_set_v1(
         self,
@@ -293,15 +285,21 @@ class HiCacheSGLangStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store the host pool's pages at `host_indices` under `keys`; True per stored page."""
+        return self._move("backup", keys, host_indices)
+
+    def _move(self, kind: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """One batch between L3 and the pool's own pages: read in ("prefetch") or written
+        out ("backup"), each page as the views of its parts (no staging copy)."""
         attached = self._pool()
         pages = attached.geometry.page_numbers(host_indices, len(keys))
-        if not keys or not self._may_write(len(keys)):
+        if not keys or (kind == "backup" and not self._may_write(len(keys))):
             return [False] * len(keys)
         views = attached.geometry.page_views(attached.buffer, pages)
+        call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
         start = time.perf_counter()
-        stored = attached.per_page(attached.store.batch_put(attached.object_keys(keys), views))
-        self._record("backup", attached, sum(stored), start)
-        return stored
+        done = attached.per_page(call(attached.object_keys(keys), views))
+        self._record(kind, attached, sum(done), start)
+        return done
 
     # -- flat pages (SGLang's path without interface_v1) ------------------------------------
 
