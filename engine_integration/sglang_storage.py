@@ -203,7 +203,10 @@ class HiCacheSGLangStorage(HiCacheStorage):
         self.shard = shard_of(storage_config)
         self.attention = "mla" if storage_config.is_mla_model else "mha"
         self.is_writer = storage_config.is_storage_writer
-        open_backend(self.settings.url)  # a bad scheme or option fails now, naming it
+        try:  # a bad scheme or option fails now, before SGLang starts its threads
+            open_backend(self.settings.url)
+        except BackendConfigError as exc:
+            raise BackendConfigError(f"extra config 'url': {exc}") from None
         self._attached: _Attached | None = None
         self._attach_lock = threading.Lock()
         self._throughput = _Throughput()

@@ -24,6 +24,7 @@ pytest.importorskip("sglang", reason="install tests/engine_integration/requireme
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 from engine_integration.sglang_storage import HiCacheSGLangStorage  # noqa: E402
 from storage_backends import BackendConfigError, BackendUnavailableError  # noqa: E402
@@ -82,7 +83,10 @@ def page_bits(pool: HostPool, page: int) -> torch.Tensor:
 
 
 def keys_of(*names: object) -> list[str]:
-    return [f"{uuid.uuid4().hex}-{name}" for name in names]
+    """SGLang's own page hashes (chained) of a fresh random prompt, one per name."""
+    generator = torch.Generator().manual_seed(uuid.uuid4().int % 2**63)
+    tokens = torch.randint(0, 128_000, (len(names) * PAGE,), generator=generator).tolist()
+    return get_storage_hash_str(tokens, None, page_size=PAGE)
 
 
 # -- stores -------------------------------------------------------------------------------------
@@ -408,9 +412,9 @@ def test_config_errors_name_the_field(file_url, monkeypatch):
     without_url = {k: v for k, v in base.items() if k != "url"}
     with pytest.raises(BackendConfigError, match="'url' is missing"):
         _create(without_url)
-    with pytest.raises(BackendConfigError, match="unknown storage backend 'ftp'"):
+    with pytest.raises(BackendConfigError, match="'url': .*unknown storage backend 'ftp'"):
         _create({**base, "url": "ftp://host/kv"})
-    with pytest.raises(BackendConfigError, match="unknown option 'capacty'"):
+    with pytest.raises(BackendConfigError, match="'url': .*unknown option 'capacty'"):
         _create({**base, "url": file_url().replace("capacity", "capacty")})
     with pytest.raises(BackendConfigError, match="'model_id'"):
         _create(base, model=None)
