@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 
@@ -29,21 +30,36 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("hicache")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hicache",
         description="hicache: a tiered KV cache for LLM inference.",
     )
+    parser.add_argument("--version", action="version", version=f"hicache {version()}")
     parser.add_argument(
         "--log-level",
         default="WARNING",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        choices=LOG_LEVELS,
         help="logging level for hicache's own messages (default: %(default)s)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         sub_parser.set_defaults(_module=module_name)
+        # Accepted after the subcommand too; there it overrides the one before it.
+        sub_parser.add_argument(
+            "--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS
+        )
         importlib.import_module(module_name).add_arguments(sub_parser)
     return parser
 
