@@ -42,6 +42,8 @@ FORMAT_VERSION = 1
 KEY_BYTES = 16
 HEADER_FIXED_BYTES = 56
 MAX_LAYOUT_BYTES = 0xFFFF
+MAX_PAYLOAD_BYTES = 1 << 30  # a payload larger than this is not a page: refused unread
+_LZ4_MAX_RATIO = 255  # an lz4 block never expands its input more than this (plus a little)
 
 _FIXED = struct.Struct("<4sHBBH6x16sQQQ")
 _CHECKSUM_OFFSET = 48
@@ -323,6 +325,8 @@ def _check_fields(
         return CorruptReason.LENGTH
     if header.compression is Compression.NONE and header.raw_bytes != header.stored_bytes:
         return CorruptReason.LENGTH
+    if header.raw_bytes > min(MAX_PAYLOAD_BYTES, _LZ4_MAX_RATIO * header.stored_bytes + 64):
+        return CorruptReason.LENGTH  # (sizes a decompression buffer: bounded before use)
     return None
 
 
