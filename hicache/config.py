@@ -8,6 +8,7 @@ place the environment is read. No torch here: the simulator uses these classes t
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -109,8 +110,8 @@ class L3Config:
             f"L3Config.url must be a backend URL like file:///path, got {self.url!r}",
         )
         _require(
-            self.exists_timeout_s > 0,
-            f"L3Config.exists_timeout_s must be > 0, got {self.exists_timeout_s}",
+            math.isfinite(self.exists_timeout_s) and self.exists_timeout_s > 0,
+            f"L3Config.exists_timeout_s must be finite and > 0, got {self.exists_timeout_s}",
         )
         _require(
             self.prefetch_chunk_pages >= 1,
@@ -143,10 +144,12 @@ class PolicyConfig:
             "PolicyConfig.write_through_threshold must be >= 1, "
             f"got {self.write_through_threshold}",
         )
-        _require(
-            self.prefetch_timeout_base_s >= 0 and self.prefetch_timeout_per_1k_tokens_s >= 0,
-            "PolicyConfig prefetch timeouts must be >= 0",
-        )
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s"):
+            value = getattr(self, name)
+            _require(
+                math.isfinite(value) and value >= 0,  # (a budget of inf overflows the wait)
+                f"PolicyConfig.{name} must be finite and >= 0, got {value}",
+            )
         _require(
             self.prefetch_min_pages >= 1,
             f"PolicyConfig.prefetch_min_pages must be >= 1, got {self.prefetch_min_pages}",
