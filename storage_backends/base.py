@@ -367,18 +367,40 @@ class StorageBackend(abc.ABC):
             num_corrupt=types.MappingProxyType(dict(self._corrupt)),
             read_bytes=c["read_bytes"],
             written_bytes=c["written_bytes"],
+            num_abandoned=c["abandoned"],
         )
 
     async def close(self) -> None:
-        """Release connections and files. Idempotent; later calls raise BackendClosedError."""
+        """Release connections and files. Idempotent; later calls raise BackendClosedError.
+
+        Returns within `close_grace` even when the backend hangs: work still under way then
+        (a write to a hung mount, a reply that never comes) is abandoned, counted in
+        `num_abandoned` and logged.
+        """
         if self._closed:
             return
         self._closed = True
         self._connected = False
+        grace = self.options.close_grace_s
         try:  # also after a fault or a failed first use: pools and clients may exist
-            await self._close()
+            await asyncio.wait_for(self._close(), grace)
+        except asyncio.TimeoutError:
+            abandoned = max(1, self._abandon())
+            self._counts["abandoned"] += abandoned
+            logger.warning(
+                "%s: close() gave up after %ss: %d operations still under way were abandoned "
+                "(a hung backend; what they were writing is not stored)",
+                self.name,
+                grace,
+                abandoned,
+            )
         except self.transient_errors as exc:
             logger.debug("%s: error while closing: %s", self.name, exc)
+
+    def _abandon(self) -> int:
+        """`close()` ran out of grace: let go of what is stuck, without waiting; return how
+        many operations are left unfinished (0 if the backend cannot tell)."""
+        return 0
 
     async def __aenter__(self) -> StorageBackend:
         return self

@@ -44,6 +44,7 @@ class BackendStats:
     num_corrupt: Mapping[str, int]  # refused reads (and object puts) by CorruptReason value
     read_bytes: int  # payload bytes returned
     written_bytes: int  # object bytes stored
+    num_abandoned: int = 0  # operations close() left unfinished after its grace (a hung backend)
 
     @property
     def num_corrupt_total(self) -> int:
