@@ -14,6 +14,9 @@ Contracts every backend keeps (the contract suite in tests/storage_backends chec
 - No call outlives `options.timeout_s` (plus the copy of pages already fetched). A fault (a
   timeout, a connection error, an I/O error) becomes misses / `False` / 0, one error or
   timeout count and a rate-limited warning; the next call reconnects.
+- After `breaker_failures` faults in a row, calls fail fast (the same misses / `False` / 0,
+  counted in `num_short_circuited`) for `breaker_backoff`, then one probe goes through
+  (`breaker`): a hung backend costs one timeout per back-off, not one per call.
 - After `batch_get` returns, the backend never writes into the caller's buffers again, and
   after `batch_put` returns it keeps no reference to the caller's pages.
 - The first use of a backend that cannot be reached raises `BackendUnavailableError` (a wrong
@@ -34,6 +37,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import ClassVar, TypeVar
 
+from .breaker import CircuitBreaker
 from .errors import BackendClosedError, BackendUnavailableError
 from .guard import CopyGuard
 from .objects import (
@@ -114,6 +118,9 @@ class StorageBackend(abc.ABC):
         self._counts: Counter[str] = Counter()
         self._corrupt: Counter[str] = Counter()
         self._page_error = ""  # the latest per-page error, for the next warning
+        self._breaker = CircuitBreaker(
+            options.breaker_failures, options.breaker_backoff_s, options.breaker_max_backoff_s
+        )
 
     # -- primitives a backend implements ---------------------------------------------------
 
@@ -368,6 +375,9 @@ class StorageBackend(abc.ABC):
             read_bytes=c["read_bytes"],
             written_bytes=c["written_bytes"],
             num_abandoned=c["abandoned"],
+            num_short_circuited=c["short_circuited"],
+            num_breaker_trips=self._breaker.num_trips,
+            breaker_state=self._breaker.state.value,
         )
 
     async def close(self) -> None:
@@ -414,8 +424,13 @@ class StorageBackend(abc.ABC):
     # -- shared machinery -----------------------------------------------------------------
 
     async def _call(self, op: str, make: Callable[[], Awaitable[T]]) -> T | _Fault:
-        """Run one primitive under the deadline, connecting first; a fault becomes _FAULT."""
+        """Run one primitive under the deadline, connecting first; a fault becomes _FAULT.
+        While the circuit breaker is open the call is not made at all (_FAULT at once)."""
         self._check_open()
+        if self._ever_connected and not self._breaker.allow():
+            self._counts["short_circuited"] += 1
+            return _FAULT
+        outcome: bool | None = None  # the breaker's news: worked, faulted, or neither
 
         async def connected_then_run() -> T:
             await self._ensure_connected()
@@ -423,20 +438,40 @@ class StorageBackend(abc.ABC):
 
         try:
             if _timeout is None:  # Python 3.10
-                return await asyncio.wait_for(connected_then_run(), self.options.timeout_s)
-            async with _timeout(self.options.timeout_s):  # no task per call
-                return await connected_then_run()
+                result = await asyncio.wait_for(connected_then_run(), self.options.timeout_s)
+            else:
+                async with _timeout(self.options.timeout_s):  # no task per call
+                    result = await connected_then_run()
+            outcome = True
+            return result
         except asyncio.TimeoutError:
             if not self._ever_connected:
                 raise BackendUnavailableError(
                     f"{self.name}: no answer within {self.options.timeout_s}s on first use"
                 ) from None
+            outcome = False
             self._counts["timeouts"] += 1
             self._fault(op, f"timed out after {self.options.timeout_s}s")
         except self.transient_errors as exc:
+            outcome = False
             self._counts["errors"] += 1
             self._fault(op, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._tell_breaker(outcome)
         return _FAULT
+
+    def _tell_breaker(self, outcome: bool | None) -> None:
+        if outcome is None:
+            self._breaker.released()  # cancelled, or a surprise: no news about the backend
+        elif outcome:
+            if self._breaker.succeeded():
+                logger.info("%s: answering again; circuit breaker closed", self.name)
+        elif self._breaker.failed():
+            self._warnings.warn(
+                "breaker",
+                f"circuit breaker open: calls fail fast for {self._breaker.open_for_s}s, "
+                "then one is tried",
+            )
 
     def _fault(self, op: str, what: str) -> None:
         self._connected = False  # reconnect on the next call

@@ -26,12 +26,13 @@ between copies. Reads that may wait for a disk or a server are cut into a slice 
 per worker, with plain `os` calls (instead of a thread hop per call as with `aiofiles`); so
 are all writes. The workers are daemon threads (`workers`): `close()` waits for them only
 `close_grace`, and one stuck in a hung mount is abandoned (counted), not joined forever.
-With the C extension a batch of pages is one task: its packs (one per 1 MiB, at most one per core and per worker)
-framed and written by one call on that many threads, then linked in with the ledger locked,
-their names on several threads. Without it each pack is one task: framed, written, linked.
-With `fsync=true` a batch is durable before it is answered: the folders that got its names
-are fsynced all at once after the linking, and on the C path its packs in the same round
-(the 256 folders themselves are made and made durable when the backend opens).
+With the C extension a batch of pages is one task: its packs (one per 1 MiB, at most one per
+core and per worker) framed and written by one call on that many threads, then linked in
+with the ledger locked, their names on several threads. Without it each pack is one task:
+framed, written, linked. With `fsync=true` a batch is durable before it is answered: the
+folders that got its names are fsynced all at once after the linking, and on the C path its
+packs in the same round (the 256 folders themselves are made and made durable when the
+backend opens).
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too), the engine may hand that L2 page to something else. So the kernel only

@@ -45,6 +45,9 @@ class BackendStats:
     read_bytes: int  # payload bytes returned
     written_bytes: int  # object bytes stored
     num_abandoned: int = 0  # operations close() left unfinished after its grace (a hung backend)
+    num_short_circuited: int = 0  # calls failed fast by the open circuit breaker
+    num_breaker_trips: int = 0  # times repeated faults opened the breaker
+    breaker_state: str = "closed"  # closed | open | probing
 
     @property
     def num_corrupt_total(self) -> int:
