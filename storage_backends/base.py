@@ -9,8 +9,10 @@ apart on what a miss, a corrupt page or a timeout means.
 
 Contracts every backend keeps (the contract suite in tests/storage_backends checks them):
 
-- A page is returned only after its key, its layout descriptor and its checksum were checked.
-  Anything else is a miss, counted under `BackendStats.num_corrupt[reason]`, never data.
+- A page is returned only after its key, its layout descriptor and its checksum were checked,
+  and, with a tenant secret (`secret_file`), its MAC. Anything else is a miss, counted under
+  `BackendStats.num_corrupt[reason]` (a page without a valid MAC under `num_forged`), never
+  data. Pages are written with the MAC of the secret.
 - No call outlives `options.timeout_s` (plus the copy of pages already fetched). A fault (a
   timeout, a connection error, an I/O error) becomes misses / `False` / 0, one error or
   timeout count and a rate-limited warning; the next call reconnects.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import functools
 import logging
 import os
 import types
@@ -38,7 +41,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import ClassVar, TypeVar
 
 from .breaker import CircuitBreaker
-from .errors import BackendClosedError, BackendUnavailableError
+from .errors import BackendClosedError, BackendConfigError, BackendUnavailableError
 from .guard import CopyGuard
 from .objects import (
     KEY_BYTES,
@@ -46,6 +49,7 @@ from .objects import (
     Compression,
     CorruptReason,
     FramedObject,
+    MacKey,
     ObjectParts,
     byte_view,
     check_key,
@@ -54,6 +58,7 @@ from .objects import (
     frame_objects,
     join_parts,
     layout_bytes,
+    mac_key_from_secret,
     split_object,
     verify_object,
 )
@@ -110,6 +115,7 @@ class StorageBackend(abc.ABC):
         self.name = name or f"{self.scheme}://"
         self._layout_bytes = layout_bytes(layout) if layout is not None else None
         self._compression = Compression.parse(options.compression)
+        self._mac_key: MacKey | None = _load_secret(options.secret_file, self.name)
         self._warnings = RateLimitedWarnings(self.name, options.warn_interval_s)
         self._connect_lock = asyncio.Lock()
         self._connected = False
@@ -176,6 +182,7 @@ class StorageBackend(abc.ABC):
             self._layout_bytes,
             [views[i] for i in found],
             threads=_share(sum(len(views[i]) for i in found)),
+            mac_key=self._mac_key,
         )
         for i, reason in zip(found, reasons, strict=True):
             outcomes[i] = True if reason is None else reason
@@ -184,7 +191,7 @@ class StorageBackend(abc.ABC):
     def _decode_into(self, key: bytes, view: memoryview, item: Fetched) -> ReadInto:
         if _settled(item):
             return item
-        reason = decode_object_into(item, key, self._layout_bytes, view)
+        reason = decode_object_into(item, key, self._layout_bytes, view, mac_key=self._mac_key)
         return True if reason is None else reason
 
     def _usage(self) -> Usage:
@@ -297,7 +304,7 @@ class StorageBackend(abc.ABC):
         framed: list[FramedObject | None] = []
         corrupt: Counter[str] = Counter()
         for key, blob in zip(keys, blobs, strict=True):
-            reason = verify_object(blob, key) if verify else None
+            reason = verify_object(blob, key, mac_key=self._mac_key) if verify else None
             split = split_object(blob) if reason is None else reason
             if isinstance(split, CorruptReason):
                 corrupt[split.value] += 1
@@ -305,9 +312,8 @@ class StorageBackend(abc.ABC):
             else:
                 framed.append(split)
         if corrupt:
-            self._corrupt.update(corrupt)
             self._counts["put_rejected"] += sum(corrupt.values())
-            self._warnings.warn("corrupt_put", f"refused objects on put: {_describe(corrupt)}")
+            self._count_refused(corrupt, "on put")
         good = [i for i, obj in enumerate(framed) if obj is not None]
         stored = [False] * len(keys)
         if good:
@@ -345,7 +351,7 @@ class StorageBackend(abc.ABC):
             if isinstance(item, CorruptReason):
                 reason = item
             else:
-                reason = verify_object(item, key) if verify else None
+                reason = verify_object(item, key, mac_key=self._mac_key) if verify else None
             if reason is not None:
                 corrupt[reason.value] += 1
                 blobs.append(None)
@@ -372,6 +378,7 @@ class StorageBackend(abc.ABC):
             num_reconnects=c["reconnects"],
             num_evictions=usage.num_evictions,
             num_corrupt=types.MappingProxyType(dict(self._corrupt)),
+            num_forged=c["forged"],
             read_bytes=c["read_bytes"],
             written_bytes=c["written_bytes"],
             num_abandoned=c["abandoned"],
@@ -511,12 +518,14 @@ class StorageBackend(abc.ABC):
     async def _frame_all(
         self, keys: list[bytes], views: list[memoryview], layout: str
     ) -> list[FramedObject]:
-        if self._compression is Compression.NONE:  # checksums on a thread per _SHARE_BYTES
-            return frame_objects(keys, layout, views, threads=_share(sum(map(len, views))))
-        loop = asyncio.get_running_loop()  # lz4 releases the GIL: keep it off the event loop
-        return await loop.run_in_executor(
-            None, frame_objects, keys, layout, views, self._compression
+        if self._compression is Compression.NONE and self._mac_key is None:
+            threads = _share(sum(map(len, views)))  # checksums on a thread per _SHARE_BYTES
+            return frame_objects(keys, layout, views, threads=threads)
+        loop = asyncio.get_running_loop()  # lz4 and BLAKE2b release the GIL: off the loop
+        frame = functools.partial(
+            frame_objects, compression=self._compression, mac_key=self._mac_key
         )
+        return await loop.run_in_executor(None, frame, keys, layout, views)
 
     async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         """`batch_put`'s work once the arguments are checked: frame, store, count. (The file
@@ -559,8 +568,39 @@ class StorageBackend(abc.ABC):
         self._counts["misses"] += len(found) - hits
         self._counts["read_bytes"] += read_bytes
         if corrupt:
-            self._corrupt.update(corrupt)
-            self._warnings.warn("corrupt", f"refused corrupt pages on read: {_describe(corrupt)}")
+            self._count_refused(corrupt, "on read")
+
+    def _count_refused(self, refused: Counter[str], when: str) -> None:
+        """Count objects refused by reason; forged ones (no valid MAC) on their own."""
+        forged = refused.pop(CorruptReason.FORGED.value, 0)
+        if forged:
+            self._counts["forged"] += forged
+            self._warnings.warn(
+                f"forged {when}",
+                f"refused {forged} pages {when} without a valid MAC for this tenant's secret "
+                "(written by someone without it)",
+            )
+        if refused:
+            self._corrupt.update(refused)
+            self._warnings.warn(
+                f"corrupt {when}", f"refused corrupt pages {when}: {_describe(refused)}"
+            )
+
+
+def _load_secret(path: str, name: str) -> MacKey | None:
+    """The MAC key of the secret in `path` (read once, when the backend is built); None for
+    no secret. The file holds the secret alone (surrounding whitespace is ignored)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise BackendConfigError(f"{name}: secret_file {path!r}: {exc.strerror}") from None
+    try:
+        return mac_key_from_secret(secret)
+    except ValueError as exc:
+        raise BackendConfigError(f"{name}: secret_file {path!r}: {exc}") from None
 
 
 def _settled(item: Fetched) -> bool:

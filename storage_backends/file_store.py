@@ -72,6 +72,7 @@ from .file_space import (
 )
 from .guard import CopyGuard
 from .objects import (
+    MAC_BYTES,
     Compression,
     CorruptReason,
     FramedObject,
@@ -158,7 +159,8 @@ class FileBackend(StorageBackend):
             stale_temp_s=options.stale_temp_s,
             link_threads=min(options.io_threads, _CPUS),
         )
-        self._header_bytes = header_size(layout) if layout is not None else 0
+        signed = self._mac_key is not None  # its pages carry a MAC: the Python readers check it
+        self._header_bytes = header_size(layout, signed=signed) if layout is not None else 0
         self._plain = plain_template(self._layout_bytes) if layout is not None else b""
         self._buffers = _WorkerBuffers()
         self._nowait = bool(_RWF_NOWAIT)
@@ -315,7 +317,7 @@ class FileBackend(StorageBackend):
         outcomes: list = [_PENDING] * len(items)
         with self._open_tables() as tables:
             hits = 0
-            if self._nowait:
+            if self._nowait and self._mac_key is None:  # (the C check knows no MAC)
                 hits = self._read_cached(items, guard, outcomes, tables)
             left = [i for i, outcome in enumerate(outcomes) if outcome is _PENDING]
             if left:
@@ -327,8 +329,8 @@ class FileBackend(StorageBackend):
 
         def read(table: PackTable, members: list[int]) -> None:
             for i in members:
-                key, view = items[i]
-                entry = table.find(key, self._header_bytes + len(view))
+                key, view = items[i]  # (room for a MAC: a reader without a secret reads those)
+                entry = table.find(key, self._header_bytes + MAC_BYTES + len(view))
                 if isinstance(entry, CorruptReason):
                     outcomes[i] = entry
                 else:
@@ -545,6 +547,8 @@ class FileBackend(StorageBackend):
         into this thread's chunk buffer (a read that may wait, never into the caller's
         buffer) and copied on through the guard while it is in cache.
         """
+        if object_bytes != self._header_bytes + len(view):  # lz4, or not what we write
+            return self._read_whole_into(fd, base, object_bytes, key, view, guard)
         head, chunk = self._heads(1)[0], memoryview(self._buffers.chunk)
         first = [head, view[: len(chunk)]]  # a small page in one syscall, hashed while hot
         got = self._read_nowait(fd, first, base, guard)
@@ -561,11 +565,12 @@ class FileBackend(StorageBackend):
             self._layout_bytes,
             object_bytes=object_bytes,
             raw_bytes=len(view),
+            mac_key=self._mac_key,
         )
         if isinstance(check, CorruptReason):
             return check
         if check.header.compression is not Compression.NONE:
-            return self._decompress_into(fd, base, object_bytes, key, view, guard)
+            return self._read_whole_into(fd, base, object_bytes, key, view, guard)
         stored, start = check.header.stored_bytes, base + len(head)
         if in_chunk:
             offset = min(in_chunk, stored)
@@ -608,12 +613,15 @@ class FileBackend(StorageBackend):
             return 0
         return got
 
-    def _decompress_into(
+    def _read_whole_into(
         self, fd: int, base: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
     ) -> ReadInto:
+        """An object not of the size this backend writes (lz4; one without a MAC under a
+        secret; one with a MAC without): read whole (`object_bytes` is bounded by the table
+        lookup), checked and decoded aside, then copied in."""
         blob = _pread_bytes(fd, object_bytes, base)
         raw = bytearray(len(view))
-        reason = decode_object_into(blob, key, self._layout_bytes, raw)
+        reason = decode_object_into(blob, key, self._layout_bytes, raw, mac_key=self._mac_key)
         if reason is not None:
             return reason
         return True if guard.copy(view, 0, memoryview(raw)) else None
@@ -752,7 +760,12 @@ class FileBackend(StorageBackend):
             pages = [sources[i] for i in positions]
             threads = self._copy_threads(sum(len(page) for page in pages))
             objects = frame_objects(
-                pack_keys, self.layout, pages, self._compression, threads=threads
+                pack_keys,
+                self.layout,
+                pages,
+                self._compression,
+                threads=threads,
+                mac_key=self._mac_key,
             )
             for i, obj in zip(positions, objects, strict=True):
                 sizes[i] = obj.nbytes
@@ -819,6 +832,7 @@ class FileBackend(StorageBackend):
         return (
             native.pageio is not None
             and self._compression is Compression.NONE
+            and self._mac_key is None
             and self._space.hard_links
         )
 

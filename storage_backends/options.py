@@ -130,6 +130,9 @@ class BackendOptions:
     close_grace_s: float = url_option(
         "close_grace", "duration", 5.0, doc="close() waits this long for work under way"
     )
+    secret_file: str = url_option(
+        "secret_file", "str", "", doc="the tenant's secret: pages carry a MAC keyed by it"
+    )
     breaker_failures: int = url_option(
         "breaker_failures", "int", 3, doc="faults in a row that open the circuit breaker; 0: off"
     )

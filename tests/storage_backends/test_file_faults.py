@@ -137,9 +137,9 @@ def test_a_directory_at_a_page_name_fails_that_page_alone(tmp_path, pages, pagei
 
     async def body():
         async with open_backend(f"file://{root}?capacity=64MiB", layout=pages.LAYOUT) as store:
-            assert await store.batch_put(keys, [pages.page(k, PAGE_BYTES) for k in keys]) == [
-                True
-            ] * 3
+            assert (
+                await store.batch_put(keys, [pages.page(k, PAGE_BYTES) for k in keys]) == [True] * 3
+            )
             odd = page_path(str(root), keys[1])
             os.unlink(odd)
             os.mkdir(odd)
