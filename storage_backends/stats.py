@@ -52,7 +52,8 @@ class BackendStats:
 
     @property
     def num_corrupt_total(self) -> int:
-        return sum(self.num_corrupt.values())
+        """Every page refused on read (or object put): corrupt, by any reason, or forged."""
+        return sum(self.num_corrupt.values()) + self.num_forged
 
 
 class RateLimitedWarnings:
