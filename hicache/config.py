@@ -102,6 +102,9 @@ class L3Config:
     write_policy: str = "on_backup"  # when L2 pages go to L3: on backup, or on L2 eviction
     exists_timeout_s: float = 0.5
     prefetch_chunk_pages: int = 32  # pages per read; a prefetch is usable chunk by chunk
+    # The tenant's secret, a file (the backend URL's `secret_file=`; never the secret itself):
+    # pages are written with a MAC keyed by it, and a page without a valid one is a miss.
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("L3Config", "write_policy", self.write_policy, L3_WRITE_POLICIES)
@@ -112,6 +115,10 @@ class L3Config:
         _require(
             math.isfinite(self.exists_timeout_s) and self.exists_timeout_s > 0,
             f"L3Config.exists_timeout_s must be finite and > 0, got {self.exists_timeout_s}",
+        )
+        _require(
+            self.secret_file is None or (self.url is not None and bool(self.secret_file)),
+            "L3Config.secret_file needs an L3 url, and names a file (the secret's path)",
         )
         _require(
             self.prefetch_chunk_pages >= 1,
@@ -237,6 +244,7 @@ ENV_VARIABLES = {
     "HICACHE_L2_PIN": ("l2", "pin_memory", _bool),
     "HICACHE_L3_URL": ("l3", "url", str),
     "HICACHE_L3_WRITE_POLICY": ("l3", "write_policy", str),
+    "HICACHE_L3_SECRET_FILE": ("l3", "secret_file", str),
     "HICACHE_WRITE_POLICY": ("policy", "write_policy", str),
     "HICACHE_WRITE_THROUGH_THRESHOLD": ("policy", "write_through_threshold", int),
     "HICACHE_PREFETCH_POLICY": ("policy", "prefetch_policy", str),

@@ -83,6 +83,20 @@ def test_prefetch_timeouts_must_be_finite_and_non_negative(variable, value):
         HiCacheConfig.from_env(LAYOUT, environ={variable: value})
 
 
+def test_the_tenant_secret_is_a_file_named_by_a_variable():
+    config = HiCacheConfig.from_env(
+        LAYOUT,
+        environ={
+            "HICACHE_L2_SIZE": "1GiB",
+            "HICACHE_L3_URL": "file:///data/kv?capacity=1TiB",
+            "HICACHE_L3_SECRET_FILE": "/etc/hicache/team-a.secret",
+        },
+    )
+    assert config.l3.secret_file == "/etc/hicache/team-a.secret"
+    with pytest.raises(ValueError, match="secret_file needs an L3 url"):
+        L3Config(secret_file="/etc/hicache/team-a.secret")
+
+
 def test_l3_exists_timeout_must_be_finite():
     with pytest.raises(ValueError, match="exists_timeout_s must be finite and > 0"):
         L3Config(exists_timeout_s=float("inf"))

@@ -14,14 +14,16 @@ def test_an_engine_with_a_secret_never_matches_forged_pages(cache_factory, tmp_p
     secret = tmp_path / "team-a.secret"
     secret.write_text("team-a: a long random secret for the test\n")
     plain_url = f"file://{directory}?capacity=1GiB"
-    signed_url = f"{plain_url}&secret_file={secret}"
+    signed_url = f"{plain_url}&secret_file={secret}"  # or the config's l3.secret_file
     tokens = tokens_for(7, 3)
 
     forger = cache_factory(write_policy="write_through", l3_url=plain_url)
     put(forger, tokens, seed=66)  # the attacker's bytes, under the keys of a known prompt
     forger.flush()
 
-    victim = cache_factory(l3_url=signed_url, prefetch_policy="wait_complete")
+    victim = cache_factory(
+        l3_url=plain_url, l3_secret_file=str(secret), prefetch_policy="wait_complete"
+    )
     match = victim.match(tokens)
     assert match.num_tokens == 0  # nothing the forger wrote is served
     victim.release(match)
