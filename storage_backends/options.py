@@ -146,7 +146,7 @@ class BackendOptions:
     def __post_init__(self) -> None:
         check_range("timeout", self.timeout_s, low=0.001)
         check_range("warn_interval", self.warn_interval_s, low=0.0)
-        check_range("close_grace", self.close_grace_s, low=0.0, high=3600.0)
+        check_range("close_grace", self.close_grace_s, low=0.01, high=3600.0)
         check_range("breaker_failures", self.breaker_failures, low=0)
         check_range("breaker_backoff", self.breaker_backoff_s, low=0.001, high=3600.0)
         check_range("breaker_max_backoff", self.breaker_max_backoff_s, low=0.001, high=86400.0)

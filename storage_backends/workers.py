@@ -30,7 +30,8 @@ class WorkerPool(concurrent.futures.Executor):
         self._lock = threading.Lock()
         self._num_threads = 0
         self._num_live = 0
-        self._num_pending = 0  # submitted and not finished (queued or running)
+        self._num_pending = 0  # submitted and not taken off the queue and finished
+        self._unfinished: set[concurrent.futures.Future] = set()
         self._shut = False
         self._stopped: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -40,6 +41,7 @@ class WorkerPool(concurrent.futures.Executor):
             if self._shut:
                 raise RuntimeError(f"{self._prefix}: the pool is shut down")
             self._num_pending += 1
+            self._unfinished.add(future)
             self._queue.put((future, fn, args, kwargs))
             if self._num_pending > self._num_threads < self._max_workers:
                 self._start_thread()  # more work than threads: one more, up to the limit
@@ -68,6 +70,7 @@ class WorkerPool(concurrent.futures.Executor):
                     future.set_result(result)
             with self._lock:
                 self._num_pending -= 1
+                self._unfinished.discard(future)
         with self._lock:
             self._num_live -= 1
             last = self._num_live == 0
@@ -75,9 +78,10 @@ class WorkerPool(concurrent.futures.Executor):
             self._stopped.set_result(None)
 
     def num_pending(self) -> int:
-        """Work submitted and not finished: queued, or running (perhaps stuck)."""
+        """Work submitted and not finished: queued, or running (perhaps stuck); cancelled
+        work is not counted."""
         with self._lock:
-            return self._num_pending
+            return sum(1 for future in self._unfinished if not future.done())
 
     def stopped(self) -> concurrent.futures.Future:
         """Done once the pool is shut down and every thread has finished its work."""
@@ -106,3 +110,4 @@ class WorkerPool(concurrent.futures.Executor):
                 return
             if item is not None and item[0].cancel():
                 self._num_pending -= 1
+                self._unfinished.discard(item[0])
