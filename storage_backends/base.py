@@ -521,7 +521,7 @@ class StorageBackend(abc.ABC):
         if self._compression is Compression.NONE and self._mac_key is None:
             threads = _share(sum(map(len, views)))  # checksums on a thread per _SHARE_BYTES
             return frame_objects(keys, layout, views, threads=threads)
-        loop = asyncio.get_running_loop()  # lz4 and BLAKE2b release the GIL: off the loop
+        loop = asyncio.get_running_loop()  # lz4 and SHA-256 release the GIL: off the loop
         frame = functools.partial(
             frame_objects, compression=self._compression, mac_key=self._mac_key
         )

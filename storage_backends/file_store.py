@@ -880,10 +880,11 @@ class FileBackend(StorageBackend):
         Page-cache hits are memory copies with some Python around each: one group
         (`_read_cached` shares the copies of a large batch with helpers), as more groups
         would only take turns on the GIL.
-        Which kind the next batch will be is guessed from the last ones.
+        Which kind the next batch will be is guessed from the last ones. Pages with a MAC
+        are hashed twice in Python: as many groups as workers, the hashing runs in parallel.
         """
-        if self._cache_hit_ratio < 0.9:
-            return self.options.io_threads
+        if self._cache_hit_ratio < 0.9 or self._mac_key is not None:
+            return self.options.io_threads  # (SHA-256, like I/O, runs without the GIL)
         return 1
 
     def _note_cache_hits(self, num_hits: int, num_reads: int) -> None:

@@ -14,8 +14,8 @@ Every page a backend stores is one object (little-endian):
     40      8      raw payload length (before compression)
     48      8      xxh3-64 of every other byte of the object: [0, 48), then [56, end)
     56      L      layout descriptor, an opaque string such as "mha;layers=32;page=64;..."
-    56+L    M      version 2 only (M = 32): the MAC, keyed BLAKE2b-256 of bytes [0, 48), the
-                   layout descriptor and the stored payload, under the tenant's key
+    56+L    M      version 2 only (M = 32): the MAC, HMAC-SHA256 under the tenant's key of
+                   a fixed label, bytes [0, 48), the layout descriptor and the stored payload
     56+L+M  N      stored payload
 
 The checksum covers every byte of the object except itself, so a flipped byte anywhere, a
@@ -67,7 +67,7 @@ assert _FIXED.size == HEADER_FIXED_BYTES
 Buffer = bytes | bytearray | memoryview
 ObjectParts = Buffer | Sequence[Buffer]
 MacKey = bytes  # a tenant's MAC key (`mac_key_from_secret`); None where there is no secret
-_MAC_PERSON = b"hicache-page-v2"  # BLAKE2b personalisation: these MACs are of pages, nothing else
+_MAC_LABEL = b"hicache page object v2\0"  # these MACs are of pages, and of nothing else
 
 
 class Compression(enum.IntEnum):
@@ -170,15 +170,17 @@ def header_size(layout: str, *, signed: bool = False) -> int:
 
 
 def mac_key_from_secret(secret: bytes) -> MacKey:
-    """The MAC key of a tenant's secret (any length, at least 16 bytes): a BLAKE2b digest, so
-    a secret of any length keys the MAC the same way and is never used as it is."""
+    """The MAC key of a tenant's secret (any length, at least 16 bytes), derived with
+    HMAC-SHA256, so that the secret itself is never the key of anything stored."""
     if not isinstance(secret, bytes) or len(secret) < 16:
         raise ValueError("a tenant secret must be at least 16 bytes")
-    return hashlib.blake2b(secret, digest_size=32, person=b"hicache-tenant").digest()
+    return hmac.digest(secret, b"hicache tenant MAC key", hashlib.sha256)
 
 
-def _new_mac(mac_key: MacKey, plain: Buffer, layout: bytes):
-    mac = hashlib.blake2b(key=mac_key, digest_size=MAC_BYTES, person=_MAC_PERSON)
+def _new_mac(mac_key: MacKey, plain: Buffer, layout: bytes) -> hmac.HMAC:
+    """HMAC-SHA256 (SHA-256 runs on the CPU's SHA instructions where it has them, and
+    without the GIL), fed with the label, the plain header and the layout; the payload next."""
+    mac = hmac.new(mac_key, _MAC_LABEL, hashlib.sha256)
     mac.update(plain)
     mac.update(layout)
     return mac
