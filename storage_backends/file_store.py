@@ -200,7 +200,11 @@ class FileBackend(StorageBackend):
             pool.shutdown(wait=False)
         for pool in pools:
             await asyncio.wrap_future(pool.stopped())
-        self._space.close()
+        closer = WorkerPool(1, thread_name_prefix="hicache-file-close")  # (a close can block)
+        try:
+            await asyncio.wrap_future(closer.submit(self._space.close))
+        finally:
+            closer.shutdown(wait=False)
 
     def _abandon(self) -> int:
         """Workers stuck past the grace (a call into a hung mount) are left to themselves:
