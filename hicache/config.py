@@ -8,6 +8,7 @@ place the environment is read. No torch here: the simulator uses these classes t
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -104,6 +105,9 @@ class L3Config:
     # Pages known only to L3 that the index keeps (least recently used forgotten first; a
     # lookup past a match finds them again). 0: what the backend says it can hold, else 2**20.
     max_indexed_pages: int = 0
+    # The tenant's secret, a file (the backend URL's `secret_file=`; never the secret itself):
+    # pages are written with a MAC keyed by it, and a page without a valid one is a miss.
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("L3Config", "write_policy", self.write_policy, L3_WRITE_POLICIES)
@@ -116,8 +120,12 @@ class L3Config:
             f"L3Config.url must be a backend URL like file:///path, got {self.url!r}",
         )
         _require(
-            self.exists_timeout_s > 0,
-            f"L3Config.exists_timeout_s must be > 0, got {self.exists_timeout_s}",
+            math.isfinite(self.exists_timeout_s) and self.exists_timeout_s > 0,
+            f"L3Config.exists_timeout_s must be finite and > 0, got {self.exists_timeout_s}",
+        )
+        _require(
+            self.secret_file is None or (self.url is not None and bool(self.secret_file)),
+            "L3Config.secret_file needs an L3 url, and names a file (the secret's path)",
         )
         _require(
             self.prefetch_chunk_pages >= 1,
@@ -150,10 +158,12 @@ class PolicyConfig:
             "PolicyConfig.write_through_threshold must be >= 1, "
             f"got {self.write_through_threshold}",
         )
-        _require(
-            self.prefetch_timeout_base_s >= 0 and self.prefetch_timeout_per_1k_tokens_s >= 0,
-            "PolicyConfig prefetch timeouts must be >= 0",
-        )
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s"):
+            value = getattr(self, name)
+            _require(
+                math.isfinite(value) and value >= 0,  # (a budget of inf overflows the wait)
+                f"PolicyConfig.{name} must be finite and >= 0, got {value}",
+            )
         _require(
             self.prefetch_min_pages >= 1,
             f"PolicyConfig.prefetch_min_pages must be >= 1, got {self.prefetch_min_pages}",
@@ -242,6 +252,7 @@ ENV_VARIABLES = {
     "HICACHE_L3_URL": ("l3", "url", str),
     "HICACHE_L3_WRITE_POLICY": ("l3", "write_policy", str),
     "HICACHE_L3_MAX_INDEXED_PAGES": ("l3", "max_indexed_pages", int),
+    "HICACHE_L3_SECRET_FILE": ("l3", "secret_file", str),
     "HICACHE_WRITE_POLICY": ("policy", "write_policy", str),
     "HICACHE_WRITE_THROUGH_THRESHOLD": ("policy", "write_through_threshold", int),
     "HICACHE_PREFETCH_POLICY": ("policy", "prefetch_policy", str),

@@ -16,6 +16,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from urllib.parse import urlencode
 
 from hicache.config import HiCacheConfig
 from hicache.ops import (
@@ -65,6 +66,7 @@ class RealExecutor(Executor):
         layout = config.layout
         self._layout = layout
         self._chunk_pages = config.l3.prefetch_chunk_pages
+        self._l3_secret_file = config.l3.secret_file
         if config.l1.num_pages:
             self.device_pool = DevicePool(layout, config.l1.num_pages, config.l1.device)
         else:
@@ -171,7 +173,8 @@ class RealExecutor(Executor):
         if stats is None or not stats.capacity_bytes:
             return None
         descriptor = self._layout.descriptor()
-        object_bytes = header_size(descriptor) + self._layout.bytes_per_page
+        signed = self._backend.signs_pages
+        object_bytes = header_size(descriptor, signed=signed) + self._layout.bytes_per_page
         return max(1, stats.capacity_bytes // object_bytes)
 
     def attach_l3(self, url: str | None) -> None:
@@ -201,6 +204,8 @@ class RealExecutor(Executor):
     # ------------------------------------------------------------------ L3 I/O
 
     async def _open(self, url: str):
+        if self._l3_secret_file:  # the config's tenant secret, as the URL option it is
+            url += ("&" if "?" in url else "?") + urlencode({"secret_file": self._l3_secret_file})
         backend = open_backend(url, layout=self._layout.descriptor())
         await backend.connect()  # a wrong URL fails here, loudly, not later as misses
         return backend

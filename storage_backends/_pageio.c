@@ -600,6 +600,10 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
                                           "16 bytes each, verified one byte per key");
         goto done;
     }
+    if (layout.len > MAX_LAYOUT_BYTES) { /* it is hashed through a scratch of that size */
+        PyErr_SetString(PyExc_ValueError, "read_stretches: the layout is at most 65535 bytes");
+        goto done;
+    }
     Py_ssize_t num_buffers = 0;
     for (Py_ssize_t i = 0; i < num; i++) {
         PyObject *item = PyList_GET_ITEM(list, i);
@@ -727,7 +731,8 @@ static PyObject *check_copy(PyObject *self, PyObject *args) {
         verified.len < num || layout.len > MAX_LAYOUT_BYTES) {
         PyErr_SetString(PyExc_ValueError,
                         "check_copy: one destination and 16 key bytes per object, plain must "
-                        "be 48 bytes, verified one byte per object");
+                        "be 48 bytes, verified one byte per object, the layout at most 65535 "
+                        "bytes");
         goto done;
     }
     held.views = PyMem_Calloc(2 * num + 1, sizeof *held.views);
@@ -812,6 +817,10 @@ static PyObject *frame_headers(PyObject *self, PyObject *args) {
         (size_t)headers.len != header_bytes * (size_t)num) {
         PyErr_SetString(PyExc_ValueError, "frame_headers: plain must be 48 bytes, keys 16 "
                                           "bytes per page, headers 56 + len(layout) per page");
+        goto done;
+    }
+    if (layout.len > MAX_LAYOUT_BYTES) { /* it is hashed through a scratch of that size */
+        PyErr_SetString(PyExc_ValueError, "frame_headers: the layout is at most 65535 bytes");
         goto done;
     }
     held.views = PyMem_Calloc(num ? num : 1, sizeof *held.views);

@@ -9,11 +9,16 @@ apart on what a miss, a corrupt page or a timeout means.
 
 Contracts every backend keeps (the contract suite in tests/storage_backends checks them):
 
-- A page is returned only after its key, its layout descriptor and its checksum were checked.
-  Anything else is a miss, counted under `BackendStats.num_corrupt[reason]`, never data.
+- A page is returned only after its key, its layout descriptor and its checksum were checked,
+  and, with a tenant secret (`secret_file`), its MAC. Anything else is a miss, counted under
+  `BackendStats.num_corrupt[reason]` (a page without a valid MAC under `num_forged`), never
+  data. Pages are written with the MAC of the secret.
 - No call outlives `options.timeout_s` (plus the copy of pages already fetched). A fault (a
   timeout, a connection error, an I/O error) becomes misses / `False` / 0, one error or
   timeout count and a rate-limited warning; the next call reconnects.
+- After `breaker_failures` faults in a row, calls fail fast (the same misses / `False` / 0,
+  counted in `num_short_circuited`) for `breaker_backoff`, then one probe goes through
+  (`breaker`): a hung backend costs one timeout per back-off, not one per call.
 - After `batch_get` returns, the backend never writes into the caller's buffers again, and
   after `batch_put` returns it keeps no reference to the caller's pages.
 - The first use of a backend that cannot be reached raises `BackendUnavailableError` (a wrong
@@ -27,6 +32,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import functools
 import logging
 import os
 import types
@@ -34,7 +40,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import ClassVar, TypeVar
 
-from .errors import BackendClosedError, BackendUnavailableError
+from .breaker import CircuitBreaker
+from .errors import BackendClosedError, BackendConfigError, BackendUnavailableError
 from .guard import CopyGuard
 from .objects import (
     KEY_BYTES,
@@ -42,6 +49,7 @@ from .objects import (
     Compression,
     CorruptReason,
     FramedObject,
+    MacKey,
     ObjectParts,
     byte_view,
     check_key,
@@ -50,6 +58,7 @@ from .objects import (
     frame_objects,
     join_parts,
     layout_bytes,
+    mac_key_from_secret,
     split_object,
     verify_object,
 )
@@ -106,6 +115,7 @@ class StorageBackend(abc.ABC):
         self.name = name or f"{self.scheme}://"
         self._layout_bytes = layout_bytes(layout) if layout is not None else None
         self._compression = Compression.parse(options.compression)
+        self._mac_key: MacKey | None = _load_secret(options.secret_file, self.name)
         self._warnings = RateLimitedWarnings(self.name, options.warn_interval_s)
         self._connect_lock = asyncio.Lock()
         self._connected = False
@@ -114,6 +124,9 @@ class StorageBackend(abc.ABC):
         self._counts: Counter[str] = Counter()
         self._corrupt: Counter[str] = Counter()
         self._page_error = ""  # the latest per-page error, for the next warning
+        self._breaker = CircuitBreaker(
+            options.breaker_failures, options.breaker_backoff_s, options.breaker_max_backoff_s
+        )
 
     # -- primitives a backend implements ---------------------------------------------------
 
@@ -169,6 +182,7 @@ class StorageBackend(abc.ABC):
             self._layout_bytes,
             [views[i] for i in found],
             threads=_share(sum(len(views[i]) for i in found)),
+            mac_key=self._mac_key,
         )
         for i, reason in zip(found, reasons, strict=True):
             outcomes[i] = True if reason is None else reason
@@ -177,7 +191,7 @@ class StorageBackend(abc.ABC):
     def _decode_into(self, key: bytes, view: memoryview, item: Fetched) -> ReadInto:
         if _settled(item):
             return item
-        reason = decode_object_into(item, key, self._layout_bytes, view)
+        reason = decode_object_into(item, key, self._layout_bytes, view, mac_key=self._mac_key)
         return True if reason is None else reason
 
     def _usage(self) -> Usage:
@@ -290,7 +304,7 @@ class StorageBackend(abc.ABC):
         framed: list[FramedObject | None] = []
         corrupt: Counter[str] = Counter()
         for key, blob in zip(keys, blobs, strict=True):
-            reason = verify_object(blob, key) if verify else None
+            reason = verify_object(blob, key, mac_key=self._mac_key) if verify else None
             split = split_object(blob) if reason is None else reason
             if isinstance(split, CorruptReason):
                 corrupt[split.value] += 1
@@ -298,9 +312,8 @@ class StorageBackend(abc.ABC):
             else:
                 framed.append(split)
         if corrupt:
-            self._corrupt.update(corrupt)
             self._counts["put_rejected"] += sum(corrupt.values())
-            self._warnings.warn("corrupt_put", f"refused objects on put: {_describe(corrupt)}")
+            self._count_refused(corrupt, "on put")
         good = [i for i, obj in enumerate(framed) if obj is not None]
         stored = [False] * len(keys)
         if good:
@@ -338,7 +351,7 @@ class StorageBackend(abc.ABC):
             if isinstance(item, CorruptReason):
                 reason = item
             else:
-                reason = verify_object(item, key) if verify else None
+                reason = verify_object(item, key, mac_key=self._mac_key) if verify else None
             if reason is not None:
                 corrupt[reason.value] += 1
                 blobs.append(None)
@@ -347,6 +360,11 @@ class StorageBackend(abc.ABC):
         hits = [blob is not None for blob in blobs]
         self._count_reads(hits, sum(len(b) for b in blobs if b is not None), corrupt)
         return blobs
+
+    @property
+    def signs_pages(self) -> bool:
+        """Whether pages carry a MAC (a tenant secret is configured): their header is longer."""
+        return self._mac_key is not None
 
     def stats(self) -> BackendStats:
         usage = self._usage()
@@ -365,20 +383,46 @@ class StorageBackend(abc.ABC):
             num_reconnects=c["reconnects"],
             num_evictions=usage.num_evictions,
             num_corrupt=types.MappingProxyType(dict(self._corrupt)),
+            num_forged=c["forged"],
             read_bytes=c["read_bytes"],
             written_bytes=c["written_bytes"],
+            num_abandoned=c["abandoned"],
+            num_short_circuited=c["short_circuited"],
+            num_breaker_trips=self._breaker.num_trips,
+            breaker_state=self._breaker.state.value,
         )
 
     async def close(self) -> None:
-        """Release connections and files. Idempotent; later calls raise BackendClosedError."""
+        """Release connections and files. Idempotent; later calls raise BackendClosedError.
+
+        Returns within `close_grace` even when the backend hangs: work still under way then
+        (a write to a hung mount, a reply that never comes) is abandoned, counted in
+        `num_abandoned` and logged.
+        """
         if self._closed:
             return
         self._closed = True
         self._connected = False
+        grace = self.options.close_grace_s
         try:  # also after a fault or a failed first use: pools and clients may exist
-            await self._close()
+            await asyncio.wait_for(self._close(), grace)
+        except asyncio.TimeoutError:
+            abandoned = max(1, self._abandon())
+            self._counts["abandoned"] += abandoned
+            logger.warning(
+                "%s: close() gave up after %ss: %d operations still under way were abandoned "
+                "(a hung backend; what they were writing is not stored)",
+                self.name,
+                grace,
+                abandoned,
+            )
         except self.transient_errors as exc:
             logger.debug("%s: error while closing: %s", self.name, exc)
+
+    def _abandon(self) -> int:
+        """`close()` ran out of grace: let go of what is stuck, without waiting; return how
+        many operations are left unfinished (0 if the backend cannot tell)."""
+        return 0
 
     async def __aenter__(self) -> StorageBackend:
         return self
@@ -392,8 +436,13 @@ class StorageBackend(abc.ABC):
     # -- shared machinery -----------------------------------------------------------------
 
     async def _call(self, op: str, make: Callable[[], Awaitable[T]]) -> T | _Fault:
-        """Run one primitive under the deadline, connecting first; a fault becomes _FAULT."""
+        """Run one primitive under the deadline, connecting first; a fault becomes _FAULT.
+        While the circuit breaker is open the call is not made at all (_FAULT at once)."""
         self._check_open()
+        if self._ever_connected and not self._breaker.allow():
+            self._counts["short_circuited"] += 1
+            return _FAULT
+        outcome: bool | None = None  # the breaker's news: worked, faulted, or neither
 
         async def connected_then_run() -> T:
             await self._ensure_connected()
@@ -401,20 +450,40 @@ class StorageBackend(abc.ABC):
 
         try:
             if _timeout is None:  # Python 3.10
-                return await asyncio.wait_for(connected_then_run(), self.options.timeout_s)
-            async with _timeout(self.options.timeout_s):  # no task per call
-                return await connected_then_run()
+                result = await asyncio.wait_for(connected_then_run(), self.options.timeout_s)
+            else:
+                async with _timeout(self.options.timeout_s):  # no task per call
+                    result = await connected_then_run()
+            outcome = True
+            return result
         except asyncio.TimeoutError:
             if not self._ever_connected:
                 raise BackendUnavailableError(
                     f"{self.name}: no answer within {self.options.timeout_s}s on first use"
                 ) from None
+            outcome = False
             self._counts["timeouts"] += 1
             self._fault(op, f"timed out after {self.options.timeout_s}s")
         except self.transient_errors as exc:
+            outcome = False
             self._counts["errors"] += 1
             self._fault(op, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._tell_breaker(outcome)
         return _FAULT
+
+    def _tell_breaker(self, outcome: bool | None) -> None:
+        if outcome is None:
+            self._breaker.released()  # cancelled, or a surprise: no news about the backend
+        elif outcome:
+            if self._breaker.succeeded():
+                logger.info("%s: answering again; circuit breaker closed", self.name)
+        elif self._breaker.failed():
+            self._warnings.warn(
+                "breaker",
+                f"circuit breaker open: calls fail fast for {self._breaker.open_for_s}s, "
+                "then one is tried",
+            )
 
     def _fault(self, op: str, what: str) -> None:
         self._connected = False  # reconnect on the next call
@@ -454,12 +523,14 @@ class StorageBackend(abc.ABC):
     async def _frame_all(
         self, keys: list[bytes], views: list[memoryview], layout: str
     ) -> list[FramedObject]:
-        if self._compression is Compression.NONE:  # checksums on a thread per _SHARE_BYTES
-            return frame_objects(keys, layout, views, threads=_share(sum(map(len, views))))
-        loop = asyncio.get_running_loop()  # lz4 releases the GIL: keep it off the event loop
-        return await loop.run_in_executor(
-            None, frame_objects, keys, layout, views, self._compression
+        if self._compression is Compression.NONE and self._mac_key is None:
+            threads = _share(sum(map(len, views)))  # checksums on a thread per _SHARE_BYTES
+            return frame_objects(keys, layout, views, threads=threads)
+        loop = asyncio.get_running_loop()  # lz4 and SHA-256 release the GIL: off the loop
+        frame = functools.partial(
+            frame_objects, compression=self._compression, mac_key=self._mac_key
         )
+        return await loop.run_in_executor(None, frame, keys, layout, views)
 
     async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         """`batch_put`'s work once the arguments are checked: frame, store, count. (The file
@@ -502,8 +573,39 @@ class StorageBackend(abc.ABC):
         self._counts["misses"] += len(found) - hits
         self._counts["read_bytes"] += read_bytes
         if corrupt:
-            self._corrupt.update(corrupt)
-            self._warnings.warn("corrupt", f"refused corrupt pages on read: {_describe(corrupt)}")
+            self._count_refused(corrupt, "on read")
+
+    def _count_refused(self, refused: Counter[str], when: str) -> None:
+        """Count objects refused by reason; forged ones (no valid MAC) on their own."""
+        forged = refused.pop(CorruptReason.FORGED.value, 0)
+        if forged:
+            self._counts["forged"] += forged
+            self._warnings.warn(
+                f"forged {when}",
+                f"refused {forged} pages {when} without a valid MAC for this tenant's secret "
+                "(written by someone without it)",
+            )
+        if refused:
+            self._corrupt.update(refused)
+            self._warnings.warn(
+                f"corrupt {when}", f"refused corrupt pages {when}: {_describe(refused)}"
+            )
+
+
+def _load_secret(path: str, name: str) -> MacKey | None:
+    """The MAC key of the secret in `path` (read once, when the backend is built); None for
+    no secret. The file holds the secret alone (surrounding whitespace is ignored)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise BackendConfigError(f"{name}: secret_file {path!r}: {exc.strerror}") from None
+    try:
+        return mac_key_from_secret(secret)
+    except ValueError as exc:
+        raise BackendConfigError(f"{name}: secret_file {path!r}: {exc}") from None
 
 
 def _settled(item: Fetched) -> bool:

@@ -36,6 +36,7 @@ import fcntl
 import heapq
 import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -121,9 +122,17 @@ def _process_lock(path: str) -> threading.Lock:
 
 
 class Ledger:
-    """The shared totals file. Every method blocks; call them from worker threads."""
+    """The shared totals file. Every method blocks; call them from worker threads.
+
+    One ledger per directory, whatever happens to it: each time it is locked, the file held
+    is checked to still be the one at its name. If the directory (or the ledger alone) was
+    removed or replaced under us, the directory is made again and the ledger at its name
+    opened (a fresh one is invalid, so the caller rebuilds it from a scan), so every process
+    counts into the same file, never into one only it still holds.
+    """
 
     def __init__(self, root: str) -> None:
+        self.root = root
         self.path = os.path.join(root, LEDGER_NAME)
         self._lock = _process_lock(self.path)
         self._fd: int | None = None
@@ -139,14 +148,38 @@ class Ledger:
                 os.close(self._fd)
                 self._fd = None
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[LedgerState]:
-        """Hold the ledger; changes made to the yielded state are written back on exit."""
-        with self._lock:
+    def _lock_current(self) -> int:
+        """flock the ledger at its name (reopened, and the directory made again, if what we
+        held is no longer it); returns the locked fd. Called with the process lock held."""
+        for _ in range(8):  # another process may replace it again in between: look again
             fd = self._fd
             if fd is None:
                 raise OSError(f"ledger {self.path} is not open")
             fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                named = os.stat(self.path)
+            except FileNotFoundError:
+                named = None
+            if named is not None and (named.st_ino, named.st_dev) == (held.st_ino, held.st_dev):
+                return fd
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            self._fd = None
+            logger.warning(
+                "%s: the cache directory or its ledger was removed or replaced while in use; "
+                "made it again, and the ledger is rebuilt from what is on disk",
+                self.root,
+            )
+            os.makedirs(self.root, exist_ok=True)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        raise OSError(f"ledger {self.path} keeps being replaced")
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[LedgerState]:
+        """Hold the ledger; changes made to the yielded state are written back on exit."""
+        with self._lock:
+            fd = self._lock_current()
             try:
                 state = LedgerState.unpack(os.pread(fd, _LEDGER.size, 0))
                 before = dataclasses.replace(state)
@@ -534,8 +567,11 @@ class DirectorySpace:
         if removed == len(live) and last.st_nlink == len(live):  # no other link: freed
             state.shrink(last.st_size)
 
-    def remove(self, keys: list[bytes]) -> int:
+    def remove(self, keys: list[bytes]) -> tuple[int, list[str]]:
+        """Remove the keys' names: (how many were stored, what failed, one line each). A
+        name that fails (not a file of ours, no permission) fails alone."""
         removed = 0
+        failed: list[str] = []
         with self.ledger.locked() as state:
             if not state.valid:
                 self._rebuild(state)
@@ -543,9 +579,15 @@ class DirectorySpace:
                 path = page_path(self.root, key)
                 try:
                     st = os.lstat(path)
+                    if not stat.S_ISREG(st.st_mode):
+                        failed.append(f"{path}: not a page file (mode {stat.filemode(st.st_mode)})")
+                        continue
                     with _clearing(path, key, st):  # the pack's other names must not find it
                         os.unlink(path)
                 except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    failed.append(f"{path}: {exc}")
                     continue
                 state.num_objects -= 1
                 state.num_changes += 1
@@ -553,7 +595,15 @@ class DirectorySpace:
                     state.shrink(st.st_size)
                 removed += 1
             self.last_state = dataclasses.replace(state)
-        return removed
+        return removed, failed
+
+    def make_root(self) -> bool:
+        """Make the directory again if it was removed (True if it had to be)."""
+        if os.path.isdir(self.root):
+            return False
+        os.makedirs(self.root, exist_ok=True)
+        logger.warning("%s: the cache directory was removed while in use; made it again", self.root)
+        return True
 
 
 def _set(statuses: list[PageStatus], positions: list[int], status: PageStatus) -> None:

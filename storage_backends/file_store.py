@@ -16,20 +16,23 @@ dictionary lookup per page, and one read per 512 KiB of neighbouring pages, so t
 and the checksums dominate. A page is found through its own name only when the packs
 already open for the batch don't hold it.
 
-Threads: a thread hand-off costs more than copying a batch from the page cache, so page-
-cache hits are read on the event loop's thread (reads that never wait). Where the C extension
-is built (`native`), one call copies and checks the whole batch without the GIL, shared with
+Threads: nothing here makes a system call on the event loop's thread, as any of them (an
+open, a stat) can block without end on a hung mount and would stop every deadline with it.
+A batch of page-cache hits is one task on a worker (one hand-off); where the C extension is
+built (`native`), one call copies and checks the whole batch without the GIL, shared with
 its own pool threads (one per 512 KiB); without it only the copies of large batches are
-shared with workers (a helper per 2 MiB), as Python threads take turns on the GIL between
-copies. Reads that may wait for a disk
-or a server run on a small pool with plain `os` calls, a slice of the batch per worker
-(instead of a thread hop per call as with `aiofiles`); so do all writes. With the C extension
-a batch of pages is one task: its packs (one per 1 MiB, at most one per core and per worker)
-framed and written by one call on that many threads, then linked in with the ledger locked,
-their names on several threads. Without it each pack is one task: framed, written, linked.
-With `fsync=true` a batch is durable before it is answered: the folders that got its names
-are fsynced all at once after the linking, and on the C path its packs in the same round
-(the 256 folders themselves are made and made durable when the backend opens).
+shared with other workers (a helper per 2 MiB), as Python threads take turns on the GIL
+between copies. Reads that may wait for a disk or a server are cut into a slice of the batch
+per worker, with plain `os` calls (instead of a thread hop per call as with `aiofiles`); so
+are all writes. The workers are daemon threads (`workers`): `close()` waits for them only
+`close_grace`, and one stuck in a hung mount is abandoned (counted), not joined forever.
+With the C extension a batch of pages is one task: its packs (one per 1 MiB, at most one per
+core and per worker) framed and written by one call on that many threads, then linked in
+with the ledger locked, their names on several threads. Without it each pack is one task:
+framed, written, linked. With `fsync=true` a batch is durable before it is answered: the
+folders that got its names are fsynced all at once after the linking, and on the C path its
+packs in the same round (the 256 folders themselves are made and made durable when the
+backend opens).
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too), the engine may hand that L2 page to something else. So the kernel only
@@ -46,7 +49,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
-import functools
 import itertools
 import os
 import threading
@@ -70,6 +72,7 @@ from .file_space import (
 )
 from .guard import CopyGuard
 from .objects import (
+    MAC_BYTES,
     Compression,
     CorruptReason,
     FramedObject,
@@ -82,6 +85,7 @@ from .objects import (
 )
 from .options import BackendOptions, check_range, options_from_query, url_option
 from .stats import Usage
+from .workers import WorkerPool
 
 _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is not a page
 _CHUNK_BYTES = 256 << 10  # read, hash and copy a page in pieces that stay in cache
@@ -96,7 +100,6 @@ _PARALLEL_BYTES = 2 << 20  # batches of several times this are cut into packs wr
 _NATIVE_PARALLEL_BYTES = 1 << 20  # ... this when the C extension writes them (one call, no GIL)
 _SYNC_THREADS = 32  # fsyncs at once (a 32-page batch: up to 32 folders): they wait on the disk
 _PENDING = object()  # an outcome not decided yet
-_DEFERRED = object()  # a read left by the event loop's thread to the workers
 _UNSUPPORTED = -2  # _preadv_guarded, the C reader: the filesystem has no RWF_NOWAIT
 
 
@@ -114,9 +117,6 @@ class FileOptions(BackendOptions):
     capacity_bytes: int = url_option("capacity", "size", 0, doc="bytes on disk, all processes")
     fsync: bool = url_option("fsync", "bool", False, doc="fsync pages and directories on put")
     io_threads: int = url_option("io_threads", "int", 4, doc="parallel file operations")
-    inline_reads: bool = url_option(
-        "inline_reads", "bool", True, doc="read page-cache hits on the caller's thread too"
-    )
     pack_bytes: int = url_option(
         "pack_bytes", "size", 64 << 20, doc="at most this much per pack (and 1/16 of capacity)"
     )
@@ -159,27 +159,25 @@ class FileBackend(StorageBackend):
             stale_temp_s=options.stale_temp_s,
             link_threads=min(options.io_threads, _CPUS),
         )
-        self._header_bytes = header_size(layout) if layout is not None else 0
+        signed = self._mac_key is not None  # its pages carry a MAC: the Python readers check it
+        self._header_bytes = header_size(layout, signed=signed) if layout is not None else 0
         self._plain = plain_template(self._layout_bytes) if layout is not None else b""
         self._buffers = _WorkerBuffers()
         self._nowait = bool(_RWF_NOWAIT)
         self._cache_hit_ratio = 1.0  # recent share of reads the page cache served
         self._serial = itertools.count()
-        self._io: concurrent.futures.ThreadPoolExecutor | None = None
-        self._scanner: concurrent.futures.ThreadPoolExecutor | None = None
+        self._io: WorkerPool | None = None
+        self._scanner: WorkerPool | None = None
         self._scan: concurrent.futures.Future | None = None
         self._next_scan_at = 0.0
+        self._closing: list[WorkerPool] = []
 
     # -- primitives -------------------------------------------------------------------------
 
     async def _open(self) -> None:
         if self._io is None:
-            self._io = concurrent.futures.ThreadPoolExecutor(
-                self.options.io_threads, thread_name_prefix="hicache-file-io"
-            )
-            self._scanner = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="hicache-file-scan"
-            )
+            self._io = WorkerPool(self.options.io_threads, thread_name_prefix="hicache-file-io")
+            self._scanner = WorkerPool(1, thread_name_prefix="hicache-file-scan")
         await self._run(self._space.open)
         if self.options.fsync:
             await self._run(self._space.make_folders_durable)
@@ -193,13 +191,25 @@ class FileBackend(StorageBackend):
         await self._run(self._space.open)
 
     async def _close(self) -> None:
-        io, scanner = self._io, self._scanner
+        """Finish the work under way (commits in flight: never leave temporary files), then
+        close the ledger. The base bounds the wait by `close_grace` (then `_abandon`)."""
+        pools = [pool for pool in (self._io, self._scanner) if pool is not None]
+        self._closing = pools
         self._io = self._scanner = None
-        loop = asyncio.get_running_loop()
-        for pool in (io, scanner):
-            if pool is not None:  # finish in-flight commits: never leave temporary files
-                await loop.run_in_executor(None, pool.shutdown, True)
-        self._space.close()
+        for pool in pools:
+            pool.shutdown(wait=False)
+        for pool in pools:
+            await asyncio.wrap_future(pool.stopped())
+        closer = WorkerPool(1, thread_name_prefix="hicache-file-close")  # (a close can block)
+        try:
+            await asyncio.wrap_future(closer.submit(self._space.close))
+        finally:
+            closer.shutdown(wait=False)
+
+    def _abandon(self) -> int:
+        """Workers stuck past the grace (a call into a hung mount) are left to themselves:
+        daemon threads, so the process can still exit. The ledger stays open for them."""
+        return sum(pool.num_pending() for pool in self._closing)
 
     async def _exists(self, keys: list[bytes]) -> int:
         def count() -> int:
@@ -237,39 +247,30 @@ class FileBackend(StorageBackend):
         return self._count_stores("batch_put", statuses, sizes)
 
     async def _delete(self, keys: list[bytes]) -> int:
-        return await self._run(lambda: self._space.remove(keys))
+        removed, failed = await self._run(lambda: self._space.remove(keys))
+        if failed:
+            self._counts["errors"] += len(failed)
+            self._note_page_error(failed[-1])
+            self._warn_page_errors("delete", len(failed))
+        return removed
 
     async def _fetch_into(
         self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
     ) -> list[ReadInto]:
-        """Pages the page cache holds are read on the caller's thread, the rest on workers.
+        """Pages are read on workers, a slice of the batch each (one slice when recent
+        batches were page-cache hits: `_read_groups`).
 
-        Handing work to a thread and back costs more than copying a batch of cached pages
-        (about 0.1 ms each way on a busy virtual machine), so when recent batches were page
-        cache hits, the event loop's thread reads the batch itself, with reads that never wait
-        for I/O (a large batch shares them with workers: `_read_cached`); whatever it can't
-        take whole from the page cache goes to a worker after it.
+        Never on the event loop's thread, page-cache hits included: opening a page's pack is
+        a system call that can block without end (a hung NFS or FUSE mount), and on the
+        loop's thread it would stop every deadline with it.
         """
         self._maybe_rescan()
         items = list(zip(keys, views, strict=True))
         loop = asyncio.get_running_loop()
-        if self.options.inline_reads and self._nowait and self._cache_hit_ratio >= 0.9:
-            hits, outcomes = self._read_group_into(items, guard, inline=True)
-            deferred = [i for i, outcome in enumerate(outcomes) if outcome is _DEFERRED]
-            if deferred:
-                later = [items[i] for i in deferred]
-                late_hits, late = await loop.run_in_executor(
-                    self._io, functools.partial(self._read_group_into, later, guard, cached=False)
-                )
-                for i, outcome in zip(deferred, late, strict=True):
-                    outcomes[i] = outcome
-                hits += late_hits
-            parts = [(hits, outcomes)]
-        else:
-            groups = self._split(items, self._read_groups())
-            parts = await asyncio.gather(
-                *(loop.run_in_executor(self._io, self._read_group_into, g, guard) for g in groups)
-            )
+        groups = self._split(items, self._read_groups())
+        parts = await asyncio.gather(
+            *(loop.run_in_executor(self._io, self._read_group_into, g, guard) for g in groups)
+        )
         self._note_cache_hits(sum(hits for hits, _ in parts), len(keys))
         return [outcome for _, group in parts for outcome in group]
 
@@ -309,30 +310,21 @@ class FileBackend(StorageBackend):
         return outcomes
 
     def _read_group_into(
-        self,
-        items: list[tuple[bytes, memoryview]],
-        guard: CopyGuard,
-        *,
-        inline: bool = False,
-        cached: bool = True,
+        self, items: list[tuple[bytes, memoryview]], guard: CopyGuard
     ) -> tuple[int, list[ReadInto]]:
         """(how many pages the page cache served whole, the outcomes).
 
         First `_read_cached`; then the pages it left go one by one through `_stream_into`,
         which reads what the page cache lacks and names whatever is wrong, from the packs
-        the first step opened. `inline` (on the event loop's thread: never wait for I/O)
-        stops after the first step and leaves them `_DEFERRED` for a worker, which skips it
-        (`cached=False`).
+        the first step opened.
         """
         outcomes: list = [_PENDING] * len(items)
         with self._open_tables() as tables:
             hits = 0
-            if cached and self._nowait:
+            if self._nowait and self._mac_key is None:  # (the C check knows no MAC)
                 hits = self._read_cached(items, guard, outcomes, tables)
             left = [i for i, outcome in enumerate(outcomes) if outcome is _PENDING]
-            if inline:
-                _fill(outcomes, left, _DEFERRED)
-            elif left:
+            if left:
                 self._read_closely(items, left, guard, outcomes, tables)
         return hits, outcomes
 
@@ -341,8 +333,8 @@ class FileBackend(StorageBackend):
 
         def read(table: PackTable, members: list[int]) -> None:
             for i in members:
-                key, view = items[i]
-                entry = table.find(key, self._header_bytes + len(view))
+                key, view = items[i]  # (room for a MAC: a reader without a secret reads those)
+                entry = table.find(key, self._header_bytes + MAC_BYTES + len(view))
                 if isinstance(entry, CorruptReason):
                     outcomes[i] = entry
                 else:
@@ -559,6 +551,8 @@ class FileBackend(StorageBackend):
         into this thread's chunk buffer (a read that may wait, never into the caller's
         buffer) and copied on through the guard while it is in cache.
         """
+        if object_bytes != self._header_bytes + len(view):  # lz4, or not what we write
+            return self._read_whole_into(fd, base, object_bytes, key, view, guard)
         head, chunk = self._heads(1)[0], memoryview(self._buffers.chunk)
         first = [head, view[: len(chunk)]]  # a small page in one syscall, hashed while hot
         got = self._read_nowait(fd, first, base, guard)
@@ -575,11 +569,12 @@ class FileBackend(StorageBackend):
             self._layout_bytes,
             object_bytes=object_bytes,
             raw_bytes=len(view),
+            mac_key=self._mac_key,
         )
         if isinstance(check, CorruptReason):
             return check
         if check.header.compression is not Compression.NONE:
-            return self._decompress_into(fd, base, object_bytes, key, view, guard)
+            return self._read_whole_into(fd, base, object_bytes, key, view, guard)
         stored, start = check.header.stored_bytes, base + len(head)
         if in_chunk:
             offset = min(in_chunk, stored)
@@ -622,12 +617,15 @@ class FileBackend(StorageBackend):
             return 0
         return got
 
-    def _decompress_into(
+    def _read_whole_into(
         self, fd: int, base: int, object_bytes: int, key: bytes, view: memoryview, guard: CopyGuard
     ) -> ReadInto:
+        """An object not of the size this backend writes (lz4; one without a MAC under a
+        secret; one with a MAC without): read whole (`object_bytes` is bounded by the table
+        lookup), checked and decoded aside, then copied in."""
         blob = _pread_bytes(fd, object_bytes, base)
         raw = bytearray(len(view))
-        reason = decode_object_into(blob, key, self._layout_bytes, raw)
+        reason = decode_object_into(blob, key, self._layout_bytes, raw, mac_key=self._mac_key)
         if reason is not None:
             return reason
         return True if guard.copy(view, 0, memoryview(raw)) else None
@@ -725,6 +723,13 @@ class FileBackend(StorageBackend):
             work.append((temp, table, b"".join(pack_keys), [pages[i] for i in positions], headers))
         threads = min(len(work), self.options.io_threads, _CPUS)
         errors = native.pageio.write_packs(work, self._plain, self._layout_bytes, threads)
+        if errno.ENOENT in errors and self._space.make_root():  # removed under us: again
+            again = [i for i, error in enumerate(errors) if error == errno.ENOENT]
+            retried = native.pageio.write_packs(
+                [work[i] for i in again], self._plain, self._layout_bytes, threads
+            )
+            for i, error in zip(again, retried, strict=True):
+                errors[i] = error
         written = []
         for pack, error in zip(staged, errors, strict=True):
             if error:
@@ -759,7 +764,12 @@ class FileBackend(StorageBackend):
             pages = [sources[i] for i in positions]
             threads = self._copy_threads(sum(len(page) for page in pages))
             objects = frame_objects(
-                pack_keys, self.layout, pages, self._compression, threads=threads
+                pack_keys,
+                self.layout,
+                pages,
+                self._compression,
+                threads=threads,
+                mac_key=self._mac_key,
             )
             for i, obj in zip(positions, objects, strict=True):
                 sizes[i] = obj.nbytes
@@ -826,6 +836,7 @@ class FileBackend(StorageBackend):
         return (
             native.pageio is not None
             and self._compression is Compression.NONE
+            and self._mac_key is None
             and self._space.hard_links
         )
 
@@ -870,13 +881,14 @@ class FileBackend(StorageBackend):
         """How many groups a batch of reads is cut into.
 
         Reads that wait for a device or a server overlap: one group per `io_threads`.
-        Page-cache hits are memory copies with some Python around each: one group (read on
-        the caller's thread when `inline_reads` is on; `_read_cached` shares the copies of a
-        large batch with helpers), as more groups would only take turns on the GIL.
-        Which kind the next batch will be is guessed from the last ones.
+        Page-cache hits are memory copies with some Python around each: one group
+        (`_read_cached` shares the copies of a large batch with helpers), as more groups
+        would only take turns on the GIL.
+        Which kind the next batch will be is guessed from the last ones. Pages with a MAC
+        are hashed twice in Python: as many groups as workers, the hashing runs in parallel.
         """
-        if self._cache_hit_ratio < 0.9:
-            return self.options.io_threads
+        if self._cache_hit_ratio < 0.9 or self._mac_key is not None:
+            return self.options.io_threads  # (SHA-256, like I/O, runs without the GIL)
         return 1
 
     def _note_cache_hits(self, num_hits: int, num_reads: int) -> None:

@@ -4,7 +4,7 @@ Every page a backend stores is one object (little-endian):
 
     offset  bytes  field
     0       4      magic b"HCKV"
-    4       2      format version (1)
+    4       2      format version: 1, or 2 for an object that carries a MAC
     6       1      compression: 0 none, 1 lz4 (block format; the raw length is in the header)
     7       1      flags (0; readers reject anything else until a version defines them)
     8       2      L, length of the layout descriptor in bytes (UTF-8)
@@ -12,13 +12,22 @@ Every page a backend stores is one object (little-endian):
     16      16     page key
     32      8      stored payload length (after compression)
     40      8      raw payload length (before compression)
-    48      8      xxh3-64 of bytes [0, 48), the layout descriptor and the stored payload
+    48      8      xxh3-64 of every other byte of the object: [0, 48), then [56, end)
     56      L      layout descriptor, an opaque string such as "mha;layers=32;page=64;..."
-    56+L    N      stored payload
+    56+L    M      version 2 only (M = 32): the MAC, HMAC-SHA256 under the tenant's key of
+                   a fixed label, bytes [0, 48), the layout descriptor and the stored payload
+    56+L+M  N      stored payload
 
 The checksum covers every byte of the object except itself, so a flipped byte anywhere, a
 page copied under another key, a truncated or an extended object is always detected. A read
 names what was wrong with a `CorruptReason`; it never returns bytes that failed a check.
+
+The checksum takes no secret: it catches damage, not a forger, who can compute a page's key
+from its tokens and write any bytes under it with a valid checksum. A tenant configured with
+a secret (`mac_key_from_secret`) writes version 2 and reads only version 2 objects whose MAC
+checks out under its key: anything else is `CorruptReason.FORGED`, a miss. A reader without
+a key reads both versions as before (integrity only; the MAC is covered by the checksum but
+not checked), and so does the daemon, which stores clients' objects as opaque bytes.
 
 This module knows bytes and buffers only: not what a layout means, not where objects live.
 An object may arrive as one buffer or as several parts whose concatenation is the object
@@ -29,6 +38,8 @@ takes either, so backends never join parts just to check them.
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -39,9 +50,13 @@ from . import native
 
 MAGIC = b"HCKV"
 FORMAT_VERSION = 1
+SIGNED_VERSION = 2  # a MAC follows the layout descriptor
+MAC_BYTES = 32
 KEY_BYTES = 16
 HEADER_FIXED_BYTES = 56
 MAX_LAYOUT_BYTES = 0xFFFF
+MAX_PAYLOAD_BYTES = 1 << 30  # a payload larger than this is not a page: refused unread
+_LZ4_MAX_RATIO = 255  # an lz4 block never expands its input more than this (plus a little)
 
 _FIXED = struct.Struct("<4sHBBH6x16sQQQ")
 _CHECKSUM_OFFSET = 48
@@ -51,6 +66,8 @@ assert _FIXED.size == HEADER_FIXED_BYTES
 
 Buffer = bytes | bytearray | memoryview
 ObjectParts = Buffer | Sequence[Buffer]
+MacKey = bytes  # a tenant's MAC key (`mac_key_from_secret`); None where there is no secret
+_MAC_LABEL = b"hicache page object v2\0"  # these MACs are of pages, and of nothing else
 
 
 class Compression(enum.IntEnum):
@@ -81,6 +98,7 @@ class CorruptReason(str, enum.Enum):
     TRUNCATED = "truncated"  # shorter than its header says
     CHECKSUM = "checksum"  # some byte changed after it was written
     COMPRESSION = "compression"  # unknown codec, or the payload does not decompress
+    FORGED = "forged"  # intact, but not written with this tenant's secret (no or a wrong MAC)
 
 
 class ObjectHeader(NamedTuple):
@@ -90,10 +108,11 @@ class ObjectHeader(NamedTuple):
     stored_bytes: int  # payload bytes in the object
     raw_bytes: int  # payload bytes once decompressed
     checksum: int
+    mac: bytes | None = None  # version 2: the MAC as stored
 
     @property
     def header_bytes(self) -> int:
-        return HEADER_FIXED_BYTES + len(self.layout)
+        return HEADER_FIXED_BYTES + len(self.layout) + (MAC_BYTES if self.mac is not None else 0)
 
     @property
     def object_bytes(self) -> int:
@@ -144,26 +163,56 @@ def layout_bytes(layout: str) -> bytes:
     return encoded
 
 
-def header_size(layout: str) -> int:
-    """Bytes of the header an object of this layout carries in front of its payload."""
-    return HEADER_FIXED_BYTES + len(layout_bytes(layout))
+def header_size(layout: str, *, signed: bool = False) -> int:
+    """Bytes of the header an object of this layout carries in front of its payload (with a
+    MAC: `signed`)."""
+    return HEADER_FIXED_BYTES + len(layout_bytes(layout)) + (MAC_BYTES if signed else 0)
+
+
+def mac_key_from_secret(secret: bytes) -> MacKey:
+    """The MAC key of a tenant's secret (any length, at least 16 bytes), derived with
+    HMAC-SHA256, so that the secret itself is never the key of anything stored."""
+    if not isinstance(secret, bytes) or len(secret) < 16:
+        raise ValueError("a tenant secret must be at least 16 bytes")
+    return hmac.digest(secret, b"hicache tenant MAC key", hashlib.sha256)
+
+
+def _new_mac(mac_key: MacKey, plain: Buffer, layout: bytes) -> hmac.HMAC:
+    """HMAC-SHA256 (SHA-256 runs on the CPU's SHA instructions where it has them, and
+    without the GIL), fed with the label, the plain header and the layout; the payload next."""
+    mac = hmac.new(mac_key, _MAC_LABEL, hashlib.sha256)
+    mac.update(plain)
+    mac.update(layout)
+    return mac
 
 
 # -- encoding --------------------------------------------------------------------------------
 
 
 def frame_object(
-    key: bytes, layout: str, payload: Buffer, compression: str | Compression = "none"
+    key: bytes,
+    layout: str,
+    payload: Buffer,
+    compression: str | Compression = "none",
+    *,
+    mac_key: MacKey | None = None,
 ) -> FramedObject:
-    """Frame one page without copying it (unless lz4 is asked for and saves space)."""
-    return _frame(check_key(key), layout_bytes(layout), payload, Compression.parse(compression))
+    """Frame one page without copying it (unless lz4 is asked for and saves space); with a
+    `mac_key`, as a version 2 object carrying its MAC."""
+    codec = Compression.parse(compression)
+    return _frame(check_key(key), layout_bytes(layout), payload, codec, mac_key)
 
 
 def encode_object(
-    key: bytes, layout: str, payload: Buffer, compression: str | Compression = "none"
+    key: bytes,
+    layout: str,
+    payload: Buffer,
+    compression: str | Compression = "none",
+    *,
+    mac_key: MacKey | None = None,
 ) -> bytes:
     """The whole object as one `bytes` (one copy of the payload). lz4 is kept only if smaller."""
-    framed = frame_object(key, layout, payload, compression)
+    framed = frame_object(key, layout, payload, compression, mac_key=mac_key)
     return b"".join((framed.header, framed.payload))
 
 
@@ -174,15 +223,17 @@ def frame_objects(
     compression: str | Compression = "none",
     *,
     threads: int = 1,
+    mac_key: MacKey | None = None,
 ) -> list[FramedObject]:
     """`frame_object` for a batch, the layout and the codec checked once. Uncompressed pages
-    are framed by the C extension where it is built, hashed on up to `threads` threads."""
+    without a MAC are framed by the C extension where it is built, hashed on up to `threads`
+    threads (it knows no MAC: pages with one are framed here)."""
     encoded = layout_bytes(layout)
     codec = Compression.parse(compression)
-    if codec is Compression.NONE and native.pageio is not None:
+    if codec is Compression.NONE and native.pageio is not None and mac_key is None:
         return _frame_natively(keys, encoded, payloads, threads)
     return [
-        _frame(check_key(key), encoded, payload, codec)
+        _frame(check_key(key), encoded, payload, codec, mac_key)
         for key, payload in zip(keys, payloads, strict=True)
     ]
 
@@ -211,7 +262,13 @@ def plain_template(layout: bytes) -> bytes:
     return _PLAIN.pack(MAGIC, FORMAT_VERSION, Compression.NONE, 0, len(layout), b"", 0, 0)
 
 
-def _frame(key: bytes, layout: bytes, payload: Buffer, compression: Compression) -> FramedObject:
+def _frame(
+    key: bytes,
+    layout: bytes,
+    payload: Buffer,
+    compression: Compression,
+    mac_key: MacKey | None = None,
+) -> FramedObject:
     raw = byte_view(payload, what="page")
     stored: memoryview | bytes = raw
     if compression is Compression.LZ4 and len(raw) > 0:
@@ -224,19 +281,29 @@ def _frame(key: bytes, layout: bytes, payload: Buffer, compression: Compression)
             compression = Compression.NONE
     elif compression is not Compression.NONE:
         compression = Compression.NONE
-    return FramedObject(_header(key, layout, stored, len(raw), compression), stored)
+    return FramedObject(_header(key, layout, stored, len(raw), compression, mac_key), stored)
 
 
 def _header(
-    key: bytes, layout: bytes, stored: Buffer, raw_bytes: int, compression: Compression
+    key: bytes,
+    layout: bytes,
+    stored: Buffer,
+    raw_bytes: int,
+    compression: Compression,
+    mac_key: MacKey | None = None,
 ) -> bytes:
-    """The whole header of an object storing `stored`: fixed fields, checksum, layout."""
-    prefix = _PLAIN.pack(
-        MAGIC, FORMAT_VERSION, compression, 0, len(layout), key, len(stored), raw_bytes
-    )
-    hasher = xxhash.xxh3_64(prefix + layout)
+    """The whole header of an object storing `stored`: fixed fields, checksum, layout, and
+    with a `mac_key` the MAC (version 2)."""
+    version = FORMAT_VERSION if mac_key is None else SIGNED_VERSION
+    prefix = _PLAIN.pack(MAGIC, version, compression, 0, len(layout), key, len(stored), raw_bytes)
+    tail = layout
+    if mac_key is not None:
+        mac = _new_mac(mac_key, prefix, layout)
+        mac.update(stored)
+        tail = layout + mac.digest()
+    hasher = xxhash.xxh3_64(prefix + tail)
     hasher.update(stored)
-    return prefix + _CHECKSUM.pack(hasher.intdigest()) + layout
+    return prefix + _CHECKSUM.pack(hasher.intdigest()) + tail
 
 
 # -- decoding --------------------------------------------------------------------------------
@@ -251,14 +318,17 @@ def parse_header(buf: Buffer) -> ObjectHeader | CorruptReason:
     magic, version, codec, flags, layout_len, key, stored, raw, checksum = _FIXED.unpack_from(view)
     if magic != MAGIC:
         return CorruptReason.MAGIC
-    if version != FORMAT_VERSION or flags != 0:
+    if version not in (FORMAT_VERSION, SIGNED_VERSION) or flags != 0:
         return CorruptReason.VERSION
     if codec >= len(_CODECS):
         return CorruptReason.COMPRESSION
-    if len(view) < HEADER_FIXED_BYTES + layout_len:
+    layout_end = HEADER_FIXED_BYTES + layout_len
+    mac_bytes = MAC_BYTES if version == SIGNED_VERSION else 0
+    if len(view) < layout_end + mac_bytes:
         return CorruptReason.TRUNCATED
-    layout = bytes(view[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + layout_len])
-    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum)
+    layout = bytes(view[HEADER_FIXED_BYTES:layout_end])
+    mac = bytes(view[layout_end : layout_end + MAC_BYTES]) if mac_bytes else None
+    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac)
 
 
 def peek_sizes(buf: Buffer) -> tuple[int, int] | None:
@@ -269,8 +339,11 @@ def peek_sizes(buf: Buffer) -> tuple[int, int] | None:
     view = byte_view(buf)
     if len(view) < HEADER_FIXED_BYTES:
         return None
-    magic, _, _, _, layout_len, _, stored, _, _ = _FIXED.unpack_from(view)
-    return (HEADER_FIXED_BYTES + layout_len, stored) if magic == MAGIC else None
+    magic, version, _, _, layout_len, _, stored, _, _ = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        return None
+    mac_bytes = MAC_BYTES if version == SIGNED_VERSION else 0
+    return HEADER_FIXED_BYTES + layout_len + mac_bytes, stored
 
 
 def _as_parts(obj: ObjectParts) -> list[memoryview]:
@@ -280,9 +353,13 @@ def _as_parts(obj: ObjectParts) -> list[memoryview]:
 
 
 def _check(
-    obj: ObjectParts, expected_key: bytes, expected_layout: bytes | None
+    obj: ObjectParts,
+    expected_key: bytes,
+    expected_layout: bytes | None,
+    mac_key: MacKey | None = None,
 ) -> tuple[ObjectHeader, list[memoryview]] | CorruptReason:
-    """Every check but the reader's expected size. Returns the header and the payload parts."""
+    """Every check but the reader's expected size (the MAC too, given a `mac_key`). Returns
+    the header and the payload parts."""
     parts = _as_parts(obj)
     if not parts:
         return CorruptReason.TRUNCATED
@@ -300,12 +377,19 @@ def _check(
     reason = _check_fields(header, expected_key, expected_layout, stored)
     if reason is not None:
         return reason
-    hasher = xxhash.xxh3_64(first[:_CHECKSUM_OFFSET])
-    hasher.update(header.layout)
+    hasher = _start_checksum(first, header)
     for part in payload:
         hasher.update(part)
     if hasher.intdigest() != header.checksum:
         return CorruptReason.CHECKSUM
+    if mac_key is not None:
+        if header.mac is None:
+            return CorruptReason.FORGED
+        mac = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], header.layout)
+        for part in payload:
+            mac.update(part)
+        if not hmac.compare_digest(mac.digest(), header.mac):
+            return CorruptReason.FORGED
     return header, payload
 
 
@@ -323,30 +407,36 @@ def _check_fields(
         return CorruptReason.LENGTH
     if header.compression is Compression.NONE and header.raw_bytes != header.stored_bytes:
         return CorruptReason.LENGTH
+    if header.raw_bytes > min(MAX_PAYLOAD_BYTES, _LZ4_MAX_RATIO * header.stored_bytes + 64):
+        return CorruptReason.LENGTH  # (sizes a decompression buffer: bounded before use)
     return None
 
 
 def _early_reject(
-    view: memoryview, expected_key: bytes, expected_layout: bytes | None
+    view: memoryview, expected_key: bytes, expected_layout: bytes | None, signed: bool
 ) -> CorruptReason | None:
-    """What the fixed part alone can refuse, before reading a layout of unknown length."""
+    """What the fixed part alone can refuse, before reading a layout of unknown length
+    (`signed`: the reader has a MAC key, and so takes version 2 objects only)."""
     if len(view) < HEADER_FIXED_BYTES:
         return None  # parse_header names it
     magic, version, _, flags, layout_len, key, *_ = _FIXED.unpack_from(view)
     if magic != MAGIC:
         return CorruptReason.MAGIC
-    if version != FORMAT_VERSION or flags != 0:
+    if version not in (FORMAT_VERSION, SIGNED_VERSION) or flags != 0:
         return CorruptReason.VERSION
     if key != expected_key:
         return CorruptReason.KEY
     if expected_layout is not None and layout_len != len(expected_layout):
         return CorruptReason.LAYOUT
+    if signed and version != SIGNED_VERSION:
+        return CorruptReason.FORGED
     return None
 
 
 def _start_checksum(head: memoryview, header: ObjectHeader) -> xxhash.xxh3_64:
+    """The checksum over the header, every byte but the checksum itself."""
     hasher = xxhash.xxh3_64(head[:_CHECKSUM_OFFSET])
-    hasher.update(header.layout)
+    hasher.update(head[HEADER_FIXED_BYTES : header.header_bytes])
     return hasher
 
 
@@ -358,9 +448,12 @@ class StreamingCheck:
     checksum after the last, so a caller that hands out data must wait for `finish()`.
     """
 
-    def __init__(self, header: ObjectHeader, head: memoryview) -> None:
+    def __init__(self, header: ObjectHeader, head: memoryview, mac_key: MacKey | None) -> None:
         self.header = header
         self._hasher = _start_checksum(head, header)
+        self._mac = None
+        if mac_key is not None:
+            self._mac = _new_mac(mac_key, head[:_CHECKSUM_OFFSET], header.layout)
         self._seen = 0
 
     @classmethod
@@ -372,11 +465,13 @@ class StreamingCheck:
         *,
         object_bytes: int,
         raw_bytes: int | None = None,
+        mac_key: MacKey | None = None,
     ) -> StreamingCheck | CorruptReason:
         """`head` holds at least the header; `object_bytes` is the whole object's stored size;
-        `raw_bytes` the payload size the reader expects, if it knows it."""
+        `raw_bytes` the payload size the reader expects, if it knows it; `mac_key` the
+        reader's, if it has a secret (then the MAC is checked as well, at `finish`)."""
         view = byte_view(head)
-        early = _early_reject(view, expected_key, expected_layout)
+        early = _early_reject(view, expected_key, expected_layout, mac_key is not None)
         if early is not None:
             return early
         header = parse_header(view)
@@ -386,10 +481,12 @@ class StreamingCheck:
         reason = _check_fields(header, expected_key, expected_layout, stored_present)
         if reason is None and raw_bytes is not None and header.raw_bytes != raw_bytes:
             reason = CorruptReason.LENGTH
-        return reason if reason is not None else cls(header, view)
+        return reason if reason is not None else cls(header, view, mac_key)
 
     def update(self, piece: Buffer) -> None:
         self._hasher.update(piece)
+        if self._mac is not None:
+            self._mac.update(piece)
         self._seen += len(piece)
 
     def finish(self) -> CorruptReason | None:
@@ -400,6 +497,8 @@ class StreamingCheck:
             return CorruptReason.LENGTH
         if self._hasher.intdigest() != self.header.checksum:
             return CorruptReason.CHECKSUM
+        if self._mac is not None and not hmac.compare_digest(self._mac.digest(), self.header.mac):
+            return CorruptReason.FORGED
         return None
 
 
@@ -414,25 +513,28 @@ def check_plain(head: Buffer, payload: Buffer, key: bytes, layout: bytes) -> boo
     return head == _header(key, layout, payload, len(payload), Compression.NONE)
 
 
-def verify_object(obj: ObjectParts, expected_key: bytes) -> CorruptReason | None:
-    """Check an object for `expected_key` without knowing its layout (the daemon's check).
+def verify_object(
+    obj: ObjectParts, expected_key: bytes, *, mac_key: MacKey | None = None
+) -> CorruptReason | None:
+    """Check an object for `expected_key` without knowing its layout (the daemon's check:
+    without a `mac_key`, so objects with a MAC pass on their checksum alone).
 
     None when it is intact. The layout descriptor is covered by the checksum but not compared:
     the reader compares it when it decodes.
     """
-    checked = _check(obj, expected_key, None)
+    checked = _check(obj, expected_key, None, mac_key)
     return checked if isinstance(checked, CorruptReason) else None
 
 
 def decode_object(
-    blob: Buffer, expected_key: bytes, expected_layout: str
+    blob: Buffer, expected_key: bytes, expected_layout: str, *, mac_key: MacKey | None = None
 ) -> memoryview | bytes | CorruptReason:
     """The payload of a verified object, or why it was refused.
 
     Uncompressed payloads come back as a memoryview into `blob` (no copy); lz4 payloads as the
     decompressed `bytes`.
     """
-    checked = _check(blob, expected_key, layout_bytes(expected_layout))
+    checked = _check(blob, expected_key, layout_bytes(expected_layout), mac_key)
     if isinstance(checked, CorruptReason):
         return checked
     header, payload = checked
@@ -442,7 +544,12 @@ def decode_object(
 
 
 def verify_payload(
-    obj: ObjectParts, expected_key: bytes, expected_layout: str | bytes, raw_bytes: int
+    obj: ObjectParts,
+    expected_key: bytes,
+    expected_layout: str | bytes,
+    raw_bytes: int,
+    *,
+    mac_key: MacKey | None = None,
 ) -> list[memoryview] | CorruptReason:
     """Verify an object and return its payload, `raw_bytes` long, as parts to copy out.
 
@@ -451,7 +558,7 @@ def verify_payload(
     layout = (
         expected_layout if isinstance(expected_layout, bytes) else layout_bytes(expected_layout)
     )
-    checked = _check(obj, expected_key, layout)
+    checked = _check(obj, expected_key, layout, mac_key)
     if isinstance(checked, CorruptReason):
         return checked
     header, payload = checked
@@ -466,7 +573,12 @@ def verify_payload(
 
 
 def decode_object_into(
-    obj: ObjectParts, expected_key: bytes, expected_layout: str | bytes, into: Buffer
+    obj: ObjectParts,
+    expected_key: bytes,
+    expected_layout: str | bytes,
+    into: Buffer,
+    *,
+    mac_key: MacKey | None = None,
 ) -> CorruptReason | None:
     """Verify an object and copy its payload into `into` (exactly the raw payload's size).
 
@@ -474,7 +586,7 @@ def decode_object_into(
     checked before a byte is copied.
     """
     target = byte_view(into, writable=True, what="destination buffer")
-    payload = verify_payload(obj, expected_key, expected_layout, len(target))
+    payload = verify_payload(obj, expected_key, expected_layout, len(target), mac_key=mac_key)
     if isinstance(payload, CorruptReason):
         return payload
     offset = 0
@@ -491,16 +603,18 @@ def decode_objects_into(
     intos: Sequence[memoryview],
     *,
     threads: int = 1,
+    mac_key: MacKey | None = None,
 ) -> list[CorruptReason | None]:
     """`decode_object_into` for a batch: one None (verified and copied) or reason per object.
 
     Where the C extension is built, whole uncompressed objects (one buffer each, the common
     reply of a network backend) are checked and copied by it on up to `threads` threads;
     anything else, and anything it refused, goes through `decode_object_into`, which names the
-    reason. Either way a destination is written only once its object has checked out.
+    reason. Either way a destination is written only once its object has checked out. With a
+    `mac_key` every object goes through `decode_object_into` (the C check knows no MAC).
     """
     results: list[CorruptReason | None | bool] = [False] * len(objs)  # False: not decoded yet
-    if native.pageio is not None:
+    if native.pageio is not None and mac_key is None:
         size = HEADER_FIXED_BYTES + len(expected_layout)
         buffers = [_one_buffer(obj) for obj in objs]
         whole = [
@@ -524,7 +638,9 @@ def decode_objects_into(
                     results[i] = None
     for i, result in enumerate(results):
         if result is False:
-            results[i] = decode_object_into(objs[i], expected_keys[i], expected_layout, intos[i])
+            results[i] = decode_object_into(
+                objs[i], expected_keys[i], expected_layout, intos[i], mac_key=mac_key
+            )
     return results
 
 

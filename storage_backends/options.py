@@ -108,8 +108,8 @@ def url_option(query_name: str, kind: str, default: Any, *, doc: str = "") -> An
 
 
 def check_range(name: str, value: float, *, low: float, high: float | None = None) -> None:
-    """Raise BackendConfigError unless low <= value (<= high)."""
-    if value < low or (high is not None and value > high):
+    """Raise BackendConfigError unless low <= value (<= high); NaN is never in range."""
+    if not (value >= low) or (high is not None and value > high):
         allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise BackendConfigError(f"{name} must be {allowed}, got {value}")
 
@@ -127,10 +127,29 @@ class BackendOptions:
     warn_interval_s: float = url_option(
         "warn_interval", "duration", 30.0, doc="at most one warning of a kind per interval"
     )
+    close_grace_s: float = url_option(
+        "close_grace", "duration", 5.0, doc="close() waits this long for work under way"
+    )
+    secret_file: str = url_option(
+        "secret_file", "str", "", doc="the tenant's secret: pages carry a MAC keyed by it"
+    )
+    breaker_failures: int = url_option(
+        "breaker_failures", "int", 3, doc="faults in a row that open the circuit breaker; 0: off"
+    )
+    breaker_backoff_s: float = url_option(
+        "breaker_backoff", "duration", 1.0, doc="calls fail fast this long, then one probe"
+    )
+    breaker_max_backoff_s: float = url_option(
+        "breaker_max_backoff", "duration", 30.0, doc="the back-off doubles up to this"
+    )
 
     def __post_init__(self) -> None:
         check_range("timeout", self.timeout_s, low=0.001)
         check_range("warn_interval", self.warn_interval_s, low=0.0)
+        check_range("close_grace", self.close_grace_s, low=0.01, high=3600.0)
+        check_range("breaker_failures", self.breaker_failures, low=0)
+        check_range("breaker_backoff", self.breaker_backoff_s, low=0.001, high=3600.0)
+        check_range("breaker_max_backoff", self.breaker_max_backoff_s, low=0.001, high=86400.0)
         if self.compression not in ("none", "lz4"):
             raise BackendConfigError(
                 f"compression must be 'none' or 'lz4', got {self.compression!r}"

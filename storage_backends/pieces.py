@@ -17,12 +17,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
-from .objects import Buffer, CorruptReason
+from .objects import (
+    HEADER_FIXED_BYTES,
+    MAC_BYTES,
+    MAX_LAYOUT_BYTES,
+    MAX_PAYLOAD_BYTES,
+    Buffer,
+    CorruptReason,
+)
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _MAX_VARINT_BYTES = 10
 _UINT32_MAX = (1 << 32) - 1
 _UINT64_MAX = (1 << 64) - 1
+# The largest object a page can be: a longer one is refused before any of it is kept.
+MAX_OBJECT_BYTES = HEADER_FIXED_BYTES + MAX_LAYOUT_BYTES + MAC_BYTES + MAX_PAYLOAD_BYTES
 
 # Piece fields
 _INDEX, _KEY, _OBJECT_BYTES, _OFFSET, _DATA = 1, 2, 3, 4, 5
@@ -297,6 +306,9 @@ class ObjectAssembly:
             self._finish(index, CorruptReason.KEY)
             return
         size, parts, got = self.partial.get(index, (piece.object_bytes, [], 0))
+        if size > MAX_OBJECT_BYTES:  # the sender's word, bounded before we hold pieces for it
+            self._finish(index, CorruptReason.LENGTH)
+            return
         if piece.object_bytes != size or piece.offset != got or got + len(piece.data) > size:
             self._finish(index, CorruptReason.LENGTH)
             return

@@ -36,11 +36,13 @@ from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 
 from .base import Fetched, PageStatus, StorageBackend
 from .errors import BackendConfigError
-from .objects import HEADER_FIXED_BYTES, FramedObject, peek_sizes
+from .objects import HEADER_FIXED_BYTES, MAX_PAYLOAD_BYTES, FramedObject, peek_sizes
 from .options import BackendOptions, check_range, options_from_query, redact_url, url_option
 
 _DEFAULT_PORT = 6379
 _MAX_BULK_BYTES = 512 << 20  # Redis's proto-max-bulk-len default
+_MIN_CHUNK_BYTES = 1024  # the smallest chunk_size: a writer's chunks are never shorter
+_MAX_CHUNKS = 4096  # values one page may span (a larger page is refused on put)
 
 Arg = bytes | Sequence[bytes | memoryview]  # one argument: a buffer, or parts sent as one value
 
@@ -193,12 +195,15 @@ class RedisBackend(StorageBackend):
     async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
         commands: list[list[Arg]] = []
         owner: list[int] = []  # which page each command writes
+        statuses = [PageStatus.STORED] * len(keys)
         for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
+            if len(obj.payload) > _MAX_CHUNKS * self.options.chunk_bytes:
+                statuses[i] = PageStatus.REJECTED  # readers never fetch that many values
+                continue
             for chunk_key, parts in self._values(self._redis_key(key), obj):
                 commands.append([b"SET", chunk_key, parts, *self._ttl_args])
                 owner.append(i)
-        replies = await self._run(commands)
-        statuses = [PageStatus.STORED] * len(keys)
+        replies = await self._run(commands) if commands else []
         for i, reply in zip(owner, replies, strict=True):
             if isinstance(reply, OutOfMemoryError):
                 statuses[i] = PageStatus.REJECTED  # maxmemory reached, no eviction policy
@@ -234,23 +239,29 @@ class RedisBackend(StorageBackend):
             if more_from:
                 missing.append((i, more_from, parts))
         if missing:
-            await self._fetch_rest(keys, missing)
+            await self._fetch_rest(keys, sizes, missing)
         return fetched
 
-    async def _fetch_rest(self, keys: list[bytes], missing: list[tuple[int, int, list]]) -> None:
-        """Fetch the chunks past those asked for (their count is now known from the header)."""
+    async def _fetch_rest(
+        self, keys: list[bytes], sizes: list[int] | None, missing: list[tuple[int, int, list]]
+    ) -> None:
+        """Fetch the chunks past those asked for (their count is now known from the header,
+        once it is bounded: the header is data from outside)."""
         commands, spans = [], []
         for i, first, parts in missing:
-            header_bytes, stored_bytes = peek_sizes(parts[0])
-            chunk = len(parts[0]) - header_bytes  # the writer's chunk size
-            total = -(-stored_bytes // chunk)
+            limit = sizes[i] if sizes is not None else MAX_PAYLOAD_BYTES
+            total = _chunks_to_fetch(parts[0], limit)
+            if total <= first:
+                continue  # not a page we would take: the decoder names what is wrong
             redis_key = self._redis_key(keys[i])
             commands += [[b"GET", self._chunk_key(redis_key, j)] for j in range(first, total)]
             spans.append((parts, total - first))
+        if not commands:
+            return
         replies = iter(await self._run(commands))
         for parts, count in spans:
-            for _ in range(count):
-                reply = next(replies)
+            chunks = [next(replies) for _ in range(count)]  # all of them: keep in step
+            for reply in chunks:
                 if not isinstance(reply, bytes):
                     break  # absent or failed: the decoder will find the page short
                 parts.append(reply)
@@ -333,16 +344,29 @@ def _assemble(replies: list[object]) -> tuple[Fetched, int]:
     return parts, (len(parts) if more else 0)
 
 
+def _chunk_count(header_bytes: int, stored_bytes: int, value_bytes: int, limit: int) -> int:
+    """How many values a page spans, from its header's lengths and its first value's size,
+    at most `_MAX_CHUNKS`; 1 where the lengths cannot be a page of at most `limit` payload
+    bytes written in chunks (a damaged or forged header: nothing is sized by it)."""
+    first = value_bytes - header_bytes  # payload bytes in the first value: the chunk size
+    if stored_bytes <= first or stored_bytes > limit or first < _MIN_CHUNK_BYTES:
+        return 1
+    return min(_MAX_CHUNKS, 1 + -(-(stored_bytes - first) // first))
+
+
+def _chunks_to_fetch(head: bytes, limit: int) -> int:
+    """`_chunk_count` of a page whose first value is `head`."""
+    sizes = peek_sizes(head)
+    return 1 if sizes is None else _chunk_count(*sizes, len(head), limit)
+
+
 def _num_chunks(fixed_header: object, value_bytes: object) -> int:
-    """How many keys a page spans, from its header's fixed part and its first value's length."""
+    """How many keys a page spans, from its header's fixed part and its first value's length
+    (for deletes: whatever the page's size, never past `_MAX_CHUNKS`)."""
     sizes = peek_sizes(fixed_header) if isinstance(fixed_header, bytes) else None
     if sizes is None or not isinstance(value_bytes, int):
         return 1
-    header_bytes, stored_bytes = sizes
-    first = value_bytes - header_bytes  # payload bytes in the first value: the chunk size
-    if first <= 0 or stored_bytes <= first:
-        return 1
-    return 1 + -(-(stored_bytes - first) // first)
+    return _chunk_count(*sizes, value_bytes, MAX_PAYLOAD_BYTES)
 
 
 # -- URLs ------------------------------------------------------------------------------------

@@ -44,10 +44,16 @@ class BackendStats:
     num_corrupt: Mapping[str, int]  # refused reads (and object puts) by CorruptReason value
     read_bytes: int  # payload bytes returned
     written_bytes: int  # object bytes stored
+    num_forged: int = 0  # refused reads (and object puts) without a valid MAC for our secret
+    num_abandoned: int = 0  # operations close() left unfinished after its grace (a hung backend)
+    num_short_circuited: int = 0  # calls failed fast by the open circuit breaker
+    num_breaker_trips: int = 0  # times repeated faults opened the breaker
+    breaker_state: str = "closed"  # closed | open | probing
 
     @property
     def num_corrupt_total(self) -> int:
-        return sum(self.num_corrupt.values())
+        """Every page refused on read (or object put): corrupt, by any reason, or forged."""
+        return sum(self.num_corrupt.values()) + self.num_forged
 
 
 class RateLimitedWarnings:

@@ -73,6 +73,35 @@ def test_bad_values_name_the_field(build, message):
         build()
 
 
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "-0.5"])
+@pytest.mark.parametrize(
+    "variable", ["HICACHE_PREFETCH_TIMEOUT_PER_1K_S", "HICACHE_PREFETCH_TIMEOUT_BASE_S"]
+)
+def test_prefetch_timeouts_must_be_finite_and_non_negative(variable, value):
+    """`inf` once passed and made match() raise OverflowError; the field is named."""
+    with pytest.raises(ValueError, match=r"PolicyConfig\.prefetch_timeout_.* finite and >= 0"):
+        HiCacheConfig.from_env(LAYOUT, environ={variable: value})
+
+
+def test_the_tenant_secret_is_a_file_named_by_a_variable():
+    config = HiCacheConfig.from_env(
+        LAYOUT,
+        environ={
+            "HICACHE_L2_SIZE": "1GiB",
+            "HICACHE_L3_URL": "file:///data/kv?capacity=1TiB",
+            "HICACHE_L3_SECRET_FILE": "/etc/hicache/team-a.secret",
+        },
+    )
+    assert config.l3.secret_file == "/etc/hicache/team-a.secret"
+    with pytest.raises(ValueError, match="secret_file needs an L3 url"):
+        L3Config(secret_file="/etc/hicache/team-a.secret")
+
+
+def test_l3_exists_timeout_must_be_finite():
+    with pytest.raises(ValueError, match="exists_timeout_s must be finite and > 0"):
+        L3Config(exists_timeout_s=float("inf"))
+
+
 def test_sizes_and_budgets():
     assert parse_size("8GiB") == 8 * 2**30
     assert parse_size("100GB") == 100 * 10**9

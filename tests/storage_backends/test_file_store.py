@@ -300,13 +300,13 @@ def test_compressed_pages_in_a_pack_take_the_full_path(tmp_path, pages):
     run(body())
 
 
-@pytest.mark.parametrize("io_threads, inline, cpus", [(1, 1, 8), (4, 1, 8), (4, 1, 1), (4, 0, 8)])
+@pytest.mark.parametrize("io_threads, cpus", [(1, 8), (4, 8), (4, 1)])
 def test_large_batches_read_with_helper_threads_or_without(
-    tmp_path, pages, monkeypatch, pageio, io_threads, inline, cpus
+    tmp_path, pages, monkeypatch, pageio, io_threads, cpus
 ):
     """A batch of 6 MiB shares its copies with other threads: with the C reader one per
     512 KiB, in Python one per 2 MiB (so three); at most one per core and per worker, none
-    with one core or one worker. With `inline_reads=0` the whole read runs on the workers."""
+    with one core or one worker."""
     monkeypatch.setattr(file_store_module, "_CPUS", cpus)
     asked = []
     if pageio == "c":
@@ -327,7 +327,7 @@ def test_large_batches_read_with_helper_threads_or_without(
     data = [pages.page(k, page_bytes) for k in keys]
 
     async def body():
-        url = f"file://{root}?capacity=1GiB&io_threads={io_threads}&inline_reads={inline}"
+        url = f"file://{root}?capacity=1GiB&io_threads={io_threads}"
         async with open_backend(url, layout=pages.LAYOUT) as store:
             assert await store.batch_put(keys[:12], data[:12]) == [True] * 12
             assert await store.batch_put(keys[12:], data[12:]) == [True] * 12
@@ -348,8 +348,9 @@ def test_large_batches_read_with_helper_threads_or_without(
 
 
 def test_helpers_that_never_start_do_not_hold_up_a_read(tmp_path, pages, monkeypatch):
-    """With every worker busy, the caller copies the whole batch itself and returns without
-    waiting for its queued helpers (were it to wait, the read would time out into misses)."""
+    """With every other worker busy, the worker reading a batch copies all of it itself and
+    returns without waiting for its queued helpers (were it to wait, the read would time out
+    into misses)."""
     monkeypatch.setattr(file_store_module, "_CPUS", 8)
     monkeypatch.setattr(file_store_module, "_HELPER_BYTES", 64 << 10)
     page_bytes = 64 << 10
@@ -361,7 +362,7 @@ def test_helpers_that_never_start_do_not_hold_up_a_read(tmp_path, pages, monkeyp
         async with open_backend(url, layout=pages.LAYOUT) as store:
             assert await store.batch_put(keys, data) == [True] * 16
             release = threading.Event()
-            busy = [store._io.submit(release.wait, 30) for _ in range(2)]
+            busy = [store._io.submit(release.wait, 30)]  # the read takes the other worker
             try:
                 pool, views = pages.pool_views(16, page_bytes)
                 for _ in range(3):

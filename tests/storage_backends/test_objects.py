@@ -99,7 +99,7 @@ def test_each_refusal_names_its_reason():
     other_key = bytes(16)
     cases = {
         CorruptReason.MAGIC: b"GARBAGE!" * 20,
-        CorruptReason.VERSION: blob[:4] + b"\x02\x00" + blob[6:],
+        CorruptReason.VERSION: blob[:4] + b"\x03\x00" + blob[6:],
         CorruptReason.KEY: encode_object(other_key, LAYOUT, payload),
         CorruptReason.LAYOUT: encode_object(KEY, LAYOUT + ";x=1", payload),
         CorruptReason.TRUNCATED: blob[:-1],

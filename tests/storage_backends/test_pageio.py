@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import xxhash
@@ -420,3 +423,45 @@ def test_write_packs_refuses_malformed_work(tmp_path):
     with pytest.raises(TypeError, match="writable"):
         pageio.write_packs([(*work[:4], bytes(work[4]))], plain, encoded, 1)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+_OVERSIZED_LAYOUT = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    from storage_backends import native
+    from storage_backends.objects import plain_template
+    pageio = native.pageio
+    layout = b"x" * 70000  # more than a header's u16 length can say
+    plain = plain_template(b"")
+    page = bytes(4096)
+    refused = []
+    try:
+        headers = bytearray(56 + len(layout))
+        pageio.frame_headers(b"k" * 16, plain, layout, [page], headers, 1)
+    except ValueError as exc:
+        refused.append(str(exc))
+    with tempfile.TemporaryFile() as f:
+        f.write(bytes(56 + len(layout)) + page)
+        f.flush()
+        buffers = [bytearray(56 + len(layout)), bytearray(len(page))]
+        try:
+            pageio.read_stretches([(f.fileno(), 0, buffers, 0)], b"k" * 16, plain, layout,
+                                  bytearray(1), 1)
+        except ValueError as exc:
+            refused.append(str(exc))
+    print(len(refused), "|".join(refused))
+    """
+)
+
+
+def test_a_layout_longer_than_a_header_can_hold_is_refused_not_copied_onto_the_stack():
+    """frame_headers and read_stretches hashed the layout through a fixed stack buffer of
+    48 + 65535 bytes without checking its length (an ASan build reported the overflow). Run
+    in a child: on a build with the bug, the child may crash rather than raise."""
+    result = subprocess.run(
+        [sys.executable, "-c", _OVERSIZED_LAYOUT], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    count, _, messages = result.stdout.strip().partition(" ")
+    assert count == "2", result.stdout
+    assert messages.count("at most 65535") == 2

@@ -11,7 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from storage_backends.objects import CorruptReason
 from storage_backends.pieces import (
+    MAX_OBJECT_BYTES,
+    ObjectAssembly,
     OutPiece,
     WireError,
     decode_get_response,
@@ -196,3 +199,13 @@ def test_rendezvous_split_keeps_key_order_per_server():
     assert all(ps == sorted(ps) for ps in groups.values())
     with pytest.raises(ValueError, match="listed twice"):
         Rendezvous(["a:1", "a:1"])
+
+
+def test_an_object_claiming_more_than_a_page_can_be_is_refused_at_its_first_piece():
+    """A server's `object_bytes` is bounded before its pieces are held for it."""
+    key = b"k" * 16
+    settled = {}
+    assembly = ObjectAssembly([key], settled.__setitem__)
+    piece = OutPiece(0, key, MAX_OBJECT_BYTES + 1, 0, [b"x" * 100])
+    assembly.add(encode_get_response([piece]))
+    assert settled == {0: CorruptReason.LENGTH} and not assembly.partial

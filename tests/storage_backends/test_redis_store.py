@@ -186,6 +186,8 @@ def test_killed_mid_batch_then_restarted_without_rebuilding(start_redis, pages):
             assert store.stats().num_errors >= 2
 
             server.start()  # same port, empty (no persistence)
+            assert store.stats().breaker_state == "open"  # three faults in a row
+            await asyncio.sleep(store.options.breaker_backoff_s)  # then the next call probes
             assert await store.batch_put(keys, data) == [True] * 32
             assert await store.batch_get(keys, views) == [True] * 32
             assert bytes(pool) == b"".join(data)

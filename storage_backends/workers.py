@@ -1,0 +1,113 @@
+"""WorkerPool: the threads a backend runs blocking calls on, which it can walk away from.
+
+A `concurrent.futures.ThreadPoolExecutor` cannot be left behind: its threads are joined when
+it shuts down and again when the interpreter exits, so one thread stuck in a system call
+that never returns (an `open` on a hung NFS or FUSE mount) makes `close()` and the process
+exit hang with it. Here the threads are daemon threads and `shutdown(wait=False)` returns at
+once; `stopped()` says when the last one has finished, so a caller can wait for it as long as
+it chooses, and `num_pending()` how much work it would abandon by not waiting longer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class WorkerPool(concurrent.futures.Executor):
+    """At most `max_workers` daemon threads, started as work arrives (an Executor, so
+    `loop.run_in_executor` takes it). Queued work may be cancelled through its future."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self._max_workers = max_workers
+        self._prefix = thread_name_prefix
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._num_threads = 0
+        self._num_live = 0
+        self._num_pending = 0  # submitted and not taken off the queue and finished
+        self._unfinished: set[concurrent.futures.Future] = set()
+        self._shut = False
+        self._stopped: concurrent.futures.Future = concurrent.futures.Future()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError(f"{self._prefix}: the pool is shut down")
+            self._num_pending += 1
+            self._unfinished.add(future)
+            self._queue.put((future, fn, args, kwargs))
+            if self._num_pending > self._num_threads < self._max_workers:
+                self._start_thread()  # more work than threads: one more, up to the limit
+        return future
+
+    def _start_thread(self) -> None:
+        self._num_threads += 1
+        self._num_live += 1
+        thread = threading.Thread(
+            target=self._work, name=f"{self._prefix}_{self._num_threads}", daemon=True
+        )
+        thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            future, fn, args, kwargs = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:  # handed to whoever waits on the future
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            with self._lock:
+                self._num_pending -= 1
+                self._unfinished.discard(future)
+        with self._lock:
+            self._num_live -= 1
+            last = self._num_live == 0
+        if last:
+            self._stopped.set_result(None)
+
+    def num_pending(self) -> int:
+        """Work submitted and not finished: queued, or running (perhaps stuck); cancelled
+        work is not counted."""
+        with self._lock:
+            return sum(1 for future in self._unfinished if not future.done())
+
+    def stopped(self) -> concurrent.futures.Future:
+        """Done once the pool is shut down and every thread has finished its work."""
+        return self._stopped
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Let the threads finish what is queued and stop; `wait` blocks until they have
+        (which is forever if one is stuck: prefer waiting on `stopped()` with a bound)."""
+        with self._lock:
+            if not self._shut:
+                self._shut = True
+                if cancel_futures:
+                    self._cancel_queued()
+                for _ in range(self._num_live):
+                    self._queue.put(None)
+                if self._num_live == 0:
+                    self._stopped.set_result(None)
+        if wait:
+            self._stopped.result()
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[0].cancel():
+                self._num_pending -= 1
+                self._unfinished.discard(item[0])
