@@ -186,3 +186,32 @@ def test_a_damaged_spill_file_is_a_miss_never_data(start_daemon, tmp_path):
     daemon.start()
     served = _read_back(url, keys, [len(p) for p in pages])
     assert served == [pages[0], None, pages[2], pages[3]]
+
+
+def test_evict_mode_keeps_pages_whose_spill_write_outlived_the_evicting_call(
+    start_daemon, tmp_path
+):
+    """Another client's put evicts A's pages; that client's deadline expires while they are
+    being written to the spill. The write must finish anyway: A's acknowledged pages all
+    come back (from memory or the spill)."""
+    daemon = start_daemon("--capacity", "4MiB", "--spill-dir", str(tmp_path / "spill"))
+    url = f"grpc://{daemon.address}?namespace=default"
+    keys = [key_of("owner", i) for i in range(60)]
+    pages = [os.urandom(64 << 10) for _ in keys]
+    assert _put(url, keys, pages) == [True] * 60
+
+    async def hasty_puts():
+        # Deadlines from 1 to 20 ms: some expire while the put's evictions are being spilled.
+        for timeout_ms in (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20):
+            hasty = f"{url}&timeout={timeout_ms}ms&retries=0"
+            async with open_backend(hasty, layout=LAYOUT) as store:
+                await store.connect()
+                for batch in range(3):
+                    batch_keys = [key_of(f"hasty{timeout_ms}:{batch}", i) for i in range(32)]
+                    await store.batch_put(batch_keys, [os.urandom(64 << 10) for _ in batch_keys])
+
+    asyncio.run(hasty_puts())
+    time.sleep(0.5)  # writes of evictions that outlived their call land
+    served = _read_back(url, keys, [len(p) for p in pages])
+    lost = [i for i, (got, want) in enumerate(zip(served, pages, strict=True)) if got != want]
+    assert not lost, f"{len(lost)} of 60 acknowledged pages lost: {lost[:10]}"
