@@ -63,6 +63,14 @@ class MemoryBackend(StorageBackend):
         self._spilling: dict[bytes, tuple[bytes, asyncio.Task]] = {}
         self._spill_tasks: set[asyncio.Task] = set()
         self.num_spill_dropped = 0  # evicted objects the spill did not take: lost
+        # Bytes the owner holds for this store elsewhere (the daemon: pages still arriving);
+        # stored objects are kept to the capacity minus this.
+        self.reserved_bytes = 0
+
+    @property
+    def num_unspilled(self) -> int:
+        """Objects held here that the spill does not hold (yet): what a crash would lose."""
+        return sum(key not in self._in_spill for key in self._objects) + len(self._spilling)
 
     @property
     def spilling_bytes(self) -> int:
@@ -178,20 +186,12 @@ class MemoryBackend(StorageBackend):
 
     async def _insert(self, items: list[tuple[bytes, bytes]], *, already_spilled: bool) -> None:
         """Insert objects, evicting the least recently used; evicted objects go to the spill."""
-        capacity = self.options.capacity_bytes
         evicted: list[tuple[bytes, bytes]] = []
         for key, blob in items:
             old = self._objects.pop(key, None)
             if old is not None:
                 self._stored_bytes -= len(old)
-            while self._objects and self._stored_bytes + len(blob) > capacity:
-                victim, victim_blob = self._objects.popitem(last=False)
-                self._stored_bytes -= len(victim_blob)
-                self._num_evictions += 1
-                if victim in self._in_spill:
-                    self._in_spill.discard(victim)
-                else:
-                    evicted.append((victim, victim_blob))
+            self._evict_for(len(blob), evicted)
             self._objects[key] = blob
             self._stored_bytes += len(blob)
             if already_spilled:
@@ -200,6 +200,26 @@ class MemoryBackend(StorageBackend):
                 self._in_spill.discard(key)
         if evicted and self.spill is not None:
             await asyncio.shield(self._spill_evicted(evicted))
+
+    async def make_room(self) -> None:
+        """Evict until the stored objects fit the capacity less `reserved_bytes`."""
+        evicted: list[tuple[bytes, bytes]] = []
+        self._evict_for(0, evicted)
+        if evicted and self.spill is not None:
+            await asyncio.shield(self._spill_evicted(evicted))
+
+    def _evict_for(self, nbytes: int, evicted: list[tuple[bytes, bytes]]) -> None:
+        """Evict the least recently used until `nbytes` more fit; those the spill does not
+        hold yet are appended to `evicted`."""
+        capacity = self.options.capacity_bytes - self.reserved_bytes
+        while self._objects and self._stored_bytes + nbytes > capacity:
+            victim, victim_blob = self._objects.popitem(last=False)
+            self._stored_bytes -= len(victim_blob)
+            self._num_evictions += 1
+            if victim in self._in_spill:
+                self._in_spill.discard(victim)
+            else:
+                evicted.append((victim, victim_blob))
 
     def _spill_evicted(self, evicted: list[tuple[bytes, bytes]]) -> asyncio.Task:
         """Start writing evicted objects to the spill, as a task this store owns."""

@@ -24,7 +24,7 @@ def test_defaults_come_from_the_config_dataclass():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--host", "0.0.0.0"], "reachable from other machines: give --auth-token-file"),
+        (["--host", "0.0.0.0"], "reachable from other machines: give --tenants-file or --auth-token-file"),
         (["--port", "70000"], r"--port must be in \[0, 65535\]"),
         (["--capacity", "0"], "--capacity must be > 0"),
         (["--namespace", "a=3GiB", "--capacity", "2GiB"], "more than --capacity"),
