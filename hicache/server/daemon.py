@@ -71,8 +71,9 @@ class CacheServer:
         """Open the stores and listen; returns the bound port. Raises OSError if it cannot."""
         config = self.config
         await self.store.open()
+        grpc_auth = self.auth if config.has_tokens else None  # a metrics token alone: open
         service = KVStoreService(
-            self.store, config, self.metrics, self.streams, self.auth, time.monotonic()
+            self.store, config, self.metrics, self.streams, grpc_auth, time.monotonic()
         )
         limit = config.max_message_bytes + _MESSAGE_SLACK_BYTES
         server = grpc.aio.server(

@@ -130,6 +130,7 @@ def test_tls_with_a_self_signed_certificate(start_daemon, token_file, tmp_path):
 
 
 TOKEN_A, TOKEN_B, TOKEN_OPS = "team-a-token-0123456789", "team-b-token-0123456789", "ops-" * 5
+TOKEN_SCRAPER = "scraper-token-0123456789"
 
 
 @pytest.fixture
@@ -139,13 +140,15 @@ def tenants_daemon(start_daemon, tmp_path):
     tenants.write_text(f"# token namespaces\n{TOKEN_A} team-a=8MiB\n\n{TOKEN_B}   team-b,shared\n")
     tenants.chmod(0o600)
     files = {}
-    for name, token in (("a", TOKEN_A), ("b", TOKEN_B), ("ops", TOKEN_OPS)):
+    tokens = (("a", TOKEN_A), ("b", TOKEN_B), ("ops", TOKEN_OPS), ("scraper", TOKEN_SCRAPER))
+    for name, token in tokens:
         files[name] = tmp_path / f"token-{name}"
         files[name].write_text(token)
         files[name].chmod(0o600)
     daemon = start_daemon(
         "--capacity", "32MiB", "--tenants-file", str(tenants),
         "--auth-token-file", str(files["ops"]), "--metrics-port", "0",
+        "--metrics-token-file", str(files["scraper"]),
     )  # fmt: skip
     return daemon, files
 
@@ -206,7 +209,7 @@ def test_metrics_show_a_tenant_only_its_own_namespaces(tenants_daemon):
     import urllib.error
     import urllib.request
 
-    daemon, _ = tenants_daemon
+    daemon, files = tenants_daemon
     port = int(daemon.log.split("metrics on :")[1].split("/")[0])
     url = f"http://127.0.0.1:{port}/metrics"
 
@@ -222,5 +225,8 @@ def test_metrics_show_a_tenant_only_its_own_namespaces(tenants_daemon):
     mine = scrape(TOKEN_B)
     assert 'namespace="team-b"' in mine and 'namespace="shared"' in mine
     assert "team-a" not in mine and "hicache_server_calls" not in mine
-    everything = scrape(TOKEN_OPS)
-    assert 'namespace="team-a"' in everything and "hicache_server_calls_total" in everything
+    for token in (TOKEN_OPS, TOKEN_SCRAPER):
+        everything = scrape(token)
+        assert 'namespace="team-a"' in everything and "hicache_server_calls_total" in everything
+    with pytest.raises(BackendConfigError, match="UNAUTHENTICATED: wrong bearer token"):
+        _round_trip(f"grpc://{daemon.address}?namespace=team-a&token_file={files['scraper']}")
