@@ -288,7 +288,8 @@ def test_sigterm_is_honoured_within_its_bounds_while_spill_reads_hang(
     for path in spill.rglob("*"):
         if path.is_fifo():
             path.unlink()
-    if num_hung == 1:  # the spill's other threads still write: nothing is lost
+    # With a thread of the spill free (or a spill that never hangs on a FIFO), nothing is lost.
+    if num_hung == 1 or status == 0:
         assert status == 0, daemon.log
         daemon.start()
         assert _read_back(url, keys, [len(p) for p in pages]) == pages
