@@ -157,6 +157,11 @@ class ServerConfig:
         )
 
     def _check_tenants(self) -> None:
+        _check(
+            self.tenants_file is None or bool(self.tenants),
+            "tenants_file is given but not its tenants (read it with "
+            "hicache.server.tenants.read_tenants_file, as `hicache serve` does)",
+        )
         known = {spec.name for spec in self.namespaces}
         tokens = [tenant.token for tenant in self.tenants]
         _check(len(set(tokens)) == len(tokens), "--tenants-file: a token is given twice")
