@@ -62,6 +62,7 @@ class MemoryBackend(StorageBackend):
         # Evicted objects on their way to the spill, readable until the write is done.
         self._spilling: dict[bytes, tuple[bytes, asyncio.Task]] = {}
         self._spill_tasks: set[asyncio.Task] = set()
+        self._spilling_bytes = 0
         self.num_spill_dropped = 0  # evicted objects the spill did not take: lost
         # Bytes the owner holds for this store elsewhere (the daemon: pages still arriving);
         # stored objects are kept to the capacity minus this.
@@ -74,8 +75,9 @@ class MemoryBackend(StorageBackend):
 
     @property
     def spilling_bytes(self) -> int:
-        """Bytes of evicted objects still being written to the spill (held beyond capacity)."""
-        return sum(len(blob) for blob, _ in self._spilling.values())
+        """Bytes of evicted objects still being written to the spill (held beyond capacity:
+        at most a quarter of it before inserts wait, plus one batch's evictions)."""
+        return self._spilling_bytes
 
     # -- primitives -------------------------------------------------------------------------
 
@@ -186,6 +188,9 @@ class MemoryBackend(StorageBackend):
 
     async def _insert(self, items: list[tuple[bytes, bytes]], *, already_spilled: bool) -> None:
         """Insert objects, evicting the least recently used; evicted objects go to the spill."""
+        while self._spilling_bytes > self.options.capacity_bytes // 4 and self._spill_tasks:
+            # The spill is behind: let it catch up before evicting more into it.
+            await asyncio.wait(set(self._spill_tasks), return_when=asyncio.FIRST_COMPLETED)
         evicted: list[tuple[bytes, bytes]] = []
         for key, blob in items:
             old = self._objects.pop(key, None)
@@ -227,7 +232,11 @@ class MemoryBackend(StorageBackend):
         self._spill_tasks.add(task)
         task.add_done_callback(self._spill_tasks.discard)
         for key, blob in evicted:
+            earlier = self._spilling.get(key)
+            if earlier is not None:
+                self._spilling_bytes -= len(earlier[0])
             self._spilling[key] = (blob, task)
+            self._spilling_bytes += len(blob)
         return task
 
     async def _write_evicted(self, evicted: list[tuple[bytes, bytes]]) -> None:
@@ -239,6 +248,7 @@ class MemoryBackend(StorageBackend):
             for key, blob in zip(keys, blobs, strict=True):
                 if self._spilling.get(key, (None,))[0] is blob:
                     del self._spilling[key]
+                    self._spilling_bytes -= len(blob)
             dropped = len(keys) - sum(stored)
             if dropped:
                 self.num_spill_dropped += dropped

@@ -113,3 +113,28 @@ def test_reserved_bytes_make_stored_objects_give_way():
         await store.close()
 
     asyncio.run(body())
+
+
+def test_inserts_wait_while_the_spill_is_far_behind():
+    async def body():
+        spill = GatedSpill()
+        store = _store_over(spill, 8)
+        keys, blobs = _objects("behind", 16)
+        await store.batch_put_objects(keys[:8], blobs[:8])
+        first = asyncio.ensure_future(store.batch_put_objects(keys[8:11], blobs[8:11]))
+        await asyncio.sleep(0.05)  # 3 evicted, waiting on the gate: past a quarter of memory
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        assert store.spilling_bytes == 3 * len(blobs[0])
+        second = asyncio.ensure_future(store.batch_put_objects(keys[11:], blobs[11:]))
+        await asyncio.sleep(0.05)
+        assert store.spilling_bytes == 3 * len(blobs[0])  # it waits rather than evict more
+        spill.gate.set()
+        assert await second == [True] * 5
+        await store.wait_spilled()
+        assert store.spilling_bytes == 0 and store.num_spill_dropped == 0
+        assert await spill.batch_exists(keys[:8]) == 8
+        await store.close()
+
+    asyncio.run(body())
