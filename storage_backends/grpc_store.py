@@ -12,11 +12,14 @@ for its keys only: the others answer as usual. A server that failed is skipped f
 One channel per server, opened on first use and kept: calls multiplex over its HTTP/2
 connection, and gRPC reconnects it by itself (within a second) after the server comes back.
 Every call carries a deadline inside the backend's `timeout`; one refused as UNAVAILABLE is
-retried with exponential backoff while the deadline allows. Pages travel in pieces of at most
-`max_message` bytes (BatchGet streams them down, BatchPut streams them up), framed by hand
-(`pieces`) so a page is copied once on the way out and never on the way in before the
-verified copy into the caller's buffer. gRPC compression stays off: pages are checked by
-their xxh3 checksum, and lz4 (the backend's `compression` option) is applied per page.
+retried with exponential backoff while the deadline allows. At most `put_streams` BatchPut
+streams are open to one server at once (the daemon refuses a client more than its
+`--max-streams-per-client`); more puts wait for a slot, within their deadline. Pages travel
+in pieces of at most `max_message` bytes (BatchGet streams them down, BatchPut streams them
+up), framed by hand (`pieces`) so a page is copied once on the way out and never on the way
+in before the verified copy into the caller's buffer. gRPC compression stays off: pages are
+checked by their xxh3 checksum, and lz4 (the backend's `compression` option) is applied per
+page.
 gRPC Python itself copies each message through fresh heap buffers; on first use the backend
 sets glibc's malloc policy so that those reuse warm pages instead of faulting in new ones
 (`allocator`; `tune_malloc=false` leaves malloc alone).
@@ -88,6 +91,9 @@ class GrpcOptions(BackendOptions):
     max_message_bytes: int = url_option(
         "max_message", "size", DEFAULT_MESSAGE_BYTES, doc="largest gRPC message either way"
     )
+    put_streams: int = url_option(
+        "put_streams", "int", 4, doc="BatchPut streams in flight to one server at once"
+    )
     retries: int = url_option("retries", "int", 3, doc="retries of a call refused as UNAVAILABLE")
     backoff_s: float = url_option("backoff", "duration", 0.02, doc="first retry delay; doubles")
     down_s: float = url_option("down_for", "duration", 1.0, doc="skip a failed server this long")
@@ -109,6 +115,7 @@ class GrpcOptions(BackendOptions):
         check_range(
             "max_message", self.max_message_bytes, low=MIN_MESSAGE_BYTES, high=MAX_MESSAGE_BYTES
         )
+        check_range("put_streams", self.put_streams, low=1, high=256)
         check_range("retries", self.retries, low=0, high=20)
         check_range("backoff", self.backoff_s, low=0.0)
         check_range("down_for", self.down_s, low=0.0)
@@ -128,9 +135,11 @@ class _ServerFailed(Exception):
 class _Server:
     """One cache-server: its channel, its callables, and when it may be tried again."""
 
-    def __init__(self, name: str, channel: grpc.aio.Channel) -> None:
+    def __init__(self, name: str, channel: grpc.aio.Channel, put_streams: int) -> None:
         self.name = name
         self.channel = channel
+        # The daemon bounds a client's open BatchPut streams: queue here rather than be refused.
+        self.put_slots = asyncio.Semaphore(put_streams)
         self.exists = channel.unary_unary(
             method_path("BatchExists"),
             request_serializer=pb.BatchExistsRequest.SerializeToString,
@@ -191,7 +200,10 @@ class GrpcBackend(StorageBackend):
         if self.options.tune_malloc:
             tune_for_large_messages()
         if not self._servers:
-            self._servers = [_Server(name, self._channel(name)) for name in self.options.servers]
+            self._servers = [
+                _Server(name, self._channel(name), self.options.put_streams)
+                for name in self.options.servers
+            ]
         request = pb.StatsRequest(namespace=self.options.namespace)
         timeout = self.options.connect_timeout_s
         replies = await asyncio.gather(
@@ -396,7 +408,8 @@ class GrpcBackend(StorageBackend):
             return await server.put(messages(), timeout=timeout, metadata=self._metadata)
 
         try:
-            reply = await self._with_retries(server, deadline, call)
+            async with server.put_slots:
+                reply = await self._with_retries(server, deadline, call)
         except _ServerFailed:
             return [PageStatus.ERROR] * len(keys)
         if len(reply.statuses) != len(keys):

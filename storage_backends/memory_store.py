@@ -4,12 +4,19 @@ For tests, and as the store of the cache-server daemon. Given a `spill` backend 
 passes a `file://` one), objects evicted from memory are written there, read back on a miss
 (and promoted again), and so survive a restart of the process.
 
+The spill write of evicted objects belongs to this store, not to the call that evicted them:
+it runs as a task of its own that no caller's cancellation or deadline stops (the call waits
+for it, shielded, so a put is answered once its evictions are in the spill). Until it is done
+the evicted objects stay readable here. An evicted object the spill did not take (the spill
+is full, or failed) is gone: it is counted in `num_spill_dropped` and warned about.
+
 Objects are kept as one immutable `bytes` each: a read hands that object out without a copy,
 a write copies the caller's page once (the caller's buffer is never kept).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -52,6 +59,25 @@ class MemoryBackend(StorageBackend):
         self._stored_bytes = 0
         self._num_evictions = 0
         self._in_spill: set[bytes] = set()  # resident keys whose spill copy is current
+        # Evicted objects on their way to the spill, readable until the write is done.
+        self._spilling: dict[bytes, tuple[bytes, asyncio.Task]] = {}
+        self._spill_tasks: set[asyncio.Task] = set()
+        self._spilling_bytes = 0
+        self.num_spill_dropped = 0  # evicted objects the spill did not take: lost
+        # Bytes the owner holds for this store elsewhere (the daemon: pages still arriving);
+        # stored objects are kept to the capacity minus this.
+        self.reserved_bytes = 0
+
+    @property
+    def num_unspilled(self) -> int:
+        """Objects held here that the spill does not hold (yet): what a crash would lose."""
+        return sum(key not in self._in_spill for key in self._objects) + len(self._spilling)
+
+    @property
+    def spilling_bytes(self) -> int:
+        """Bytes of evicted objects still being written to the spill (held beyond capacity:
+        at most a quarter of it before inserts wait, plus one batch's evictions)."""
+        return self._spilling_bytes
 
     # -- primitives -------------------------------------------------------------------------
 
@@ -60,6 +86,7 @@ class MemoryBackend(StorageBackend):
             await self.spill.connect()
 
     async def _close(self) -> None:
+        await self.wait_spilled()
         if self.spill is not None:
             await self.spill.close()
 
@@ -67,7 +94,7 @@ class MemoryBackend(StorageBackend):
         """Nothing to reconnect: the spill backend reconnects on its own."""
 
     async def _exists(self, keys: list[bytes]) -> int:
-        resident = [key in self._objects for key in keys]
+        resident = [key in self._objects or key in self._spilling for key in keys]
         if all(resident) or self.spill is None:
             return resident.index(False) if False in resident else len(keys)
         # Keys not in memory may be in the spill: ask it about those, in order.
@@ -90,6 +117,8 @@ class MemoryBackend(StorageBackend):
             blob = self._objects.get(key)
             if blob is not None:
                 self._objects.move_to_end(key)
+            elif key in self._spilling:
+                blob = self._spilling[key][0]  # evicted, not yet in the spill
             else:
                 missing.append(i)
             found.append(blob)
@@ -116,6 +145,10 @@ class MemoryBackend(StorageBackend):
         return statuses
 
     async def _delete(self, keys: list[bytes]) -> int:
+        # A spill write in flight would bring a deleted key back: let it land, then delete.
+        writes = {self._spilling[key][1] for key in keys if key in self._spilling}
+        if writes:
+            await asyncio.wait(writes)  # cancelling this wait leaves the writes running
         removed = 0
         known_in_spill = 0
         for key in keys:
@@ -144,6 +177,7 @@ class MemoryBackend(StorageBackend):
         self._check_open()
         if self.spill is None:
             return 0
+        await self.wait_spilled()
         pending = [(k, b) for k, b in self._objects.items() if k not in self._in_spill]
         if not pending:
             return 0
@@ -154,20 +188,15 @@ class MemoryBackend(StorageBackend):
 
     async def _insert(self, items: list[tuple[bytes, bytes]], *, already_spilled: bool) -> None:
         """Insert objects, evicting the least recently used; evicted objects go to the spill."""
-        capacity = self.options.capacity_bytes
+        while self._spilling_bytes > self.options.capacity_bytes // 4 and self._spill_tasks:
+            # The spill is behind: let it catch up before evicting more into it.
+            await asyncio.wait(set(self._spill_tasks), return_when=asyncio.FIRST_COMPLETED)
         evicted: list[tuple[bytes, bytes]] = []
         for key, blob in items:
             old = self._objects.pop(key, None)
             if old is not None:
                 self._stored_bytes -= len(old)
-            while self._objects and self._stored_bytes + len(blob) > capacity:
-                victim, victim_blob = self._objects.popitem(last=False)
-                self._stored_bytes -= len(victim_blob)
-                self._num_evictions += 1
-                if victim in self._in_spill:
-                    self._in_spill.discard(victim)
-                else:
-                    evicted.append((victim, victim_blob))
+            self._evict_for(len(blob), evicted)
             self._objects[key] = blob
             self._stored_bytes += len(blob)
             if already_spilled:
@@ -175,8 +204,65 @@ class MemoryBackend(StorageBackend):
             else:
                 self._in_spill.discard(key)
         if evicted and self.spill is not None:
-            keys, blobs = zip(*evicted, strict=True)
-            await self.spill.batch_put_objects(list(keys), list(blobs), verify=False)
+            await asyncio.shield(self._spill_evicted(evicted))
+
+    async def make_room(self) -> None:
+        """Evict until the stored objects fit the capacity less `reserved_bytes`."""
+        evicted: list[tuple[bytes, bytes]] = []
+        self._evict_for(0, evicted)
+        if evicted and self.spill is not None:
+            await asyncio.shield(self._spill_evicted(evicted))
+
+    def _evict_for(self, nbytes: int, evicted: list[tuple[bytes, bytes]]) -> None:
+        """Evict the least recently used until `nbytes` more fit; those the spill does not
+        hold yet are appended to `evicted`."""
+        capacity = self.options.capacity_bytes - self.reserved_bytes
+        while self._objects and self._stored_bytes + nbytes > capacity:
+            victim, victim_blob = self._objects.popitem(last=False)
+            self._stored_bytes -= len(victim_blob)
+            self._num_evictions += 1
+            if victim in self._in_spill:
+                self._in_spill.discard(victim)
+            else:
+                evicted.append((victim, victim_blob))
+
+    def _spill_evicted(self, evicted: list[tuple[bytes, bytes]]) -> asyncio.Task:
+        """Start writing evicted objects to the spill, as a task this store owns."""
+        task = asyncio.get_running_loop().create_task(self._write_evicted(evicted))
+        self._spill_tasks.add(task)
+        task.add_done_callback(self._spill_tasks.discard)
+        for key, blob in evicted:
+            earlier = self._spilling.get(key)
+            if earlier is not None:
+                self._spilling_bytes -= len(earlier[0])
+            self._spilling[key] = (blob, task)
+            self._spilling_bytes += len(blob)
+        return task
+
+    async def _write_evicted(self, evicted: list[tuple[bytes, bytes]]) -> None:
+        keys, blobs = zip(*evicted, strict=True)
+        stored = [False] * len(keys)
+        try:
+            stored = await self.spill.batch_put_objects(list(keys), list(blobs), verify=False)
+        finally:  # cancelled only when the store is torn down: what was not written is lost
+            for key, blob in zip(keys, blobs, strict=True):
+                if self._spilling.get(key, (None,))[0] is blob:
+                    del self._spilling[key]
+                    self._spilling_bytes -= len(blob)
+            dropped = len(keys) - sum(stored)
+            if dropped:
+                self.num_spill_dropped += dropped
+                self._warnings.warn(
+                    "spill_dropped",
+                    f"{dropped} evicted objects were not taken by the spill and are lost "
+                    f"({self.num_spill_dropped} so far)",
+                )
+
+    async def wait_spilled(self) -> None:
+        """Wait until every spill write started so far is done (cancelling the wait leaves
+        them running)."""
+        while self._spill_tasks:
+            await asyncio.wait(set(self._spill_tasks))
 
 
 def open_url(url: str, *, layout: str | None = None, name: str = "") -> MemoryBackend:

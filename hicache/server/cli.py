@@ -9,6 +9,7 @@ import sys
 from storage_backends.options import parse_size
 
 from .config import SPILL_MODES, NamespaceSpec, ServerConfig
+from .tenants import merge_namespaces, read_tenants_file
 
 _DEFAULTS = ServerConfig()
 
@@ -60,8 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fsync spilled pages (write-through acks then survive power loss too)",
     )  # fmt: skip
     parser.add_argument(
+        "--tenants-file", default=d.tenants_file,
+        help="tokens bound to namespaces: lines 'TOKEN NAME[=QUOTA][,NAME[=QUOTA]...]' (or "
+        "'TOKEN *' for every namespace); a call for another namespace is PERMISSION_DENIED",
+    )  # fmt: skip
+    parser.add_argument(
         "--auth-token-file", default=d.auth_token_file,
-        help="require 'authorization: Bearer <token>' metadata with the token in this file",
+        help="require 'authorization: Bearer <token>' metadata; the token in this file may "
+        "use every namespace",
     )  # fmt: skip
     parser.add_argument(
         "--insecure-any-host", action="store_true",
@@ -78,14 +85,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics at http://HOST:PORT/metrics",
     )  # fmt: skip
     parser.add_argument(
+        "--metrics-token-file", default=d.metrics_token_file,
+        help="a token that may scrape /metrics of every namespace (and nothing else); with "
+        "tokens configured, a scrape needs one, and a tenant's token sees only its namespaces",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-streams", type=int, default=d.max_streams,
+        help="BatchPut streams at once, all clients (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-streams-per-client", type=int, default=d.max_streams_per_client,
+        help="BatchPut streams at once from one client connection (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s,
+        metavar="SECONDS",
+        help="drop a BatchPut stream that sends nothing this long (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--shutdown-grace", type=float, default=d.shutdown_grace_s, metavar="SECONDS",
         help="on SIGTERM, how long calls in flight may finish (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--flush-timeout", type=float, default=d.flush_timeout_s, metavar="SECONDS",
+        help="on SIGTERM, how long writing memory to the spill may take; what is left is "
+        "counted, logged and lost (default: %(default)s)",
     )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The ServerConfig the flags describe; ValueError names a bad one."""
-    extra = {"namespaces": tuple(args.namespace)} if args.namespace else {}
+    namespaces = tuple(args.namespace or ())
+    tenants = ()
+    if args.tenants_file is not None:
+        tenants, listed = read_tenants_file(args.tenants_file)
+        namespaces = merge_namespaces(namespaces, listed)
+    extra = {"namespaces": namespaces} if namespaces else {}
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -95,12 +130,19 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         spill_mode=args.spill_mode,
         spill_fsync=args.spill_fsync,
         auth_token_file=args.auth_token_file,
+        tenants_file=args.tenants_file,
+        tenants=tenants,
+        metrics_token_file=args.metrics_token_file,
+        max_streams=args.max_streams,
+        max_streams_per_client=args.max_streams_per_client,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         insecure_any_host=args.insecure_any_host,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         max_message_bytes=args.max_message_bytes,
         metrics_port=args.metrics_port,
         shutdown_grace_s=args.shutdown_grace,
+        flush_timeout_s=args.flush_timeout,
         **extra,
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from storage_backends.protocol import (
@@ -31,6 +31,15 @@ class NamespaceSpec(NamedTuple):
 
 
 @dataclass(frozen=True)
+class TenantSpec:
+    """A bearer token and the namespaces it may use (None: every namespace)."""
+
+    token: str = field(repr=False)
+    namespaces: tuple[str, ...] | None
+    source: str = ""  # where it was given ("line 3"), for messages; never the token
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # 0: any free port (printed on start)
@@ -40,7 +49,9 @@ class ServerConfig:
     spill_capacity_bytes: int = 64 << 30
     spill_mode: str = "evict"  # evict: on eviction and shutdown; write-through: before the ack
     spill_fsync: bool = False  # fsync spilled pages (write-through acks survive power loss)
-    auth_token_file: str | None = None
+    auth_token_file: str | None = None  # one token that may use every namespace
+    tenants_file: str | None = None  # where `tenants` came from (see tenants.py)
+    tenants: tuple[TenantSpec, ...] = ()  # tokens bound to namespaces
     insecure_any_host: bool = False  # allow a non-loopback host without a token
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -49,7 +60,12 @@ class ServerConfig:
     max_object_bytes: int = 256 << 20  # one page object
     max_put_bytes: int = 4 << 30  # one BatchPut call, all pages
     metrics_port: int | None = None  # Prometheus /metrics on host:port
+    metrics_token_file: str | None = None  # a scraper's token: /metrics of every namespace
+    max_streams: int = 64  # BatchPut streams at once, all clients
+    max_streams_per_client: int = 8  # ... from one client connection
+    stream_idle_timeout_s: float = 10.0  # a BatchPut stream silent this long is dropped
     shutdown_grace_s: float = 30.0  # SIGTERM: how long in-flight calls may finish
+    flush_timeout_s: float = 120.0  # SIGTERM: how long writing memory to the spill may take
     spill_timeout_s: float = 60.0  # one spill read or write batch
 
     def __post_init__(self) -> None:
@@ -59,6 +75,10 @@ class ServerConfig:
         self._check_namespaces()
         if self.spill_dir is not None:
             _check(os.path.isabs(self.spill_dir), f"--spill-dir must be absolute: {self.spill_dir}")
+            _check(
+                not os.path.exists(self.spill_dir) or os.path.isdir(self.spill_dir),
+                f"--spill-dir {self.spill_dir} exists and is not a directory",
+            )
             _check(
                 self.spill_capacity_bytes > 0,
                 f"--spill-capacity must be > 0, got {self.spill_capacity_bytes}",
@@ -77,14 +97,16 @@ class ServerConfig:
         )
         for flag, path in (
             ("--auth-token-file", self.auth_token_file),
+            ("--metrics-token-file", self.metrics_token_file),
             ("--tls-cert", self.tls_cert_file),
             ("--tls-key", self.tls_key_file),
         ):
             _check(path is None or os.path.isfile(path), f"{flag}: no such file: {path}")
+        self._check_tenants()
         _check(
-            self.auth_token_file is not None or self.insecure_any_host or is_loopback(self.host),
-            f"--host {self.host} is reachable from other machines: give --auth-token-file "
-            "(or --insecure-any-host to serve anyone who can connect)",
+            self.has_tokens or self.insecure_any_host or is_loopback(self.host),
+            f"--host {self.host} is reachable from other machines: give --tenants-file or "
+            "--auth-token-file (or --insecure-any-host to serve anyone who can connect)",
         )
         _check(
             MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES,
@@ -98,7 +120,18 @@ class ServerConfig:
             self.metrics_port is None or 0 <= self.metrics_port < 65536,
             f"--metrics-port must be in [0, 65535], got {self.metrics_port}",
         )
+        _check(self.max_streams >= 1, f"--max-streams must be >= 1, got {self.max_streams}")
+        _check(
+            1 <= self.max_streams_per_client <= self.max_streams,
+            f"--max-streams-per-client must be in [1, --max-streams {self.max_streams}], "
+            f"got {self.max_streams_per_client}",
+        )
+        _check(
+            self.stream_idle_timeout_s > 0,
+            f"--stream-idle-timeout must be > 0, got {self.stream_idle_timeout_s}",
+        )
         _check(self.shutdown_grace_s >= 0, "--shutdown-grace must be >= 0")
+        _check(self.flush_timeout_s > 0, "--flush-timeout must be > 0")
         _check(self.spill_timeout_s > 0, "spill_timeout_s must be > 0")
 
     def _check_namespaces(self) -> None:
@@ -122,6 +155,28 @@ class ServerConfig:
             not shared or sum(quotas) < self.capacity_bytes,
             "--namespace: quotas take all of --capacity; namespaces without one get nothing",
         )
+
+    def _check_tenants(self) -> None:
+        _check(
+            self.tenants_file is None or bool(self.tenants),
+            "tenants_file is given but not its tenants (read it with "
+            "hicache.server.tenants.read_tenants_file, as `hicache serve` does)",
+        )
+        known = {spec.name for spec in self.namespaces}
+        tokens = [tenant.token for tenant in self.tenants]
+        _check(len(set(tokens)) == len(tokens), "--tenants-file: a token is given twice")
+        for tenant in self.tenants:
+            _check(bool(tenant.token), f"--tenants-file {tenant.source}: the token is empty")
+            unknown = sorted(set(tenant.namespaces or ()) - known)
+            _check(
+                not unknown,
+                f"--tenants-file {tenant.source}: namespaces {unknown} are not served",
+            )
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether calls must carry a bearer token."""
+        return self.auth_token_file is not None or bool(self.tenants)
 
     def namespace_capacities(self) -> dict[str, int]:
         """Memory bytes of each namespace: its quota, or an equal share of what quotas leave."""

@@ -6,10 +6,12 @@ problem with a request is a gRPC status whose message names it:
 
 - INVALID_ARGUMENT: a message that does not parse, a key that is not 16 bytes, pieces that do
   not add up (out of order, overlapping, past or short of their object's size);
-- NOT_FOUND: a namespace this server does not have;
+- NOT_FOUND: a namespace this server does not have (asked by a caller that may use all);
 - UNAUTHENTICATED: a missing or wrong bearer token;
-- RESOURCE_EXHAUSTED: too many keys in a call, an object or a BatchPut over the limits
-  (gRPC itself answers the same for a message over --max-message-bytes).
+- PERMISSION_DENIED: a namespace the caller's token is not bound to (`tenants`);
+- RESOURCE_EXHAUSTED: too many keys in a call, an object or a BatchPut over the limits, a
+  BatchPut stream over the stream limits or idle too long (`streams`); gRPC itself answers
+  the same for a message over --max-message-bytes.
 
 A page that fails verification on put is refused alone (PUT_STATUS_CORRUPT, with the reason).
 An unexpected exception is INTERNAL for that call only, logged (rate-limited); the server
@@ -18,6 +20,7 @@ stays up.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -40,10 +43,12 @@ from storage_backends.proto import kvstore_pb2 as pb
 from storage_backends.protocol import DEFAULT_NAMESPACE, MIN_MESSAGE_BYTES, SERVICE
 from storage_backends.stats import RateLimitedWarnings
 
-from .auth import TokenCheck
+from .auth import ANYONE, Refused, Tenant, TokenCheck
 from .config import ServerConfig
+from .errors import RequestError
 from .metrics import ServerMetrics, snapshot
 from .store import NamespaceStore, PutOutcome, Store
+from .streams import PutPages, StreamLimits
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +61,6 @@ _PUT_STATUS = {
     "error": pb.PUT_STATUS_ERROR,
 }
 Code = grpc.StatusCode
-
-
-class RequestError(Exception):
-    """A request this server refuses: becomes the call's status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _parse(message_class, raw: bytes):
@@ -81,12 +78,14 @@ class KVStoreService:
         store: Store,
         config: ServerConfig,
         metrics: ServerMetrics,
+        streams: StreamLimits,
         auth: TokenCheck | None,
         started_at: float,
     ) -> None:
         self.store = store
         self.config = config
         self.metrics = metrics
+        self.streams = streams
         self.auth = auth
         self.started_at = started_at
         self._warnings = RateLimitedWarnings("hicache serve", 30.0)
@@ -108,17 +107,17 @@ class KVStoreService:
 
     # -- the calls --------------------------------------------------------------------------
 
-    async def batch_exists(self, raw: bytes, context) -> bytes:
+    async def batch_exists(self, raw: bytes, context, tenant: Tenant) -> bytes:
         request = _parse(pb.BatchExistsRequest, raw)
-        namespace = self._namespace(request.namespace)
+        namespace = self._namespace(request.namespace, tenant)
         keys = self._keys(request.keys, "BatchExists")
         count = await namespace.exists(keys) if keys else 0
         return pb.BatchExistsResponse(num_present=count).SerializeToString()
 
     async def batch_get(self, raw: bytes, context) -> AsyncIterator[bytes]:
-        async with self._serving("BatchGet", context):
+        async with self._serving("BatchGet", context) as tenant:
             request = _parse(pb.BatchGetRequest, raw)
-            namespace = self._namespace(request.namespace)
+            namespace = self._namespace(request.namespace, tenant)
             keys = self._keys(request.keys, "BatchGet")
             limit = self.config.max_message_bytes
             if request.max_message_bytes:
@@ -151,35 +150,97 @@ class KVStoreService:
             if first and missing:
                 yield encode_get_response((), missing)
 
-    async def batch_put(self, request_iterator: AsyncIterator[bytes], context) -> bytes:
-        pages = _PutPages(self.config)
-        namespace: NamespaceStore | None = None
-        outcomes: list[PutOutcome] = []
-        async for raw in request_iterator:
+    async def batch_put(
+        self, request_iterator: AsyncIterator[bytes], context, tenant: Tenant
+    ) -> bytes:
+        with self.streams.stream(context.peer()):
+            pages = PutPages(self.config)
+            namespace: NamespaceStore | None = None
+            charged = 0  # bytes of this stream charged to its namespace
             try:
-                name, pieces = decode_put_request(raw)
-            except WireError as exc:
-                raise RequestError(
-                    Code.INVALID_ARGUMENT, f"message {pages.num_messages}: {exc}"
-                ) from None
-            if namespace is None:
-                namespace = self._namespace(name)
-            elif name and name != namespace.name:
-                raise RequestError(
-                    Code.INVALID_ARGUMENT,
-                    f"message {pages.num_messages} names namespace {name!r}; this call is "
-                    f"for {namespace.name!r}",
-                )
-            pages.add(pieces)
-            if pages.pending_bytes >= _PUT_FLUSH_BYTES:
-                outcomes += await self._store(namespace, *pages.take())
-        pages.finish()
-        if namespace is not None and pages.pending_keys:
-            outcomes += await self._store(namespace, *pages.take())
+                outcomes: list[PutOutcome] = []
+                async for raw in self._messages(request_iterator):
+                    namespace, pieces = self._decode_message(pages, raw, namespace, tenant)
+                    flush_bytes = min(_PUT_FLUSH_BYTES, namespace.capacity_bytes // 4)
+                    for piece in pieces:
+                        pages.add(piece)
+                        if pages.pending_bytes >= flush_bytes:
+                            keys, blobs = pages.take()
+                            charged = await self._release(namespace, pages, charged)
+                            outcomes += await self._store(namespace, keys, blobs)
+                    pages.end_message()
+                    # What outlives the message: charged to the namespace, or refused.
+                    charged = await self._charge(namespace, pages.held_bytes, charged)
+                pages.finish()
+                if namespace is not None and pages.pending_keys:
+                    keys, blobs = pages.take()
+                    charged = await self._release(namespace, pages, charged)
+                    outcomes += await self._store(namespace, keys, blobs)
+            finally:
+                if namespace is not None and charged:
+                    await namespace.charge(-charged)
         return pb.BatchPutResponse(
             statuses=[_PUT_STATUS[o.status] for o in outcomes],
             reasons=[o.reason for o in outcomes],
         ).SerializeToString()
+
+    async def _messages(self, request_iterator: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The stream's messages; RequestError when the next one takes longer than the idle
+        timeout."""
+        idle_s = self.config.stream_idle_timeout_s
+        iterator = aiter(request_iterator)
+        while True:
+            try:
+                raw = await asyncio.wait_for(anext(iterator), idle_s)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                self.streams.num_refused["idle"] += 1
+                raise RequestError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"the BatchPut stream sent nothing for {idle_s:g}s "
+                    "(--stream-idle-timeout); what it sent is dropped",
+                ) from None
+            yield raw
+
+    def _decode_message(
+        self, pages: PutPages, raw: bytes, namespace: NamespaceStore | None, tenant: Tenant
+    ) -> tuple[NamespaceStore, list[Piece]]:
+        try:
+            name, pieces = decode_put_request(raw)
+        except WireError as exc:
+            raise RequestError(
+                Code.INVALID_ARGUMENT, f"message {pages.num_messages}: {exc}"
+            ) from None
+        if namespace is None:
+            namespace = self._namespace(name, tenant)
+        elif name and name != namespace.name:
+            raise RequestError(
+                Code.INVALID_ARGUMENT,
+                f"message {pages.num_messages} names namespace {name!r}; this call is "
+                f"for {namespace.name!r}",
+            )
+        return namespace, pieces
+
+    async def _release(self, namespace: NamespaceStore, pages: PutPages, charged: int) -> int:
+        """Before pages the stream took are stored: release their charge; returns the new."""
+        held = min(charged, pages.held_bytes)
+        await namespace.charge(held - charged)
+        return held
+
+    async def _charge(self, namespace: NamespaceStore, held: int, charged: int) -> int:
+        """Charge the namespace for the `held` bytes the stream holds now; returns the new
+        charge (RequestError when the namespace's streams would hold too much)."""
+        if held != charged and not await namespace.charge(held - charged):
+            self.streams.num_refused["quota"] += 1
+            raise RequestError(
+                Code.RESOURCE_EXHAUSTED,
+                f"namespace {namespace.name!r}: unfinished BatchPut pages would hold more "
+                f"than its {namespace.capacity_bytes} bytes of memory "
+                f"({namespace.in_flight_bytes} held by its streams); send fewer or smaller "
+                "batches at once",
+            )
+        return held
 
     async def _store(
         self, namespace: NamespaceStore, keys: list[bytes], blobs: list[Buffer]
@@ -199,24 +260,27 @@ class KVStoreService:
                 counters["put_errors"] += 1
         return outcomes
 
-    async def delete(self, raw: bytes, context) -> bytes:
+    async def delete(self, raw: bytes, context, tenant: Tenant) -> bytes:
         request = _parse(pb.DeleteRequest, raw)
-        namespace = self._namespace(request.namespace)
+        namespace = self._namespace(request.namespace, tenant)
         keys = self._keys(request.keys, "Delete")
         count = await namespace.delete(keys) if keys else 0
         return pb.DeleteResponse(num_deleted=count).SerializeToString()
 
-    async def stats(self, raw: bytes, context) -> bytes:
+    async def stats(self, raw: bytes, context, tenant: Tenant) -> bytes:
         request = _parse(pb.StatsRequest, raw)
-        wanted = {self._namespace(request.namespace).name} if request.namespace else None
-        snap = snapshot(self.metrics, self.store)
+        if request.namespace:
+            wanted = {self._namespace(request.namespace, tenant).name}
+        else:  # every namespace the caller may use
+            wanted = {name for name in self.store.namespaces if tenant.may_use(name)}
+        snap = snapshot(self.metrics, self.store, self.streams, tenant)
         reply = pb.StatsResponse(
             version=__version__,
             uptime_s=time.monotonic() - self.started_at,
             spill_mode=self.store.spill_mode,
         )
         for ns in snap.namespaces:
-            if wanted is None or ns.name in wanted:
+            if ns.name in wanted:
                 reply.namespaces.append(_namespace_stats(ns))
         return reply.SerializeToString()
 
@@ -227,19 +291,19 @@ class KVStoreService:
 
         @functools.wraps(call)
         async def wrapped(request, context):
-            async with self._serving(method, context):
-                return await call(request, context)
+            async with self._serving(method, context) as tenant:
+                return await call(request, context, tenant)
 
         return wrapped
 
     @contextlib.asynccontextmanager
     async def _serving(self, method: str, context):
-        """Around every call: the token check, refusals as statuses, metrics."""
+        """Around every call: the token check (yields the caller), refusals as statuses,
+        metrics."""
         started, code = time.perf_counter(), Code.OK
         self.metrics.in_flight += 1
         try:
-            self._authorize(context)
-            yield
+            yield self._authorize(context)
         except RequestError as exc:
             code = exc.code
             await context.abort(exc.code, str(exc))
@@ -250,15 +314,23 @@ class KVStoreService:
             self.metrics.in_flight -= 1
             self.metrics.observe_call(method, code.name, time.perf_counter() - started)
 
-    def _authorize(self, context) -> None:
+    def _authorize(self, context) -> Tenant:
         if self.auth is None:
-            return
-        refusal = self.auth.refusal(context.invocation_metadata())
-        if refusal is not None:
-            raise RequestError(Code.UNAUTHENTICATED, refusal)
+            return ANYONE
+        try:
+            return self.auth.tenant(context.invocation_metadata())
+        except Refused as exc:
+            raise RequestError(Code.UNAUTHENTICATED, str(exc)) from None
 
-    def _namespace(self, name: str) -> NamespaceStore:
-        namespace = self.store.namespaces.get(name or DEFAULT_NAMESPACE)
+    def _namespace(self, name: str, tenant: Tenant) -> NamespaceStore:
+        name = name or DEFAULT_NAMESPACE
+        if not tenant.may_use(name):  # whether it exists is not this caller's business
+            allowed = ", ".join(sorted(tenant.namespaces or ()))
+            raise RequestError(
+                Code.PERMISSION_DENIED,
+                f"this token may not use namespace {name!r} (it may use: {allowed})",
+            )
+        namespace = self.store.namespaces.get(name)
         if namespace is None:
             known = ", ".join(sorted(self.store.namespaces))
             raise RequestError(
@@ -287,110 +359,6 @@ class KVStoreService:
         return f"internal error in {method}: {type(exc).__name__}: {exc}"
 
 
-class _PutPages:
-    """Puts a BatchPut stream's pieces back into pages, checking that they add up.
-
-    Pages are numbered 0, 1, 2... in stream order; each arrives as consecutive pieces from
-    offset 0 to its `object_bytes`. A completed page whose object came in one piece stays a
-    view into its message (no copy).
-    """
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.num_messages = 0
-        self.num_pages = 0  # pages started
-        self.total_bytes = 0
-        self.pending_keys: list[bytes] = []
-        self.pending_blobs: list[Buffer] = []
-        self.pending_bytes = 0
-        self._in_page = False
-        self._key = b""
-        self._size = 0
-        self._parts: list[memoryview] = []
-        self._got = 0
-
-    def add(self, pieces: list[Piece]) -> None:
-        for piece in pieces:
-            self._add(piece)
-        self.num_messages += 1
-
-    def _add(self, piece: Piece) -> None:
-        page = self.num_pages - 1  # the page in progress, if any
-        if not self._in_page:
-            if piece.index != self.num_pages:
-                self._fail(
-                    f"a piece for page {piece.index} arrived where page {self.num_pages} should "
-                    "start (pages are numbered 0, 1, 2... in stream order)"
-                )
-            self._start(piece)
-        elif piece.index != page:
-            self._fail(
-                f"page {page} ended after {self._got} of its {self._size} bytes: a piece for "
-                f"page {piece.index} came next"
-            )
-        elif piece.key != self._key or piece.object_bytes != self._size:
-            self._fail(f"page {page}: a later piece changes its key or object_bytes")
-        elif piece.offset != self._got:
-            self._fail(f"page {page}: a piece at offset {piece.offset}, expected {self._got}")
-        if self._got + len(piece.data) > self._size:
-            self._fail(
-                f"page {piece.index}: pieces add up to more than its object_bytes {self._size}"
-            )
-        self._parts.append(piece.data)
-        self._got += len(piece.data)
-        if self._got == self._size:
-            blob = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-            self.pending_keys.append(self._key)
-            self.pending_blobs.append(blob)
-            self.pending_bytes += self._size
-            self._in_page, self._parts, self._got = False, [], 0
-
-    def _start(self, piece: Piece) -> None:
-        page = piece.index
-        if len(piece.key) != KEY_BYTES:
-            self._fail(f"page {page}: key is {len(piece.key)} bytes; page keys are {KEY_BYTES}")
-        if piece.offset != 0:
-            self._fail(f"page {page}: its first piece starts at offset {piece.offset}, not 0")
-        if piece.object_bytes == 0:
-            self._fail(f"page {page}: object_bytes is 0")
-        if piece.object_bytes > self.config.max_object_bytes:
-            raise RequestError(
-                Code.RESOURCE_EXHAUSTED,
-                f"page {page}: an object of {piece.object_bytes} bytes is over this server's "
-                f"limit of {self.config.max_object_bytes}",
-            )
-        if self.num_pages >= self.config.max_batch_keys:
-            raise RequestError(
-                Code.RESOURCE_EXHAUSTED,
-                f"BatchPut of more than {self.config.max_batch_keys} pages; this server takes "
-                "at most that many per call",
-            )
-        self.total_bytes += piece.object_bytes
-        if self.total_bytes > self.config.max_put_bytes:
-            raise RequestError(
-                Code.RESOURCE_EXHAUSTED,
-                f"BatchPut of more than {self.config.max_put_bytes} bytes; split the batch",
-            )
-        self.num_pages += 1
-        self._in_page = True
-        self._key, self._size = piece.key, piece.object_bytes
-
-    def finish(self) -> None:
-        if self._in_page:
-            self._fail(
-                f"the stream ended inside page {self.num_pages - 1}, after {self._got} of "
-                f"{self._size} bytes"
-            )
-
-    def take(self) -> tuple[list[bytes], list[Buffer]]:
-        taken = (self.pending_keys, self.pending_blobs)
-        self.pending_keys, self.pending_blobs, self.pending_bytes = [], [], 0
-        return taken
-
-    def _fail(self, message: str) -> None:
-        raise RequestError(Code.INVALID_ARGUMENT, message)
-
-
 def _namespace_stats(ns) -> pb.NamespaceStats:
     out = pb.NamespaceStats(
         name=ns.name,
@@ -407,8 +375,12 @@ def _namespace_stats(ns) -> pb.NamespaceStats:
         written_bytes=ns.pages["written_bytes"],
     )
     out.num_corrupt.update(ns.corrupt)
+    out.num_spill_dropped = ns.num_spill_dropped
+    out.in_flight_bytes = ns.in_flight_bytes
+    out.spilling_bytes = ns.spilling_bytes
     if ns.spill is not None:
         out.spill_objects = ns.spill.num_objects or 0
         out.spill_bytes = ns.spill.stored_bytes or 0
         out.spill_capacity_bytes = ns.spill.capacity_bytes or 0
+        out.num_spill_corrupt.update(ns.spill.num_corrupt)
     return out

@@ -8,18 +8,21 @@ tenant can only ever evict its own pages, and no key of one can reach another's 
 What an acknowledged put promises depends on the spill mode:
 
 - no spill: the page is in memory until evicted; a restart loses it.
-- `evict` (default): the page is in memory; evicted pages are written to the spill (the write
-  completes after the eviction, so a read in between misses), a graceful shutdown writes
-  every page still in memory, and a read that misses in memory reads the spill and promotes
-  the page. After a crash (kill -9, OOM) pages that were only in memory are gone; everything
-  spilled before the crash is back after a restart.
+- `evict` (default): the page is in memory; evicted pages are written to the spill by a
+  task the memory store owns, which no client's deadline or cancellation stops (the put
+  that evicted them is answered once they are written; until then they stay readable), a
+  graceful shutdown writes every page still in memory, and a read that misses in memory
+  reads the spill and promotes the page. An evicted page the spill does not take (full, or
+  failing) is counted (`num_spill_dropped`). After a crash (kill -9, OOM) pages that were
+  only in memory are gone; everything spilled before the crash is back after a restart.
 - `write-through`: the page was written to the spill (to a temporary file renamed into place;
   fsynced with `spill_fsync`) before the ack; memory is a cache in front of it. After a crash
   every acknowledged page is back (on power loss too, with fsync), unless the spill's own
   capacity evicted it.
 
 Objects are verified (key and checksum) before they are stored, and again whenever read
-from the spill; a damaged file in the spill is a miss, never data. Reads from memory are not
+from the spill; a damaged file in the spill is a miss, never data, counted in the spill's
+`num_corrupt`. Reads from memory are not
 checksummed again: those objects never left the process, and the client verifies each page.
 """
 
@@ -64,11 +67,25 @@ class NamespaceStore:
         # The memory store's deadline covers a spill write of its evicted pages.
         options = MemoryOptions(capacity_bytes=capacity_bytes, timeout_s=2 * timeout_s + 1)
         self.memory = MemoryBackend(options, None, name=f"memory:{name}", spill=memory_spill)
+        self.capacity_bytes = capacity_bytes
+        self.in_flight_bytes = 0  # held by unfinished BatchPut streams (charged to the quota)
 
     async def open(self) -> None:
         await self.memory.connect()
         if self.spill is not None:
             await self.spill.connect()
+
+    async def charge(self, delta_bytes: int) -> bool:
+        """Charge (or, negative, release) bytes of unfinished streamed pages to this
+        namespace's memory; stored pages make room for them. False (nothing charged) when
+        the streams would hold more than the namespace's capacity."""
+        if delta_bytes > 0 and self.in_flight_bytes + delta_bytes > self.capacity_bytes:
+            return False
+        self.in_flight_bytes += delta_bytes
+        self.memory.reserved_bytes = self.in_flight_bytes
+        if delta_bytes > 0:
+            await self.memory.make_room()
+        return True
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         count = await self.memory.batch_exists(keys)
@@ -141,6 +158,13 @@ class NamespaceStore:
             return 0
         return await self.memory.flush_to_spill()
 
+    @property
+    def num_unflushed(self) -> int:
+        """Pages only memory holds (a shutdown loses them unless `flush` writes them)."""
+        if self.spill is None or self.write_through:
+            return 0
+        return self.memory.num_unspilled
+
     async def close(self) -> None:
         await self.memory.close()
         if self.spill is not None:
@@ -182,6 +206,10 @@ class Store:
     async def flush(self) -> int:
         return sum([await namespace.flush() for namespace in self.namespaces.values()])
 
+    @property
+    def num_unflushed(self) -> int:
+        return sum(namespace.num_unflushed for namespace in self.namespaces.values())
+
     async def close(self) -> None:
         for namespace in self.namespaces.values():
             await namespace.close()
@@ -194,7 +222,10 @@ class Store:
 
 def _spill_backend(config: ServerConfig, name: str, capacity_bytes: int) -> FileBackend:
     path = os.path.join(config.spill_dir, name)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--spill-dir: cannot make {path}: {exc.strerror}") from None
     options = FileOptions(
         path=path,
         capacity_bytes=capacity_bytes,

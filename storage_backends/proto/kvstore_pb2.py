@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$storage_backends/proto/kvstore.proto\x12\nhicache.v1\"5\n\x12\x42\x61tchExistsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"*\n\x13\x42\x61tchExistsResponse\x12\x13\n\x0bnum_present\x18\x01 \x01(\r\"M\n\x0f\x42\x61tchGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\"W\n\x05Piece\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x14\n\x0cobject_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"F\n\x10\x42\x61tchGetResponse\x12!\n\x06pieces\x18\x01 \x03(\x0b\x32\x11.hicache.v1.Piece\x12\x0f\n\x07missing\x18\x02 \x03(\r\"G\n\x0f\x42\x61tchPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12!\n\x06pieces\x18\x02 \x03(\x0b\x32\x11.hicache.v1.Piece\"L\n\x10\x42\x61tchPutResponse\x12\'\n\x08statuses\x18\x01 \x03(\x0e\x32\x15.hicache.v1.PutStatus\x12\x0f\n\x07reasons\x18\x02 \x03(\t\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xc7\x03\n\x0eNamespaceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bnum_objects\x18\x02 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x10\n\x08num_hits\x18\x05 \x01(\x04\x12\x12\n\nnum_misses\x18\x06 \x01(\x04\x12\x10\n\x08num_puts\x18\x07 \x01(\x04\x12\x18\n\x10num_put_rejected\x18\x08 \x01(\x04\x12\x15\n\rnum_evictions\x18\t \x01(\x04\x12\x12\n\nnum_errors\x18\n \x01(\x04\x12?\n\x0bnum_corrupt\x18\x0b \x03(\x0b\x32*.hicache.v1.NamespaceStats.NumCorruptEntry\x12\x12\n\nread_bytes\x18\x0c \x01(\x04\x12\x15\n\rwritten_bytes\x18\r \x01(\x04\x12\x15\n\rspill_objects\x18\x0e \x01(\x04\x12\x13\n\x0bspill_bytes\x18\x0f \x01(\x04\x12\x1c\n\x14spill_capacity_bytes\x18\x10 \x01(\x04\x1a\x31\n\x0fNumCorruptEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"v\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x12\n\nspill_mode\x18\x03 \x01(\t\x12.\n\nnamespaces\x18\x04 \x03(\x0b\x32\x1a.hicache.v1.NamespaceStats*\x85\x01\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11PUT_STATUS_STORED\x10\x01\x12\x17\n\x13PUT_STATUS_REJECTED\x10\x02\x12\x16\n\x12PUT_STATUS_CORRUPT\x10\x03\x12\x14\n\x10PUT_STATUS_ERROR\x10\x04\x32\xea\x02\n\x07KVStore\x12N\n\x0b\x42\x61tchExists\x12\x1e.hicache.v1.BatchExistsRequest\x1a\x1f.hicache.v1.BatchExistsResponse\x12G\n\x08\x42\x61tchGet\x12\x1b.hicache.v1.BatchGetRequest\x1a\x1c.hicache.v1.BatchGetResponse0\x01\x12G\n\x08\x42\x61tchPut\x12\x1b.hicache.v1.BatchPutRequest\x1a\x1c.hicache.v1.BatchPutResponse(\x01\x12?\n\x06\x44\x65lete\x12\x19.hicache.v1.DeleteRequest\x1a\x1a.hicache.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.hicache.v1.StatsRequest\x1a\x19.hicache.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$storage_backends/proto/kvstore.proto\x12\nhicache.v1\"5\n\x12\x42\x61tchExistsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"*\n\x13\x42\x61tchExistsResponse\x12\x13\n\x0bnum_present\x18\x01 \x01(\r\"M\n\x0f\x42\x61tchGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x04\"W\n\x05Piece\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x14\n\x0cobject_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"F\n\x10\x42\x61tchGetResponse\x12!\n\x06pieces\x18\x01 \x03(\x0b\x32\x11.hicache.v1.Piece\x12\x0f\n\x07missing\x18\x02 \x03(\r\"G\n\x0f\x42\x61tchPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12!\n\x06pieces\x18\x02 \x03(\x0b\x32\x11.hicache.v1.Piece\"L\n\x10\x42\x61tchPutResponse\x12\'\n\x08statuses\x18\x01 \x03(\x0e\x32\x15.hicache.v1.PutStatus\x12\x0f\n\x07reasons\x18\x02 \x03(\t\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"!\n\x0cStatsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\x97\x05\n\x0eNamespaceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bnum_objects\x18\x02 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x10\n\x08num_hits\x18\x05 \x01(\x04\x12\x12\n\nnum_misses\x18\x06 \x01(\x04\x12\x10\n\x08num_puts\x18\x07 \x01(\x04\x12\x18\n\x10num_put_rejected\x18\x08 \x01(\x04\x12\x15\n\rnum_evictions\x18\t \x01(\x04\x12\x12\n\nnum_errors\x18\n \x01(\x04\x12?\n\x0bnum_corrupt\x18\x0b \x03(\x0b\x32*.hicache.v1.NamespaceStats.NumCorruptEntry\x12\x12\n\nread_bytes\x18\x0c \x01(\x04\x12\x15\n\rwritten_bytes\x18\r \x01(\x04\x12\x15\n\rspill_objects\x18\x0e \x01(\x04\x12\x13\n\x0bspill_bytes\x18\x0f \x01(\x04\x12\x1c\n\x14spill_capacity_bytes\x18\x10 \x01(\x04\x12J\n\x11num_spill_corrupt\x18\x11 \x03(\x0b\x32/.hicache.v1.NamespaceStats.NumSpillCorruptEntry\x12\x19\n\x11num_spill_dropped\x18\x12 \x01(\x04\x12\x17\n\x0fin_flight_bytes\x18\x13 \x01(\x04\x12\x16\n\x0espilling_bytes\x18\x14 \x01(\x04\x1a\x31\n\x0fNumCorruptEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x36\n\x14NumSpillCorruptEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"v\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x12\n\nspill_mode\x18\x03 \x01(\t\x12.\n\nnamespaces\x18\x04 \x03(\x0b\x32\x1a.hicache.v1.NamespaceStats*\x85\x01\n\tPutStatus\x12\x1a\n\x16PUT_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11PUT_STATUS_STORED\x10\x01\x12\x17\n\x13PUT_STATUS_REJECTED\x10\x02\x12\x16\n\x12PUT_STATUS_CORRUPT\x10\x03\x12\x14\n\x10PUT_STATUS_ERROR\x10\x04\x32\xea\x02\n\x07KVStore\x12N\n\x0b\x42\x61tchExists\x12\x1e.hicache.v1.BatchExistsRequest\x1a\x1f.hicache.v1.BatchExistsResponse\x12G\n\x08\x42\x61tchGet\x12\x1b.hicache.v1.BatchGetRequest\x1a\x1c.hicache.v1.BatchGetResponse0\x01\x12G\n\x08\x42\x61tchPut\x12\x1b.hicache.v1.BatchPutRequest\x1a\x1c.hicache.v1.BatchPutResponse(\x01\x12?\n\x06\x44\x65lete\x12\x19.hicache.v1.DeleteRequest\x1a\x1a.hicache.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.hicache.v1.StatsRequest\x1a\x19.hicache.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NAMESPACESTATS_NUMCORRUPTENTRY']._loaded_options = None
   _globals['_NAMESPACESTATS_NUMCORRUPTENTRY']._serialized_options = b'8\001'
-  _globals['_PUTSTATUS']._serialized_start=1245
-  _globals['_PUTSTATUS']._serialized_end=1378
+  _globals['_NAMESPACESTATS_NUMSPILLCORRUPTENTRY']._loaded_options = None
+  _globals['_NAMESPACESTATS_NUMSPILLCORRUPTENTRY']._serialized_options = b'8\001'
+  _globals['_PUTSTATUS']._serialized_start=1453
+  _globals['_PUTSTATUS']._serialized_end=1586
   _globals['_BATCHEXISTSREQUEST']._serialized_start=52
   _globals['_BATCHEXISTSREQUEST']._serialized_end=105
   _globals['_BATCHEXISTSRESPONSE']._serialized_start=107
@@ -56,11 +58,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=631
   _globals['_STATSREQUEST']._serialized_end=664
   _globals['_NAMESPACESTATS']._serialized_start=667
-  _globals['_NAMESPACESTATS']._serialized_end=1122
-  _globals['_NAMESPACESTATS_NUMCORRUPTENTRY']._serialized_start=1073
-  _globals['_NAMESPACESTATS_NUMCORRUPTENTRY']._serialized_end=1122
-  _globals['_STATSRESPONSE']._serialized_start=1124
-  _globals['_STATSRESPONSE']._serialized_end=1242
-  _globals['_KVSTORE']._serialized_start=1381
-  _globals['_KVSTORE']._serialized_end=1743
+  _globals['_NAMESPACESTATS']._serialized_end=1330
+  _globals['_NAMESPACESTATS_NUMCORRUPTENTRY']._serialized_start=1225
+  _globals['_NAMESPACESTATS_NUMCORRUPTENTRY']._serialized_end=1274
+  _globals['_NAMESPACESTATS_NUMSPILLCORRUPTENTRY']._serialized_start=1276
+  _globals['_NAMESPACESTATS_NUMSPILLCORRUPTENTRY']._serialized_end=1330
+  _globals['_STATSRESPONSE']._serialized_start=1332
+  _globals['_STATSRESPONSE']._serialized_end=1450
+  _globals['_KVSTORE']._serialized_start=1589
+  _globals['_KVSTORE']._serialized_end=1951
 # @@protoc_insertion_point(module_scope)

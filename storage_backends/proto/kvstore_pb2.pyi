@@ -103,8 +103,15 @@ class StatsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("name", "num_objects", "stored_bytes", "capacity_bytes", "num_hits", "num_misses", "num_puts", "num_put_rejected", "num_evictions", "num_errors", "num_corrupt", "read_bytes", "written_bytes", "spill_objects", "spill_bytes", "spill_capacity_bytes")
+    __slots__ = ("name", "num_objects", "stored_bytes", "capacity_bytes", "num_hits", "num_misses", "num_puts", "num_put_rejected", "num_evictions", "num_errors", "num_corrupt", "read_bytes", "written_bytes", "spill_objects", "spill_bytes", "spill_capacity_bytes", "num_spill_corrupt", "num_spill_dropped", "in_flight_bytes", "spilling_bytes")
     class NumCorruptEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class NumSpillCorruptEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +134,10 @@ class NamespaceStats(_message.Message):
     SPILL_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     SPILL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPILL_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPILL_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPILL_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPILLING_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_objects: int
     stored_bytes: int
@@ -143,7 +154,11 @@ class NamespaceStats(_message.Message):
     spill_objects: int
     spill_bytes: int
     spill_capacity_bytes: int
-    def __init__(self, name: _Optional[str] = ..., num_objects: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_puts: _Optional[int] = ..., num_put_rejected: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_errors: _Optional[int] = ..., num_corrupt: _Optional[_Mapping[str, int]] = ..., read_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ..., spill_objects: _Optional[int] = ..., spill_bytes: _Optional[int] = ..., spill_capacity_bytes: _Optional[int] = ...) -> None: ...
+    num_spill_corrupt: _containers.ScalarMap[str, int]
+    num_spill_dropped: int
+    in_flight_bytes: int
+    spilling_bytes: int
+    def __init__(self, name: _Optional[str] = ..., num_objects: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_puts: _Optional[int] = ..., num_put_rejected: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_errors: _Optional[int] = ..., num_corrupt: _Optional[_Mapping[str, int]] = ..., read_bytes: _Optional[int] = ..., written_bytes: _Optional[int] = ..., spill_objects: _Optional[int] = ..., spill_bytes: _Optional[int] = ..., spill_capacity_bytes: _Optional[int] = ..., num_spill_corrupt: _Optional[_Mapping[str, int]] = ..., num_spill_dropped: _Optional[int] = ..., in_flight_bytes: _Optional[int] = ..., spilling_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("version", "uptime_s", "spill_mode", "namespaces")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -25,10 +26,18 @@ _LISTENING = re.compile(r"listening on \S+:(\d+)")
 
 
 class DaemonProcess:
-    def __init__(self, *args: str, credentials: grpc.ChannelCredentials | None = None) -> None:
-        """`args`: flags of `hicache serve`; `credentials`: TLS ones, to probe a TLS daemon."""
+    def __init__(
+        self,
+        *args: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        address_space_bytes: int | None = None,
+    ) -> None:
+        """`args`: flags of `hicache serve`; `credentials`: TLS ones, to probe a TLS daemon;
+        `address_space_bytes`: an RLIMIT_AS cap on the daemon process, so that a test of a
+        memory bound that regresses fails there instead of taking the machine down."""
         self.args = list(args)
         self.credentials = credentials
+        self.address_space_bytes = address_space_bytes
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self.output: list[str] = []
@@ -48,12 +57,24 @@ class DaemonProcess:
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=self._limit if self.address_space_bytes else None,
         )
         first = self._read_until_listening(timeout_s)
         self.port = int(first)
         threading.Thread(target=self._drain, daemon=True).start()
         self.wait_serving(timeout_s)
         return self
+
+    def _limit(self) -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (self.address_space_bytes,) * 2)
+
+    def rss_bytes(self) -> int:
+        """The daemon's resident memory now."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) << 10
+        raise RuntimeError("no VmRSS")
 
     def _read_until_listening(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

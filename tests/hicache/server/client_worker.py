@@ -2,6 +2,7 @@
 
     python client_worker.py load <url> <seed> <num_ops> <num_keys>
     python client_worker.py put-until-killed <url> <seed> <ack_log> <batch_pages> <page_bytes>
+    python client_worker.py soak <url> <seed> <seconds> <log> <tenant> <key_space> <foreign_url>
 
 Every key's page is a function of the key (its size too), so any process can check any hit
 byte for byte: a torn, mixed-up or foreign page shows up as a refused (corrupt) read or as
@@ -94,16 +95,80 @@ async def put_until_killed(
                 _log(log, f"ack {batch} " + " ".join(str(i) for i, ok in enumerate(stored) if ok))
 
 
-def _log(log, line: str) -> None:
+def tenant_page_of(tenant: str, key: bytes) -> bytes:
+    """The page a tenant stores under `key`: tenants share key names, never bytes."""
+    return page_of(key_of(tenant, int.from_bytes(key[:8], "little")), 16 << 10)
+
+
+async def soak(
+    url: str, seed: int, seconds: float, log_path: str, tenant: str, space: str, foreign: str
+) -> dict:
+    """Puts, gets and deletes for `seconds` while the daemon is killed and restarted under
+    it. Logs "ack <i>" once a put of key i is acknowledged and "del <i>" before a delete of
+    it, so the test knows which pages must be back. A hit with other bytes than this
+    tenant's page is counted as foreign; `foreign` (another tenant's namespace with this
+    tenant's token) must be refused."""
+    import time
+
+    from storage_backends import BackendConfigError
+
+    rng = random.Random(seed)
+    keys = [key_of(space, i) for i in range(200)]
+    counts = {"puts": 0, "acked": 0, "gets": 0, "hits": 0, "deletes": 0, "foreign": 0}
+    try:
+        async with open_backend(foreign, layout=LAYOUT) as store:
+            await store.connect()
+        counts["foreign_allowed"] = 1
+    except BackendConfigError as exc:
+        counts["foreign_allowed"] = 0 if "PERMISSION_DENIED" in str(exc) else 1
+    end = time.monotonic() + seconds
+    with open(log_path, "a") as log:
+        async with open_backend(url, layout=LAYOUT) as store:
+            while time.monotonic() < end:
+                batch = rng.sample(range(len(keys)), rng.randint(1, 8))
+                batch_keys = [keys[i] for i in batch]
+                op = rng.random()
+                if op < 0.45:
+                    pages = [tenant_page_of(tenant, k) for k in batch_keys]
+                    stored = await store.batch_put(batch_keys, pages)
+                    for i, ok in zip(batch, stored, strict=True):
+                        if ok:
+                            _log(log, f"ack {i}", sync=False)
+                    counts["puts"] += 1
+                    counts["acked"] += sum(stored)
+                elif op < 0.9:
+                    into = [bytearray(len(tenant_page_of(tenant, k))) for k in batch_keys]
+                    found = await store.batch_get(batch_keys, into)
+                    for ok, got, k in zip(found, into, batch_keys, strict=True):
+                        if ok and bytes(got) != tenant_page_of(tenant, k):
+                            counts["foreign"] += 1
+                    counts["gets"] += 1
+                    counts["hits"] += sum(found)
+                else:
+                    for i in batch:
+                        _log(log, f"del {i}", sync=False)
+                    await store.delete(batch_keys)
+                    counts["deletes"] += 1
+                if not rng.randrange(20):
+                    await asyncio.sleep(0.01)
+        stats = store.stats()
+    return {**counts, "errors": stats.num_errors, "corrupt": dict(stats.num_corrupt)}
+
+
+def _log(log, line: str, *, sync: bool = True) -> None:
     log.write(line + "\n")
     log.flush()
-    os.fsync(log.fileno())
+    if sync:
+        os.fsync(log.fileno())
 
 
 def main(argv: list[str]) -> int:
     mode, url, seed = argv[0], argv[1], int(argv[2])
     if mode == "load":
         result = asyncio.run(load(url, seed, int(argv[3]), int(argv[4])))
+        print(json.dumps(result))
+    elif mode == "soak":
+        result = asyncio.run(soak(url, seed, float(argv[3]), *argv[4:8]))
         print(json.dumps(result))
     elif mode == "put-until-killed":
         asyncio.run(put_until_killed(url, seed, argv[3], int(argv[4]), int(argv[5])))

@@ -14,8 +14,10 @@ def start_daemon() -> Iterator[Callable[..., DaemonProcess]]:
     """start_daemon(*flags) -> a started daemon; every daemon started is stopped after."""
     started: list[DaemonProcess] = []
 
-    def start(*args: str, credentials=None) -> DaemonProcess:
-        daemon = DaemonProcess(*args, credentials=credentials)
+    def start(*args: str, credentials=None, address_space_bytes=None) -> DaemonProcess:
+        daemon = DaemonProcess(
+            *args, credentials=credentials, address_space_bytes=address_space_bytes
+        )
         started.append(daemon)
         return daemon.start()
 

@@ -153,3 +153,19 @@ def test_metrics_endpoint_and_graceful_exit(start_daemon):
     assert 'hicache_server_objects{namespace="default",tier="memory"} 5.0' in text
     assert "hicache_server_call_seconds_bucket" in text
     assert daemon.stop() == 0
+
+
+def test_concurrent_puts_queue_for_the_daemons_stream_slots_instead_of_failing(start_daemon):
+    daemon = start_daemon("--capacity", "256MiB", "--max-streams-per-client", "2")
+    url = f"grpc://{daemon.address}?timeout=20s&put_streams=2"
+    batches = [[os.urandom(16) for _ in range(8)] for _ in range(24)]
+
+    async def body():
+        async with open_backend(url, layout=LAYOUT) as store:
+            results = await asyncio.gather(
+                *(store.batch_put(keys, [os.urandom(128 << 10) for _ in keys]) for keys in batches)
+            )
+            assert all(all(stored) for stored in results)
+            assert store.stats().num_errors == 0
+
+    asyncio.run(body())

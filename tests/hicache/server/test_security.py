@@ -127,3 +127,106 @@ def test_tls_with_a_self_signed_certificate(start_daemon, token_file, tmp_path):
         with pytest.raises(BackendUnavailableError, match="no cache-server answered"):
             _round_trip(bad + "&connect_timeout=1")
     assert daemon.stop() == 0
+
+
+TOKEN_A, TOKEN_B, TOKEN_OPS = "team-a-token-0123456789", "team-b-token-0123456789", "ops-" * 5
+TOKEN_SCRAPER = "scraper-token-0123456789"
+
+
+@pytest.fixture
+def tenants_daemon(start_daemon, tmp_path):
+    """team-a and team-b, each with its own token; ops may use both (--auth-token-file)."""
+    tenants = tmp_path / "tenants"
+    tenants.write_text(f"# token namespaces\n{TOKEN_A} team-a=8MiB\n\n{TOKEN_B}   team-b,shared\n")
+    tenants.chmod(0o600)
+    files = {}
+    tokens = (("a", TOKEN_A), ("b", TOKEN_B), ("ops", TOKEN_OPS), ("scraper", TOKEN_SCRAPER))
+    for name, token in tokens:
+        files[name] = tmp_path / f"token-{name}"
+        files[name].write_text(token)
+        files[name].chmod(0o600)
+    daemon = start_daemon(
+        "--capacity", "32MiB", "--tenants-file", str(tenants),
+        "--auth-token-file", str(files["ops"]), "--metrics-port", "0",
+        "--metrics-token-file", str(files["scraper"]),
+    )  # fmt: skip
+    return daemon, files
+
+
+def _metadata(token: str):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def test_a_token_may_use_only_its_own_namespaces(tenants_daemon):
+    daemon, files = tenants_daemon
+    base = f"grpc://{daemon.address}"
+    assert _round_trip(f"{base}?namespace=team-a&token_file={files['a']}")
+    assert _round_trip(f"{base}?namespace=shared&token_file={files['b']}")
+    assert _round_trip(f"{base}?namespace=team-a&token_file={files['ops']}")
+    with pytest.raises(BackendConfigError, match="PERMISSION_DENIED: this token may not use"):
+        _round_trip(f"{base}?namespace=team-a&token_file={files['b']}")
+    # Every call, raw: team-b's token gets nothing of team-a, whether it exists or not.
+    key = os.urandom(16)
+    with grpc.insecure_channel(daemon.address) as channel:
+        calls = {
+            "BatchExists": pb.BatchExistsRequest(namespace="team-a", keys=[key]),
+            "Delete": pb.DeleteRequest(namespace="team-a", keys=[key]),
+            "Stats": pb.StatsRequest(namespace="team-a"),
+        }
+        for method, request in calls.items():
+            with pytest.raises(grpc.RpcError) as caught:
+                channel.unary_unary(method_path(method))(
+                    request.SerializeToString(), metadata=_metadata(TOKEN_B), timeout=5
+                )
+            assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, method
+            assert "team-a" in caught.value.details()
+        get = pb.BatchGetRequest(namespace="team-a", keys=[key]).SerializeToString()
+        with pytest.raises(grpc.RpcError) as caught:
+            list(channel.unary_stream(method_path("BatchGet"))(get, metadata=_metadata(TOKEN_B)))
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        from storage_backends import encode_object
+        from storage_backends.pieces import OutPiece, encode_put_request
+
+        blob = encode_object(key, LAYOUT, b"forged")
+        put = encode_put_request("team-a", [OutPiece(0, key, len(blob), 0, [blob])])
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.stream_unary(method_path("BatchPut"))(
+                iter([put]), metadata=_metadata(TOKEN_B), timeout=5
+            )
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # Stats of "every namespace" is every namespace this token may use.
+        for token, names in (
+            (TOKEN_B, ["shared", "team-b"]),
+            (TOKEN_OPS, ["shared", "team-a", "team-b"]),
+        ):  # noqa: E501
+            raw = channel.unary_unary(method_path("Stats"))(
+                pb.StatsRequest().SerializeToString(), metadata=_metadata(token), timeout=5
+            )
+            assert sorted(ns.name for ns in pb.StatsResponse.FromString(raw).namespaces) == names
+
+
+def test_metrics_show_a_tenant_only_its_own_namespaces(tenants_daemon):
+    import urllib.error
+    import urllib.request
+
+    daemon, files = tenants_daemon
+    port = int(daemon.log.split("metrics on :")[1].split("/")[0])
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def scrape(token: str | None) -> str:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
+            return r.read().decode()
+
+    for token in (None, "not-a-token-of-this-server"):
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            scrape(token)
+        assert caught.value.code == 401
+    mine = scrape(TOKEN_B)
+    assert 'namespace="team-b"' in mine and 'namespace="shared"' in mine
+    assert "team-a" not in mine and "hicache_server_calls" not in mine
+    for token in (TOKEN_OPS, TOKEN_SCRAPER):
+        everything = scrape(token)
+        assert 'namespace="team-a"' in everything and "hicache_server_calls_total" in everything
+    with pytest.raises(BackendConfigError, match="UNAUTHENTICATED: wrong bearer token"):
+        _round_trip(f"grpc://{daemon.address}?namespace=team-a&token_file={files['scraper']}")
