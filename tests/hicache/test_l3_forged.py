@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.caches import put, read_pages, tokens_for
+from tests.support.caches import NS, put, read_pages, tokens_for
 
 
 def test_an_engine_with_a_secret_never_matches_forged_pages(cache_factory, tmp_path):
@@ -24,7 +24,7 @@ def test_an_engine_with_a_secret_never_matches_forged_pages(cache_factory, tmp_p
     victim = cache_factory(
         l3_url=plain_url, l3_secret_file=str(secret), prefetch_policy="wait_complete"
     )
-    match = victim.match(tokens)
+    match = victim.match(tokens, NS)
     assert match.num_tokens == 0  # nothing the forger wrote is served
     victim.release(match)
     assert victim.stats().l3_corrupt_pages == 3  # refused, counted (as forged by the backend)
@@ -34,7 +34,7 @@ def test_an_engine_with_a_secret_never_matches_forged_pages(cache_factory, tmp_p
     values = put(owner, tokens, seed=7)  # the tenant's own pages replace them
     owner.flush()
     reader = cache_factory(l3_url=signed_url, prefetch_policy="wait_complete")
-    match = reader.match(tokens)
+    match = reader.match(tokens, NS)
     assert match.num_l3_pages == 3
     for layer in range(reader.layout.num_layers):
         reader.wait_layer(match, layer)
