@@ -1,0 +1,264 @@
+"""A driver that calls a vLLM KV connector the way vLLM 0.33 does, on the CPU.
+
+`VllmEngine` stands in for one vLLM engine: the real `KVTransferConfig` parsed from the
+`--kv-transfer-config` JSON, the real `KVCacheConfig` / `FullAttentionSpec`, KV tensors made
+by vLLM's own `create_kv_cache_views` (so in vLLM's layout, strides included), both
+connectors built by `KVConnectorFactory`, real `Request`s, `KVCacheBlocks` and
+`SchedulerOutput`s. `step()` makes the calls of the scheduler (`Scheduler.schedule` ->
+get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta) and of the
+model runner (`KVConnectorModelRunnerMixin._get_kv_connector_output`: bind, start_load_kv
+before the forward when a load is synchronous, per layer wait_for_layer_load -> attention
+-> save_kv_layer, then wait_for_save, get_finished, get_block_ids_with_load_errors,
+clear), in that order. Its "model" writes, for each computed token and layer, KV that
+depends only on the token prefix, so two requests sharing a prefix compute equal KV.
+
+`VllmEngine` cannot be a real `VllmConfig`: that infers a device, and there is none here.
+`TestVllmConfig` has the fields the connector and the factory read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import xxhash
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+POISON = -7.0  # what a block holds before anything writes it
+
+
+def transfer_config_json(extra: dict, engine_id: str) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "HiCacheConnector",
+            "kv_connector_module_path": "engine_integration.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+@dataclass
+class TestVllmConfig:
+    """The fields of VllmConfig that HiCacheConnector and KVConnectorFactory read."""
+
+    kv_transfer_config: KVTransferConfig
+    model_config: SimpleNamespace  # model
+    parallel_config: SimpleNamespace  # world_size, rank
+    scheduler_config: SimpleNamespace  # max_num_batched_tokens, disable_hybrid_kv_cache_manager
+
+    __test__ = False  # not a pytest class
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_layers: int = 2
+    num_blocks: int = 48
+    block_size: int = 16
+    num_kv_heads: int = 2
+    head_size: int = 8
+    dtype: torch.dtype = torch.float32
+    layout: KVCacheLayout = KVCacheLayout.LBNHC
+    kernel_block_size: int | None = None
+
+
+@dataclass
+class StepResult:
+    num_external_tokens: int
+    failed_block_ids: set[int]
+    # what each layer's attention saw: (num_tokens, H, C) of the request's first tokens
+    seen: list[torch.Tensor] = field(default_factory=list)
+    unloaded_before_wait: list[bool] = field(default_factory=list)
+
+
+def model_kv(tokens: list[int], start: int, end: int, layer: int, shape: Shape) -> torch.Tensor:
+    """KV of positions [start, end) in `layer`: (n, H, C), a function of the prefix only."""
+    width = shape.num_kv_heads * 2 * shape.head_size
+    rows = []
+    data = np.asarray(tokens, dtype="<u4").tobytes()
+    for t in range(start, end):
+        seed = xxhash.xxh64_intdigest(data[: 4 * (t + 1)], seed=layer)
+        rows.append(np.random.default_rng(seed).standard_normal(width, dtype=np.float32))
+    values = torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, width)
+    return values.view(-1, shape.num_kv_heads, 2 * shape.head_size).to(shape.dtype)
+
+
+class VllmEngine:
+    """One vLLM engine's connector pair, KV tensors and block allocator."""
+
+    def __init__(self, extra: dict, shape: Shape = Shape(), *, engine_id: str = "engine"):
+        self.shape = shape
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.num_layers)]
+        spec = FullAttentionSpec(
+            block_size=shape.block_size,
+            num_kv_heads=shape.num_kv_heads,
+            head_size=shape.head_size,
+            dtype=shape.dtype,
+        )
+        self.kv_cache_config, self.kv_caches = _kv_tensors(spec, shape, self.layer_names)
+        transfer = KVTransferConfig(**json.loads(transfer_config_json(extra, engine_id)))
+        self.config = TestVllmConfig(
+            kv_transfer_config=transfer,
+            model_config=SimpleNamespace(model="test/model"),
+            parallel_config=SimpleNamespace(world_size=1, rank=0),
+            scheduler_config=SimpleNamespace(
+                max_num_batched_tokens=256, disable_hybrid_kv_cache_manager=False
+            ),
+        )
+        # vLLM's order: the worker's connector, its KV registered, then the scheduler's.
+        self.worker = KVConnectorFactory.create_connector(
+            self.config, KVConnectorRole.WORKER, self.kv_cache_config
+        )
+        self.worker.register_kv_caches(self.kv_caches)
+        self.scheduler = KVConnectorFactory.create_connector(
+            self.config, KVConnectorRole.SCHEDULER, self.kv_cache_config
+        )
+        self._free = list(range(shape.num_blocks))
+        self.block_ids: dict[str, list[int]] = {}
+
+    @property
+    def cache(self):
+        return self.worker._shared.cache
+
+    def request(self, req_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+        return Request(
+            req_id,
+            list(tokens),
+            SamplingParams(max_tokens=4),
+            None,
+            cache_salt=cache_salt,
+        )
+
+    def step(self, request: Request, num_computed_tokens: int = 0) -> StepResult:
+        """Admit `request` and compute its whole prompt in one step."""
+        rid = request.request_id
+        # Scheduler.schedule: the connector's hit beyond vLLM's own (block-aligned) hit.
+        ext, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        assert load_async is False
+        num_blocks = -(-request.num_tokens // self.shape.block_size)
+        self.block_ids[rid] = [self._free.pop(0) for _ in range(num_blocks)]
+        blocks = KVCacheBlocks(([KVCacheBlock(b) for b in self.block_ids[rid]],))
+        self.scheduler.update_state_after_alloc(request, blocks, ext)
+        computed = num_computed_tokens + ext
+        request.num_computed_tokens = computed
+        output = SchedulerOutput.make_empty()
+        output.num_scheduled_tokens = {rid: request.num_tokens - computed}
+        output.total_num_scheduled_tokens = request.num_tokens - computed
+        output.has_sync_kv_loads = ext > 0
+        output.kv_connector_block_state = KVConnectorBlockState(
+            req_ids={rid}, resolve_block_ids=lambda r: (self.block_ids[r],),
+            boundary_state_offloads={},
+        )  # fmt: skip
+        output.kv_connector_metadata = self.scheduler.build_connector_meta(output)
+        output.kv_connector_block_state = None
+        request.num_computed_tokens += output.num_scheduled_tokens[rid]  # _update_after_schedule
+        result = self._execute(output, request, computed)
+        result.num_external_tokens = ext
+        return result
+
+    def _execute(self, output: SchedulerOutput, request: Request, computed: int) -> StepResult:
+        """GPUModelRunner.execute_model's connector calls around a forward pass."""
+        worker = self.worker
+        worker.bind_connector_metadata(output.kv_connector_metadata)
+        if output.has_sync_kv_loads:
+            worker.start_load_kv(None)
+        result = StepResult(0, set())
+        slots = self.slots(request.request_id, 0, request.num_tokens)
+        for layer, name in enumerate(self.layer_names):
+            kv = self.kv_caches[name]
+            before = kv[slots[0], :, slots[1]][:computed]
+            result.unloaded_before_wait.append(bool((before == POISON).all()))
+            worker.wait_for_layer_load(name)  # Attention.forward, before it reads the KV
+            result.seen.append(kv[slots[0], :, slots[1]][:computed].clone())
+            new = model_kv(request.all_token_ids, computed, request.num_tokens, layer, self.shape)
+            kv[slots[0][computed:], :, slots[1][computed:]] = new  # reshape_and_cache
+            worker.save_kv_layer(name, kv, None)  # after the layer's attention
+        if not output.has_sync_kv_loads:
+            worker.start_load_kv(None)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(output.finished_req_ids)
+        assert not sending and not recving
+        result.failed_block_ids = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        self.scheduler.update_connector_output(
+            KVConnectorOutput(invalid_block_ids=result.failed_block_ids)
+        )
+        return result
+
+    def finish(self, request: Request) -> None:
+        """The request ends: the scheduler asks whether to keep its blocks, then frees them."""
+        keep, params = self.scheduler.request_finished(request, self.block_ids[request.request_id])
+        assert keep is False and params is None
+        blocks = self.block_ids.pop(request.request_id)
+        ratio = self.shape.block_size // self.kv_caches[self.layer_names[0]].shape[2]
+        kernel_blocks = [b * ratio + i for b in blocks for i in range(ratio)]
+        for name in self.layer_names:
+            self.kv_caches[name][kernel_blocks] = POISON  # the next owner overwrites them
+        self._free.extend(blocks)
+
+    def slots(self, req_id: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel block, offset) of tokens [start, end) of a request, as vLLM maps them."""
+        tokens = torch.arange(start, end)
+        size = self.shape.block_size
+        kernel = self.kv_caches[self.layer_names[0]].shape[2]
+        blocks = torch.tensor(self.block_ids[req_id])[tokens // size] * (size // kernel)
+        return blocks + tokens % size // kernel, tokens % kernel
+
+    def kv_of(self, req_id: str, layer: int, start: int, end: int) -> torch.Tensor:
+        blocks, offsets = self.slots(req_id, start, end)
+        return self.kv_caches[self.layer_names[layer]][blocks, :, offsets].clone()
+
+    def flush(self) -> None:
+        self.cache.flush()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+
+def _kv_tensors(spec, shape: Shape, layer_names: list[str]):
+    """KV tensors as vLLM's GPU model runner makes them: one raw buffer, one view a layer."""
+    kernel = shape.kernel_block_size or shape.block_size
+    page_bytes = spec.page_size_bytes
+    num_layers = len(layer_names)
+    if shape.layout.is_layer_compact:
+        layer_stride, block_stride = page_bytes * shape.num_blocks, page_bytes
+    else:
+        layer_stride, block_stride = page_bytes, page_bytes * num_layers
+    size = page_bytes * shape.num_blocks * num_layers
+    tensor = KVCacheTensor(
+        size=size, layers=layer_names, layer_stride=layer_stride, block_stride=block_stride
+    )
+    config = KVCacheConfig(
+        num_blocks=shape.num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
+    )
+    raw = torch.zeros(size, dtype=torch.int8)
+    views = create_kv_cache_views(
+        raw, spec, shape.num_blocks, shape.layout, tensor, kernel_block_size=kernel
+    )
+    for view in views:
+        view.fill_(POISON)
+    return config, dict(zip(layer_names, views, strict=True))
