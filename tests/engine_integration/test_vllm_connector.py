@@ -23,6 +23,7 @@ from engine_integration.vllm_connector import HiCacheConnector  # noqa: E402
 from engine_integration.vllm_setup import kv_layout, namespace_for, read_settings  # noqa: E402
 from radix.keys import page_keys  # noqa: E402
 from tests.hicache.test_faults import flip_byte, locate, page_names  # noqa: E402
+from tests.support.benchmarks import run_smoke  # noqa: E402
 from tests.support.engines import random_prompt, run_one  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
 from tests.support.vllm_driver import (  # noqa: E402
@@ -248,3 +249,33 @@ def test_the_embedded_engine_kv_reaches_vllm_layout_bitwise(
         expected = pages[layer].reshape(80, 2, config.num_kv_heads, config.head_dim)
         expected = expected.transpose(1, 2).reshape(80, config.num_kv_heads, -1)  # (n, H, C)
         assert torch.equal(result.seen[layer], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_on_cuda_b_loads_a_prefix_layer_by_layer_bitwise(vllm_engines, page_size):
+    """The same on a GPU: L2 pinned, hicache's copy engines / kernels for L2 -> L1, the
+    copies into vLLM's blocks on the compute stream after each layer's event."""
+    shape = Shape(block_size=16, dtype=torch.bfloat16, device="cuda", num_blocks=96,
+                  num_kv_heads=8, head_size=128, layout=KVCacheLayout.LBNHC)  # fmt: skip
+    engine = vllm_engines({"page_size": page_size, "l2_size": "256MiB", "l2_pin": True}, shape)
+    prompt = random_prompt(9, 8 * page_size + 1, vocab=1000)
+    written = compute_a(engine, prompt)
+    engine.cache.flush()
+    engine.cache.evict("l1", 10**6)
+    result = engine.step(engine.request("b", prompt[: 6 * page_size] + [5]))
+    torch.cuda.synchronize()
+    assert result.num_external_tokens == 6 * page_size
+    for layer in range(2):
+        assert torch.equal(result.seen[layer], written[layer][: 6 * page_size])
+
+
+@pytest.mark.slow
+def test_bench_vllm_connector_smoke_prints_one_json_line_per_case():
+    lines, stdout = run_smoke("bench_vllm_connector.py")
+    assert [r["case"] for r in lines] == ["ceiling", "load", "hicache", "compute", "overlap"]
+    for r in lines:
+        assert r["bench"] == "vllm_connector" and r["git"] and r["prefix_tokens"] == 256
+    assert 0 < lines[1]["of_ceiling"] and 0 <= lines[-1]["hidden"] <= 1
+    assert "of ceiling" in stdout

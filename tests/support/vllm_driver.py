@@ -81,6 +81,7 @@ class Shape:
     dtype: torch.dtype = torch.float32
     layout: KVCacheLayout = KVCacheLayout.LBNHC
     kernel_block_size: int | None = None
+    device: str = "cpu"
 
 
 @dataclass
@@ -107,7 +108,14 @@ def model_kv(tokens: list[int], start: int, end: int, layer: int, shape: Shape) 
 class VllmEngine:
     """One vLLM engine's connector pair, KV tensors and block allocator."""
 
-    def __init__(self, extra: dict, shape: Shape = Shape(), *, engine_id: str = "engine"):
+    def __init__(
+        self,
+        extra: dict,
+        shape: Shape = Shape(),
+        *,
+        engine_id: str = "engine",
+        step_tokens: int = 256,
+    ):
         self.shape = shape
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.num_layers)]
         spec = FullAttentionSpec(
@@ -123,7 +131,7 @@ class VllmEngine:
             model_config=SimpleNamespace(model="test/model"),
             parallel_config=SimpleNamespace(world_size=1, rank=0),
             scheduler_config=SimpleNamespace(
-                max_num_batched_tokens=256, disable_hybrid_kv_cache_manager=False
+                max_num_batched_tokens=step_tokens, disable_hybrid_kv_cache_manager=False
             ),
         )
         # vLLM's order: the worker's connector, its KV registered, then the scheduler's.
@@ -150,8 +158,17 @@ class VllmEngine:
             cache_salt=cache_salt,
         )
 
-    def step(self, request: Request, num_computed_tokens: int = 0) -> StepResult:
-        """Admit `request` and compute its whole prompt in one step."""
+    def step(self, request: Request, num_computed_tokens: int = 0, write_kv=None) -> StepResult:
+        """Admit `request` and compute its whole prompt in one step. `write_kv(layer, start,
+        end)` gives the new tokens' KV, (n, H, C) (default: `model_kv`)."""
+        output, computed = self.schedule(request, num_computed_tokens)
+        result = self._execute(output, request, computed, write_kv)
+        result.num_external_tokens = computed - num_computed_tokens
+        return result
+
+    def schedule(self, request: Request, num_computed_tokens: int = 0):
+        """Scheduler.schedule for one new request: (the SchedulerOutput, tokens computed
+        before the step: vLLM's own hit plus the connector's)."""
         rid = request.request_id
         # Scheduler.schedule: the connector's hit beyond vLLM's own (block-aligned) hit.
         ext, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -173,11 +190,9 @@ class VllmEngine:
         output.kv_connector_metadata = self.scheduler.build_connector_meta(output)
         output.kv_connector_block_state = None
         request.num_computed_tokens += output.num_scheduled_tokens[rid]  # _update_after_schedule
-        result = self._execute(output, request, computed)
-        result.num_external_tokens = ext
-        return result
+        return output, computed
 
-    def _execute(self, output: SchedulerOutput, request: Request, computed: int) -> StepResult:
+    def _execute(self, output, request: Request, computed: int, write_kv=None) -> StepResult:
         """GPUModelRunner.execute_model's connector calls around a forward pass."""
         worker = self.worker
         worker.bind_connector_metadata(output.kv_connector_metadata)
@@ -191,8 +206,12 @@ class VllmEngine:
             result.unloaded_before_wait.append(bool((before == POISON).all()))
             worker.wait_for_layer_load(name)  # Attention.forward, before it reads the KV
             result.seen.append(kv[slots[0], :, slots[1]][:computed].clone())
-            new = model_kv(request.all_token_ids, computed, request.num_tokens, layer, self.shape)
-            kv[slots[0][computed:], :, slots[1][computed:]] = new  # reshape_and_cache
+            if write_kv is None:
+                tokens = request.all_token_ids
+                new = model_kv(tokens, computed, request.num_tokens, layer, self.shape)
+            else:
+                new = write_kv(layer, computed, request.num_tokens)
+            kv[slots[0][computed:], :, slots[1][computed:]] = new.to(kv.device)  # reshape_and_cache
             worker.save_kv_layer(name, kv, None)  # after the layer's attention
         if not output.has_sync_kv_loads:
             worker.start_load_kv(None)
@@ -206,15 +225,16 @@ class VllmEngine:
         )
         return result
 
-    def finish(self, request: Request) -> None:
-        """The request ends: the scheduler asks whether to keep its blocks, then frees them."""
+    def finish(self, request: Request, poison: bool = True) -> None:
+        """The request ends: the scheduler asks whether to keep its blocks, then frees them
+        (and, with `poison`, overwrites them, as their next owner would)."""
         keep, params = self.scheduler.request_finished(request, self.block_ids[request.request_id])
         assert keep is False and params is None
         blocks = self.block_ids.pop(request.request_id)
         ratio = self.shape.block_size // self.kv_caches[self.layer_names[0]].shape[2]
         kernel_blocks = [b * ratio + i for b in blocks for i in range(ratio)]
-        for name in self.layer_names:
-            self.kv_caches[name][kernel_blocks] = POISON  # the next owner overwrites them
+        for name in self.layer_names if poison else ():
+            self.kv_caches[name][kernel_blocks] = POISON
         self._free.extend(blocks)
 
     def slots(self, req_id: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +275,7 @@ def _kv_tensors(spec, shape: Shape, layer_names: list[str]):
         kv_cache_tensors=[tensor],
         kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
     )
-    raw = torch.zeros(size, dtype=torch.int8)
+    raw = torch.zeros(size, dtype=torch.int8, device=shape.device)
     views = create_kv_cache_views(
         raw, spec, shape.num_blocks, shape.layout, tensor, kernel_block_size=kernel
     )
