@@ -79,9 +79,9 @@ class Bench:
         width = shape.num_kv_heads * 2 * shape.head_size
         generator = torch.Generator(device=shape.device).manual_seed(0)
 
-        def random_kv(layer, start, end):
-            return torch.randn(end - start, shape.num_kv_heads, 2 * shape.head_size,
-                               device=shape.device, generator=generator).to(shape.dtype)  # fmt: skip
+        def random_kv(layer, start, end):  # (n, H, C)
+            size = (end - start, shape.num_kv_heads, 2 * shape.head_size)
+            return torch.randn(size, device=shape.device, generator=generator).to(shape.dtype)
 
         request = self.engine.request("a", self.prompt)
         self.engine.step(request, write_kv=random_kv)
@@ -160,6 +160,35 @@ def compute_stand_in(device: str, layer_ms: float, rows: int):
     return lambda: [torch.mm(work, weight) for _ in range(repeats)], repeats * one
 
 
+def measure(bench: Bench, args) -> list[dict]:
+    """The cases of the module doc, as rows: case, seconds, and the ratios."""
+    device, num_layers = args.device, bench.shape.num_layers
+    ceiling_s = timed(ceiling_copy(bench.num_bytes, device), device, args.repeats)
+    load_s = timed(bench.load, device, args.repeats)
+    hicache_s = timed(bench.hicache_only, device, args.repeats)
+    rows = [
+        {"case": "ceiling", "seconds": ceiling_s},
+        {"case": "load", "seconds": load_s, "of_ceiling": ceiling_s / load_s},
+        {"case": "hicache", "seconds": hicache_s, "of_ceiling": ceiling_s / hicache_s},
+    ]
+    for layer_ms in args.layer_ms:
+        layer_compute, layer_s = compute_stand_in(device, layer_ms, args.compute_rows)
+
+        def compute_only(layer_compute=layer_compute):
+            for _ in range(num_layers):
+                layer_compute()
+
+        compute_s = timed(compute_only, device, args.repeats)
+        overlap_s = timed(lambda f=layer_compute: bench.load(f), device, args.repeats)
+        hidden = max(0.0, min(1.0, (load_s + compute_s - overlap_s) / load_s))
+        layer_ms = round(layer_s * 1e3, 3)
+        rows.append({"case": "compute", "layer_ms": layer_ms, "seconds": compute_s})
+        rows.append(
+            {"case": "overlap", "layer_ms": layer_ms, "seconds": overlap_s, "hidden": hidden}
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -173,31 +202,16 @@ def main() -> None:
     if args.smoke:
         args.device, args.prefix_tokens, args.page_size = "cpu", 256, 32
         args.layer_ms, args.compute_rows, args.repeats = [0.5], 64, 2
-    device = args.device
-    shape = smoke_shape(args.prefix_tokens) if args.smoke else llama_shape(args.prefix_tokens, device)
+        shape = smoke_shape(args.prefix_tokens)
+    else:
+        shape = llama_shape(args.prefix_tokens, args.device)
     bench = Bench(shape, args.prefix_tokens, args.page_size)
-    name = device_name(device)
+    name = device_name(args.device)
     common = {"bench": "vllm_connector", "device": name, "prefix_tokens": args.prefix_tokens,
               "layout": bench.engine.worker._layout.descriptor(), "vllm_block": shape.block_size,
               "vllm_layout": shape.layout.name, "bytes": bench.num_bytes}  # fmt: skip
     gb = bench.num_bytes / 1e9
-    ceiling_s = timed(ceiling_copy(bench.num_bytes, device), device, args.repeats)
-    load_s = timed(bench.load, device, args.repeats)
-    hicache_s = timed(bench.hicache_only, device, args.repeats)
-    rows = [
-        {"case": "ceiling", "seconds": ceiling_s},
-        {"case": "load", "seconds": load_s, "of_ceiling": ceiling_s / load_s},
-        {"case": "hicache", "seconds": hicache_s, "of_ceiling": ceiling_s / hicache_s},
-    ]
-    for layer_ms in args.layer_ms:
-        layer_compute, layer_s = compute_stand_in(device, layer_ms, args.compute_rows)
-        compute_s = timed(lambda: [layer_compute() for _ in range(shape.num_layers)], device,
-                          args.repeats)  # fmt: skip
-        overlap_s = timed(lambda: bench.load(layer_compute), device, args.repeats)
-        hidden = max(0.0, min(1.0, (load_s + compute_s - overlap_s) / load_s))
-        rows.append({"case": "compute", "layer_ms": round(layer_s * 1e3, 3), "seconds": compute_s})
-        rows.append({"case": "overlap", "layer_ms": round(layer_s * 1e3, 3), "seconds": overlap_s,
-                     "hidden": hidden})  # fmt: skip
+    rows = measure(bench, args)
     for row in rows:
         row["gb_per_s"] = round(gb / row["seconds"], 3) if row["case"] != "compute" else None
         row["seconds"] = round(row["seconds"], 6)

@@ -187,11 +187,14 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         self._scheduler_cache()
         block_state = scheduler_output.kv_connector_block_state
-        if block_state is not None:
-            block_ids_of = lambda req_id: block_state.get_block_ids(req_id)[0]  # noqa: E731
-        else:
-            block_ids_of = lambda req_id: self._kv_cache_manager.get_block_ids(req_id)[0]  # noqa: E731
-        return HiCacheConnectorMetadata(self._planner.build_metadata(scheduler_output, block_ids_of))
+
+        def block_ids_of(req_id: str) -> list[int]:
+            if block_state is not None:
+                return block_state.get_block_ids(req_id)[0]
+            return self._kv_cache_manager.get_block_ids(req_id)[0]
+
+        plan = self._planner.build_metadata(scheduler_output, block_ids_of)
+        return HiCacheConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:

@@ -42,8 +42,9 @@ def vllm_engines():
     """make(extra, shape) -> a VllmEngine; every one is shut down afterwards."""
     made = []
 
-    def make(extra=None, shape=Shape(), **kwargs):
-        engine = VllmEngine({**BASE, **(extra or {})}, shape, engine_id=f"e{len(made)}", **kwargs)
+    def make(extra=None, shape=None, **kwargs):
+        extra = {**BASE, **(extra or {})}
+        engine = VllmEngine(extra, shape or Shape(), engine_id=f"e{len(made)}", **kwargs)
         made.append(engine)
         return engine
 
