@@ -21,6 +21,7 @@ prompt, and its answer is saved as part of the next prompt.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,10 @@ from engine_integration.vllm_setup import SharedCache, namespace_for
 from radix.keys import Namespace
 
 logger = logging.getLogger(__name__)
+
+# After an L3 lookup runs into its timeout, lookups skip L3 this long: a hung store must not
+# hold every new request of vLLM's scheduler loop for the timeout.
+L3_QUIET_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class SchedulerPlanner:
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, set[int]] = {}  # the last step's loads: req id -> blocks
         self._promised_pages = 0
+        self._l3_quiet_until = 0.0
 
     def namespace(self, request) -> Namespace:
         shared = self.shared
@@ -108,9 +114,13 @@ class SchedulerPlanner:
         cache, page_size = self.shared.cache, self.shared.layout.page_size
         tokens = list(request.all_token_ids[: request.num_tokens - 1])
         namespace = self.namespace(request)
-        cache.prefetch(tokens, namespace)  # the one batched L3 lookup; L3 -> L2 starts
+        use_l3 = time.monotonic() >= self._l3_quiet_until
+        if use_l3:
+            self._look_up_l3(tokens, namespace)
         found = cache.cached_prefix(tokens, namespace)
-        num_pages = found.num_l1_pages + found.num_l2_pages + found.num_l3_pages
+        num_pages = found.num_l1_pages + found.num_l2_pages
+        if use_l3:
+            num_pages += found.num_l3_pages
         budget = cache.config.l1.num_pages - self._promised_pages
         num_pages = max(0, min(num_pages, budget))
         num_tokens = num_pages * page_size
@@ -120,6 +130,21 @@ class SchedulerPlanner:
             (found.num_l1_pages, found.num_l2_pages, found.num_l3_pages),
         )
         return max(0, num_tokens - num_computed_tokens), False
+
+    def _look_up_l3(self, tokens: list[int], namespace: Namespace) -> None:
+        """The one batched L3 lookup past the index; it also starts fetching what it finds
+        into L2. A lookup that failed or ran into its timeout makes the next L3_QUIET_S skip
+        L3 (a failure is an L3 error or timeout counted meanwhile)."""
+        cache = self.shared.cache
+        errors = _l3_errors(cache)
+        start = time.monotonic()
+        cache.prefetch(tokens, namespace)
+        slow = time.monotonic() - start >= cache.config.l3.exists_timeout_s
+        if slow or _l3_errors(cache) > errors:
+            self._l3_quiet_until = time.monotonic() + L3_QUIET_S
+            logger.warning(
+                "hicache L3 lookup failed: lookups skip L3 for the next %.0f s", L3_QUIET_S
+            )
 
     def lookup(self, req_id: str) -> Lookup | None:
         return self._lookups.get(req_id)
@@ -192,3 +217,8 @@ class SchedulerPlanner:
         self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         return False, None
+
+
+def _l3_errors(cache) -> int:
+    stats = cache.executor.l3_stats()
+    return stats.num_errors + stats.num_timeouts if stats is not None else 0

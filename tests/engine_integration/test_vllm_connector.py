@@ -170,6 +170,11 @@ def test_l3_down_gives_no_external_hit_within_the_timeout(vllm_engines, tmp_path
         elapsed = time.monotonic() - start
         assert (num_tokens, load_async) == (0, False)
         assert elapsed < second.cache.config.l3.exists_timeout_s + 1.0
+        # The next request does not wait for the hung store again.
+        other = second.request("c", random_prompt(10, 70, vocab=1000))
+        start = time.monotonic()
+        assert second.scheduler.get_num_new_matched_tokens(other, 0) == (0, False)
+        assert time.monotonic() - start < second.cache.config.l3.exists_timeout_s / 2
     finally:
         server.proc.send_signal(signal.SIGCONT)
         server.stop()
