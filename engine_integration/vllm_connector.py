@@ -13,11 +13,13 @@ load and save (`engine_integration.vllm_plan`), the WORKER one moves the bytes
 (`engine_integration.vllm_worker`, `engine_integration.vllm_kv`). Both use the one
 `HiCache` of the engine (`engine_integration.vllm_setup`), which the worker creates when
 vLLM registers its KV tensors; this needs the worker in the scheduler's process (world
-size 1, vLLM's `uni` executor), and a larger world size is refused at construction.
+size 1 and vLLM's `uni` executor, its default for one GPU), and anything else is refused
+at construction.
 
 What the connector reads of `vllm_config`: `kv_transfer_config` (engine_id,
 kv_connector_extra_config, kv_load_failure_policy), `model_config.model`,
-`parallel_config.world_size` and `.rank`, `scheduler_config.max_num_batched_tokens`
+`parallel_config.world_size` and `.distributed_executor_backend`,
+`scheduler_config.max_num_batched_tokens`
 (and, through vLLM's factory, `scheduler_config.disable_hybrid_kv_cache_manager`).
 """
 
@@ -59,11 +61,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         parallel = vllm_config.parallel_config
-        if parallel.world_size > 1:
+        backend = getattr(parallel, "distributed_executor_backend", None) or "uni"
+        if parallel.world_size > 1 or backend != "uni":
             raise ValueError(
-                f"HiCacheConnector: world_size {parallel.world_size} (tensor/pipeline "
-                "parallel) is not supported yet; it needs each worker's cache reachable from "
-                "the scheduler. Run one GPU per vLLM engine (data parallel is fine)."
+                f"HiCacheConnector: world_size {parallel.world_size} with executor backend "
+                f"{backend!r} is not supported yet; the scheduler reads the cache its worker "
+                "fills, in one process: one GPU per engine, distributed_executor_backend 'uni'"
             )
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(

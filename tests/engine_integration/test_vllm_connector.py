@@ -215,13 +215,16 @@ def test_an_engine_without_l2_or_with_many_workers_is_refused(vllm_engines):
     config = TestVllmConfig(
         kv_transfer_config=engine.config.kv_transfer_config,
         model_config=SimpleNamespace(model="m"),
-        parallel_config=SimpleNamespace(world_size=2, rank=0),
+        parallel_config=SimpleNamespace(world_size=2, distributed_executor_backend="mp"),
         scheduler_config=engine.config.scheduler_config,
     )
-    with pytest.raises(ValueError, match="world_size 2"):
+    with pytest.raises(ValueError, match="world_size 2 with executor backend 'mp'"):
         KVConnectorFactory.create_connector(
             config, KVConnectorRole.SCHEDULER, engine.kv_cache_config
         )
+    config.parallel_config = SimpleNamespace(world_size=1, distributed_executor_backend="mp")
+    with pytest.raises(ValueError, match="backend 'mp'"):  # one GPU, but its worker elsewhere
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, engine.kv_cache_config)
 
 
 def test_the_embedded_engine_kv_reaches_vllm_layout_bitwise(

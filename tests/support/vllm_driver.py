@@ -65,7 +65,7 @@ class TestVllmConfig:
 
     kv_transfer_config: KVTransferConfig
     model_config: SimpleNamespace  # model
-    parallel_config: SimpleNamespace  # world_size, rank
+    parallel_config: SimpleNamespace  # world_size, distributed_executor_backend
     scheduler_config: SimpleNamespace  # max_num_batched_tokens, disable_hybrid_kv_cache_manager
 
     __test__ = False  # not a pytest class
@@ -129,7 +129,7 @@ class VllmEngine:
         self.config = TestVllmConfig(
             kv_transfer_config=transfer,
             model_config=SimpleNamespace(model="test/model"),
-            parallel_config=SimpleNamespace(world_size=1, rank=0),
+            parallel_config=SimpleNamespace(world_size=1, distributed_executor_backend="uni"),
             scheduler_config=SimpleNamespace(
                 max_num_batched_tokens=step_tokens, disable_hybrid_kv_cache_manager=False
             ),
