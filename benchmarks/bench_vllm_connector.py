@@ -91,31 +91,35 @@ class Bench:
         self.num_bytes *= torch.empty(0, dtype=shape.dtype).element_size()
         self._serial = 0
 
-    def load(self, layer_compute=None) -> None:
-        """One request B that hits the whole prefix, loaded as vLLM's model runner does."""
+    def schedule(self) -> None:
+        """The scheduler's side for a request B that hits the whole prefix (not timed: vLLM
+        schedules while the previous step runs). L1 is emptied first: B loads from L2."""
         engine = self.engine
         engine.cache.evict("l1", 10**9)
         self._serial += 1
-        request = engine.request(f"b{self._serial}", self.prompt[: self.prefix_tokens] + [1])
-        output, computed = engine.schedule(request)
+        self._request = engine.request(f"b{self._serial}", self.prompt[: self.prefix_tokens] + [1])
+        self._output, computed = engine.schedule(self._request)
         assert computed == self.prefix_tokens, computed
-        worker = engine.worker
-        worker.bind_connector_metadata(output.kv_connector_metadata)
+
+    def load(self, layer_compute=None) -> None:
+        """B's step on the worker, as vLLM's model runner makes it (timed)."""
+        worker = self.engine.worker
+        worker.bind_connector_metadata(self._output.kv_connector_metadata)
         worker.start_load_kv(None)
-        for name in engine.layer_names:
+        for name in self.engine.layer_names:
             worker.wait_for_layer_load(name)
             if layer_compute is not None:
                 layer_compute()
         worker.wait_for_save()
         assert not worker.get_block_ids_with_load_errors()
         worker.clear_connector_metadata()
-        sync(self.shape.device)
-        engine.finish(request, poison=False)
+
+    def finish(self) -> None:
+        self.engine.finish(self._request, poison=False)
 
     def hicache_only(self) -> None:
         """hicache's own L2 -> L1 load of the same pages, for the connector's overhead."""
         cache = self.engine.cache
-        cache.evict("l1", 10**9)
         namespace = self.engine.scheduler._planner.namespace(self.engine.request("x", [0, 0]))
         match = cache.match(self.prompt[: self.prefix_tokens], namespace)
         for layer in range(self.shape.num_layers):
@@ -129,16 +133,20 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(body, device: str, repeats: int) -> float:
-    body()  # warm-up
+def timed(body, device: str, repeats: int, before=None, after=None) -> float:
+    """Median seconds of `body` (device work included); `before` / `after` run untimed."""
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first is a warm-up
+        if before is not None:
+            before()
         sync(device)
         start = time.perf_counter()
         body()
         sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if after is not None:
+            after()
+    return statistics.median(times[1:])
 
 
 def ceiling_copy(num_bytes: int, device: str):
@@ -164,8 +172,10 @@ def measure(bench: Bench, args) -> list[dict]:
     """The cases of the module doc, as rows: case, seconds, and the ratios."""
     device, num_layers = args.device, bench.shape.num_layers
     ceiling_s = timed(ceiling_copy(bench.num_bytes, device), device, args.repeats)
-    load_s = timed(bench.load, device, args.repeats)
-    hicache_s = timed(bench.hicache_only, device, args.repeats)
+    steps = {"before": bench.schedule, "after": bench.finish}
+    load_s = timed(bench.load, device, args.repeats, **steps)
+    empty_l1 = lambda: bench.engine.cache.evict("l1", 10**9)  # noqa: E731
+    hicache_s = timed(bench.hicache_only, device, args.repeats, before=empty_l1)
     rows = [
         {"case": "ceiling", "seconds": ceiling_s},
         {"case": "load", "seconds": load_s, "of_ceiling": ceiling_s / load_s},
@@ -179,7 +189,7 @@ def measure(bench: Bench, args) -> list[dict]:
                 layer_compute()
 
         compute_s = timed(compute_only, device, args.repeats)
-        overlap_s = timed(lambda f=layer_compute: bench.load(f), device, args.repeats)
+        overlap_s = timed(lambda f=layer_compute: bench.load(f), device, args.repeats, **steps)
         hidden = max(0.0, min(1.0, (load_s + compute_s - overlap_s) / load_s))
         layer_ms = round(layer_s * 1e3, 3)
         rows.append({"case": "compute", "layer_ms": layer_ms, "seconds": compute_s})
