@@ -288,3 +288,55 @@ def test_bench_vllm_connector_smoke_prints_one_json_line_per_case():
         assert r["bench"] == "vllm_connector" and r["git"] and r["prefix_tokens"] == 256
     assert 0 < lines[1]["of_ceiling"] and 0 <= lines[-1]["hidden"] <= 1
     assert "of ceiling" in stdout
+
+
+def run_chunked(engine, request, chunk_tokens, num_computed_tokens=0):
+    """The request's prompt in chunks of `chunk_tokens`, one step each (chunked prefill);
+    returns the first step's result."""
+    rid = request.request_id
+    first = engine.step_batch([(request, num_computed_tokens)], [], chunk_tokens)[rid]
+    while request.num_computed_tokens < request.num_tokens:
+        result = engine.step_batch([], [request], chunk_tokens)[rid]
+        assert not result.failed_block_ids
+    return first
+
+
+def test_chunked_prefill_loads_in_its_first_step_and_saves_in_its_last(vllm_engines):
+    engine = vllm_engines({"page_size": 16})
+    prompt_a = random_prompt(11, 5 * 16 + 3, vocab=1000)
+    a = engine.request("a", prompt_a)
+    run_chunked(engine, a, chunk_tokens=32)
+    written_a = [engine.kv_of("a", layer, 0, 80) for layer in range(2)]
+    assert engine.cache.stats().inserted_pages == 5  # once, when the prompt was complete
+    engine.finish(a)
+    engine.cache.evict("l1", 10**6)
+
+    prompt_b = prompt_a[:64] + random_prompt(12, 40, vocab=1000)  # 104 tokens, 6 pages
+    b = engine.request("b", prompt_b)
+    first = run_chunked(engine, b, chunk_tokens=24)
+    assert first.num_external_tokens == 64
+    assert all(torch.equal(first.seen[i], written_a[i][:64]) for i in range(2))
+    written_b = [engine.kv_of("b", layer, 0, 96) for layer in range(2)]
+    engine.finish(b)
+    # B's prompt was saved whole: its loaded pages and the ones it computed.
+    c = engine.request("c", prompt_b[:96] + [3])
+    result = engine.step(c)
+    assert result.num_external_tokens == 96
+    assert all(torch.equal(result.seen[i], written_b[i]) for i in range(2))
+
+
+def test_loads_of_one_step_share_the_l1_staging_pages(vllm_engines):
+    engine = vllm_engines({"page_size": 16, "l1_pages": 6})
+    prompt = random_prompt(13, 4 * 16 + 1, vocab=1000)
+    written = compute_a(engine, prompt)
+    engine.cache.evict("l1", 10**6)
+    b1 = engine.request("b1", prompt[:64] + [1])
+    b2 = engine.request("b2", prompt[:64] + [2])
+    results = engine.step_batch([(b1, 0), (b2, 0)], [])
+    # L1 stages 6 pages a step: b1 gets its 4, b2 the 2 left (it computes the rest).
+    assert results["b1"].num_external_tokens == 64
+    assert results["b2"].num_external_tokens == 32
+    for layer in range(2):
+        assert torch.equal(results["b1"].seen[layer], written[layer][:64])
+        assert torch.equal(results["b2"].seen[layer], written[layer][:32])
+    assert not results["b1"].failed_block_ids and not results["b2"].failed_block_ids

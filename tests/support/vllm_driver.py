@@ -161,69 +161,95 @@ class VllmEngine:
     def step(self, request: Request, num_computed_tokens: int = 0, write_kv=None) -> StepResult:
         """Admit `request` and compute its whole prompt in one step. `write_kv(layer, start,
         end)` gives the new tokens' KV, (n, H, C) (default: `model_kv`)."""
-        output, computed = self.schedule(request, num_computed_tokens)
-        result = self._execute(output, request, computed, write_kv)
-        result.num_external_tokens = computed - num_computed_tokens
-        return result
+        output, before = self.schedule_batch([(request, num_computed_tokens)], [])
+        return self._execute(output, before, write_kv)[request.request_id]
 
     def schedule(self, request: Request, num_computed_tokens: int = 0):
         """Scheduler.schedule for one new request: (the SchedulerOutput, tokens computed
         before the step: vLLM's own hit plus the connector's)."""
-        rid = request.request_id
-        # Scheduler.schedule: the connector's hit beyond vLLM's own (block-aligned) hit.
-        ext, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        assert load_async is False
-        num_blocks = -(-request.num_tokens // self.shape.block_size)
-        self.block_ids[rid] = [self._free.pop(0) for _ in range(num_blocks)]
-        blocks = KVCacheBlocks(([KVCacheBlock(b) for b in self.block_ids[rid]],))
-        self.scheduler.update_state_after_alloc(request, blocks, ext)
-        computed = num_computed_tokens + ext
-        request.num_computed_tokens = computed
+        output, before = self.schedule_batch([(request, num_computed_tokens)], [])
+        return output, before[request.request_id][1]  # (request, computed, ext)
+
+    def step_batch(self, new: list, running: list, chunk_tokens: int | None = None) -> dict:
+        """One step of new requests `[(request, vLLM's own hit)]` and running ones (each
+        computing up to `chunk_tokens` more of its prompt); req id -> StepResult."""
+        output, before = self.schedule_batch(new, running, chunk_tokens)
+        return self._execute(output, before)
+
+    def schedule_batch(self, new: list, running: list, chunk_tokens: int | None = None):
+        """Scheduler.schedule: the connector's calls for each new request (its hit beyond
+        vLLM's own block-aligned one, then the allocation), the step's metadata, then the
+        computed-token counts advanced. Returns (SchedulerOutput, req id -> (request,
+        tokens computed before the step))."""
+        before, loads = {}, False
+        for request, num_computed in new:
+            rid = request.request_id
+            ext, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed)
+            assert load_async is False
+            num_blocks = -(-request.num_tokens // self.shape.block_size)
+            self.block_ids[rid] = [self._free.pop(0) for _ in range(num_blocks)]
+            blocks = KVCacheBlocks(([KVCacheBlock(b) for b in self.block_ids[rid]],))
+            self.scheduler.update_state_after_alloc(request, blocks, ext)
+            request.num_computed_tokens = num_computed + ext
+            before[rid] = (request, request.num_computed_tokens, ext)
+            loads |= ext > 0
+        for request in running:
+            before[request.request_id] = (request, request.num_computed_tokens, 0)
         output = SchedulerOutput.make_empty()
-        output.num_scheduled_tokens = {rid: request.num_tokens - computed}
-        output.total_num_scheduled_tokens = request.num_tokens - computed
-        output.has_sync_kv_loads = ext > 0
+        for rid, (request, computed, _) in before.items():
+            remaining = request.num_tokens - computed
+            output.num_scheduled_tokens[rid] = min(remaining, chunk_tokens or remaining)
+        output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        output.has_sync_kv_loads = loads
         output.kv_connector_block_state = KVConnectorBlockState(
-            req_ids={rid}, resolve_block_ids=lambda r: (self.block_ids[r],),
+            req_ids=set(before), resolve_block_ids=lambda r: (self.block_ids[r],),
             boundary_state_offloads={},
         )  # fmt: skip
         output.kv_connector_metadata = self.scheduler.build_connector_meta(output)
         output.kv_connector_block_state = None
-        request.num_computed_tokens += output.num_scheduled_tokens[rid]  # _update_after_schedule
-        return output, computed
+        for rid, (request, _, _) in before.items():  # _update_after_schedule
+            request.num_computed_tokens += output.num_scheduled_tokens[rid]
+        return output, before
 
-    def _execute(self, output, request: Request, computed: int, write_kv=None) -> StepResult:
+    def _execute(self, output, before: dict, write_kv=None) -> dict:
         """GPUModelRunner.execute_model's connector calls around a forward pass."""
         worker = self.worker
         worker.bind_connector_metadata(output.kv_connector_metadata)
         if output.has_sync_kv_loads:
             worker.start_load_kv(None)
-        result = StepResult(0, set())
-        slots = self.slots(request.request_id, 0, request.num_tokens)
+        results = {rid: StepResult(0, set()) for rid in before}
         for layer, name in enumerate(self.layer_names):
             kv = self.kv_caches[name]
-            before = kv[slots[0], :, slots[1]][:computed]
-            result.unloaded_before_wait.append(bool((before == POISON).all()))
+            for rid, (_, computed, _) in before.items():
+                blocks, offsets = self.slots(rid, 0, computed)
+                results[rid].unloaded_before_wait.append(
+                    bool((kv[blocks, :, offsets] == POISON).all())
+                )
             worker.wait_for_layer_load(name)  # Attention.forward, before it reads the KV
-            result.seen.append(kv[slots[0], :, slots[1]][:computed].clone())
-            if write_kv is None:
-                tokens = request.all_token_ids
-                new = model_kv(tokens, computed, request.num_tokens, layer, self.shape)
-            else:
-                new = write_kv(layer, computed, request.num_tokens)
-            kv[slots[0][computed:], :, slots[1][computed:]] = new.to(kv.device)  # reshape_and_cache
+            for rid, (request, computed, _) in before.items():
+                end = computed + output.num_scheduled_tokens[rid]
+                blocks, offsets = self.slots(rid, 0, end)
+                results[rid].seen.append(kv[blocks[:computed], :, offsets[:computed]].clone())
+                if write_kv is None:
+                    new = model_kv(request.all_token_ids, computed, end, layer, self.shape)
+                else:
+                    new = write_kv(layer, computed, end)
+                kv[blocks[computed:], :, offsets[computed:]] = new.to(
+                    kv.device
+                )  # reshape_and_cache
             worker.save_kv_layer(name, kv, None)  # after the layer's attention
         if not output.has_sync_kv_loads:
             worker.start_load_kv(None)
         worker.wait_for_save()
         sending, recving = worker.get_finished(output.finished_req_ids)
         assert not sending and not recving
-        result.failed_block_ids = worker.get_block_ids_with_load_errors()
+        failed = worker.get_block_ids_with_load_errors()
         worker.clear_connector_metadata()
-        self.scheduler.update_connector_output(
-            KVConnectorOutput(invalid_block_ids=result.failed_block_ids)
-        )
-        return result
+        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=failed))
+        for rid, (_, _, ext) in before.items():
+            results[rid].failed_block_ids = failed & set(self.block_ids[rid])
+            results[rid].num_external_tokens = ext
+        return results
 
     def finish(self, request: Request, poison: bool = True) -> None:
         """The request ends: the scheduler asks whether to keep its blocks, then frees them
