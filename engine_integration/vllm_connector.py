@@ -9,18 +9,20 @@ vLLM keeps its own GPU blocks and prefix cache; behind them hicache adds a pinne
 (L2) and shared storage (L3) under its radix index and policies, every page verified on its
 way back. vLLM builds the class twice, through `KVConnectorFactory`, as
 `HiCacheConnector(vllm_config, role, kv_cache_config)`: the SCHEDULER one decides what to
-load and save (`engine_integration.vllm_plan`), the WORKER one moves the bytes
-(`engine_integration.vllm_worker`, `engine_integration.vllm_kv`). Both use the one
-`HiCache` of the engine (`engine_integration.vllm_setup`), which the worker creates when
-vLLM registers its KV tensors; this needs the worker in the scheduler's process (world
-size 1 and vLLM's `uni` executor, its default for one GPU), and anything else is refused
-at construction.
+load and save (`engine_integration.vllm_plan`), each WORKER one (one per tensor-parallel
+rank) moves the bytes (`engine_integration.vllm_worker`, `engine_integration.vllm_kv`) of
+its own `HiCache`, created when vLLM registers its KV tensors, under a namespace of its
+rank. The scheduler learns what the caches hold through `engine_integration.vllm_lookup`:
+directly when the one worker shares its process (world size 1, vLLM's `uni` executor, its
+default for one GPU), else from every rank over a local socket. Pipeline parallelism is
+refused at construction.
 
 What the connector reads of `vllm_config`: `kv_transfer_config` (engine_id,
 kv_connector_extra_config, kv_load_failure_policy), `model_config.model`,
-`parallel_config.world_size` and `.distributed_executor_backend`,
-`scheduler_config.max_num_batched_tokens`
-(and, through vLLM's factory, `scheduler_config.disable_hybrid_kv_cache_manager`).
+`parallel_config.tensor_parallel_size`, `.pipeline_parallel_size`,
+`.distributed_executor_backend` and `.rank` (a worker's rank before vLLM's groups exist),
+`scheduler_config.max_num_batched_tokens` (and, through vLLM's factory,
+`scheduler_config.disable_hybrid_kv_cache_manager`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_integration import vllm_setup
 from engine_integration.vllm_kv import VllmKV
+from engine_integration.vllm_lookup import (
+    CacheLookup,
+    Found,
+    LookupClient,
+    LookupServer,
+    lookup_address,
+    shortest,
+)
 from engine_integration.vllm_plan import SchedulerPlanner, StepPlan
 from engine_integration.vllm_worker import WorkerStep
 
@@ -61,12 +71,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
         parallel = vllm_config.parallel_config
-        backend = getattr(parallel, "distributed_executor_backend", None) or "uni"
-        if parallel.world_size > 1 or backend != "uni":
+        if getattr(parallel, "pipeline_parallel_size", 1) > 1:
             raise ValueError(
-                f"HiCacheConnector: world_size {parallel.world_size} with executor backend "
-                f"{backend!r} is not supported yet; the scheduler reads the cache its worker "
-                "fills, in one process: one GPU per engine, distributed_executor_backend 'uni'"
+                "HiCacheConnector: pipeline parallelism is not supported yet "
+                f"(pipeline_parallel_size {parallel.pipeline_parallel_size})"
             )
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -75,6 +83,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_load_failure_policy,
             )
         self._engine_id = transfer.engine_id
+        self._num_ranks = getattr(parallel, "tensor_parallel_size", 1)
+        backend = getattr(parallel, "distributed_executor_backend", None) or "uni"
+        # One worker in the scheduler's process: both halves share the cache directly.
+        self._in_process = self._num_ranks == 1 and backend == "uni"
         self._settings = vllm_setup.read_settings(
             transfer.kv_connector_extra_config, vllm_config.model_config.model
         )
@@ -83,9 +95,20 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._spec, len(self._layer_names), self._settings.page_size
         )
         self._step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        # The settings checked on both sides; the worker makes its cache with them.
+        self._config = vllm_setup.cache_config(
+            self._settings, self._layout, "cpu", self._step_tokens
+        )
+        self._rank = _tensor_parallel_rank(parallel) if role == KVConnectorRole.WORKER else 0
         self._shared: vllm_setup.SharedCache | None = None
-        self._planner = SchedulerPlanner(self._spec.block_size)
+        self._server: LookupServer | None = None
+        self._clients: list[LookupClient] = []
+        self._planner: SchedulerPlanner | None = None
         self._worker: WorkerStep | None = None
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return False  # the worker holds views of the KV tensors registered at start
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -104,18 +127,27 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         config = vllm_setup.cache_config(
             self._settings, self._layout, str(kv.device), self._step_tokens
         )
-        shared = vllm_setup.SharedCache(HiCache(config), self._settings.model_id, self._layout)
-        self._shared = vllm_setup.publish(self._engine_id, shared)
-        self._worker = WorkerStep(shared.cache, kv, self._layout.page_size)
+        cache = HiCache(config)
+        lookup = CacheLookup(
+            cache, self._settings.model_id, self._layout, self._rank, self._num_ranks
+        )
+        self._shared = vllm_setup.SharedCache(cache, lookup)
+        if self._in_process:
+            vllm_setup.publish(self._engine_id, self._shared)
+        else:
+            self._server = LookupServer(lookup, lookup_address(self._engine_id, self._rank))
+        self._worker = WorkerStep(cache, kv, self._layout.page_size, lookup.namespace)
         logger.info(
-            "HiCacheConnector: %d layers of %s, vLLM blocks of %d tokens, hicache pages of "
-            "%d; L1 %d staging pages, L2 %d pages, L3 %s",
+            "HiCacheConnector rank %d of %d: %d layers of %s, vLLM blocks of %d tokens, "
+            "hicache pages of %d; L1 %d staging pages, L2 %d pages, L3 %s",
+            self._rank,
+            self._num_ranks,
             kv.num_layers,
             self._layout.descriptor(),
             kv.block_size,
             self._layout.page_size,
             config.l1.num_pages,
-            shared.cache.executor.num_host_pages,
+            cache.executor.num_host_pages,
             config.l3.url or "none",
         )
 
@@ -151,13 +183,22 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        if self._shared is not None:
-            shared, self._shared = self._shared, None
-            if vllm_setup.let_go(self._engine_id, shared):
-                try:
-                    shared.cache.flush()  # what was saved reaches L3 before the process ends
-                finally:
-                    shared.cache.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for client in self._clients:
+            client.close()
+        self._clients = []
+        shared, self._shared = self._shared, None
+        if shared is None:
+            return
+        # In one process the last of the two halves closes it; else the worker owns it.
+        last = vllm_setup.let_go(self._engine_id, shared) if self._in_process else True
+        if last:
+            try:
+                shared.cache.flush()  # what was saved reaches L3 before the process ends
+            finally:
+                shared.cache.close()
 
     def _worker_step(self) -> WorkerStep:
         if self._worker is None:
@@ -166,29 +207,42 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ scheduler side
 
-    def _scheduler_cache(self) -> vllm_setup.SharedCache:
-        if self._shared is None:
+    def _scheduler(self) -> SchedulerPlanner:
+        """The planner, over the worker's cache in this process or the workers' sockets."""
+        if self._planner is not None:
+            return self._planner
+        if self._in_process:
             self._shared = vllm_setup.find(self._engine_id)
             if self._shared is None:
                 raise RuntimeError(
-                    "HiCacheConnector: no worker-side connector in this process; the "
-                    "scheduler and its worker must share a process (world size 1, "
-                    "distributed_executor_backend 'uni')"
+                    "HiCacheConnector: no worker-side connector in this process, and vLLM's "
+                    "executor is 'uni': register_kv_caches has not run"
                 )
-            self._planner.shared = self._shared
-        return self._shared
+            find = self._shared.lookup.find
+        else:
+            timeout_s = self._config.l3.exists_timeout_s + 1.0
+            self._clients = [
+                LookupClient(lookup_address(self._engine_id, rank), timeout_s)
+                for rank in range(self._num_ranks)
+            ]
+
+            def find(tokens: list[int], extra_key: str) -> Found:
+                return shortest([client.find(tokens, extra_key) for client in self._clients])
+
+        self._planner = SchedulerPlanner(
+            find, self._layout.page_size, self._spec.block_size, self._config.l1.num_pages
+        )
+        return self._planner
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        self._scheduler_cache()
-        return self._planner.num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._scheduler_cache()
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
-        self._planner.after_alloc(request, block_ids, num_external_tokens)
+        self._scheduler().after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        self._scheduler_cache()
+        planner = self._scheduler()
         block_state = scheduler_output.kv_connector_block_state
 
         def block_ids_of(req_id: str) -> list[int]:
@@ -196,27 +250,36 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 return block_state.get_block_ids(req_id)[0]
             return self._kv_cache_manager.get_block_ids(req_id)[0]
 
-        plan = self._planner.build_metadata(scheduler_output, block_ids_of)
-        return HiCacheConnectorMetadata(plan)
+        return HiCacheConnectorMetadata(planner.build_metadata(scheduler_output, block_ids_of))
 
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
-            self._planner.load_errors(set(connector_output.invalid_block_ids))
+            self._scheduler().load_errors(set(connector_output.invalid_block_ids))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self._planner.finished(request)
+        return self._scheduler().finished(request)
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
-        return self._planner.finished(request)
+        return self._scheduler().finished(request)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         """Split a hit by the tier that supplied it: hicache's L1 and L2 count as host
         memory, its L3 as disk (the nearest of vLLM's names for shared storage)."""
-        lookup = self._planner.lookup(request.request_id)
+        lookup = self._scheduler().lookup(request.request_id)
         if not num_external_tokens or lookup is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         page_size = self._layout.page_size
-        host_end = (lookup.tiers[0] + lookup.tiers[1]) * page_size
+        host_end = (lookup.found.num_l1_pages + lookup.found.num_l2_pages) * page_size
         host = max(0, min(host_end - lookup.first_token, num_external_tokens))
         sources = {CacheHitSource.HOST: host, CacheHitSource.DISK: num_external_tokens - host}
         return {source: count for source, count in sources.items() if count}
+
+
+def _tensor_parallel_rank(parallel) -> int:
+    """This worker's rank among the tensor-parallel workers (vLLM's group once it exists,
+    else the config's rank)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return getattr(parallel, "rank", 0)

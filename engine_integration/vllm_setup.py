@@ -11,7 +11,8 @@ part of every page key; default vLLM's model name). L1's device and the layout a
 
 vLLM's scheduler and its worker each construct a connector; with one worker in the
 scheduler's process (vLLM's `uni` executor, world size 1) they share one `HiCache`, found
-here by the engine id both are given.
+here by the engine id both are given (otherwise the scheduler asks the workers over a
+socket: `engine_integration.vllm_lookup`).
 
 No torch here: this module reads vLLM's config objects and builds hicache's.
 """
@@ -159,32 +160,32 @@ def cache_config(
     return config.replace(l1=l1, l2=l2)
 
 
+def request_extra_key(request) -> str:
+    """The part of a request's namespace that is its own: its LoRA adapter and its
+    `cache_salt` (so a salted request shares pages only with requests of the same salt)."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None and getattr(lora, "lora_name", None):
+        parts.append(f"lora={lora.lora_name}")
+    if getattr(request, "cache_salt", None):
+        parts.append(f"salt={request.cache_salt}")
+    return ";".join(parts)
+
+
 def namespace_for(
-    model_id: str,
-    layout: KVLayout,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    cache_salt: str | None = None,
-    lora_name: str | None = None,
+    model_id: str, layout: KVLayout, *, rank: int = 0, world_size: int = 1, extra_key: str = ""
 ) -> Namespace:
-    """The namespace of a request's pages.
+    """The namespace of a request's pages on one worker.
 
     Model and layout (dtype, layers, page size, KV heads, head size) always; the rank of
-    the shard when vLLM splits the KV over several workers (each holds other heads); the
-    request's LoRA adapter and its `cache_salt` in the extra key, so a salted request
-    shares pages only with requests of the same salt. With one worker and no salt or LoRA
+    the shard when vLLM splits the KV over several tensor-parallel workers (each holds
+    other heads); the request's `request_extra_key`. With one worker and no salt or LoRA
     this is the namespace hicache's own engine uses for the same model, and pages are
     shared with it.
     """
     if world_size > 1:
         model_id = f"{model_id}@rank{rank}of{world_size}"
-    parts = []
-    if lora_name:
-        parts.append(f"lora={lora_name}")
-    if cache_salt:
-        parts.append(f"salt={cache_salt}")
-    return Namespace(model_id=model_id, layout=layout.descriptor(), extra_key=";".join(parts))
+    return Namespace(model_id=model_id, layout=layout.descriptor(), extra_key=extra_key)
 
 
 # ---------------------------------------------------------------------- one cache a process
@@ -192,11 +193,10 @@ def namespace_for(
 
 @dataclass
 class SharedCache:
-    """The HiCache of one vLLM engine, and what both sides of the connector need of it."""
+    """The HiCache of one vLLM engine's worker, and its lookup for the scheduler."""
 
     cache: Any  # hicache.controller.HiCache
-    model_id: str
-    layout: KVLayout
+    lookup: Any  # engine_integration.vllm_lookup.CacheLookup
     users: int = 0
 
 

@@ -56,8 +56,9 @@ class WorkerCounters:
 class WorkerStep:
     """Runs the plans of successive steps over one worker's registered KV."""
 
-    def __init__(self, cache, kv: VllmKV, page_size: int) -> None:
+    def __init__(self, cache, kv: VllmKV, page_size: int, namespace_of) -> None:
         self.cache = cache
+        self.namespace_of = namespace_of  # a spec's extra key -> this worker's namespace
         self.kv = kv
         self.page_size = page_size
         self.counters = WorkerCounters()
@@ -80,7 +81,7 @@ class WorkerStep:
 
     def _start_load(self, spec: LoadSpec) -> None:
         try:
-            match = self.cache.match(spec.token_ids, spec.namespace)
+            match = self.cache.match(spec.token_ids, self.namespace_of(spec.extra_key))
         except HiCacheError as error:  # a background failure surfaces here: a miss
             logger.warning("hicache match failed, recomputing %s: %r", spec.req_id, error)
             self._fail(spec, spec.first_token)
@@ -171,7 +172,8 @@ class WorkerStep:
 
     def _insert(self, save: _Save) -> None:
         try:
-            new_pages = self.cache.insert(save.spec.token_ids, save.page_ids, save.spec.namespace)
+            namespace = self.namespace_of(save.spec.extra_key)
+            new_pages = self.cache.insert(save.spec.token_ids, save.page_ids, namespace)
         except HiCacheError as error:
             logger.warning("hicache insert failed, not saving %s: %r", save.spec.req_id, error)
             self.cache.free_device_pages(save.page_ids[save.num_reused :])

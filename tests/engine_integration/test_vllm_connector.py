@@ -208,23 +208,45 @@ def test_settings_use_the_hicache_names_and_refuse_the_rest():
         read_settings({"device": "cuda:1"}, "m", {})
 
 
-def test_an_engine_without_l2_or_with_many_workers_is_refused(vllm_engines):
+def test_an_engine_without_l2_or_with_pipeline_stages_is_refused(vllm_engines):
     with pytest.raises(ValueError, match="l2_size"):
         VllmEngine({"l2_size": "0"}, engine_id="no-l2")
     engine = vllm_engines()
     config = TestVllmConfig(
         kv_transfer_config=engine.config.kv_transfer_config,
         model_config=SimpleNamespace(model="m"),
-        parallel_config=SimpleNamespace(world_size=2, distributed_executor_backend="mp"),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=1, pipeline_parallel_size=2, distributed_executor_backend="mp"
+        ),
         scheduler_config=engine.config.scheduler_config,
     )
-    with pytest.raises(ValueError, match="world_size 2 with executor backend 'mp'"):
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2"):
         KVConnectorFactory.create_connector(
             config, KVConnectorRole.SCHEDULER, engine.kv_cache_config
         )
-    config.parallel_config = SimpleNamespace(world_size=1, distributed_executor_backend="mp")
-    with pytest.raises(ValueError, match="backend 'mp'"):  # one GPU, but its worker elsewhere
-        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, engine.kv_cache_config)
+
+
+def test_tensor_parallel_ranks_answer_over_their_sockets(vllm_engines):
+    """Two tensor-parallel workers, each with its own cache and KV shard, out of the
+    scheduler's reach but for their lookup sockets (as in vLLM's 'mp' executor)."""
+    engine = vllm_engines({"page_size": 16}, num_ranks=2, backend="mp")
+    assert engine.scheduler._shared is None
+    prompt = random_prompt(14, 4 * 16 + 1, vocab=1000)
+    a = engine.request("a", prompt)
+    engine.step(a)
+    written = [[engine.kv_of("a", i, 0, 64, rank=r) for i in range(2)] for r in range(2)]
+    assert not torch.equal(written[0][0], written[1][0])  # the shards differ
+    engine.finish(a)
+    result = engine.step(engine.request("b", prompt[:64] + [9]))
+    assert result.num_external_tokens == 64 and not result.failed_block_ids
+    for rank in range(2):
+        for layer in range(2):
+            assert torch.equal(result.seen_by_rank[rank][layer], written[rank][layer])
+    # A page counts only when every rank holds its shard of it.
+    engine.cache_of(1).evict("l1", 10**6)
+    engine.cache_of(1).evict("l2", 10**6)
+    other = engine.request("c", prompt[:64] + [8])
+    assert engine.scheduler.get_num_new_matched_tokens(other, 0) == (0, False)
 
 
 def test_the_embedded_engine_kv_reaches_vllm_layout_bitwise(

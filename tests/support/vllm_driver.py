@@ -65,7 +65,7 @@ class TestVllmConfig:
 
     kv_transfer_config: KVTransferConfig
     model_config: SimpleNamespace  # model
-    parallel_config: SimpleNamespace  # world_size, distributed_executor_backend
+    parallel_config: SimpleNamespace  # tensor/pipeline_parallel_size, executor backend, rank
     scheduler_config: SimpleNamespace  # max_num_batched_tokens, disable_hybrid_kv_cache_manager
 
     __test__ = False  # not a pytest class
@@ -91,6 +91,7 @@ class StepResult:
     # what each layer's attention saw: (num_tokens, H, C) of the request's first tokens
     seen: list[torch.Tensor] = field(default_factory=list)
     unloaded_before_wait: list[bool] = field(default_factory=list)
+    seen_by_rank: list[list[torch.Tensor]] = field(default_factory=list)  # rank -> seen
 
 
 def model_kv(tokens: list[int], start: int, end: int, layer: int, shape: Shape) -> torch.Tensor:
@@ -115,6 +116,8 @@ class VllmEngine:
         *,
         engine_id: str = "engine",
         step_tokens: int = 256,
+        num_ranks: int = 1,
+        backend: str = "uni",
     ):
         self.shape = shape
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(shape.num_layers)]
@@ -124,21 +127,35 @@ class VllmEngine:
             head_size=shape.head_size,
             dtype=shape.dtype,
         )
-        self.kv_cache_config, self.kv_caches = _kv_tensors(spec, shape, self.layer_names)
         transfer = KVTransferConfig(**json.loads(transfer_config_json(extra, engine_id)))
-        self.config = TestVllmConfig(
-            kv_transfer_config=transfer,
-            model_config=SimpleNamespace(model="test/model"),
-            parallel_config=SimpleNamespace(world_size=1, distributed_executor_backend="uni"),
-            scheduler_config=SimpleNamespace(
-                max_num_batched_tokens=step_tokens, disable_hybrid_kv_cache_manager=False
-            ),
-        )
-        # vLLM's order: the worker's connector, its KV registered, then the scheduler's.
-        self.worker = KVConnectorFactory.create_connector(
-            self.config, KVConnectorRole.WORKER, self.kv_cache_config
-        )
-        self.worker.register_kv_caches(self.kv_caches)
+
+        def config(rank: int) -> TestVllmConfig:
+            return TestVllmConfig(
+                kv_transfer_config=transfer,
+                model_config=SimpleNamespace(model="test/model"),
+                parallel_config=SimpleNamespace(
+                    tensor_parallel_size=num_ranks,
+                    pipeline_parallel_size=1,
+                    distributed_executor_backend=backend,
+                    rank=rank,
+                ),
+                scheduler_config=SimpleNamespace(
+                    max_num_batched_tokens=step_tokens, disable_hybrid_kv_cache_manager=False
+                ),
+            )
+
+        # vLLM's order: each worker's connector, its KV registered, then the scheduler's.
+        self.workers, self.rank_kv = [], []
+        for rank in range(num_ranks):
+            self.kv_cache_config, kv_caches = _kv_tensors(spec, shape, self.layer_names)
+            worker = KVConnectorFactory.create_connector(
+                config(rank), KVConnectorRole.WORKER, self.kv_cache_config
+            )
+            worker.register_kv_caches(kv_caches)
+            self.workers.append(worker)
+            self.rank_kv.append(kv_caches)
+        self.worker, self.kv_caches = self.workers[0], self.rank_kv[0]
+        self.config = config(0)
         self.scheduler = KVConnectorFactory.create_connector(
             self.config, KVConnectorRole.SCHEDULER, self.kv_cache_config
         )
@@ -148,6 +165,9 @@ class VllmEngine:
     @property
     def cache(self):
         return self.worker._shared.cache
+
+    def cache_of(self, rank: int):
+        return self.workers[rank]._shared.cache
 
     def request(self, req_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
         return Request(
@@ -212,31 +232,49 @@ class VllmEngine:
         return output, before
 
     def _execute(self, output, before: dict, write_kv=None) -> dict:
+        """Every worker's step (the same metadata for each, as vLLM sends it); the scheduler
+        gets the union of their load errors, as vLLM's output aggregator makes it."""
+        results = {rid: StepResult(0, set()) for rid in before}
+        failed = set()
+        for rank in range(len(self.workers)):
+            seen, failed_here = self._execute_rank(rank, output, before, write_kv)
+            failed |= failed_here
+            for rid, result in results.items():
+                result.seen_by_rank.append(seen[rid].seen)
+                if rank == 0:
+                    result.seen = seen[rid].seen
+                    result.unloaded_before_wait = seen[rid].unloaded_before_wait
+        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=failed))
+        for rid, (_, _, ext) in before.items():
+            results[rid].failed_block_ids = failed & set(self.block_ids[rid])
+            results[rid].num_external_tokens = ext
+        return results
+
+    def _execute_rank(self, rank: int, output, before: dict, write_kv=None):
         """GPUModelRunner.execute_model's connector calls around a forward pass."""
-        worker = self.worker
+        worker, kv_caches = self.workers[rank], self.rank_kv[rank]
         worker.bind_connector_metadata(output.kv_connector_metadata)
         if output.has_sync_kv_loads:
             worker.start_load_kv(None)
         results = {rid: StepResult(0, set()) for rid in before}
         for layer, name in enumerate(self.layer_names):
-            kv = self.kv_caches[name]
+            kv = kv_caches[name]
             for rid, (_, computed, _) in before.items():
                 blocks, offsets = self.slots(rid, 0, computed)
-                results[rid].unloaded_before_wait.append(
-                    bool((kv[blocks, :, offsets] == POISON).all())
-                )
+                untouched = bool((kv[blocks, :, offsets] == POISON).all())
+                results[rid].unloaded_before_wait.append(untouched)
             worker.wait_for_layer_load(name)  # Attention.forward, before it reads the KV
             for rid, (request, computed, _) in before.items():
                 end = computed + output.num_scheduled_tokens[rid]
                 blocks, offsets = self.slots(rid, 0, end)
                 results[rid].seen.append(kv[blocks[:computed], :, offsets[:computed]].clone())
-                if write_kv is None:
-                    new = model_kv(request.all_token_ids, computed, end, layer, self.shape)
+                if write_kv is None:  # each rank holds other heads: other values
+                    tokens = request.all_token_ids
+                    new = model_kv(tokens, computed, end, layer + 1000 * rank, self.shape)
                 else:
                     new = write_kv(layer, computed, end)
-                kv[blocks[computed:], :, offsets[computed:]] = new.to(
-                    kv.device
-                )  # reshape_and_cache
+                # reshape_and_cache: the layer writes the new tokens' KV
+                kv[blocks[computed:], :, offsets[computed:]] = new.to(kv.device)
             worker.save_kv_layer(name, kv, None)  # after the layer's attention
         if not output.has_sync_kv_loads:
             worker.start_load_kv(None)
@@ -245,11 +283,7 @@ class VllmEngine:
         assert not sending and not recving
         failed = worker.get_block_ids_with_load_errors()
         worker.clear_connector_metadata()
-        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=failed))
-        for rid, (_, _, ext) in before.items():
-            results[rid].failed_block_ids = failed & set(self.block_ids[rid])
-            results[rid].num_external_tokens = ext
-        return results
+        return results, failed
 
     def finish(self, request: Request, poison: bool = True) -> None:
         """The request ends: the scheduler asks whether to keep its blocks, then frees them
@@ -259,8 +293,9 @@ class VllmEngine:
         blocks = self.block_ids.pop(request.request_id)
         ratio = self.shape.block_size // self.kv_caches[self.layer_names[0]].shape[2]
         kernel_blocks = [b * ratio + i for b in blocks for i in range(ratio)]
-        for name in self.layer_names if poison else ():
-            self.kv_caches[name][kernel_blocks] = POISON
+        for kv_caches in self.rank_kv if poison else ():
+            for name in self.layer_names:
+                kv_caches[name][kernel_blocks] = POISON
         self._free.extend(blocks)
 
     def slots(self, req_id: str, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,16 +306,18 @@ class VllmEngine:
         blocks = torch.tensor(self.block_ids[req_id])[tokens // size] * (size // kernel)
         return blocks + tokens % size // kernel, tokens % kernel
 
-    def kv_of(self, req_id: str, layer: int, start: int, end: int) -> torch.Tensor:
+    def kv_of(self, req_id: str, layer: int, start: int, end: int, rank: int = 0):
+        """(n, H, C) of tokens [start, end) in one layer of one rank's KV."""
         blocks, offsets = self.slots(req_id, start, end)
-        return self.kv_caches[self.layer_names[layer]][blocks, :, offsets].clone()
+        return self.rank_kv[rank][self.layer_names[layer]][blocks, :, offsets].clone()
 
     def flush(self) -> None:
         self.cache.flush()
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
 
 
 def _kv_tensors(spec, shape: Shape, layer_names: list[str]):

@@ -1,0 +1,173 @@
+"""How vLLM's scheduler asks a worker's hicache what it holds.
+
+`CacheLookup` runs next to a worker's `HiCache`: how many pages of a prompt's prefix each
+tier holds, after one batched L3 `exists` past the index (`HiCache.prefetch`, which also
+starts fetching those pages into L2). With one worker in the scheduler's process the
+scheduler calls it directly; otherwise each worker serves it on a local ZeroMQ socket
+(`LookupServer`, one per rank, at `lookup_address`) and the scheduler asks every rank
+(`LookupClient`) and takes the shortest answer: a page counts as cached only when every
+rank holds its shard.
+
+After a lookup whose L3 part failed or ran into its timeout, the next `L3_QUIET_S` of
+lookups skip L3 (L1 and L2 still answer): a hung store must not hold every new request of
+vLLM's scheduler loop for the timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import NamedTuple
+
+import zmq
+
+from engine_integration.vllm_setup import namespace_for
+from tiers.layout import KVLayout
+
+logger = logging.getLogger(__name__)
+
+L3_QUIET_S = 5.0
+
+
+class Found(NamedTuple):
+    """Pages of a prefix held in L1, L2 and L3 (the fastest tier that holds each)."""
+
+    num_l1_pages: int
+    num_l2_pages: int
+    num_l3_pages: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_l1_pages + self.num_l2_pages + self.num_l3_pages
+
+
+NOTHING = Found(0, 0, 0)
+
+
+class CacheLookup:
+    """Answers lookups from one worker's cache, for the worker's rank."""
+
+    def __init__(self, cache, model_id: str, layout: KVLayout, rank: int, world_size: int):
+        self.cache = cache
+        self.model_id = model_id
+        self.layout = layout
+        self.rank = rank
+        self.world_size = world_size
+        self._l3_quiet_until = 0.0
+        self._lock = threading.Lock()
+
+    def namespace(self, extra_key: str):
+        return namespace_for(
+            self.model_id,
+            self.layout,
+            rank=self.rank,
+            world_size=self.world_size,
+            extra_key=extra_key,
+        )
+
+    def find(self, tokens: list[int], extra_key: str) -> Found:
+        namespace = self.namespace(extra_key)
+        with self._lock:
+            use_l3 = time.monotonic() >= self._l3_quiet_until
+        if use_l3:
+            self._look_up_l3(tokens, namespace)
+        found = self.cache.cached_prefix(tokens, namespace)
+        return Found(found.num_l1_pages, found.num_l2_pages, found.num_l3_pages if use_l3 else 0)
+
+    def _look_up_l3(self, tokens: list[int], namespace) -> None:
+        cache = self.cache
+        errors = _l3_errors(cache)
+        start = time.monotonic()
+        cache.prefetch(tokens, namespace)
+        slow = time.monotonic() - start >= cache.config.l3.exists_timeout_s
+        if slow or _l3_errors(cache) > errors:
+            with self._lock:
+                self._l3_quiet_until = time.monotonic() + L3_QUIET_S
+            logger.warning(
+                "hicache L3 lookup failed: lookups skip L3 for the next %.0f s", L3_QUIET_S
+            )
+
+
+def _l3_errors(cache) -> int:
+    stats = cache.executor.l3_stats()
+    return stats.num_errors + stats.num_timeouts if stats is not None else 0
+
+
+def lookup_address(engine_id: str, rank: int) -> str:
+    """The rank's socket: a file in the temp directory (the scheduler's host only)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'hicache-{safe}-rank{rank}.sock')}"
+
+
+class LookupServer:
+    """Serves `lookup.find` on `address` from a thread of its own, until `close()`."""
+
+    def __init__(self, lookup: CacheLookup, address: str) -> None:
+        self._lookup = lookup
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="hicache-lookup", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            tokens, extra_key = self._socket.recv_pyobj()
+            try:
+                found = tuple(self._lookup.find(tokens, extra_key))
+            except Exception as error:  # a failed lookup is a miss for the scheduler
+                logger.warning("hicache lookup failed: %r", error)
+                found = tuple(NOTHING)
+            self._socket.send_pyobj(found)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.close()
+        self._context.term()
+
+
+class LookupClient:
+    """Asks one rank's `LookupServer`; no answer within `timeout_s` is a miss."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self._address = address
+        self._timeout_ms = int(timeout_s * 1000)
+        self._context = zmq.Context()
+        self._socket = None
+
+    def find(self, tokens: list[int], extra_key: str) -> Found:
+        if self._socket is None:
+            self._socket = self._context.socket(zmq.REQ)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.connect(self._address)
+        self._socket.send_pyobj((list(tokens), extra_key))
+        if not self._socket.poll(self._timeout_ms):
+            logger.warning("hicache lookup at %s: no answer in %d ms", self._address,
+                           self._timeout_ms)  # fmt: skip
+            self._socket.close()  # a REQ socket waiting for a reply takes no new request
+            self._socket = None
+            return NOTHING
+        return Found(*self._socket.recv_pyobj())
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+        self._context.term()
+
+
+def shortest(answers: list[Found]) -> Found:
+    """What every rank holds: the shortest prefix, tiers taken from the fastest down."""
+    num_pages = min(found.num_pages for found in answers)
+    l1 = min(min(found.num_l1_pages for found in answers), num_pages)
+    l2 = min(min(found.num_l1_pages + found.num_l2_pages for found in answers), num_pages) - l1
+    return Found(l1, l2, num_pages - l1 - l2)
