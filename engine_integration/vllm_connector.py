@@ -20,7 +20,8 @@ refused at construction.
 What the connector reads of `vllm_config`: `kv_transfer_config` (engine_id,
 kv_connector_extra_config, kv_load_failure_policy), `model_config.model`,
 `parallel_config.tensor_parallel_size`, `.pipeline_parallel_size`,
-`.distributed_executor_backend` and `.rank` (a worker's rank before vLLM's groups exist),
+`.distributed_executor_backend`, `.data_parallel_rank` and `.rank` (a worker's rank
+before vLLM's groups exist),
 `scheduler_config.max_num_batched_tokens` (and, through vLLM's factory,
 `scheduler_config.disable_hybrid_kv_cache_manager`).
 """
@@ -83,6 +84,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_load_failure_policy,
             )
         self._engine_id = transfer.engine_id
+        self._data_parallel_rank = getattr(parallel, "data_parallel_rank", 0) or 0
         self._num_ranks = getattr(parallel, "tensor_parallel_size", 1)
         backend = getattr(parallel, "distributed_executor_backend", None) or "uni"
         # One worker in the scheduler's process: both halves share the cache directly.
@@ -135,7 +137,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self._in_process:
             vllm_setup.publish(self._engine_id, self._shared)
         else:
-            self._server = LookupServer(lookup, lookup_address(self._engine_id, self._rank))
+            address = lookup_address(self._engine_id, self._rank, self._data_parallel_rank)
+            self._server = LookupServer(lookup, address)
         self._worker = WorkerStep(cache, kv, self._layout.page_size, lookup.namespace)
         logger.info(
             "HiCacheConnector rank %d of %d: %d layers of %s, vLLM blocks of %d tokens, "
@@ -222,8 +225,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             timeout_s = self._config.l3.exists_timeout_s + 1.0
             self._clients = [
-                LookupClient(lookup_address(self._engine_id, rank), timeout_s)
-                for rank in range(self._num_ranks)
+                LookupClient(
+                    lookup_address(self._engine_id, r, self._data_parallel_rank), timeout_s
+                )
+                for r in range(self._num_ranks)
             ]
 
             def find(tokens: list[int], extra_key: str) -> Found:

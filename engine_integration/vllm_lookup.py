@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import tempfile
 import threading
 import time
 from typing import NamedTuple
 
+import numpy as np
 import zmq
 
 from engine_integration.vllm_setup import namespace_for
@@ -96,10 +98,28 @@ def _l3_errors(cache) -> int:
     return stats.num_errors + stats.num_timeouts if stats is not None else 0
 
 
-def lookup_address(engine_id: str, rank: int) -> str:
+def lookup_address(engine_id: str, rank: int, data_parallel_rank: int = 0) -> str:
     """The rank's socket: a file in the temp directory (the scheduler's host only)."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'hicache-{safe}-rank{rank}.sock')}"
+    name = f"hicache-{safe}-dp{data_parallel_rank}-rank{rank}.sock"
+    return f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
+
+
+# The wire format: a request is two frames, the extra key (UTF-8) and the tokens
+# (little-endian uint32); a reply is three little-endian uint64 page counts. No pickle: the
+# socket is a file others on the host may reach.
+_REPLY = struct.Struct("<3Q")
+MAX_REQUEST_BYTES = 64 << 20  # 16M tokens: larger requests are dropped by ZeroMQ
+
+
+def _encode_request(tokens: list[int], extra_key: str) -> list[bytes]:
+    return [extra_key.encode(), np.asarray(tokens, dtype="<u4").tobytes()]
+
+
+def _decode_request(frames: list[bytes]) -> tuple[list[int], str]:
+    if len(frames) != 2 or len(frames[1]) % 4:
+        raise ValueError(f"a lookup is 2 frames, tokens in whole uint32s; got {len(frames)}")
+    return np.frombuffer(frames[1], dtype="<u4").tolist(), frames[0].decode()
 
 
 class LookupServer:
@@ -107,9 +127,11 @@ class LookupServer:
 
     def __init__(self, lookup: CacheLookup, address: str) -> None:
         self._lookup = lookup
+        self._path = address.removeprefix("ipc://")
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._socket.bind(address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hicache-lookup", daemon=True)
@@ -121,19 +143,23 @@ class LookupServer:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            tokens, extra_key = self._socket.recv_pyobj()
+            frames = self._socket.recv_multipart()
             try:
-                found = tuple(self._lookup.find(tokens, extra_key))
+                found = self._lookup.find(*_decode_request(frames))
             except Exception as error:  # a failed lookup is a miss for the scheduler
                 logger.warning("hicache lookup failed: %r", error)
-                found = tuple(NOTHING)
-            self._socket.send_pyobj(found)
+                found = NOTHING
+            self._socket.send(_REPLY.pack(*found))
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
         self._socket.close()
         self._context.term()
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass  # gone already
 
 
 class LookupClient:
@@ -150,14 +176,18 @@ class LookupClient:
             self._socket = self._context.socket(zmq.REQ)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self._address)
-        self._socket.send_pyobj((list(tokens), extra_key))
+        self._socket.send_multipart(_encode_request(tokens, extra_key))
         if not self._socket.poll(self._timeout_ms):
             logger.warning("hicache lookup at %s: no answer in %d ms", self._address,
                            self._timeout_ms)  # fmt: skip
             self._socket.close()  # a REQ socket waiting for a reply takes no new request
             self._socket = None
             return NOTHING
-        return Found(*self._socket.recv_pyobj())
+        reply = self._socket.recv()
+        if len(reply) != _REPLY.size:
+            logger.warning("hicache lookup at %s: a reply of %d bytes", self._address, len(reply))
+            return NOTHING
+        return Found(*_REPLY.unpack(reply))
 
     def close(self) -> None:
         if self._socket is not None:

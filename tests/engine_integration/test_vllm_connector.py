@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import zmq
 
 pytest.importorskip("vllm", reason="vllm==0.33.0 (tests/requirements-vllm.txt)")
 
@@ -20,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 from engine_integration.vllm_connector import HiCacheConnector  # noqa: E402
+from engine_integration.vllm_lookup import lookup_address  # noqa: E402
 from engine_integration.vllm_setup import kv_layout, namespace_for, read_settings  # noqa: E402
 from radix.keys import page_keys  # noqa: E402
 from tests.hicache.test_faults import flip_byte, locate, page_names  # noqa: E402
@@ -242,6 +244,14 @@ def test_tensor_parallel_ranks_answer_over_their_sockets(vllm_engines):
     for rank in range(2):
         for layer in range(2):
             assert torch.equal(result.seen_by_rank[rank][layer], written[rank][layer])
+    # A malformed request gets a miss, and the rank goes on answering.
+    socket = zmq.Context.instance().socket(zmq.REQ)
+    socket.connect(lookup_address("e0", 1))
+    socket.send_multipart([b"", b"\x01\x02\x03"])
+    assert socket.recv() == bytes(24)
+    socket.close(linger=0)
+    again = engine.request("b2", prompt[:64] + [7])
+    assert engine.scheduler.get_num_new_matched_tokens(again, 0) == (64, False)
     # A page counts only when every rank holds its shard of it.
     engine.cache_of(1).evict("l1", 10**6)
     engine.cache_of(1).evict("l2", 10**6)

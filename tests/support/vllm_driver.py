@@ -63,10 +63,12 @@ def transfer_config_json(extra: dict, engine_id: str) -> str:
 class TestVllmConfig:
     """The fields of VllmConfig that HiCacheConnector and KVConnectorFactory read."""
 
-    kv_transfer_config: KVTransferConfig
-    model_config: SimpleNamespace  # model
-    parallel_config: SimpleNamespace  # tensor/pipeline_parallel_size, executor backend, rank
-    scheduler_config: SimpleNamespace  # max_num_batched_tokens, disable_hybrid_kv_cache_manager
+    kv_transfer_config: KVTransferConfig  # the real one, from the JSON
+    model_config: SimpleNamespace  # .model
+    # .tensor_parallel_size, .pipeline_parallel_size, .distributed_executor_backend, .rank
+    # (and .data_parallel_rank, absent here: 0)
+    parallel_config: SimpleNamespace
+    scheduler_config: SimpleNamespace  # .max_num_batched_tokens, .disable_hybrid_kv_cache_manager
 
     __test__ = False  # not a pytest class
 
