@@ -120,7 +120,7 @@ class Bench:
     def hicache_only(self) -> None:
         """hicache's own L2 -> L1 load of the same pages, for the connector's overhead."""
         cache = self.engine.cache
-        namespace = self.engine.scheduler._planner.namespace(self.engine.request("x", [0, 0]))
+        namespace = self.engine.worker._shared.lookup.namespace("")
         match = cache.match(self.prompt[: self.prefix_tokens], namespace)
         for layer in range(self.shape.num_layers):
             cache.wait_layer(match, layer)
