@@ -19,6 +19,7 @@ from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from engine_integration.vllm_connector import HiCacheConnector  # noqa: E402
 from engine_integration.vllm_lookup import lookup_address  # noqa: E402
@@ -101,6 +102,9 @@ def test_b_loads_a_prefix_layer_by_layer_bitwise(
         assert result.unloaded_before_wait[layer]  # copied into vLLM's blocks at its wait
         assert torch.equal(result.seen[layer], written[layer][:hit])
     assert engine.cache.stats().hit_pages["l2"] == 4
+    b = engine.request("b-sources", prompt_b)  # what vLLM's hit-source metrics are told
+    engine.scheduler.get_num_new_matched_tokens(b, 0)
+    assert engine.scheduler.get_external_cache_hit_sources(b, hit) == {CacheHitSource.HOST: hit}
 
 
 def test_the_load_leaves_vllm_own_prefix_hit_alone(vllm_engines):
@@ -128,6 +132,11 @@ def test_a_restarted_engine_hits_the_pages_in_l3(vllm_engines, tmp_path):
     for layer in range(2):
         assert torch.equal(result.seen[layer], written[layer][:64])
     assert second.cache.stats().hit_pages["l3"] == 4
+    again = second.request("c", prompt[:64] + [8])
+    second.cache.evict("l1", 10**6)
+    second.cache.evict("l2", 10**6)  # in L3 only again
+    assert second.scheduler.get_num_new_matched_tokens(again, 0) == (64, False)
+    assert second.scheduler.get_external_cache_hit_sources(again, 64) == {CacheHitSource.DISK: 64}
 
 
 def test_a_corrupt_l3_page_is_reported_and_never_copied_in(vllm_engines, tmp_path):
