@@ -47,11 +47,12 @@ from engine_integration.vllm_lookup import (
     Found,
     LookupClient,
     LookupServer,
+    ask_all,
     lookup_address,
-    shortest,
 )
 from engine_integration.vllm_plan import SchedulerPlanner, StepPlan
 from engine_integration.vllm_worker import WorkerStep
+from hicache.controller import HiCache
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,6 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        from hicache.controller import HiCache
-
         kv = VllmKV(kv_caches, self._layer_names, self._spec, self._kv_cache_config.num_blocks)
         config = vllm_setup.cache_config(
             self._settings, self._layout, str(kv.device), self._step_tokens
@@ -232,7 +231,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             ]
 
             def find(tokens: list[int], extra_key: str) -> Found:
-                return shortest([client.find(tokens, extra_key) for client in self._clients])
+                return ask_all(self._clients, tokens, extra_key)
 
         self._planner = SchedulerPlanner(
             find, self._layout.page_size, self._spec.block_size, self._config.l1.num_pages

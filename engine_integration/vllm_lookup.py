@@ -171,12 +171,15 @@ class LookupClient:
         self._context = zmq.Context()
         self._socket = None
 
-    def find(self, tokens: list[int], extra_key: str) -> Found:
+    def ask(self, tokens: list[int], extra_key: str) -> None:
+        """Send a lookup; `answer()` waits for it (ask every rank first, then wait)."""
         if self._socket is None:
             self._socket = self._context.socket(zmq.REQ)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self._address)
         self._socket.send_multipart(_encode_request(tokens, extra_key))
+
+    def answer(self) -> Found:
         if not self._socket.poll(self._timeout_ms):
             logger.warning("hicache lookup at %s: no answer in %d ms", self._address,
                            self._timeout_ms)  # fmt: skip
@@ -193,6 +196,13 @@ class LookupClient:
         if self._socket is not None:
             self._socket.close()
         self._context.term()
+
+
+def ask_all(clients: list[LookupClient], tokens: list[int], extra_key: str) -> Found:
+    """Every rank's answer at once (a slow rank costs its timeout once), shortest first."""
+    for client in clients:
+        client.ask(tokens, extra_key)
+    return shortest([client.answer() for client in clients])
 
 
 def shortest(answers: list[Found]) -> Found:

@@ -22,7 +22,13 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from engine_integration.vllm_connector import HiCacheConnector  # noqa: E402
-from engine_integration.vllm_lookup import lookup_address  # noqa: E402
+from engine_integration.vllm_lookup import (  # noqa: E402
+    Found,
+    LookupClient,
+    ask_all,
+    lookup_address,
+    shortest,
+)
 from engine_integration.vllm_setup import kv_layout, namespace_for, read_settings  # noqa: E402
 from radix.keys import page_keys  # noqa: E402
 from tests.hicache.test_faults import flip_byte, locate, page_names  # noqa: E402
@@ -381,3 +387,13 @@ def test_loads_of_one_step_share_the_l1_staging_pages(vllm_engines):
         assert torch.equal(results["b1"].seen[layer], written[layer][:64])
         assert torch.equal(results["b2"].seen[layer], written[layer][:32])
     assert not results["b1"].failed_block_ids and not results["b2"].failed_block_ids
+
+
+def test_ranks_agree_on_the_shortest_prefix_and_a_silent_rank_is_a_miss(tmp_path):
+    answers = [Found(2, 1, 1), Found(0, 3, 2)]
+    assert shortest(answers) == Found(0, 3, 1)  # 4 pages; L1 on neither; L2 covers 3 on both
+    silent = LookupClient(f"ipc://{tmp_path / 'nobody.sock'}", timeout_s=0.2)
+    start = time.monotonic()
+    assert ask_all([silent], [1, 2, 3], "") == Found(0, 0, 0)
+    assert time.monotonic() - start < 2.0
+    silent.close()
