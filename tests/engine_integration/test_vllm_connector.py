@@ -170,6 +170,17 @@ def test_a_corrupt_l3_page_is_reported_and_never_copied_in(vllm_engines, tmp_pat
         assert bool((result.seen[layer][32:80] == POISON).all())  # never copied in
     assert second.cache.stats().l3_corrupt_pages >= 1
 
+    # vLLM recomputes from the first failed block; the connector saves the prompt again,
+    # and the new copy replaces the damaged page in L3.
+    request.num_computed_tokens = 32
+    assert not second.step_batch([], [request])["b"].failed_block_ids
+    second.shutdown()
+    third = vllm_engines({"page_size": 16, "l3_url": url}, shape)
+    result = third.step(third.request("c", prompt))
+    assert result.num_external_tokens == 80 and not result.failed_block_ids
+    for layer in range(2):
+        assert torch.equal(result.seen[layer], written[layer][:80])
+
 
 def test_l3_down_gives_no_external_hit_within_the_timeout(vllm_engines, tmp_path):
     server = RedisProcess(tmp_path / "redis", free_port()).start()
