@@ -176,7 +176,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_step().finish()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads are synchronous and saves keep no blocks
+        """Requests whose final save is done (loads are synchronous: none to report)."""
+        sent = self._worker.take_finished_sending() if self._worker is not None else set()
+        return sent or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
@@ -261,10 +263,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler().load_errors(set(connector_output.invalid_block_ids))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self._scheduler().finished(request)
+        return self._scheduler().finished(request, block_ids)
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict | None]:
-        return self._scheduler().finished(request)
+        return self._scheduler().finished(request, block_ids[0])
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int):
         """Split a hit by the tier that supplied it: hicache's L1 and L2 count as host

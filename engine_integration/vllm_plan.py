@@ -10,12 +10,12 @@ per-step plan (loads and saves) it hands to the worker.
 - `after_alloc` records the load against the blocks vLLM gave the request.
 - `build_metadata`: the step's loads, and a save for every request whose prompt is fully
   computed by this step (its full pages, from vLLM's blocks, during this forward).
-- `finished`: nothing to keep. The save copies the blocks into hicache's L1 while the
-  step runs (then L1 -> L2 -> L3 in the background, in hicache's own pages), so vLLM may
-  free the blocks when the request ends.
-
-Only prompt pages are saved: a multi-turn conversation's next prompt hits the previous
-prompt, and its answer is saved as part of the next prompt.
+- `finished`: a request that ended with full pages past its prompt (its answer) has them
+  saved in the next step (`final_saves`), whole, and vLLM keeps its blocks until the worker
+  reports the copy done (`get_finished`): a multi-turn conversation's next prompt then hits
+  the previous answer too. Otherwise nothing is kept: a save copies the blocks into
+  hicache's L1 during the step (then L1 -> L2 -> L3 in the background, in hicache's own
+  pages).
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ class StepPlan:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Requests that ended with full pages past their prompt: saved whole at the end of the
+    # step (their blocks wait for it), then reported as finished sending.
+    final_saves: list[SaveSpec] = field(default_factory=list)
 
 
 Finder = Callable[[list[int], str], Found]  # (tokens, extra key) -> what the caches hold
@@ -91,6 +94,7 @@ class SchedulerPlanner:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, set[int]] = {}  # the last step's loads: req id -> blocks
+        self._final_saves: list[SaveSpec] = []
         self._promised_pages = 0
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -124,9 +128,9 @@ class SchedulerPlanner:
 
     def build_metadata(self, scheduler_output, block_ids_of) -> StepPlan:
         """The step's plan; `block_ids_of(req_id)` gives a request's blocks (group 0)."""
-        plan = StepPlan(loads=self._loads)
+        plan = StepPlan(loads=self._loads, final_saves=self._final_saves)
         self._loading = {load.req_id: set(load.block_ids) for load in self._loads}
-        self._loads = []
+        self._loads, self._final_saves = [], []
         self._promised_pages = 0
         page_size = self.page_size
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -162,7 +166,23 @@ class SchedulerPlanner:
                 tracked.saved = False
                 self._lookups.pop(req_id, None)
 
-    def finished(self, request) -> tuple[bool, dict | None]:
-        self._tracked.pop(request.request_id, None)
+    def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """The request ended. With full pages past its prompt (its answer), they are saved
+        in the next step, whole, and vLLM keeps the blocks until the worker reports it."""
+        tracked = self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        return False, None
+        if tracked is None:
+            return False, None
+        computed = min(request.num_computed_tokens, request.num_tokens - 1)  # KV in blocks
+        num_tokens = computed // self.page_size * self.page_size
+        if num_tokens <= request.num_prompt_tokens // self.page_size * self.page_size:
+            return False, None  # no page past the prompt (saved when it was computed)
+        self._final_saves.append(
+            SaveSpec(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids[:num_tokens]),
+                extra_key=tracked.extra_key,
+                block_ids=list(block_ids[: -(-num_tokens // self.block_size)]),
+            )
+        )
+        return True, None

@@ -67,6 +67,7 @@ class WorkerStep:
         self._plan: StepPlan | None = None
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # this step's: their blocks hold no KV there
+        self._sent: set[str] = set()  # final saves done: their blocks may be freed
 
     # ------------------------------------------------------------------ loads
 
@@ -130,29 +131,36 @@ class WorkerStep:
                 self.kv.copy_out(layer, l1, save.slots)
                 save.layers_done.add(layer)
 
-    def _prepare_saves(self) -> list[_Save]:
+    def _prepare_saves(self, specs: list[SaveSpec] | None = None) -> list[_Save]:
         saves = []
         matches = {load.spec.req_id: load.match for load in self._loads}
-        for spec in self._plan.saves if self._plan is not None else []:
+        if specs is None:
+            specs = self._plan.saves if self._plan is not None else []
+        for spec in specs:
             if spec.req_id in self._failed_requests:
                 self.counters.saves_skipped += 1  # vLLM recomputes it, and saves then
                 continue
-            num_pages = len(spec.token_ids) // self.page_size
-            reused = list(matches[spec.req_id].device_page_ids) if spec.req_id in matches else []
-            reused = reused[:num_pages]
-            try:
-                fresh = self.cache.alloc_device_pages(num_pages - len(reused))
-            except PoolExhaustedError:
-                self.counters.saves_skipped += 1
-                logger.info("hicache L1 is full: not saving %s", spec.req_id)
-                continue
-            page_ids = reused + fresh
-            start = len(reused) * self.page_size
-            slots = self.kv.slots(
-                spec.block_ids, page_ids, self.page_size, start, len(spec.token_ids)
-            )
-            saves.append(_Save(spec, page_ids, len(reused), slots))
+            match = matches.get(spec.req_id)
+            save = self._prepare_save(spec, list(match.device_page_ids) if match else [])
+            if save is not None:
+                saves.append(save)
         return saves
+
+    def _prepare_save(self, spec: SaveSpec, reused: list[int]) -> _Save | None:
+        """L1 pages for a save: `reused` (a match's, already holding the first pages) and
+        fresh ones for the rest; None when L1 has no room."""
+        num_pages = len(spec.token_ids) // self.page_size
+        reused = reused[:num_pages]
+        try:
+            fresh = self.cache.alloc_device_pages(num_pages - len(reused))
+        except PoolExhaustedError:
+            self.counters.saves_skipped += 1
+            logger.info("hicache L1 is full: not saving %s", spec.req_id)
+            return None
+        page_ids = reused + fresh
+        start = len(reused) * self.page_size
+        slots = self.kv.slots(spec.block_ids, page_ids, self.page_size, start, len(spec.token_ids))
+        return _Save(spec, page_ids, len(reused), slots)
 
     # ------------------------------------------------------------------ end of step
 
@@ -165,10 +173,28 @@ class WorkerStep:
                 self.save_layer(layer)  # layers the forward did not hand over
         for save in self._saves or []:
             self._insert(save)
+        for spec in self._plan.final_saves if self._plan is not None else []:
+            self._save_whole(spec)
+            self._sent.add(spec.req_id)  # done or skipped: vLLM may free the blocks now
         for load in self._loads:
             self.cache.release(load.match)
         self._loads, self._saves, self._plan = [], None, None
         self._failed_requests = set()
+
+    def _save_whole(self, spec: SaveSpec) -> None:
+        """A finished request's pages, every layer at once (it has no forward pass left).
+        On a GPU the copies are queued on the compute stream, before anything vLLM runs
+        after this step in the blocks it frees."""
+        save = self._prepare_save(spec, [])
+        if save is None:
+            return
+        for layer in range(self.kv.num_layers):
+            self.kv.copy_out(layer, self.cache.device_pool.kv[layer], save.slots)
+        self._insert(save)
+
+    def take_finished_sending(self) -> set[str]:
+        sent, self._sent = self._sent, set()
+        return sent
 
     def _insert(self, save: _Save) -> None:
         try:

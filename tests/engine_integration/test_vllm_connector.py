@@ -408,3 +408,28 @@ def test_ranks_agree_on_the_shortest_prefix_and_a_silent_rank_is_a_miss(tmp_path
     assert ask_all([silent], [1, 2, 3], "") == Found(0, 0, 0)
     assert time.monotonic() - start < 2.0
     silent.close()
+
+
+def test_the_answer_is_saved_when_the_request_ends(vllm_engines):
+    """A request decodes past its prompt's pages; when it ends its blocks wait for one
+    more step, in which the connector saves the answer's pages, and the next turn hits
+    them."""
+    engine = vllm_engines({"page_size": 16})
+    prompt = random_prompt(15, 40, vocab=1000)  # 2 full pages
+    a = engine.request("a", prompt)
+    engine.step(a)
+    for token in random_prompt(16, 30, vocab=1000):  # decode: one token a step
+        a.append_output_token_ids(token)
+        engine.step_batch([], [a])
+    a.append_output_token_ids(5)  # sampled, never fed: it has no KV
+    written = [engine.kv_of("a", layer, 0, 64) for layer in range(2)]
+    turn = list(a.all_token_ids)
+    assert engine.finish(a)  # 70 tokens with KV: 4 full pages, 2 past the prompt's
+    assert "a" in engine.sending
+    engine.idle_step()
+    assert "a" not in engine.sending  # saved, and the blocks given back
+    b = engine.request("b", turn + random_prompt(17, 10, vocab=1000))
+    result = engine.step(b)
+    assert result.num_external_tokens == 64 and not result.failed_block_ids
+    for layer in range(2):
+        assert torch.equal(result.seen[layer], written[layer])

@@ -163,6 +163,8 @@ class VllmEngine:
         )
         self._free = list(range(shape.num_blocks))
         self.block_ids: dict[str, list[int]] = {}
+        self._finished_ids: set[str] = set()  # for the next SchedulerOutput
+        self.sending: dict[str, list[int]] = {}  # finished, blocks kept for the connector
 
     @property
     def cache(self):
@@ -215,13 +217,17 @@ class VllmEngine:
             request.num_computed_tokens = num_computed + ext
             before[rid] = (request, request.num_computed_tokens, ext)
             loads |= ext > 0
-        for request in running:
+        for request in running:  # allocate_slots: blocks for tokens decoded since
+            blocks = self.block_ids[request.request_id]
+            while len(blocks) * self.shape.block_size < request.num_tokens:
+                blocks.append(self._free.pop(0))
             before[request.request_id] = (request, request.num_computed_tokens, 0)
         output = SchedulerOutput.make_empty()
         for rid, (request, computed, _) in before.items():
             remaining = request.num_tokens - computed
             output.num_scheduled_tokens[rid] = min(remaining, chunk_tokens or remaining)
         output.total_num_scheduled_tokens = sum(output.num_scheduled_tokens.values())
+        output.finished_req_ids, self._finished_ids = self._finished_ids, set()
         output.has_sync_kv_loads = loads
         output.kv_connector_block_state = KVConnectorBlockState(
             req_ids=set(before), resolve_block_ids=lambda r: (self.block_ids[r],),
@@ -237,16 +243,21 @@ class VllmEngine:
         """Every worker's step (the same metadata for each, as vLLM sends it); the scheduler
         gets the union of their load errors, as vLLM's output aggregator makes it."""
         results = {rid: StepResult(0, set()) for rid in before}
-        failed = set()
+        failed, sent = set(), set(self.sending)
         for rank in range(len(self.workers)):
-            seen, failed_here = self._execute_rank(rank, output, before, write_kv)
+            seen, failed_here, sent_here = self._execute_rank(rank, output, before, write_kv)
             failed |= failed_here
+            sent &= sent_here  # KVOutputAggregator: done when every worker says so
             for rid, result in results.items():
                 result.seen_by_rank.append(seen[rid].seen)
                 if rank == 0:
                     result.seen = seen[rid].seen
                     result.unloaded_before_wait = seen[rid].unloaded_before_wait
-        self.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=failed))
+        self.scheduler.update_connector_output(
+            KVConnectorOutput(invalid_block_ids=failed, finished_sending=sent)
+        )
+        for rid in sent:
+            self._free_blocks(self.sending.pop(rid), poison=True)
         for rid, (_, _, ext) in before.items():
             results[rid].failed_block_ids = failed & set(self.block_ids[rid])
             results[rid].num_external_tokens = ext
@@ -282,17 +293,32 @@ class VllmEngine:
             worker.start_load_kv(None)
         worker.wait_for_save()
         sending, recving = worker.get_finished(output.finished_req_ids)
-        assert not sending and not recving
+        assert not recving and set(sending or ()) <= set(self.sending)
         failed = worker.get_block_ids_with_load_errors()
         worker.clear_connector_metadata()
-        return results, failed
+        return results, failed, set(sending or ())
 
-    def finish(self, request: Request, poison: bool = True) -> None:
-        """The request ends: the scheduler asks whether to keep its blocks, then frees them
-        (and, with `poison`, overwrites them, as their next owner would)."""
-        keep, params = self.scheduler.request_finished(request, self.block_ids[request.request_id])
-        assert keep is False and params is None
-        blocks = self.block_ids.pop(request.request_id)
+    def finish(self, request: Request, poison: bool = True) -> bool:
+        """The request ends: the scheduler asks whether to keep its blocks, and frees them
+        now (overwritten, with `poison`, as their next owner would) or once every worker
+        reports the connector done with them (`sending`). Returns whether they were kept."""
+        rid = request.request_id
+        keep, params = self.scheduler.request_finished(request, self.block_ids[rid])
+        assert params is None
+        self._finished_ids.add(rid)
+        blocks = self.block_ids.pop(rid)
+        if keep:
+            self.sending[rid] = blocks
+        else:
+            self._free_blocks(blocks, poison)
+        return keep
+
+    def idle_step(self) -> None:
+        """A step with nothing scheduled (vLLM's kv_connector_no_forward)."""
+        output, before = self.schedule_batch([], [])
+        self._execute(output, before)
+
+    def _free_blocks(self, blocks: list[int], poison: bool) -> None:
         ratio = self.shape.block_size // self.kv_caches[self.layer_names[0]].shape[2]
         kernel_blocks = [b * ratio + i for b in blocks for i in range(ratio)]
         for kv_caches in self.rank_kv if poison else ():
