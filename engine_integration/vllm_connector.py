@@ -261,6 +261,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         if connector_output.invalid_block_ids:
             self._scheduler().load_errors(set(connector_output.invalid_block_ids))
+        if connector_output.finished_sending:
+            self._scheduler().sent(connector_output.finished_sending)
+
+    def has_pending_block_frees(self) -> bool:
+        """Blocks kept for final saves come back within a step: worth waiting for."""
+        return self._planner is not None and bool(self._planner.sending)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._scheduler().finished(request, block_ids)

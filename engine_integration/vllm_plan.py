@@ -95,6 +95,7 @@ class SchedulerPlanner:
         self._loads: list[LoadSpec] = []
         self._loading: dict[str, set[int]] = {}  # the last step's loads: req id -> blocks
         self._final_saves: list[SaveSpec] = []
+        self.sending: set[str] = set()  # finished requests whose blocks wait for a save
         self._promised_pages = 0
 
     def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -185,4 +186,9 @@ class SchedulerPlanner:
                 block_ids=list(block_ids[: -(-num_tokens // self.block_size)]),
             )
         )
+        self.sending.add(request.request_id)
         return True, None
+
+    def sent(self, req_ids) -> None:
+        """The workers report these final saves done: vLLM frees their blocks."""
+        self.sending.difference_update(req_ids)

@@ -8,7 +8,9 @@ on the compute stream after waiting on layer i's copy event: layer i+1's copy ov
 link overlaps layer i's attention. A save copies layer i of a request's full prompt pages
 out of vLLM's blocks into fresh L1 pages right after layer i's attention wrote them
 (`save_layer`), and at the end of the step hands the pages to hicache (`insert`), whose
-write policy backs them up to L2 and L3 in the background.
+write policy backs them up to L2 and L3 in the background. A final save (a finished
+request's answer) copies every layer at the end of the step and reports the request as
+sent, so vLLM frees the blocks it kept for it.
 
 Every page a load could not deliver (evicted since the scheduler looked, or an L3 page
 that failed verification: the match stops before it) is reported by block id, never

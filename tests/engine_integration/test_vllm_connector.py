@@ -425,9 +425,10 @@ def test_the_answer_is_saved_when_the_request_ends(vllm_engines):
     written = [engine.kv_of("a", layer, 0, 64) for layer in range(2)]
     turn = list(a.all_token_ids)
     assert engine.finish(a)  # 70 tokens with KV: 4 full pages, 2 past the prompt's
-    assert "a" in engine.sending
+    assert "a" in engine.sending and engine.scheduler.has_pending_block_frees()
     engine.idle_step()
     assert "a" not in engine.sending  # saved, and the blocks given back
+    assert not engine.scheduler.has_pending_block_frees()
     b = engine.request("b", turn + random_prompt(17, 10, vocab=1000))
     result = engine.step(b)
     assert result.num_external_tokens == 64 and not result.failed_block_ids
