@@ -10,35 +10,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from storage_backends.options import parse_size  # the one size grammar of the project
 from tiers.layout import KVLayout
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 L3_WRITE_POLICIES = ("on_backup", "on_evict")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "B": 1}
-for _i, _p in enumerate("KMGT", start=1):
-    _UNIT[f"{_p}IB"] = _UNIT[f"{_p}I"] = 1024**_i
-    _UNIT[f"{_p}B"] = _UNIT[_p] = 1000**_i
-
-
-def parse_size(text: str | int, what: str = "size") -> int:
-    """Bytes from '8GiB', '100GB', '512MiB', '4096' (binary and decimal units)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"{what} must not be negative, got {text}")
-        return text
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ValueError(f"{what}: cannot read {text!r} as a size (e.g. 8GiB, 100GB, 4096)")
-    number, unit = match.groups()
-    return int(float(number) * _UNIT[(unit or "").upper()])
 
 
 def _require(condition: bool, message: str) -> None:

@@ -37,8 +37,14 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 def parse_size(text: str | int, *, name: str = "size") -> int:
-    """Bytes from "8GiB", "100GB", "512MiB", "64KiB", "4096" (units: B, KB..TB, KiB..TiB)."""
+    """Bytes from "8GiB", "100GB", "512MiB", "64KiB", "4096" (units: B, KB..TB, KiB..TiB).
+
+    The one size grammar of the project (flags, URLs, HICACHE_* variables, config files):
+    strict, so "8G" (decimal or binary?), a typo or a fraction of a byte is an error.
+    """
     if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise BackendConfigError(f"{name}: {text} is not a size (it is negative)")
         return text
     match = _NUMBER_WITH_UNIT.match(str(text))
     unit = match.group(2).lower() if match else None

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.config import parse_size
 from hicache.simulate.config import SimulationConfig
 from hicache.simulate.replay import Replay
 from hicache.simulate.result import SimulationResult
 from hicache.simulate.trace import Trace
+from storage_backends.options import parse_size
 
 SWEEP_TIERS = ("l1", "l2", "l3")
 
@@ -42,7 +42,7 @@ def parse_capacity(text: str) -> float:
     try:
         return float(text) * 1e9
     except ValueError:
-        return float(parse_size(text, "capacity"))
+        return float(parse_size(text, name="capacity"))
 
 
 def parse_sweep(spec: str) -> SweepAxis:

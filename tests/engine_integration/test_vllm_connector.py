@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-pytest.importorskip("vllm", reason="vllm==0.33.0 (tests/requirements-vllm.txt)")
+pytest.importorskip("vllm", reason="vllm==0.33.0 (tests/engine_integration/requirements-vllm.txt)")
 
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402

@@ -178,3 +178,8 @@ def test_client_libraries_are_imported_only_when_their_scheme_is_opened():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_a_negative_byte_count_is_not_a_size():
+    with pytest.raises(BackendConfigError, match="capacity: -1 is not a size"):
+        parse_size(-1, name="capacity")
