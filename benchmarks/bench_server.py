@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     redis, redis_port = start_redis(workdir)
     urls = {
         "redis": f"redis://127.0.0.1:{redis_port}/0?timeout=60s",
-        "grpc": f"grpc://127.0.0.1:{daemon_port}?timeout=60s&max_message={args.max_message}",
+        # The client processes here are hicache's own: they may tune their malloc for gRPC.
+        "grpc": f"grpc://127.0.0.1:{daemon_port}?timeout=60s&max_message={args.max_message}"
+        "&tune_malloc=true",
     }
     rows = []
     try:

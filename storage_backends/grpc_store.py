@@ -100,8 +100,10 @@ class GrpcOptions(BackendOptions):
     connect_timeout_s: float = url_option(
         "connect_timeout", "duration", 2.0, doc="first use: how long to wait for each server"
     )
+    # Off by default: the client runs inside someone else's engine process, whose malloc
+    # policy is not ours to change (`hicache serve` sets it for the daemon).
     tune_malloc: bool = url_option(
-        "tune_malloc", "bool", True, doc="set this process' glibc malloc policy (`allocator`)"
+        "tune_malloc", "bool", False, doc="set this process' glibc malloc policy (`allocator`)"
     )
 
     def __post_init__(self) -> None:

@@ -53,8 +53,8 @@ def test_a_daemon_that_is_down_misses_only_its_own_keys(start_daemon):
     asyncio.run(body())
 
 
-@pytest.mark.parametrize("query, tuned", [("", True), ("&tune_malloc=false", False)])
-def test_first_use_sets_the_malloc_policy_unless_told_not_to(
+@pytest.mark.parametrize("query, tuned", [("", False), ("&tune_malloc=true", True)])
+def test_first_use_sets_the_malloc_policy_only_when_asked(
     start_daemon, monkeypatch, query, tuned
 ):
     daemon = start_daemon("--capacity", "8MiB")
