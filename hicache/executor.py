@@ -10,7 +10,6 @@ The only module of `hicache` that imports torch (through `tiers`).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import logging
@@ -28,6 +27,7 @@ from hicache.ops import (
     WriteL3Op,
 )
 from storage_backends.errors import StorageError
+from storage_backends.loop_thread import LoopThread
 from storage_backends.objects import header_size
 from storage_backends.registry import open_backend
 from tiers.device_pool import DevicePool
@@ -35,28 +35,6 @@ from tiers.host_pool import HostPool
 from tiers.transfer import TransferEngine
 
 logger = logging.getLogger(__name__)
-
-
-class _LoopThread:
-    """An asyncio event loop running in a daemon thread."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coroutine, timeout_s: float | None = None):
-        """Run `coroutine` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
-
-    def spawn(self, coroutine) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 class RealExecutor(Executor):
@@ -90,7 +68,7 @@ class RealExecutor(Executor):
         self._done: collections.deque[TransferOp] = collections.deque()
         self._events: dict[int, threading.Event] = {}
         self._backend = None
-        self._io: _LoopThread | None = None
+        self._io: LoopThread | None = None
 
     # ------------------------------------------------------------------ Executor
 
@@ -186,7 +164,7 @@ class RealExecutor(Executor):
         if self.host_pool is None:
             raise ValueError("an L3 backend needs an L2 pool: pages reach L3 through L2")
         if self._io is None:
-            self._io = _LoopThread("hicache-l3-io")
+            self._io = LoopThread("hicache-l3-io")
         backend = self._io.run(self._open(url))
         self._backend = backend
 

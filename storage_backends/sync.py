@@ -7,13 +7,12 @@ most the backend's own timeout (plus copying pages already fetched).
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from .base import StorageBackend
 from .errors import BackendClosedError
+from .loop_thread import LoopThread
 from .objects import Buffer
 from .registry import open_backend
 from .stats import BackendStats
@@ -25,11 +24,7 @@ class SyncBackend:
     def __init__(self, backend: StorageBackend) -> None:
         """Wrap a backend that no event loop has used yet; it now belongs to this wrapper."""
         self.backend = backend
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"hicache-l3-{backend.scheme}", daemon=True
-        )
-        self._thread.start()
+        self._io = LoopThread(f"hicache-l3-{backend.scheme}")
         self._closed = False
 
     @classmethod
@@ -41,10 +36,7 @@ class SyncBackend:
         if self._closed:
             coro.close()
             raise BackendClosedError(f"{self.backend.name}: SyncBackend is closed")
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise RuntimeError("SyncBackend called from its own event loop; await the backend")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._io.run(coro)
 
     def connect(self) -> None:
         self._run(self.backend.connect())
@@ -82,9 +74,7 @@ class SyncBackend:
             self._run(self.backend.close())
         finally:
             self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._io.stop(timeout_s=None)
 
     def __enter__(self) -> SyncBackend:
         return self
