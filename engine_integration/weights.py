@@ -244,17 +244,29 @@ def load_weights(
         for name, shape in expected.items()
         if name in found and found[name][1] != shape
     ]
+    problems += [
+        f"unexpected tensor {name} (the config does not declare it: this engine's model would "
+        "not be the checkpoint's)"
+        for name in sorted(set(found) - set(expected))
+        if not _harmless_extra(config, name)
+    ]
     if problems:
         raise CheckpointError(f"{model_dir}: " + "; ".join(problems))
-    extra = sorted(set(found) - set(expected))
-    if extra:
-        logger.info("%s: ignoring %d tensors the model does not use", model_dir, len(extra))
     tensors = {}
     for path, names in _by_file(expected, found):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in names:
                 tensors[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
     return from_hf_tensors(config, tensors)
+
+
+def _harmless_extra(config: ModelConfig, name: str) -> bool:
+    """Tensors a checkpoint may hold that change nothing: rotary tables (computed from the
+    config) and, when the head is tied to the embedding, a stored head (transformers too
+    ties it and ignores the stored one)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
