@@ -84,7 +84,7 @@ def run_demo(config: DemoConfig) -> int:
             if engine_config.invariant
             else "outputs equal up to rounding: bf16 kernels round by batch shape"
         )
-        _say(f"\nwith the cache off (same prompts, each split where its hit was, {promise}):")
+        _say(f"\nwith the cache off (same prompts, unsplit, {promise}):")
         _run_cache_off(model, engine_config, records, config)
     _print_table(records, config.compare)
     _print_totals(records, stats, sizes.l3_url, time.perf_counter() - started)
@@ -114,10 +114,10 @@ def _run_chats(engine: Engine, tokenizer, conversations, config: DemoConfig) -> 
     histories = {c.user: [] for c in conversations}
     records: list[TurnRecord] = []
 
-    def prompt_for(record: TurnRecord) -> tuple[list[int], int | None]:
+    def prompt_for(record: TurnRecord) -> list[int]:
         text = turn_text(conversations[record.user], record.turn)
         record.prompt = histories[record.user] + tokenizer.encode(text)
-        return record.prompt, None
+        return record.prompt
 
     def done(record: TurnRecord, output: RequestOutput) -> None:
         metrics = output.metrics
@@ -145,8 +145,8 @@ def _run_cache_off(model, engine_config: EngineConfig, records, config: DemoConf
     pages = config.concurrency * -(-longest // config.page_size)
     engine = Engine(model, engine_config, num_private_pages=pages)
 
-    def prompt_for(record: TurnRecord) -> tuple[list[int], int | None]:
-        return record.prompt, record.hit_total or None
+    def prompt_for(record: TurnRecord) -> list[int]:
+        return record.prompt
 
     def done(record: TurnRecord, output: RequestOutput) -> None:
         record.ttft_off_s = output.metrics.ttft_s
@@ -163,7 +163,7 @@ def _run_schedule(
     engine: Engine,
     records: list[TurnRecord],
     config: DemoConfig,
-    prompt_for: Callable[[TurnRecord], tuple[list[int], int | None]],
+    prompt_for: Callable[[TurnRecord], list[int]],
     done: Callable[[TurnRecord, RequestOutput], None],
 ) -> None:
     """Submit records in order, keeping `concurrency` in flight; a user's next turn waits
@@ -177,9 +177,8 @@ def _run_schedule(
             if any(r.user == record.user for r in in_flight.values()):
                 break
             pending.popleft()
-            prompt, split_at = prompt_for(record)
             request_id = f"turn{record.turn}-user{record.user}"
-            engine.add_request(prompt, params, request_id=request_id, split_at=split_at)
+            engine.add_request(prompt_for(record), params, request_id=request_id)
             in_flight[request_id] = record
         for output in engine.step():
             done(in_flight.pop(output.request_id), output)
