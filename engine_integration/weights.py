@@ -212,7 +212,7 @@ def read_model_config(
     try:
         return ModelConfig.from_hf_config(
             hf,
-            model_id=model_id or _digest(model_dir, [config_path, *files]),
+            model_id=model_id or content_digest(model_dir, [config_path, *files]),
             num_source_layers=num_source_layers,
             window_tokens=window_tokens,
         )
@@ -283,7 +283,8 @@ def _by_file(expected, found) -> Iterator[tuple[Path, list[str]]]:
     yield from groups.items()
 
 
-def _digest(model_dir: Path, paths: list[Path]) -> str:
+def content_digest(model_dir: Path, paths: list[Path]) -> str:
+    """`<dir name>@<xxh3 of the files>`: a model id that changes with the weights."""
     hasher = xxhash.xxh3_128()
     for path in paths:
         hasher.update(path.name.encode() + b"\0")
