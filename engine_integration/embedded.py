@@ -77,7 +77,11 @@ def load_model(
         gguf = open_gguf(path)
         config = _with_plan(read_gguf_config(gguf), num_source_layers, window_tokens, window_layers)
         weights = load_gguf_weights(gguf, config, dtype=dtype, device=device)
-        tokenizer: Tokenizer = gguf_tokenizer(gguf.metadata, str(path))
+        tokenizer: Tokenizer = (
+            gguf_tokenizer(gguf.metadata, str(path))
+            if "tokenizer.ggml.model" in gguf.metadata
+            else load_tokenizer(None)  # a file without a tokenizer: token ids only
+        )
     else:
         config = read_model_config(path)
         config = _with_plan(config, num_source_layers, window_tokens, window_layers)

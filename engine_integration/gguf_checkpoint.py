@@ -13,7 +13,8 @@ undoes that, so the weights are the Hugging Face model's again.
 
 Like `hf_config`, a file whose math this engine does not implement (another architecture,
 partial rotary, a rope scaling other than linear, experts, a tensor the model does not
-use) is a `CheckpointError` naming what is wrong.
+use, such as llama3's `rope_freqs`) is a `CheckpointError` naming what is wrong. GGUF has no
+flag for biases: the model has q/k/v (or output) biases when the file holds them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -209,8 +211,8 @@ def load_gguf_weights(
                 f"{gguf.path}: tensor {name} is {tensor.tensor_type.name}, which the gguf "
                 "package cannot dequantize"
             ) from None
-        values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(shape)
-        if gguf.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        values = torch.from_numpy(np.array(values, dtype=np.float32)).view(shape)  # a copy
+        if gguf.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             values = _unpermute(values, heads)
         out[hf_name] = values.to(device=device, dtype=dtype)
@@ -233,7 +235,8 @@ def _shape(tensor) -> list[int]:
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: (heads, D/2, 2) rows back to (heads, 2, D/2)."""
-    rows, cols = weight.shape
-    half = rows // num_heads // 2
-    return weight.view(num_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Undo llama.cpp's q/k row permutation (weights and biases alike): within each head,
+    rows (D/2, 2) back to (2, D/2)."""
+    half = weight.shape[0] // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.view(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
