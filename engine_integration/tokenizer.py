@@ -86,6 +86,7 @@ class HFTokenizer:
         self.bos_id = bos_id
         self.chat_template = chat_template
         self._special_tokens = dict(special_tokens or {})
+        self.eos_text = self._special_tokens.get("eos_token")  # the end-of-turn token's text
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> HFTokenizer:
