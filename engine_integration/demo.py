@@ -41,8 +41,8 @@ class DemoConfig:
     users: int = 4
     max_new_tokens: int = 32
     concurrency: int = 1  # requests in flight at once (continuous batching)
-    l1_pages: int = 16
-    l2_pages: int = 24
+    l1_pages: int | None = None  # None: 10 (SmolLM2), 32 (the built-in byte-level model)
+    l2_pages: int | None = None  # None: 12 (SmolLM2), 48 (the built-in model)
     page_size: int = 64
     seed: int = 0
     threads: int = 1  # torch CPU threads (steady on a busy machine; more can help when idle)
@@ -55,7 +55,6 @@ class DemoConfig:
             "users",
             "max_new_tokens",
             "concurrency",
-            "l1_pages",
             "page_size",
             "window",
             "threads",
@@ -67,9 +66,11 @@ class DemoConfig:
                 )
         if self.window_layers is not None and self.window_layers < 0:
             raise ValueError(f"--window-layers must be >= 0, got {self.window_layers}")
-        if self.l2_pages < 0:
+        if self.l1_pages is not None and self.l1_pages < 1:
+            raise ValueError(f"--l1-pages must be >= 1, got {self.l1_pages}")
+        if self.l2_pages is not None and self.l2_pages < 0:
             raise ValueError(f"--l2-pages must be >= 0, got {self.l2_pages}")
-        if self.l3_url and not self.l2_pages:
+        if self.l3_url and self.l2_pages == 0:
             raise ValueError("an L3 needs an L2 (--l2-pages > 0): pages reach L3 through L2")
 
 
@@ -119,8 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.concurrency,
         help="requests in flight at once (default: %(default)s)",
     )
-    add("--l1-pages", type=int, default=d.l1_pages, help="L1 pool pages (default: %(default)s)")
-    add("--l2-pages", type=int, default=d.l2_pages, help="L2 pool pages (default: %(default)s)")
+    add("--l1-pages", type=int, help="L1 pool pages (default: 10; 32 for the built-in model)")
+    add("--l2-pages", type=int, help="L2 pool pages (default: 12; 48 for the built-in model)")
     add("--seed", type=int, default=d.seed, help="the built-in model's weights")
     add(
         "--threads",

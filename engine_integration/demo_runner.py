@@ -11,6 +11,7 @@ difference is shown with its size, so rounding can be told from a cache bug.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import shutil
 import sys
 import time
@@ -30,6 +31,9 @@ from engine_integration.workload import ChatHistory, make_conversations
 from hicache.config import PolicyConfig
 
 DEFAULT_WINDOW_LAYERS = 2
+# L1 / L2 pages when not given: small enough that histories spill to L2 and L3. The built-in
+# model's byte-level tokens make its prompts about five times longer than SmolLM2's.
+DEFAULT_PAGES = {"checkpoint": (10, 12), "builtin": (32, 48)}
 EXCERPT_CHARS = 90
 
 
@@ -114,6 +118,12 @@ def run_demo(config: DemoConfig) -> int:
     )
     model, tokenizer = load_model(model_path, engine_config, seed=config.seed)
     model = _with_window_layers(model, config, model_path is not None)
+    l1_default, l2_default = DEFAULT_PAGES["checkpoint" if model_path else "builtin"]
+    config = dataclasses.replace(
+        config,
+        l1_pages=config.l1_pages or l1_default,
+        l2_pages=l2_default if config.l2_pages is None else config.l2_pages,
+    )
     l3_url = config.l3_url or _default_l3_url(config)
     sizes = CacheSizes(
         config.l1_pages,
