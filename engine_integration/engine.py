@@ -7,8 +7,8 @@ or, step by step (continuous batching): `add_request(...)` at any time, `step()`
 `has_work` is false; each step returns the requests that finished in it.
 
 With `cache=None` the engine keeps its KV in a private pool and shares nothing: the
-cache-off baseline. Its `add_request(..., split_at=H)` prefills as if the first H tokens
-had been a cached hit (replay window included), which is what a cache-on run must equal.
+cache-off baseline, which a cache-on run must equal (bitwise on the CPU): a hit changes
+which rows are computed, never the model.
 """
 
 from __future__ import annotations
@@ -92,10 +92,8 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-        split_at: int | None = None,
     ) -> Request:
-        """Queue a request. `split_at` (cache-off engines only): prefill as if the first
-        `split_at` tokens had been a cache hit."""
+        """Queue a request."""
         prompt = list(map(int, prompt))
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
@@ -103,13 +101,6 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= vocab:
             bad = [t for t in prompt if not 0 <= t < vocab]
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if split_at is not None:
-            if self.cache is not None:
-                raise EngineError(
-                    "split_at is for cache-off engines (a cached one splits at its hit)"
-                )
-            if not 0 < split_at < len(prompt):
-                raise ValueError(f"split_at must be in (0, {len(prompt)}), got {split_at}")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -117,7 +108,6 @@ class Engine:
             request_id=request_id,
             prompt=prompt,
             params=params or SamplingParams(),
-            split_at=split_at,
             metrics=RequestMetrics(prompt_tokens=len(prompt), arrival_s=time.perf_counter()),
         )
         self.scheduler.add(request)

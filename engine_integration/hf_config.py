@@ -1,12 +1,20 @@
 """Hugging Face `config.json` <-> `ModelConfig` fields, for Llama, Qwen2 and Mistral.
 
+Both generations of transformers' config are read: 5.x keeps the rotary embedding in
+`rope_parameters` (`rope_theta`, `rope_type` and the scaling's own keys, possibly one dict per
+layer type); 4.x has a top-level `rope_theta` and `rope_scaling`. Rope types: default, linear,
+llama3.
+
 The hybrid plan (full-attention source layers first, sliding-window late layers after) is
 read from, in this order: `layer_types` (a run of "full_attention" then a run of
 "sliding_attention"), Qwen2's `use_sliding_window` + `max_window_layers`, Mistral's
 `sliding_window` (every layer sliding: refused unless overridden, since the cache needs at
 least one full-attention layer). A model with none of these has only source layers.
-Anything this engine does not implement (other rope scalings, MLP biases, interleaved
-layer patterns) is refused by name rather than run wrongly. Torch-free.
+
+Anything that changes the math and that this engine does not implement (another activation,
+partial rotary, other rope types, soft-capping, QK norms, MLP biases, interleaved layer
+patterns, a config that does not say its architecture) is refused by name, never run as
+something else. Torch-free.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "swish")
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -22,6 +32,25 @@ _REQUIRED = (
     "num_hidden_layers",
     "num_attention_heads",
 )
+# Keys that change the model's math, with the values under which they change nothing. Any
+# other value is an error: the engine does not implement it.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "partial_rotary_factor": (None, 1, 1.0),
+    "mlp_bias": (None, False),
+    "attn_logit_softcapping": (None,),
+    "final_logit_softcapping": (None,),
+    "use_qk_norm": (None, False),
+    "qk_layernorm": (None, False),
+    "attention_chunk_size": (None,),
+    "no_rope_layers": (None,),
+    "use_bidirectional_attention": (None, False),
+    "embedding_multiplier": (None, 1, 1.0),
+    "logits_scaling": (None, 1, 1.0),
+    "residual_multiplier": (None, 1, 1.0),
+    "attention_multiplier": (None,),
+    "query_pre_attn_scalar": (None,),
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_WINDOW_TOKENS = 128
 
 
@@ -32,20 +61,13 @@ class HFConfigError(ValueError):
 def read_hf_config(
     hf: Mapping[str, Any], num_source_layers: int | None, window_tokens: int | None
 ) -> dict[str, Any]:
-    architectures = hf.get("architectures") or []
-    unknown = [a for a in architectures if a not in ARCHITECTURES]
-    if unknown:
-        raise HFConfigError(
-            f"config.json architectures {unknown} are not supported; supported: {ARCHITECTURES}"
-        )
+    architectures = _check_math(hf)
     missing = [name for name in _REQUIRED if name not in hf]
     if missing:
         raise HFConfigError(f"config.json lacks {missing}")
-    if hf.get("mlp_bias"):
-        raise HFConfigError("config.json sets mlp_bias=true; MLP biases are not supported")
     num_layers = int(hf["num_hidden_layers"])
     num_heads = int(hf["num_attention_heads"])
-    qwen2 = "Qwen2ForCausalLM" in architectures or hf.get("model_type") == "qwen2"
+    qwen2 = "Qwen2ForCausalLM" in architectures
     attention_bias = bool(hf.get("attention_bias", False))
     source, window = _layer_plan(hf, num_layers, qwen2)
     if num_source_layers is not None:
@@ -58,6 +80,7 @@ def read_hf_config(
             f"{hf.get('sliding_window')}); the cache needs full-attention source layers first: "
             "pass num_source_layers (for prompts within the window, full attention is the same)"
         )
+    rope_theta, rope_scaling = _rope(hf)
     return {
         "vocab_size": int(hf["vocab_size"]),
         "hidden_size": int(hf["hidden_size"]),
@@ -69,12 +92,71 @@ def read_hf_config(
         "num_source_layers": source,
         "window_tokens": window or DEFAULT_WINDOW_TOKENS,
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(hf.get("rope_theta", 10000.0)),
-        "rope_scaling": _rope_scaling(hf.get("rope_scaling")),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
         "qkv_bias": qwen2 or attention_bias,
         "o_bias": attention_bias and not qwen2,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
+
+
+def _check_math(hf: Mapping[str, Any]) -> list[str]:
+    """The config's architectures, after refusing every math key we do not implement."""
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise HFConfigError(
+            f"config.json has no architectures; which model it is decides the math "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
+    unknown = [a for a in architectures if a not in ARCHITECTURES]
+    if unknown:
+        raise HFConfigError(
+            f"config.json architectures {unknown} are not supported; supported: {ARCHITECTURES}"
+        )
+    for key in ("hidden_act", "hidden_activation"):
+        act = hf.get(key)
+        if act is not None and act not in ACTIVATIONS:
+            raise HFConfigError(
+                f"config.json {key} {act!r} is not supported (the MLP is SwiGLU: silu only)"
+            )
+    for key, neutral in _NEUTRAL.items():
+        if key in hf and hf[key] not in neutral:
+            raise HFConfigError(
+                f"config.json sets {key}={hf[key]!r}, which this engine does not implement"
+            )
+    return list(architectures)
+
+
+def _rope(hf: Mapping[str, Any]):
+    """(rope_theta, RopeScaling | None) from 5.x `rope_parameters` or 4.x fields."""
+    params = hf.get("rope_parameters")
+    if params and set(params) <= set(_LAYER_TYPES):  # one dict per layer type
+        first, *others = params.values()
+        for layer_type, other in params.items():
+            if other != first:
+                raise HFConfigError(
+                    f"config.json rope_parameters differ by layer type ({layer_type}: {other} "
+                    f"vs {first}); this engine has one rotary embedding"
+                )
+        params = first
+    legacy_theta = hf.get("rope_theta")
+    if params:
+        theta = params.get("rope_theta", legacy_theta)
+        if legacy_theta is not None and theta != legacy_theta:
+            raise HFConfigError(
+                f"config.json rope_theta {legacy_theta} disagrees with rope_parameters."
+                f"rope_theta {theta}"
+            )
+        factor = params.get("partial_rotary_factor")
+        if factor not in _NEUTRAL["partial_rotary_factor"]:
+            raise HFConfigError(
+                f"config.json rope_parameters.partial_rotary_factor={factor!r} is not supported"
+            )
+        scaling = params if (params.get("rope_type") or params.get("type")) else None
+        scaling = scaling or hf.get("rope_scaling")
+    else:
+        theta, scaling = legacy_theta, hf.get("rope_scaling")
+    return float(theta if theta is not None else 10000.0), _rope_scaling(scaling)
 
 
 def _layer_plan(
@@ -117,6 +199,8 @@ def _rope_scaling(raw: Mapping[str, Any] | None):
     if not raw:
         return None
     kind = raw.get("rope_type") or raw.get("type")
+    if kind is None:
+        raise HFConfigError(f"config.json rope scaling {dict(raw)} names no rope_type")
     if kind == "default":
         return None
     if kind == "linear":
@@ -130,7 +214,7 @@ def _rope_scaling(raw: Mapping[str, Any] | None):
             original_max_position_tokens=int(raw.get("original_max_position_embeddings", 8192)),
         )
     raise HFConfigError(
-        f"config.json rope_scaling type {kind!r} is not supported (supported: linear, llama3)"
+        f"config.json rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
     )
 
 
@@ -157,7 +241,7 @@ def write_hf_config(config, architecture: str = "LlamaForCausalLM") -> dict[str,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
+        "rope_parameters": _write_rope(config),
         "tie_word_embeddings": config.tie_word_embeddings,
         "hidden_act": "silu",
     }
@@ -166,13 +250,18 @@ def write_hf_config(config, architecture: str = "LlamaForCausalLM") -> dict[str,
         out["layer_types"] = ["full_attention"] * config.num_source_layers + [
             "sliding_attention"
         ] * config.num_late_layers
-    if config.rope_scaling is not None:
-        scaling = config.rope_scaling
-        out["rope_scaling"] = {"rope_type": scaling.kind, "factor": scaling.factor}
+    return out
+
+
+def _write_rope(config) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    scaling = config.rope_scaling
+    if scaling is not None:
+        rope.update(rope_type=scaling.kind, factor=scaling.factor)
         if scaling.kind == "llama3":
-            out["rope_scaling"].update(
+            rope.update(
                 low_freq_factor=scaling.low_freq_factor,
                 high_freq_factor=scaling.high_freq_factor,
                 original_max_position_embeddings=scaling.original_max_position_tokens,
             )
-    return out
+    return rope

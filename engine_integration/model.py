@@ -226,12 +226,10 @@ class Model:
         layout = RowLayout.build(runs, self.block_rows, self.device)
         last = hidden.index_select(0, as_index(rows, self.device))
         eps = self.config.rms_norm_eps
-        weights = self.weights
-
-        def head(block):
-            return F.linear(rms_norm(block, weights.final_norm, eps), weights.lm_head)
-
-        return layout.unpack(layout.map_blocks(head, layout.pack(last))).float()
+        normed = layout.map_blocks(
+            lambda block: rms_norm(block, self.weights.final_norm, eps), layout.pack(last)
+        )
+        return layout.unpack(layout.linear(normed, self.weights.lm_head)).float()
 
     # ------------------------------------------------------------------ row-wise parts
 
@@ -241,10 +239,11 @@ class Model:
         config = self.config
         eps = config.rms_norm_eps
         sizes = [config.q_size, config.kv_size, config.kv_size]
+        normed = layout.map_blocks(lambda block: rms_norm(block, weights.input_norm, eps), x)
+        qkv = layout.linear(normed, weights.qkv, weights.qkv_bias)
 
-        def project(block, cos, sin):
-            qkv = F.linear(rms_norm(block, weights.input_norm, eps), weights.qkv, weights.qkv_bias)
-            q, k, v = qkv.split(sizes, dim=-1)
+        def rotate(block, cos, sin):
+            q, k, v = block.split(sizes, dim=-1)
             q = q.reshape(-1, config.num_heads, config.head_dim)
             k = k.reshape(-1, config.num_kv_heads, config.head_dim)
             v = v.reshape(-1, config.num_kv_heads, config.head_dim)
@@ -252,19 +251,18 @@ class Model:
             k = k * cos + _rotate_half(k) * sin
             return q, torch.stack([k, v], dim=1)
 
-        q, kv = layout.map_blocks(project, x, *rope)
+        q, kv = layout.map_blocks(rotate, qkv, *rope)
         return layout.unpack(q), layout.unpack(kv)
 
     def _finish_layer(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
         """Output projection, residual, norm, SwiGLU MLP, residual, block by block."""
         eps = self.config.rms_norm_eps
-        attn = layout.pack(attn.flatten(1))
+        x = x + layout.linear(layout.pack(attn.flatten(1)), weights.o, weights.o_bias)
+        normed = layout.map_blocks(lambda block: rms_norm(block, weights.post_norm, eps), x)
+        gate_up = layout.linear(normed, weights.gate_up)
 
-        def finish(block, attn_block):
-            block = block + F.linear(attn_block, weights.o, weights.o_bias)
-            gate, up = F.linear(rms_norm(block, weights.post_norm, eps), weights.gate_up).chunk(
-                2, dim=-1
-            )
-            return block + F.linear(F.silu(gate) * up, weights.down)
+        def swiglu(block):
+            gate, up = block.chunk(2, dim=-1)
+            return F.silu(gate) * up
 
-        return layout.map_blocks(finish, x, attn)
+        return x + layout.linear(layout.map_blocks(swiglu, gate_up), weights.down)

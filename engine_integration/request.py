@@ -67,7 +67,6 @@ class Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    split_at: int | None  # cache off: prefill as if [0, split_at) had been a cached hit
     metrics: RequestMetrics
     state: RequestState = RequestState.WAITING
     output: list[int] = field(default_factory=list)

@@ -7,7 +7,11 @@ vector tail falls. Either would make a cached page differ, in its last bits, fro
 page computed in another batch, and a hit would then not equal a cold prefill.
 
 So in invariant mode every row-wise op runs on fixed-shape blocks of `block_rows` rows, and
-a token at position p always sits in row `p % block_rows` of its block. A token's numbers
+a token at position p always sits in row `p % block_rows` of its block. Elementwise ops run
+block by block; a projection runs as one batched matmul over all blocks (`linear`): each
+block is then its own fixed-shape gemm (the same bits whatever the number of blocks or
+threads), and the threads share out the blocks, where a loop of 16-row gemms left the
+second core idle. A token's numbers
 then depend only on its own inputs, never on its neighbours, the chunking or the batch.
 A request's run of consecutive positions fills its own blocks (block k holds positions
 [k*B, k*B + B)); single decode tokens of different requests share blocks when their slots
@@ -21,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -81,6 +86,21 @@ class RowLayout:
         if self.block_rows is None:
             return packed
         return packed.index_select(0, self.index)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`F.linear` of packed rows x (num_packed, in) by weight (out, in): one gemm per
+        block, in one batched call (see the module docstring)."""
+        if self.block_rows is None:
+            return F.linear(x, weight, bias)
+        blocks = x.view(-1, self.block_rows, x.shape[-1])  # (num_blocks, B, in)
+        weight_t = weight.t().expand(blocks.shape[0], *weight.t().shape)  # (num_blocks, in, out)
+        if bias is None:
+            out = torch.bmm(blocks, weight_t)
+        else:
+            out = torch.baddbmm(bias.expand(blocks.shape[0], self.block_rows, -1), blocks, weight_t)
+        return out.view(-1, weight.shape[0])
 
     def map_blocks(self, fn: Callable, *packed: torch.Tensor):
         """`fn` over each block of the packed tensors (one call without invariance); `fn`

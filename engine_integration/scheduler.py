@@ -11,14 +11,15 @@ Each step carries one decode row per decoding request and, within `prefill_chunk
 the next chunk of each prefilling request's prompt: replay rows first (after a hit), then
 new rows.
 
-The late layers' plan for a prompt of L tokens with a boundary at H (a hit, or the split a
-cache-off run is given; DESIGN.md "Sliding-window layers and encoder replay"):
-
-    replay  [max(0, H - W), H)      the window a prefill ending at H would have built;
-                                    only needed if the suffix can see it (L - H < 2W - 1)
-    suffix  [max(H, L - W), L)      the last W prompt tokens past the boundary
-
-With H = 0 that is the bounded replay of a cold prefill: the last W prompt tokens.
+The late layers' plan for a prompt of L tokens (DESIGN.md "Sliding-window layers and encoder
+replay"): K stacked window layers of width W make the last position depend on the source
+layers' output at the last R = K * (W - 1) + 1 positions, and so do the late layers' windows
+that decoding reads (layer j's last W keys need layer j - 1's output at W + (K - 1 - j) *
+(W - 1) positions). So the rows [max(0, L - R), L) go through the late layers, in a cold
+prefill and after a hit alike: the result is the checkpoint's own model, the unsplit prefill,
+whatever the boundary. After a hit of H tokens, the cached rows among them, [L - R, H), are
+*replayed*: run through the source layers again (attending over the cached KV, writing
+nothing) to give the late layers their input.
 """
 
 from __future__ import annotations
@@ -41,15 +42,10 @@ from tiers.errors import PoolExhaustedError
 logger = logging.getLogger(__name__)
 
 
-def plan_late_runs(num_tokens: int, boundary: int, window_tokens: int) -> list[tuple[int, int]]:
-    """The prompt rows that go through the late layers (see the module docstring)."""
-    suffix = (max(boundary, num_tokens - window_tokens), num_tokens)
-    if boundary == 0 or num_tokens - boundary >= 2 * window_tokens - 1:
-        return [suffix]
-    replay = (max(0, boundary - window_tokens), boundary)
-    if suffix[0] == boundary:
-        return [(replay[0], num_tokens)]
-    return [replay, suffix]
+def late_rows(num_tokens: int, num_late_layers: int, window_tokens: int) -> tuple[int, int]:
+    """The prompt rows [start, num_tokens) that go through the late layers (see above)."""
+    reach = num_late_layers * (window_tokens - 1) + 1
+    return max(0, num_tokens - reach), num_tokens
 
 
 def _clip(runs: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
@@ -86,8 +82,7 @@ class Scheduler:
                 f"{request.params.max_new_tokens} new tokens need {needed} pages of "
                 f"{self.page_size} tokens; the L1 pool has {self.num_pages}"
             )
-        if request.split_at is None:
-            self.pages.prefetch(request.prompt[:-1])
+        self.pages.prefetch(request.prompt[:-1])
         self.waiting.append(request)
 
     @property
@@ -114,7 +109,7 @@ class Scheduler:
             self.running.append(request)
 
     def _admit(self, request: Request) -> bool:
-        match = None if request.split_at is not None else self.pages.match(request.prompt[:-1])
+        match = self.pages.match(request.prompt[:-1])
         hit = match.num_tokens if match is not None else 0
         try:
             own = self.pages.alloc(self._pages_for(request) - hit // self.page_size)
@@ -131,11 +126,11 @@ class Scheduler:
 
     def _plan_prefill(self, request: Request, hit: int) -> None:
         model = self.model_config
-        boundary = hit if request.split_at is None else request.split_at
         num_tokens = request.num_prompt_tokens
         metrics = request.metrics
         if model.num_late_layers:
-            request.late_runs = plan_late_runs(num_tokens, boundary, model.window_tokens)
+            late = late_rows(num_tokens, model.num_late_layers, model.window_tokens)
+            request.late_runs = [late]
             request.window = LateWindow(
                 model.num_late_layers,
                 model.window_tokens,
@@ -144,7 +139,7 @@ class Scheduler:
                 dtype=self.dtype,
                 device=self.config.device,
             )
-            metrics.late_tokens = sum(e - s for s, e in request.late_runs)
+            metrics.late_tokens = late[1] - late[0]
         request.write_from = hit
         request.cursor = min([hit, *(s for s, _ in request.late_runs)])
         metrics.replayed_tokens = hit - request.cursor

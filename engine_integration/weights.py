@@ -212,7 +212,7 @@ def read_model_config(
     try:
         return ModelConfig.from_hf_config(
             hf,
-            model_id=model_id or _digest(model_dir, [config_path, *files]),
+            model_id=model_id or content_digest(model_dir, [config_path, *files]),
             num_source_layers=num_source_layers,
             window_tokens=window_tokens,
         )
@@ -244,17 +244,29 @@ def load_weights(
         for name, shape in expected.items()
         if name in found and found[name][1] != shape
     ]
+    problems += [
+        f"unexpected tensor {name} (the config does not declare it: this engine's model would "
+        "not be the checkpoint's)"
+        for name in sorted(set(found) - set(expected))
+        if not _harmless_extra(config, name)
+    ]
     if problems:
         raise CheckpointError(f"{model_dir}: " + "; ".join(problems))
-    extra = sorted(set(found) - set(expected))
-    if extra:
-        logger.info("%s: ignoring %d tensors the model does not use", model_dir, len(extra))
     tensors = {}
     for path, names in _by_file(expected, found):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in names:
                 tensors[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
     return from_hf_tensors(config, tensors)
+
+
+def _harmless_extra(config: ModelConfig, name: str) -> bool:
+    """Tensors a checkpoint may hold that change nothing: rotary tables (computed from the
+    config) and, when the head is tied to the embedding, a stored head (transformers too
+    ties it and ignores the stored one)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -271,7 +283,8 @@ def _by_file(expected, found) -> Iterator[tuple[Path, list[str]]]:
     yield from groups.items()
 
 
-def _digest(model_dir: Path, paths: list[Path]) -> str:
+def content_digest(model_dir: Path, paths: list[Path]) -> str:
+    """`<dir name>@<xxh3 of the files>`: a model id that changes with the weights."""
     hasher = xxhash.xxh3_128()
     for path in paths:
         hasher.update(path.name.encode() + b"\0")

@@ -1,62 +1,140 @@
-"""A multi-turn chat workload: several users, each turn appending to the user's history.
+"""The demo's multi-turn chat: users with real questions, some sharing a system prompt.
 
-Users share a system prompt in groups (users 0, 1, 3, 4, ... share one; every third user
-has a system prompt of its own), so the cache sees both kinds of reuse a chat service
-has: one user's growing history, and a prefix common to many users. The text is drawn
-from a fixed vocabulary with a seeded generator, so every run asks the same questions.
-Torch-free.
+Users 0, 1, 3, 4, ... share one system prompt (a chat service's common instructions); every
+third user has its own. Each asks a few questions on one topic, each turn's question
+following the model's previous answer, so the cache sees both kinds of reuse a chat service
+has: one user's growing history, and a prefix common to many users.
+
+`ChatHistory` keeps one user's conversation as the token ids the model saw and produced:
+the next prompt is those ids plus the tokens of what the chat template adds for the new
+turn, never a re-tokenization of the whole text (which could tokenize the model's answer
+differently and so miss the cache). Models without a chat template (the built-in random one)
+get a plain "User: ... / Assistant:" format. Torch-free.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-_WORDS = (
-    "cache page tier memory host device storage prefix token window layer attention "
-    "request batch latency throughput bandwidth eviction policy replay index radix shard "
-    "copy kernel stream event pinned write read hit miss warm cold model prompt answer "
-    "question history system user turn budget capacity planning cluster node daemon"
-).split()
+SHARED_SYSTEM = (
+    "You are a friendly and knowledgeable assistant at a public library's help desk. "
+    "Visitors of every age come to you with questions about science, history, geography, "
+    "technology, cooking and everyday life. Answer in clear, plain English, in two or three "
+    "short sentences, so that a curious twelve-year-old could follow. Start with the direct "
+    "answer, then add one helpful detail or example. Prefer well-established facts; when "
+    "something is uncertain, debated or depends on the situation, say so plainly instead of "
+    "guessing. Never invent names, dates, numbers or quotations. Do not use lists, tables or "
+    "headings unless the visitor asks for them, and keep a warm, patient and encouraging "
+    "tone. If a question is unclear, answer its most likely meaning and say which meaning "
+    "you chose. If a visitor asks a follow-up question, answer it in the context of the "
+    "conversation so far, without repeating what you already said. If a question is about "
+    "health, law or money, give general information only and suggest asking a qualified "
+    "professional. Be respectful of every culture and opinion, and when you do not know "
+    "something, say so and suggest where in the library the visitor could look it up."
+)
+OWN_SYSTEM = (
+    "You are a patient cooking teacher who helps beginners in their first kitchen. "
+    "Give practical, safe advice with concrete times and temperatures, in a few sentences."
+)
+TOPICS = (
+    ("What is the capital of France?", "What is it famous for?",
+     "Name one museum there worth visiting.", "How tall is the Eiffel Tower?"),
+    ("Why is the sky blue?", "Then why are sunsets red?",
+     "Is the sky blue on Mars too?", "Can you say all that in one sentence?"),
+    ("How do I boil an egg?", "How long for a soft yolk?",
+     "Can I do it in a microwave instead?", "Any tip for peeling it easily?"),
+    ("What does a computer's memory cache do?", "Why is it faster than main memory?",
+     "What is a cache hit?", "Give me an everyday analogy for it."),
+    ("Who was Marie Curie?", "What did she discover?",
+     "Why was her work dangerous?", "What can we learn from her life?"),
+    ("How do plants make food?", "Why are leaves green?",
+     "What happens to plants at night?", "Why do leaves change colour in autumn?"),
+)  # fmt: skip
+FOLLOW_UPS = ("Can you explain that more simply?", "Tell me one more interesting fact about it.")
 
 
 @dataclass(frozen=True)
 class Conversation:
     user: int
     system_prompt: str
-    messages: tuple[str, ...]  # one user message per turn
+    questions: tuple[str, ...]  # one per turn
 
 
-def _text(rng: random.Random, num_words: int) -> str:
-    words = [rng.choice(_WORDS) for _ in range(num_words)]
-    sentences, i = [], 0
-    while i < len(words):
-        size = rng.randint(6, 14)
-        sentences.append(" ".join(words[i : i + size]).capitalize() + ".")
-        i += size
-    return " ".join(sentences)
-
-
-def make_conversations(
-    num_users: int,
-    num_turns: int,
-    seed: int = 0,
-    *,
-    system_words: int = 100,
-    message_words: int = 16,
-) -> list[Conversation]:
-    rng = random.Random(seed)
-    shared = "You are a helpful assistant for a KV cache team. " + _text(rng, system_words)
+def make_conversations(num_users: int, num_turns: int) -> list[Conversation]:
     conversations = []
     for user in range(num_users):
-        own = f"You are user {user}'s research assistant. " + _text(rng, system_words)
-        system = own if user % 3 == 2 else shared
-        messages = tuple(_text(rng, message_words) for _ in range(num_turns))
-        conversations.append(Conversation(user, system, messages))
+        system = OWN_SYSTEM if user % 3 == 2 else SHARED_SYSTEM
+        topic = TOPICS[2] if user % 3 == 2 else TOPICS[[0, 1, 3, 4, 5][(user - user // 3) % 5]]
+        questions = [*topic, *FOLLOW_UPS]
+        turns = tuple(questions[t % len(questions)] for t in range(num_turns))
+        conversations.append(Conversation(user, system, turns))
     return conversations
 
 
-def turn_text(conversation: Conversation, turn: int) -> str:
-    """The text a turn appends to the history (before the model's answer)."""
-    head = f"System: {conversation.system_prompt}\n" if turn == 0 else ""
-    return f"{head}\nUser: {conversation.messages[turn]}\nAssistant:"
+@dataclass
+class ChatHistory:
+    """One user's conversation so far, as token ids (see the module docstring).
+    `tokenizer`: encode / decode, eos_id and, if it has one, apply_chat_template."""
+
+    tokenizer: object
+    system_prompt: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def _templated(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def prompt_for(self, question: str) -> list[int]:
+        """The prompt of the next turn: the history's ids and the new turn's."""
+        if not self.messages:
+            self.messages.append({"role": "system", "content": self.system_prompt})
+        before = self._render(add_generation_prompt=False) if len(self.messages) > 1 else None
+        self.messages.append({"role": "user", "content": question})
+        after = self._render(add_generation_prompt=True)
+        if before is None:
+            return self.token_ids + self.tokenizer.encode(after)
+        if not after.startswith(before):
+            raise ValueError(
+                "the chat template does not render a conversation as a prefix of its continuation"
+            )
+        added = self._after_answer(before) + after[len(before) :]
+        return self.token_ids + self.tokenizer.encode(added)
+
+    def add_answer(self, prompt: list[int], output: list[int]) -> str:
+        """Record the model's answer (its tokens, as generated); returns its text."""
+        eos = self.tokenizer.eos_id
+        ended = bool(output) and output[-1] == eos
+        answer_ids = output[:-1] if ended else output
+        text = self.tokenizer.decode(answer_ids)
+        self.messages.append({"role": "assistant", "content": text})
+        closing = [eos] if (self._templated and eos is not None) else []
+        self.token_ids = prompt + answer_ids + closing
+        return text
+
+    def _render(self, *, add_generation_prompt: bool) -> str:
+        if self._templated:
+            return self.tokenizer.apply_chat_template(
+                self.messages, add_generation_prompt=add_generation_prompt
+            )
+        parts = []
+        for message in self.messages:
+            if message["role"] == "system":
+                parts.append(f"System: {message['content']}\n")
+            elif message["role"] == "user":
+                parts.append(f"\nUser: {message['content']}\nAssistant:")
+            else:
+                parts.append(f" {message['content']}")
+        return "".join(parts)
+
+    def _after_answer(self, rendered: str) -> str:
+        """What the template puts after the last answer, less the end-of-turn token the
+        history already holds (the model generated it, or add_answer closed the turn)."""
+        answer = self.messages[-2]["content"] if self.messages[-1]["role"] == "user" else ""
+        found = rendered.rfind(answer) if answer else -1
+        end = found + len(answer) if found >= 0 else len(rendered)
+        tail = rendered[end:]
+        eos_text = getattr(self.tokenizer, "eos_text", None)
+        if self._templated and eos_text and tail.startswith(eos_text):
+            tail = tail[len(eos_text) :]
+        return tail

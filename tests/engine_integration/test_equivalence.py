@@ -1,9 +1,8 @@
-"""A cached hit at H equals, bit for bit, a cache-off prefill split at H (DESIGN.md).
+"""A cached hit equals, bit for bit, the uncached, unsplit prefill (DESIGN.md).
 
 The hits come from each tier: L1; L2 after the L1 copy is evicted; L3 after a restart
 (a new cache and engine over the same file:// directory). Each cache-on output is compared
-with the cache-off engine given `split_at` = the hit: greedy tokens equal, logits
-`torch.equal`.
+with the cache-off engine on the same prompt: greedy tokens equal, logits `torch.equal`.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from tests.support.engines import ENGINE, GREEDY, cache_off, random_prompt, run_
 LONG = SamplingParams(max_new_tokens=20, return_logits=True)
 
 
-def _assert_same_as_split(model, output, hit):
-    baseline = run_one(cache_off(model), output.prompt_token_ids, split_at=hit)
+def _assert_same_as_cold(model, output):
+    baseline = run_one(cache_off(model), output.prompt_token_ids)
     assert output.token_ids == baseline.token_ids
     assert torch.equal(output.logits, baseline.logits)
 
@@ -30,19 +29,19 @@ def _first_then_second(first_length=150, shared=100, extra=30):
     return first, second
 
 
-def test_hit_from_l1_equals_split_prefill(small_model, engines):
+def test_hit_from_l1_equals_cold_prefill(small_model, engines):
     engine = engines(small_model)
     first, second = _first_then_second()
     cold = run_one(engine, first)
     assert cold.metrics.total_hit_tokens == 0
     hit = run_one(engine, second)
     assert hit.metrics.hit_tokens == {"l1": 96, "l2": 0, "l3": 0}
-    assert hit.metrics.replayed_tokens == 32  # the window W before the hit
-    _assert_same_as_split(small_model, hit, 96)
+    assert hit.metrics.replayed_tokens == 96 - (130 - 63)  # late rows: the last 2 * 31 + 1
+    _assert_same_as_cold(small_model, hit)
     engine.cache.check_invariants()
 
 
-def test_hit_from_l2_after_eviction_equals_split_prefill(small_model, engines):
+def test_hit_from_l2_after_eviction_equals_cold_prefill(small_model, engines):
     engine = engines(small_model, l2_pages=64)
     first, second = _first_then_second()
     run_one(engine, first)
@@ -50,11 +49,11 @@ def test_hit_from_l2_after_eviction_equals_split_prefill(small_model, engines):
     assert engine.cache.evict("l1", 1000) > 0
     hit = run_one(engine, second)
     assert hit.metrics.hit_tokens == {"l1": 0, "l2": 96, "l3": 0}
-    _assert_same_as_split(small_model, hit, 96)
+    _assert_same_as_cold(small_model, hit)
     engine.cache.check_invariants()
 
 
-def test_hit_from_l3_after_restart_equals_split_prefill(small_model, engines, tmp_path):
+def test_hit_from_l3_after_restart_equals_cold_prefill(small_model, engines, tmp_path):
     url = f"file://{tmp_path}/l3?capacity=64MiB"
     first, second = _first_then_second()
     before = engines(small_model, l2_pages=64, l3_url=url)
@@ -64,17 +63,17 @@ def test_hit_from_l3_after_restart_equals_split_prefill(small_model, engines, tm
     after = engines(small_model, l2_pages=64, l3_url=url)  # a new cache: cold L1 and L2
     hit = run_one(after, second)
     assert hit.metrics.hit_tokens == {"l1": 0, "l2": 0, "l3": 96}
-    _assert_same_as_split(small_model, hit, 96)
+    _assert_same_as_cold(small_model, hit)
 
 
-def test_hit_on_pages_written_by_decode_equals_split_prefill(small_model, engines):
+def test_hit_on_pages_written_by_decode_equals_cold_prefill(small_model, engines):
     """The next turn of a conversation hits pages whose KV the decode loop wrote."""
     engine = engines(small_model)
     turn1 = run_one(engine, random_prompt(3, 150), LONG)
     history = turn1.prompt_token_ids + turn1.token_ids  # 170 tokens, 169 with KV
     turn2 = run_one(engine, history + random_prompt(4, 12))
     assert turn2.metrics.hit_tokens["l1"] == 160  # ten full pages, the last two decoded
-    _assert_same_as_split(small_model, turn2, 160)
+    _assert_same_as_cold(small_model, turn2)
 
 
 def test_concurrent_requests_sharing_a_prefix(small_model, engines):
@@ -85,7 +84,7 @@ def test_concurrent_requests_sharing_a_prefix(small_model, engines):
     outputs = engine.generate(users, GREEDY)
     for output in outputs:
         assert output.metrics.hit_tokens["l1"] == 64
-        _assert_same_as_split(small_model, output, 64)
+        _assert_same_as_cold(small_model, output)
 
 
 def test_source_only_model_hit_equals_unsplit_cold_prefill(source_only_model, engines):

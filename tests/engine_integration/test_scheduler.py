@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from engine_integration.errors import EngineError, RequestTooLargeError
+from engine_integration.errors import RequestTooLargeError
 from engine_integration.sampling import SamplingParams
 from hicache.config import PolicyConfig
 from tests.support.engines import ENGINE, GREEDY, cache_off, random_prompt, run_one
@@ -78,10 +78,6 @@ def test_bad_requests_are_refused(small_model, engines):
     engine = engines(small_model)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 2, 500], GREEDY)
-    with pytest.raises(EngineError, match="split_at"):
-        engine.add_request([1, 2, 3], GREEDY, split_at=1)
-    with pytest.raises(ValueError, match="split_at"):
-        cache_off(small_model).add_request([1, 2, 3], GREEDY, split_at=3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
 

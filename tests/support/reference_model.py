@@ -1,9 +1,8 @@
 """A plain, dense float64 forward pass to check the engine's model against.
 
-No pages, no blocks, no window ring: the source layers attend causally over every
-position; the late layers run only on the rows in `late_positions`, a row t attending to
-the late rows in (t - W, t]. That is the model DESIGN.md defines (bounded replay), written
-the obvious way.
+No pages, no blocks, no window ring, no replay: every layer runs on every position; the
+source layers attend causally, the late layers over (t - W, t]. That is the checkpoint's
+model (what transformers computes for a sliding-window layer), written the obvious way.
 """
 
 from __future__ import annotations
@@ -62,23 +61,14 @@ def _double(weights: ModelWeights) -> ModelWeights:
 
 
 @torch.no_grad()
-def reference_logits(
-    config: ModelConfig, weights: ModelWeights, tokens: list[int], late_positions: list[int]
-) -> torch.Tensor:
-    """Logits (float64) at every position in `late_positions` (ascending); with no late
-    layers, pass every position you want logits for."""
+def reference_logits(config: ModelConfig, weights: ModelWeights, tokens: list[int]) -> torch.Tensor:
+    """Logits (float64) at every position of `tokens`."""
     w = _double(weights)
-    n = len(tokens)
-    positions = torch.arange(n)
+    positions = torch.arange(len(tokens))
     x = w.embed[torch.tensor(tokens)]
-    causal = positions[None, :] <= positions[:, None]
-    for layer in w.layers[: config.num_source_layers]:
-        x = _layer(config, layer, x, positions, causal)
-    rows = torch.tensor(late_positions, dtype=torch.long)
-    x = x[rows]
-    if config.num_late_layers:
-        t, j = rows[:, None], rows[None, :]
-        window = (j <= t) & (j > t - config.window_tokens)
-        for layer in w.layers[config.num_source_layers :]:
-            x = _layer(config, layer, x, rows, window)
+    t, j = positions[:, None], positions[None, :]
+    causal = j <= t
+    window = causal & (j > t - config.window_tokens)
+    for i, layer in enumerate(w.layers):
+        x = _layer(config, layer, x, positions, causal if i < config.num_source_layers else window)
     return F.linear(_norm(x, w.final_norm, config.rms_norm_eps), w.lm_head)

