@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_integration.errors import RequestTooLargeError
+
 BUILTIN = "builtin"  # --model builtin: the built-in random model
 
 
@@ -134,15 +136,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-compare", dest="compare", action="store_false", help="skip the run with the cache off"
     )
     add("--fresh", action="store_true", help="empty the default L3 directory first")
+    add("--debug", action="store_true", help="on a mistake, print the traceback too")
+
+
+class DemoMistake(Exception):
+    """A mistake in the demo's flags or environment: one line, naming the flag, exit 2."""
 
 
 def run(args: argparse.Namespace) -> int:
     fields = {f.name for f in dataclasses.fields(DemoConfig)}
     try:
         config = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    except ValueError as error:
+        check_before_loading(config)
+        from engine_integration.demo_runner import run_demo
+
+        return run_demo(config)
+    except RequestTooLargeError as error:
+        if getattr(args, "debug", False):
+            raise
+        print(f"hicache demo: --l1-pages is too few: {error}", file=sys.stderr)
+        return 2
+    except (DemoMistake, ValueError) as error:
+        if getattr(args, "debug", False):
+            raise
         print(f"hicache demo: {error}", file=sys.stderr)
         return 2
-    from engine_integration.demo_runner import run_demo
 
-    return run_demo(config)
+
+def check_before_loading(config: DemoConfig) -> None:
+    """What can be wrong, found in seconds, before the model loads (which takes longer):
+    the device, the model's path, and the L3 backend (reached, not only parsed)."""
+    device = config.device
+    if device != "cpu" and not device.startswith("cuda"):
+        raise DemoMistake(f"--device {device}: expected 'cpu' or 'cuda[:N]'")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+            raise DemoMistake(
+                f"--device {device}: no CUDA device here (torch {torch.__version__}, {build})"
+            )
+    if config.model not in (None, BUILTIN) and not Path(config.model).exists():
+        raise DemoMistake(f"--model {config.model}: no such file or directory")
+    if config.l3_url:
+        _reach_l3(config.l3_url)
+
+
+def _reach_l3(url: str) -> None:
+    from storage_backends.errors import StorageError
+    from storage_backends.sync import SyncBackend
+
+    try:
+        store = SyncBackend.open(url)
+    except (StorageError, ValueError) as error:
+        raise DemoMistake(f"--l3-url: {error}") from error
+    try:
+        store.connect()
+    except StorageError as error:
+        raise DemoMistake(f"--l3-url: {error}") from error
+    finally:
+        store.close()

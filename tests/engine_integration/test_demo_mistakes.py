@@ -1,0 +1,64 @@
+"""`hicache demo` mistakes: each is one line naming the flag, exit code 2, no traceback, and
+found before the model loads where it can be (`--debug` shows the traceback)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def demo(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hicache", "demo", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+CASES = [
+    (
+        ["--l3-url", f"redis://127.0.0.1:{free_port()}/0?timeout=300ms"],
+        "--l3-url: .*cannot be reached",
+    ),
+    (["--l3-url", "bogus://x"], "--l3-url: .*unknown storage backend 'bogus'"),
+    (
+        ["--l3-url", "file:///tmp/hicache-mistake?capacity=8G"],
+        "--l3-url: capacity: '8G' is not a size",
+    ),
+    (["--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
+    (["--turns", "0"], "--turns must be >= 1"),
+    (
+        ["--model", "builtin", "--l1-pages", "1", "--no-compare", "--turns", "1", "--users", "1"],
+        "--l1-pages is too few: .* the L1 pool has 1",
+    ),
+]
+if not torch.cuda.is_available():
+    CASES.append((["--device", "cuda"], "--device cuda: no CUDA device here"))
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(c[0])[:40] for c in CASES])
+def test_a_mistake_is_one_line_and_exit_code_2(argv, message):
+    done = demo(*argv)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("hicache demo: ")
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_debug_shows_the_traceback():
+    done = demo("--model", "/no/such/model.gguf", "--debug")
+    assert done.returncode != 0
+    assert "Traceback" in done.stderr and "DemoMistake" in done.stderr
