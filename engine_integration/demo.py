@@ -72,6 +72,11 @@ class DemoConfig:
             raise ValueError(f"--l1-pages must be >= 1, got {self.l1_pages}")
         if self.l2_pages is not None and self.l2_pages < 0:
             raise ValueError(f"--l2-pages must be >= 0, got {self.l2_pages}")
+        if self.fresh and self.l3_url:
+            raise ValueError(
+                "--fresh empties the demo's own L3 directory; with --l3-url, empty that "
+                "store yourself (or point the demo at another one)"
+            )
         if self.l3_url and self.l2_pages == 0:
             raise ValueError("an L3 needs an L2 (--l2-pages > 0): pages reach L3 through L2")
 

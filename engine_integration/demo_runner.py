@@ -215,6 +215,11 @@ def _warm_up(model, engine_config: EngineConfig) -> None:
     engine.generate([prompt], SamplingParams(max_new_tokens=2))
 
 
+def _is_the_demos_own(l3_url: str) -> bool:
+    """Whether `l3_url` is the demo's default directory (the one --fresh empties)."""
+    return l3_url.startswith(f"file://{default_l3_dir()}?")
+
+
 def _default_l3_url(config: DemoConfig) -> str:
     directory = default_l3_dir()
     if config.fresh and directory.exists():
@@ -393,9 +398,12 @@ def _print_totals(records: list[TurnRecord], stats, l3_url: str | None, seconds:
         f"L2->L3 {moved['l2_to_l3']:,}, L3->L2 {moved['l3_to_l2']:,}; evicted from L1 "
         f"{stats.evicted_pages['l1']:,}, from L2 {stats.evicted_pages['l2']:,}"
     )
-    if l3_url:
+    if l3_url and l3_url.startswith("memory://"):
+        _say(f"  L3 is {l3_url}: it lived in this process only; a new run starts empty.")
+    elif l3_url:
         _say(f"  L3 is {l3_url}: run `hicache demo` again and a new process, with empty L1")
-        _say("  and L2, starts from the pages this run left there (--fresh empties it).")
+        fresh = " (--fresh empties it)" if _is_the_demos_own(l3_url) else ""
+        _say(f"  and L2, starts from the pages this run left there{fresh}.")
     _say(f"  ({seconds:.1f} s)")
     sys.stdout.flush()
 
