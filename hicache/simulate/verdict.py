@@ -294,12 +294,16 @@ def _next_dollar(verdict: Verdict, base_hit_rate: float) -> str:
 
 
 def _pd_sentence(config: SimulationConfig, check: SharedL3Check) -> str:
+    if check.instances < 2:
+        # One instance has nobody to share an L3 with: a verdict either way would be made up.
+        return (
+            "Prefill/decode disaggregation with a shared L3: not judged with one prefill "
+            f"instance (nothing to share); run with --instances 2 or more. Shipping prompt KV "
+            f"to decode would take {check.pd_gb_per_s:.2f} GB/s ({check.nic_fraction:.0%} of "
+            "the NIC with the L3 reads)."
+        )
     words = "pays off" if check.pays_off else "does not pay off"
-    instances = (
-        f"{check.instances} prefill instances"
-        if check.instances > 1
-        else "one prefill instance (nothing to share yet: try --instances)"
-    )
+    instances = f"{check.instances} prefill instances"
     own = "their own L1/L2"
     if check.local_l3_bytes:
         own += f" and an L3 each of {check.local_l3_bytes / check.instances / 1e12:,.2f} TB"

@@ -80,3 +80,12 @@ def test_the_next_dollar_goes_where_it_returns_most(config_factory):
     else:
         assert line.startswith("Next dollar: nowhere.")
     assert verdict.ceiling_hit_rate >= base.hit_rate
+
+
+def test_one_instance_gets_no_disaggregation_verdict(config_factory):
+    """With one prefill instance there is nothing to share: neither "pays off" nor not."""
+    config = config_factory(page_size=64, l1_pages=20, l2_pages=40, l3_pages=300)
+    _, _, verdict = verdict_for(config)
+    line = next(line for line in verdict.lines if "disaggregation" in line)
+    assert "not judged with one prefill instance" in line
+    assert "pays off" not in line and "does not pay" not in line
