@@ -13,26 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.o_proj.bias": "attn_output.bias",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+# The loader's own table of llama.cpp tensor names: the files written here use the same
+# names (the SmolLM2 GGUF test against transformers checks the table itself).
+from engine_integration.gguf_checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
 
 
 def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -77,11 +60,11 @@ def write_gguf(
     for hf_name, tensor in state.items():
         if hf_name.startswith("model.layers."):
             _, _, index, rest = hf_name.split(".", 3)
-            name = f"blk.{index}.{_LAYER[rest]}"
+            name = f"blk.{index}.{_LAYER_NAMES[rest]}"
         elif hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         else:
-            name = _GLOBAL[hf_name]
+            name = _GLOBAL_NAMES[hf_name]
         values = tensor.detach().float().numpy()
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             heads = c.num_attention_heads if "attn_q" in name else c.num_key_value_heads
