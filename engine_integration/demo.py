@@ -156,15 +156,11 @@ def run(args: argparse.Namespace) -> int:
         from engine_integration.demo_runner import run_demo
 
         return run_demo(config)
-    except RequestTooLargeError as error:
-        if getattr(args, "debug", False):
-            raise
-        print(f"hicache demo: --l1-pages is too few: {error}", file=sys.stderr)
-        return 2
     except (DemoMistake, ValueError) as error:
         if getattr(args, "debug", False):
             raise
-        print(f"hicache demo: {error}", file=sys.stderr)
+        flag = "--l1-pages is too few: " if isinstance(error, RequestTooLargeError) else ""
+        print(f"hicache demo: {flag}{error}", file=sys.stderr)
         return 2
 
 

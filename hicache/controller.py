@@ -23,14 +23,14 @@ from hicache.config import HiCacheConfig
 from hicache.errors import BackgroundTransferError, HiCacheError
 from hicache.metrics import HiCacheStats, Metrics
 from hicache.ops import Executor, LoadOp, OpKind, PrefetchOp, TransferOp
-from hicache.transfers import FAILED_LOAD, INDEX, PageMovement, _op_owner
+from hicache.transfers import FAILED_LOAD, INDEX, PageMovement, op_owner
 from radix.keys import Namespace, encode_tokens
 from radix.node import Node, Tier
 from radix.tree import MatchResult, RadixTree
 from tiers.allocator import PageAllocator
 from tiers.errors import PageIdError, PoolExhaustedError
 
-# Owners of L1 / L2 page ids (besides an op in flight, `_op_owner(op)`): every allocated
+# Owners of L1 / L2 page ids (besides an op in flight, `op_owner(op)`): every allocated
 # page is held by exactly one of these, and the pools record which (`PageAllocator`).
 REQUEST = "a request"  # allocated by alloc_device_pages, not inserted or freed yet
 
@@ -360,7 +360,7 @@ class HiCache(PageMovement):
                     mapped[Tier.L1].extend(node.device_page_ids)
                 if node.host_page_ids is not None:
                     mapped[Tier.L2].extend(node.host_page_ids)
-            ops = {_op_owner(op) for op in self._inflight.values()}
+            ops = {op_owner(op) for op in self._inflight.values()}
             for tier, pool in ((Tier.L1, self._device), (Tier.L2, self._host)):
                 _check_ownership(tier, pool, mapped[tier], ops)
 

@@ -41,7 +41,7 @@ FAILED_LOAD = "failed load"  # a run's meta: its L1 copy is wrong (its load fail
 INDEX = "the index"  # the owner of the L1 / L2 pages the index maps (as in the controller)
 
 
-def _op_owner(op: TransferOp) -> str:
+def op_owner(op: TransferOp) -> str:
     """The owner of pages an op holds that the index does not map yet."""
     return f"{op.kind.value} op {op.op_id}"
 
@@ -165,9 +165,9 @@ class PageMovement:
             num_bytes=len(keys) * self.layout.bytes_per_page,
             keys=keys,
         )
-        op.host_page_ids = self._host.alloc(len(keys), _op_owner(op))
+        op.host_page_ids = self._host.alloc(len(keys), op_owner(op))
         if not self._submit(op, chosen):
-            self._host.free(op.host_page_ids, _op_owner(op))
+            self._host.free(op.host_page_ids, op_owner(op))
             return None
         for run in chosen:
             run.meta = op
@@ -211,13 +211,13 @@ class PageMovement:
                 end = ready
             landed = op.host_page_ids[offset:end]
             if piece.host_page_ids is None:
-                self._host.give(landed, _op_owner(op), INDEX)
+                self._host.give(landed, op_owner(op), INDEX)
                 self._tree.set_host(piece, landed)
                 self._tree.touch(piece)  # fetched for a request: not the first thing to evict
                 if piece.level == Tier.L2:
                     piece.meta = LANDED_FROM_L3
             else:
-                self._host.free(landed, _op_owner(op))
+                self._host.free(landed, op_owner(op))
             if piece.meta is op:
                 piece.meta = None
             offset = end
@@ -526,7 +526,7 @@ class PageMovement:
         # Pages L3 promised but did not deliver: their host pages go back, and the index
         # stops believing L3 holds them (where nothing else holds them open).
         self._metrics.prefetch_pages_missing += missing
-        self._host.free(op.host_page_ids[op.num_ready :], _op_owner(op))
+        self._host.free(op.host_page_ids[op.num_ready :], op_owner(op))
         pieces = [p for p in self._pieces(run) if p.meta is op]
         for piece in reversed(pieces):
             piece.meta = None
