@@ -20,8 +20,10 @@ first). Cases:
     overlap      the load with the compute stand-in after each layer's wait
     compute      the compute stand-in alone
 
-It reports GB/s, load / ceiling, and hidden = (load + compute - overlap) / load, one JSON
-line per case with the git revision and device, then a table.
+It reports GB/s, load / ceiling, and hidden = (load + compute - overlap) / min(load,
+compute): the share of the shorter of the two that runs under the other (1.0: the step
+takes as long as the longer alone), one JSON line per case with the git revision and
+device, then a table.
 
     python benchmarks/bench_vllm_connector.py                    # CUDA: the claim
     python benchmarks/bench_vllm_connector.py --layer-ms 0.5 1 2
@@ -190,7 +192,7 @@ def measure(bench: Bench, args) -> list[dict]:
 
         compute_s = timed(compute_only, device, args.repeats)
         overlap_s = timed(lambda f=layer_compute: bench.load(f), device, args.repeats, **steps)
-        hidden = max(0.0, min(1.0, (load_s + compute_s - overlap_s) / load_s))
+        hidden = max(0.0, min(1.0, (load_s + compute_s - overlap_s) / min(load_s, compute_s)))
         layer_ms = round(layer_s * 1e3, 3)
         rows.append({"case": "compute", "layer_ms": layer_ms, "seconds": compute_s})
         rows.append(
