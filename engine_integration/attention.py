@@ -22,6 +22,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from engine_integration.window import LateWindow
 
+# scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5.
+_SDPA_GROUPS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 def page_slots(page_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
     """Flat pool slots (page * page_size + offset) of a request's positions [0, length)."""
@@ -184,10 +187,13 @@ def _sdpa(q, kv, mask, scale):
     group = num_heads // kv.shape[2]
     keys = kv[:, 0].transpose(0, 1)  # (H, L, D)
     values = kv[:, 1].transpose(0, 1)
-    if group > 1:
+    grouped = {}
+    if group > 1 and _SDPA_GROUPS:
+        grouped = {"enable_gqa": True}  # the kernel maps query heads onto KV heads
+    elif group > 1:  # torch < 2.5: a copy of every key and value per query head
         keys = keys.repeat_interleave(group, dim=0)
         values = values.repeat_interleave(group, dim=0)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=scale
+        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=scale, **grouped
     )
     return out[0].transpose(0, 1)

@@ -32,6 +32,7 @@ from engine_integration.attention import (
     write_kv,
 )
 from engine_integration.config import ModelConfig
+from engine_integration.graphs import RowwiseGraphs
 from engine_integration.rows import RowLayout, as_index
 from engine_integration.weights import LayerWeights, ModelWeights
 from engine_integration.window import LateWindow
@@ -110,9 +111,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Model:
     """Weights plus the forward pass. `block_rows` is the batch-invariant block size
-    (None: dense batches, for CUDA)."""
+    (None: dense batches, for CUDA). `cuda_graphs`: dense batches on CUDA replay the
+    row-wise halves of each layer as CUDA graphs (`engine_integration.graphs`); False runs
+    every kernel eagerly."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, *, block_rows: int | None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        *,
+        block_rows: int | None,
+        cuda_graphs: bool = True,
+    ):
         if len(weights.layers) != config.num_layers:
             raise ValueError(
                 f"weights hold {len(weights.layers)} layers, the config {config.num_layers}"
@@ -124,6 +134,9 @@ class Model:
         self.dtype = weights.dtype
         self.scale = config.head_dim**-0.5
         self.rope = RotaryTable(config, self.device, self.dtype)
+        # Dense batches on CUDA replay the row-wise halves of each layer as CUDA graphs.
+        dense_cuda = block_rows is None and self.device.type == "cuda"
+        self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqRows], source_kv: Callable[[int], torch.Tensor]):
@@ -236,6 +249,15 @@ class Model:
     def _project(self, weights: LayerWeights, x, layout: RowLayout, rope):
         """Norm, q/k/v projection and RoPE, block by block.
         -> q (rows, Hq, D) and kv (rows, 2, H, D) of the real rows."""
+        if self._graphs is not None:
+            return self._graphs.run(
+                ("project", id(weights)),
+                lambda x, cos, sin: self._project_rows(weights, x, layout, (cos, sin)),
+                (x, *rope),
+            )
+        return self._project_rows(weights, x, layout, rope)
+
+    def _project_rows(self, weights: LayerWeights, x, layout: RowLayout, rope):
         config = self.config
         eps = config.rms_norm_eps
         sizes = [config.q_size, config.kv_size, config.kv_size]
@@ -256,6 +278,15 @@ class Model:
 
     def _finish_layer(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
         """Output projection, residual, norm, SwiGLU MLP, residual, block by block."""
+        if self._graphs is not None:
+            return self._graphs.run(
+                ("finish", id(weights)),
+                lambda x, attn: self._finish_rows(weights, x, layout, attn),
+                (x, attn),
+            )
+        return self._finish_rows(weights, x, layout, attn)
+
+    def _finish_rows(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         x = x + layout.linear(layout.pack(attn.flatten(1)), weights.o, weights.o_bias)
         normed = layout.map_blocks(lambda block: rms_norm(block, weights.post_norm, eps), x)

@@ -102,3 +102,27 @@ def test_batch_invariant_mode_runs_on_cuda(gpu_model):
     blocked = run_one(Engine(model, config, num_private_pages=64), tokens, PARAMS)
     dense = run_one(Engine(gpu_model, GPU, num_private_pages=64), tokens, PARAMS)
     assert _relative_error(blocked.logits[:1], dense.logits[:1]) < 2e-2
+
+
+def test_cuda_graphs_compute_what_the_eager_kernels_compute(gpu_model):
+    """The row-wise halves of each layer replay as CUDA graphs (padded to a bucket of rows):
+    the same model as the eager kernels, to bf16 rounding, with the same greedy tokens, and
+    a graph is reused, not captured again, by another prompt whose steps have the same sizes."""
+    from engine_integration.model import Model
+
+    eager = Model(GPU_MODEL, gpu_model.weights, block_rows=None, cuda_graphs=False)
+    graphed = Model(GPU_MODEL, gpu_model.weights, block_rows=None)
+    params = SamplingParams(max_new_tokens=6, return_logits=True)
+    outputs = {}
+    for name, model in (("eager", eager), ("graphed", graphed)):
+        engine = Engine(model, GPU, num_private_pages=64)
+        outputs[name] = [run_one(engine, random_prompt(seed, 150 + 37 * seed,
+                                 GPU_MODEL.vocab_size), params) for seed in range(3)]  # fmt: skip
+    assert graphed._graphs.num_graphs > 0
+    for eager_out, graphed_out in zip(outputs["eager"], outputs["graphed"], strict=True):
+        assert graphed_out.token_ids == eager_out.token_ids
+        assert _relative_error(graphed_out.logits, eager_out.logits) < 1e-2
+    captured = graphed._graphs.num_graphs
+    engine = Engine(graphed, GPU, num_private_pages=64)
+    run_one(engine, random_prompt(9, 150, GPU_MODEL.vocab_size), params)  # the same steps
+    assert graphed._graphs.num_graphs == captured
