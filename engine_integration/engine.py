@@ -17,6 +17,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engine_integration.config import EngineConfig
@@ -27,7 +28,7 @@ from engine_integration.request import Request, RequestMetrics, RequestOutput, R
 from engine_integration.sampling import SamplingParams, sample
 from engine_integration.scheduler import Scheduler
 from hicache.controller import HiCache
-from radix.keys import Namespace
+from radix.keys import Namespace, encode_tokens
 from tiers.layout import KVLayout
 
 
@@ -94,19 +95,22 @@ class Engine:
         request_id: str | None = None,
     ) -> Request:
         """Queue a request."""
-        prompt = list(map(int, prompt))
-        if not prompt:
-            raise ValueError("a request needs at least one prompt token")
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or not ids.size:
+            raise ValueError("a request needs a flat, non-empty list of prompt token ids")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt token ids must be integers, got {ids.dtype}")
         vocab = self.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            bad = [t for t in prompt if not 0 <= t < vocab]
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            bad = ids[(ids < 0) | (ids >= vocab)].tolist()
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(
             request_id=request_id,
-            prompt=prompt,
+            prompt=ids.tolist(),
+            encoded_prompt=encode_tokens(ids),
             params=params or SamplingParams(),
             metrics=RequestMetrics(prompt_tokens=len(prompt), arrival_s=time.perf_counter()),
         )

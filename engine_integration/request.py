@@ -14,6 +14,7 @@ import torch
 
 from engine_integration.sampling import SamplingParams
 from engine_integration.window import LateWindow
+from radix.keys import TOKEN_BYTES
 
 
 class RequestState(enum.Enum):
@@ -68,6 +69,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    encoded_prompt: bytes = b""  # the prompt in the cache's token encoding (uint32 LE)
     state: RequestState = RequestState.WAITING
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -86,6 +88,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt)
+
+    @property
+    def lookup_tokens(self) -> bytes:
+        """The prompt but its last token (whose logits are needed), encoded once for every
+        lookup of the cache (prefetch, match)."""
+        return self.encoded_prompt[: -TOKEN_BYTES]
 
     @property
     def tokens(self) -> list[int]:

@@ -36,6 +36,7 @@ from engine_integration.errors import EngineError, RequestTooLargeError
 from engine_integration.model import SeqRows
 from engine_integration.pages import PageSource
 from engine_integration.request import Request, RequestState
+from engine_integration.rows import as_index
 from engine_integration.window import LateWindow
 from tiers.errors import PoolExhaustedError
 
@@ -82,7 +83,7 @@ class Scheduler:
                 f"{request.params.max_new_tokens} new tokens need {needed} pages of "
                 f"{self.page_size} tokens; the L1 pool has {self.num_pages}"
             )
-        self.pages.prefetch(request.prompt[:-1])
+        self.pages.prefetch(request.lookup_tokens)
         self.waiting.append(request)
 
     @property
@@ -109,7 +110,7 @@ class Scheduler:
             self.running.append(request)
 
     def _admit(self, request: Request) -> bool:
-        match = self.pages.match(request.prompt[:-1])
+        match = self.pages.match(request.lookup_tokens)
         hit = match.num_tokens if match is not None else 0
         try:
             own = self.pages.alloc(self._pages_for(request) - hit // self.page_size)
@@ -119,7 +120,7 @@ class Scheduler:
             return False
         request.match = match
         request.page_ids = (list(match.device_page_ids) if match is not None else []) + own
-        request.page_table = torch.tensor(request.page_ids, dtype=torch.long).to(self.config.device)
+        request.page_table = as_index(request.page_ids, self.config.device)  # no device sync
         self._plan_prefill(request, hit)
         request.state = RequestState.PREFILL
         return True

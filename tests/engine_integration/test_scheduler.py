@@ -78,6 +78,9 @@ def test_bad_requests_are_refused(small_model, engines):
     engine = engines(small_model)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 2, 500], GREEDY)
+    for bad in ([], [[1, 2]], [1.0, 2.0], "12"):
+        with pytest.raises(ValueError, match="prompt token ids|non-empty"):
+            engine.add_request(bad, GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
 
