@@ -241,3 +241,42 @@ def test_gpu_small_chunks_stay_on_the_kernels(cuda_device):
         "mla", num_layers=4, page_size=16, dtype="bfloat16", kv_lora_rank=512, rope_dim=64
     )
     assert TransferEngine(*pools(small, 8, 8, device=cuda_device)).kernel == "triton"
+
+
+@pytest.mark.gpu
+def test_gpu_copy_engine_layers_issued_off_thread_are_waited_for_and_fail_loudly(
+    cuda_device, kvh, monkeypatch
+):
+    """Layers 1.. of a copy-engine load are issued by the device's issuing thread: a
+    consumer that waits for layer i reads layer i's bytes, and a layer whose issue fails
+    makes every wait on it (and on the whole load) raise instead of returning unloaded
+    pages."""
+    device_pool, host_pool = pools(GQA_8B, 48, 64, device=cuda_device)
+    engine = TransferEngine(device_pool, host_pool, kernel="copy_engine")
+    gen = torch.Generator().manual_seed(5)
+    kvh.fill_random_(host_pool.kv, gen)
+    kvh.poison_(device_pool.kv)
+    host_ids, dev_ids = list(range(40)), list(range(40, 0, -1))[:40]
+    dev_ids = [d % 48 for d in dev_ids]
+    load = engine.load_async(host_ids, dev_ids)
+    seen = []
+    for layer in range(GQA_8B.num_layers):
+        load.wait_layer(layer)
+        seen.append(device_pool.kv[layer, dev_ids].clone())  # on the consumer's stream
+    torch.cuda.synchronize()
+    for layer, values in enumerate(seen):
+        assert kvh.same_bytes(values, host_pool.kv[host_ids, layer])
+    real = engine._load_layer
+
+    def fail_at_layer_2(layer, *args):
+        if layer == 2:
+            raise RuntimeError("driver said no")
+        return real(layer, *args)
+
+    monkeypatch.setattr(engine, "_load_layer", fail_at_layer_2)
+    broken = engine.load_async(host_ids, dev_ids)
+    broken.wait_layer(1)
+    with pytest.raises(RuntimeError, match="driver said no"):
+        broken.wait_layer(2)
+    with pytest.raises(RuntimeError, match="driver said no"):
+        broken.wait()
