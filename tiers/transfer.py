@@ -13,16 +13,6 @@ after each: the engine calls `handle.wait_layer(i)` before layer i attends, whic
 current stream wait for layer i only, so the copy of layer i+1 overlaps the compute of layer
 i. `backup_async` issues one launch for all layers and records one event.
 
-On the copy engines a layer is one `cuMemcpyBatchAsync` of a chunk per page, and the driver
-spends ~1.2 us of CPU per chunk: 0.3 ms a layer for 256 pages, 10 ms for a 32-layer prefix,
-during which the caller could queue nothing else (measured on an H200: the forward behind a
-16K-token load started 13 ms late). So `load_async` issues layer 0 itself (a batch the
-driver refuses is refused in the caller's thread, before anything is recorded) and hands
-layers 1.. to one issuing thread per device, which takes loads in the order they came; the
-driver call releases the GIL. `wait_layer(i)` first waits, on the CPU, until layer i is
-issued, then makes the stream wait for its event. A backup first waits until every load
-issued before it is queued, so the stream still runs transfers in the order of the calls.
-
 What the engine does not order for you: the caller keeps the pages of a transfer allocated and
 unwritten (device pages of a backup, host pages of a load) until its handle is done, and waits
 on a load before reading the pages it fills.
@@ -33,9 +23,6 @@ On the CPU the same API runs synchronously: every handle is done when it is retu
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -52,126 +39,33 @@ logger = logging.getLogger(__name__)
 KERNELS = ("auto", "copy_engine", "triton", "reference")
 
 
-class _Issued:
-    """How many layers of a load the issuing thread has queued on the copy stream, or the
-    error that stopped it."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers = num_layers
-        self._count = 0
-        self._error: BaseException | None = None
-        self._changed = threading.Condition()
-
-    def add_layer(self) -> None:
-        with self._changed:
-            self._count += 1
-            self._changed.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        with self._changed:
-            self._error = error
-            self._changed.notify_all()
-
-    def wait(self, count: int) -> None:
-        """Block until `count` layers are queued; raises the issuing error if there was one."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._count >= count or self._error is not None)
-            if self._error is not None:
-                raise self._error
-
-    @property
-    def complete(self) -> bool:
-        with self._changed:
-            if self._error is not None:
-                raise self._error
-            return self._count == self.num_layers
-
-
-class _Issuer:
-    """One thread per device that runs issuing jobs in the order they were submitted."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0
-        self._idle = threading.Condition()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self._device = torch.device("cuda", index)
-        name = f"hicache-copy-issue-cuda:{index}"
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._idle:
-            self._pending += 1
-        self._jobs.put(job)
-
-    def drain(self) -> None:
-        """Block until every job submitted so far has run."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
-
-    def _run(self) -> None:
-        torch.cuda.set_device(self._device)
-        while True:
-            job = self._jobs.get()
-            try:
-                job()
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
-
-
-_ISSUERS: dict[torch.device, _Issuer] = {}
-_ISSUERS_LOCK = threading.Lock()
-
-
-def _issuer(device: torch.device) -> _Issuer:
-    with _ISSUERS_LOCK:
-        if device not in _ISSUERS:
-            _ISSUERS[device] = _Issuer(device)
-        return _ISSUERS[device]
-
-
 class LoadHandle:
     """A load of all layers, issued layer by layer; one event per layer (None on the CPU)."""
 
     def __init__(
-        self,
-        num_layers: int,
-        events: list | None,
-        device=None,
-        keep_alive: tuple | list = (),
-        issued: _Issued | None = None,
+        self, num_layers: int, events: list | None, device=None, keep_alive: tuple = ()
     ) -> None:
         self.num_layers = num_layers
         self._events = events
         self._device = device
-        self._keep_alive = keep_alive  # id tensors and pointer arrays the copies still read
-        self._issued = issued  # None: every layer was queued before the handle was returned
+        self._keep_alive = keep_alive  # id tensors the copy stream still reads
 
     def wait_layer(self, layer: int) -> None:
-        """Make the caller's current stream wait until layer `layer` is loaded (the CPU
-        thread waits only until the layer is queued). On the CPU the load is already
-        complete."""
+        """Make the caller's current stream wait until layer `layer` is loaded (non-blocking
+        for the CPU thread). On the CPU the load is already complete."""
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"layer must be an int, got {layer!r}")
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
-        if self._issued is not None:
-            self._issued.wait(layer + 1)
         if self._events is not None:
             torch.cuda.current_stream(self._device).wait_event(self._events[layer])
 
     def is_done(self) -> bool:
         """True once every layer is loaded (a non-blocking poll)."""
-        if self._issued is not None and not self._issued.complete:
-            return False
         return self._events is None or self._events[-1].query()
 
     def wait(self) -> None:
         """Block the CPU thread until every layer is loaded."""
-        if self._issued is not None:
-            self._issued.wait(self.num_layers)
         if self._events is not None:
             self._events[-1].synchronize()
 
@@ -253,10 +147,6 @@ class TransferEngine:
                 raise KVTensorError("kernel='triton' on the CPU needs TRITON_INTERPRET=1")
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
 
-    @property
-    def _issuer(self) -> _Issuer:
-        return _issuer(self.device)
-
     def load_async(self, host_page_ids: PageIds, device_page_ids: PageIds) -> LoadHandle:
         """Copy every layer of `host_page_ids[i]` into `device_page_ids[i]`, layer by layer.
 
@@ -274,8 +164,6 @@ class TransferEngine:
                 self._load_layer(layer, host_ids, dev_ids)
             return LoadHandle(num_layers, None)
         self._wait_for_caller()
-        if self.load_kernel == "copy_engine":
-            return self._load_on_copy_engines(host_ids, dev_ids, num_layers)
         with torch.cuda.stream(self.copy_stream):
             host_ids, dev_ids = self._to_device(self.load_kernel, host_ids, dev_ids)
             events = []
@@ -286,31 +174,6 @@ class TransferEngine:
                 event.record(self.copy_stream)
                 events.append(event)
         return LoadHandle(num_layers, events, self.device, keep_alive=tuple(keep_alive))
-
-    def _load_on_copy_engines(self, host_ids, dev_ids, num_layers: int) -> LoadHandle:
-        """Layer 0 here, layers 1.. on the device's issuing thread (module docstring)."""
-        events = [torch.cuda.Event() for _ in range(num_layers)]
-        keep_alive = [host_ids, dev_ids]
-        issued = _Issued(num_layers)
-
-        def issue(layer: int) -> None:
-            keep_alive.extend(self._load_layer(layer, host_ids, dev_ids))
-            events[layer].record(self.copy_stream)
-            issued.add_layer()
-
-        issue(0)
-
-        def issue_the_rest() -> None:
-            try:
-                for layer in range(1, num_layers):
-                    issue(layer)
-            except BaseException as error:  # the waiters raise it: no layer is read unloaded
-                logger.error("issuing a load on the copy engines failed: %r", error)
-                issued.fail(error)
-
-        if num_layers > 1:
-            self._issuer.submit(issue_the_rest)
-        return LoadHandle(num_layers, events, self.device, keep_alive, issued)
 
     def backup_async(self, device_page_ids: PageIds, host_page_ids: PageIds) -> BackupHandle:
         """Copy every layer of `device_page_ids[i]` into `host_page_ids[i]`, one launch.
@@ -326,8 +189,6 @@ class TransferEngine:
         if not self.on_cuda:
             self._backup(dev_ids, host_ids)
             return BackupHandle(None)
-        if self._copier is not None:
-            self._issuer.drain()  # the loads issued before this backup are on the stream
         self._wait_for_caller()
         with torch.cuda.stream(self.copy_stream):
             dev_ids, host_ids = self._to_device(self.backup_kernel, dev_ids, host_ids)
