@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tiers import kernels
-from tiers.copy_engine import MIN_CHUNK_BYTES, BatchCopier, layer_chunk_pointers
+from tiers.copy_engine import MIN_CHUNK_BYTES, BatchCopier, layer_chunk_pointers, page_runs
 from tiers.device_pool import DevicePool
 from tiers.errors import KVTensorError
 from tiers.host_pool import HostPool
@@ -223,10 +223,7 @@ class TransferEngine:
         """Issue one layer's load; returns what must live until it is done."""
         host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
         if self.load_kernel == "copy_engine":
-            device_ptrs, host_ptrs = self._chunk_pointers(layer, dev_ids, host_ids)
-            sizes = np.full(len(device_ptrs), self._chunk_bytes, dtype=np.uint64)
-            self._copier.copy(device_ptrs, host_ptrs, sizes, self.copy_stream.cuda_stream)
-            return [device_ptrs, host_ptrs, sizes]
+            return self._load_layer_on_engines(layer, host_ids, dev_ids)
         if self.load_kernel == "triton":
             kernels.load_layer(
                 host_kv, dev_kv, layer, host_ids, dev_ids, config=self.config, check_ids=False
@@ -253,6 +250,38 @@ class TransferEngine:
         else:
             kernels.backup_reference(dev_kv, host_kv, dev_ids, host_ids)
         return []
+
+    def _load_layer_on_engines(self, layer: int, host_ids, dev_ids) -> list:
+        """A strided copy per run of consecutive pages, one batch for the pages left over
+        (`tiers.copy_engine`: the driver's CPU cost is per copy)."""
+        chunk = self._chunk_bytes
+        stream = self.copy_stream.cuda_stream
+        dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
+        dev_layer = dev_kv.data_ptr() + layer * dev_kv.stride(0) * dev_kv.element_size()
+        host_page_stride = host_kv.stride(0) * host_kv.element_size()
+        host_layer = host_kv.data_ptr() + layer * chunk
+        runs, rest = [], None
+        if self._copier.has_2d:
+            runs, rest = page_runs(host_ids.numpy(), dev_ids.numpy())
+        for host_id, dev_id, length in runs:
+            self._copier.copy_2d(
+                dev_layer + dev_id * chunk,
+                chunk,
+                host_layer + host_id * host_page_stride,
+                host_page_stride,
+                chunk,
+                length,
+                stream,
+            )
+        if rest is not None:
+            rest = torch.from_numpy(rest)
+            host_ids, dev_ids = host_ids[rest], dev_ids[rest]
+        if not len(host_ids):
+            return []
+        device_ptrs, host_ptrs = self._chunk_pointers(layer, dev_ids, host_ids)
+        sizes = np.full(len(device_ptrs), chunk, dtype=np.uint64)
+        self._copier.copy(device_ptrs, host_ptrs, sizes, stream)
+        return [device_ptrs, host_ptrs, sizes]
 
     @property
     def _chunk_bytes(self) -> int:

@@ -241,3 +241,31 @@ def test_gpu_small_chunks_stay_on_the_kernels(cuda_device):
         "mla", num_layers=4, page_size=16, dtype="bfloat16", kv_lora_rank=512, rope_dim=64
     )
     assert TransferEngine(*pools(small, 8, 8, device=cuda_device)).kernel == "triton"
+
+
+def test_page_runs_split_pairs_where_both_ids_step_by_one():
+    from tiers.copy_engine import page_runs
+
+    runs, rest = page_runs([4, 5, 6, 9, 1, 2, 8], [10, 11, 12, 13, 0, 3, 4])
+    assert runs == [(4, 10, 3)]  # (9, 13) is alone; (1, 0) -> (2, 3) skips a device id
+    assert rest.tolist() == [3, 4, 5, 6]
+    assert page_runs([], [])[0] == [] and page_runs([], [])[1].size == 0
+
+
+@pytest.mark.gpu
+def test_gpu_copy_engine_moves_runs_and_stray_pages_alike(cuda_device, kvh):
+    """Runs of consecutive pages go as one strided copy per layer, the rest as a batch:
+    every page lands where it belongs, and nothing else is written."""
+    device_pool, host_pool = pools(GQA_8B, 48, 64, device=cuda_device)
+    engine = TransferEngine(device_pool, host_pool, kernel="copy_engine")
+    gen = torch.Generator().manual_seed(3)
+    kvh.fill_random_(host_pool.kv, gen)
+    kvh.poison_(device_pool.kv)
+    host_ids = [*range(10, 30), 40, 2, *range(50, 55)]
+    dev_ids = [*range(0, 20), 33, 21, *range(40, 45)]
+    load = engine.load_async(host_ids, dev_ids)
+    load.wait()
+    for h, d in zip(host_ids, dev_ids, strict=True):
+        assert kvh.same_bytes(device_pool.kv[:, d], host_pool.kv[h])
+    untouched = sorted(set(range(48)) - set(dev_ids))
+    assert bool((device_pool.kv[:, untouched].view(-1).view(torch.uint8) == kvh.POISON_BYTE).all())
