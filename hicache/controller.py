@@ -23,7 +23,7 @@ from hicache.config import HiCacheConfig
 from hicache.errors import BackgroundTransferError, HiCacheError
 from hicache.metrics import HiCacheStats, Metrics
 from hicache.ops import Executor, LoadOp, OpKind, PrefetchOp, TransferOp
-from hicache.transfers import FAILED_LOAD, INDEX, PageMovement, op_owner
+from hicache.transfers import FAILED_LOAD, INDEX, Landed, PageMovement, op_owner
 from radix.keys import Namespace, encode_tokens
 from radix.node import Node, Tier
 from radix.tree import MatchResult, RadixTree
@@ -132,8 +132,9 @@ class HiCache(PageMovement):
         """The longest cached prefix of `tokens`, ready for the engine to attend over.
 
         L1 pages are usable at once; L2 pages are loaded into fresh L1 pages layer by layer
-        (`wait_layer`); pages only in L3 are prefetched into L2 and loaded in turn, waiting
-        as the prefetch policy says. L3 trouble (down, slow, corrupt pages) makes the match
+        (`wait_layer`); pages only in L3 are prefetched into L2, as much of the run as beats
+        recomputing it (`PolicyConfig.l3_fetch_policy`), each read batch loaded on into L1
+        as soon as it lands, waiting as the prefetch policy says. L3 trouble (down, slow, corrupt pages) makes the match
         shorter; it never raises. The result is locked until `release`. `priority` is the
         request's (the `priority` eviction policy keeps high-priority runs longest).
         """
@@ -145,13 +146,17 @@ class HiCache(PageMovement):
             self._metrics.requests += 1
             self._metrics.requested_tokens += len(data) // 4 // self.page_size * self.page_size
             prefetch = self._start_prefetch(data, namespace, first)
+        landed = Landed()
         if prefetch is not None:
-            self._wait_prefetch(prefetch)
+            landed = self._wait_prefetch(prefetch, data, namespace)
         with self._lock:
-            self._apply_completions()
-            if prefetch is not None and not prefetch.done:
-                self._metrics.prefetches_cut_short += 1
-            return self._finish_match(data, namespace, priority)
+            try:
+                self._apply_completions()
+                if prefetch is not None and not prefetch.done:
+                    self._metrics.prefetches_cut_short += 1
+                return self._finish_match(data, namespace, priority, landed)
+            finally:
+                landed.let_go(self._tree)
 
     def prefetch(self, tokens, namespace: Namespace) -> int:
         """Start fetching the L3 part of `tokens`' prefix into L2, without waiting.
@@ -366,8 +371,11 @@ class HiCache(PageMovement):
 
     # ------------------------------------------------------------------ match internals
 
-    def _finish_match(self, data: bytes, namespace: Namespace, priority: int) -> Match:
-        """Load the L2 part of the (now current) match into L1, lock it, count the hits.
+    def _finish_match(
+        self, data: bytes, namespace: Namespace, priority: int, landed: Landed
+    ) -> Match:
+        """Load the L2 part of the (now current) match into L1, lock it, count the hits
+        (with those `landed` loaded while its prefetch ran).
 
         The match's run is locked first, so nothing it holds can leave a tier while room
         is made; its page ids are read off the locked run afterwards (`Match`), never off
@@ -392,6 +400,8 @@ class HiCache(PageMovement):
         if node is not None and priority:
             self._tree.raise_priority(node, priority)
         num_pages = sum(run.num_pages for run in path)
+        num_loaded = min(num_pages, num_loaded + landed.num_loaded)  # (a failed load cuts)
+        num_from_l3 = min(num_loaded, num_from_l3 + landed.num_from_l3)
         for tier, pages in (
             ("l1", num_pages - num_loaded),
             ("l2", num_loaded - num_from_l3),
