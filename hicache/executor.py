@@ -25,6 +25,8 @@ import threading
 import time
 from urllib.parse import urlencode
 
+import torch
+
 from hicache.config import HiCacheConfig
 from hicache.ops import (
     BackupOp,
@@ -76,7 +78,8 @@ class RealExecutor(Executor):
                 pin=config.l2.pin_memory,
             )
             self.transfer = TransferEngine(self.device_pool, self.host_pool)
-        self._gpu_ops: list[tuple[TransferOp, object]] = []  # (op, handle), in submit order
+        # (op, handle, the load's link timer), in submit order
+        self._gpu_ops: list[tuple[TransferOp, object, _LinkTimer | None]] = []
         self._done: collections.deque[TransferOp] = collections.deque()
         self._events: dict[int, threading.Event] = {}
         self._backend = None
@@ -101,11 +104,13 @@ class RealExecutor(Executor):
 
     def submit(self, op: TransferOp) -> None:
         if isinstance(op, LoadOp):
+            timer = _LinkTimer(self.transfer)
             handle = self.transfer.load_async(op.host_page_ids, op.device_page_ids)
-            self._gpu_ops.append((op, handle))
+            timer.stop()
+            self._gpu_ops.append((op, handle, timer))
         elif isinstance(op, BackupOp):
             handle = self.transfer.backup_async(op.device_page_ids, op.host_page_ids)
-            self._gpu_ops.append((op, handle))
+            self._gpu_ops.append((op, handle, None))
         else:
             if self._backend is None:
                 raise RuntimeError(f"{op.kind.value} submitted with no L3 backend attached")
@@ -116,12 +121,14 @@ class RealExecutor(Executor):
     def poll(self) -> list[TransferOp]:
         finished = []
         still_running = []
-        for op, handle in self._gpu_ops:
+        for op, handle, timer in self._gpu_ops:
             if handle.is_done():
+                if timer is not None:
+                    op.busy_s = timer.seconds()
                 self._finish(op)
                 finished.append(op)
             else:
-                still_running.append((op, handle))
+                still_running.append((op, handle, timer))
         self._gpu_ops = still_running
         while self._done:
             finished.append(self._done.popleft())
@@ -133,7 +140,7 @@ class RealExecutor(Executor):
         event = self._events.get(op.op_id)
         if event is not None:
             return event.wait(timeout_s)
-        for gpu_op, handle in self._gpu_ops:
+        for gpu_op, handle, _timer in self._gpu_ops:
             if gpu_op is op:
                 handle.wait()  # a GPU copy: bounded by the link, no timeout needed
                 return True
@@ -150,7 +157,7 @@ class RealExecutor(Executor):
             return op.done or op.num_ready >= num_pages
 
     def wait_layer(self, op: LoadOp, layer: int) -> None:
-        for gpu_op, handle in self._gpu_ops:
+        for gpu_op, handle, _timer in self._gpu_ops:
             if gpu_op is op:
                 handle.wait_layer(layer)
                 return
@@ -195,7 +202,7 @@ class RealExecutor(Executor):
         if self._io is not None:
             self._io.stop()
             self._io = None
-        for _op, handle in self._gpu_ops:
+        for _op, handle, _timer in self._gpu_ops:
             handle.wait()
         self._gpu_ops.clear()
         if self.host_pool is not None:
@@ -280,6 +287,37 @@ class RealExecutor(Executor):
     def _finish(self, op: TransferOp) -> None:
         op.finished_s = self.now()
         op.done = True
+
+
+class _LinkTimer:
+    """Times one copy on the link: CUDA events around it on the copy stream (read once the
+    copy is done), or the wall time of a synchronous copy on the CPU."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._stream = transfer.copy_stream
+        self._began = time.perf_counter()
+        self._seconds = 0.0
+        self._events = None
+        if self._stream is not None:
+            start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            # (after the caller's queued work, as the copy itself: time the copy, not the wait)
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            start.record(self._stream)
+            self._events = (start, self._end)
+
+    def stop(self) -> None:
+        """Right after the copy is issued (on the CPU: done)."""
+        if self._events is None:
+            self._seconds = time.perf_counter() - self._began
+        else:
+            self._end.record(self._stream)
+
+    def seconds(self) -> float:
+        """The copy's time; on a GPU, only once the copy is done."""
+        if self._events is None:
+            return self._seconds
+        start, end = self._events
+        return start.elapsed_time(end) / 1e3
 
 
 def _cpus() -> int:

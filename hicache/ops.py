@@ -38,6 +38,7 @@ class TransferOp:
     done: bool = False
     finished_s: float = 0.0
     error: BaseException | None = None  # a failure the executor caught; the op's pages are lost
+    busy_s: float | None = None  # the copy's own time on its link, where the executor timed it
     context: object = None  # the controller's bookkeeping; executors never read it
 
 

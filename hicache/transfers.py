@@ -83,7 +83,8 @@ class PageMovement:
     """Loads, prefetches, backups, L3 writes and eviction for `HiCache`.
 
     Uses the cache's `_tree`, `_device` / `_host` allocators, `_executor`, `_inflight`,
-    `_metrics`, `_policy`, `config`, `layout` and `_error`; the caller holds the cache's lock.
+    `_metrics`, `_rates`, `_policy`, `config`, `layout` and `_error`; the caller holds the
+    cache's lock.
     """
 
     # ------------------------------------------------------------------ loads
@@ -504,14 +505,15 @@ class PageMovement:
         moved_pages = op.num_pages
         if op.error is not None:
             self._record_failure(op, op.error)
+        seconds = max(0.0, op.finished_s - op.submitted_s)
         if isinstance(op, PrefetchOp):
             moved_pages = op.num_ready
             self._advance_prefetch(op)
+            self._rates.record_read(moved_pages * self.layout.bytes_per_page, seconds)
+        elif isinstance(op, LoadOp) and op.error is None:
+            self._rates.record_load(op.num_bytes, seconds if op.busy_s is None else op.busy_s)
         self._metrics.record_transfer(
-            direction,
-            moved_pages,
-            moved_pages * self.layout.bytes_per_page,
-            max(0.0, op.finished_s - op.submitted_s),
+            direction, moved_pages, moved_pages * self.layout.bytes_per_page, seconds
         )
         self._let_go(op, run)
         if isinstance(op, LoadOp):
