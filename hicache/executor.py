@@ -317,6 +317,7 @@ class _LinkTimer:
         if self._events is None:
             return self._seconds
         start, end = self._events
+        end.synchronize()  # (recorded right after the copy's last event: microseconds)
         return start.elapsed_time(end) / 1e3
 
 

@@ -273,3 +273,39 @@ def test_a_page_missing_from_l3_ends_the_prefetch_there(tmp_path):
     finally:
         CountingFileBackend.lost = frozenset()
         cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_pipelined_l3_hit_hands_over_the_bytes_written(tmp_path):
+    """Many read batches, each loaded on the copy stream as it lands, a layer's event
+    waited for by the compute stream: what the match's pages hold is what was written."""
+    layout = MHA
+    config = HiCacheConfig(
+        layout=layout,
+        l1=L1Config(device="cuda", num_pages=64),
+        l2=L2Config(budget_bytes=64 * layout.bytes_per_page, reserve_bytes=0),
+        l3=L3Config(
+            url=f"file://{tmp_path}?capacity=64MiB", read_chunk_bytes=layout.bytes_per_page
+        ),
+        policy=PolicyConfig(prefetch_policy="wait_complete"),
+    )
+    cache = HiCache(config)
+    try:
+        tokens = tokens_for(9, 40)
+        ids = cache.alloc_device_pages(40)
+        values = torch.randn((layout.num_layers, 40, *cache.device_pool.kv.shape[2:]))
+        cache.device_pool.kv[:, ids] = values.to(cache.device_pool.kv.dtype).cuda()
+        cache.insert(tokens, ids, NS)
+        cache.flush()
+        assert cache.evict("l1", 64) == 40 and cache.evict("l2", 64) == 40
+        match = cache.match(tokens, NS)
+        assert match.num_l3_pages == 40
+        for layer in range(layout.num_layers):
+            cache.wait_layer(match, layer)
+        got = cache.device_pool.kv[:, match.device_page_ids].cpu()
+        assert torch.equal(got, values.to(got.dtype))
+        cache.release(match)
+        cache.check_invariants()
+    finally:
+        cache.close()
