@@ -43,8 +43,9 @@ class DemoConfig:
     users: int = 4
     max_new_tokens: int = 32
     concurrency: int = 1  # requests in flight at once (continuous batching)
-    l1_pages: int | None = None  # None: 10 (SmolLM2), 32 (the built-in byte-level model)
-    l2_pages: int | None = None  # None: 12 (SmolLM2), 48 (the built-in model)
+    # None: 10 (SmolLM2), 32 (the built-in byte-level model), times concurrency
+    l1_pages: int | None = None
+    l2_pages: int | None = None  # None: 12 (SmolLM2), 48 (the built-in model), times concurrency
     page_size: int = 64
     seed: int = 0
     threads: int = 1  # torch CPU threads (steady on a busy machine; more can help when idle)
@@ -127,8 +128,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.concurrency,
         help="requests in flight at once (default: %(default)s)",
     )
-    add("--l1-pages", type=int, help="L1 pool pages (default: 10; 32 for the built-in model)")
-    add("--l2-pages", type=int, help="L2 pool pages (default: 12; 48 for the built-in model)")
+    add(
+        "--l1-pages",
+        type=int,
+        help="L1 pool pages (default: 10; 32 for the built-in model; times --concurrency)",
+    )
+    add(
+        "--l2-pages",
+        type=int,
+        help="L2 pool pages (default: 12; 48 for the built-in model; times --concurrency)",
+    )
     add("--seed", type=int, default=d.seed, help="the built-in model's weights")
     add(
         "--threads",

@@ -26,8 +26,9 @@ from engine_integration.model import Model
 from engine_integration.pages import CachedPages, PrivatePages
 from engine_integration.request import Request, RequestMetrics, RequestOutput, RequestState
 from engine_integration.sampling import SamplingParams, sample
-from engine_integration.scheduler import Scheduler
+from engine_integration.scheduler import Scheduler, late_rows
 from hicache.controller import HiCache
+from hicache.fetch_plan import attention_pairs
 from radix.keys import Namespace, encode_tokens
 from tiers.layout import KVLayout
 
@@ -74,6 +75,12 @@ class Engine:
             )
             pages = CachedPages(cache, self.namespace)
             num_pages = cache.executor.num_device_pages
+            # The last R prompt rows run through the model whatever the hit (window replay;
+            # the match covers all but the last prompt token): fetching them saves nothing.
+            shape = model.config
+            if shape.num_late_layers:
+                start, end = late_rows(1 << 40, shape.num_late_layers, shape.window_tokens)
+                cache.set_replay_tokens(end - start - 1)
         else:
             if not num_private_pages:
                 raise EngineError("an engine without a cache needs num_private_pages")
@@ -133,7 +140,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        began, graphs = time.perf_counter(), self.model.num_graphs
         logits = self.model.forward([rows for _, rows in plan], self.pages.layer).cpu()
+        if self.model.num_graphs == graphs:  # a step that captured CUDA graphs is no sample
+            self._report_compute(plan, time.perf_counter() - began)
         finished, next_logits = [], 0
         for request, rows in plan:
             if request.state == RequestState.PREFILL:
@@ -147,6 +157,18 @@ class Engine:
                 del self._requests[request.request_id]
                 finished.append(request.to_output())
         return finished
+
+    def _report_compute(self, plan, seconds: float) -> None:
+        """Tell the cache what a step cost (its load-or-recompute choice weighs L3 reads
+        against it); a step that waited for a load says nothing about compute."""
+        if self.cache is None:
+            return
+        for request, rows in plan:
+            if rows.wait_layer is not None and request.match.has_loads:
+                return
+        num_rows = sum(rows.num_rows for _, rows in plan)
+        num_pairs = sum(attention_pairs(rows.start, rows.end) for _, rows in plan)
+        self.cache.record_compute(num_rows, num_pairs, seconds)
 
     def _append_token(self, request: Request, logits: torch.Tensor) -> None:
         params = request.params

@@ -138,6 +138,11 @@ class Model:
         dense_cuda = block_rows is None and self.device.type == "cuda"
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
 
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured so far (0 without them)."""
+        return self._graphs.num_graphs if self._graphs is not None else 0
+
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqRows], source_kv: Callable[[int], torch.Tensor]):
         """Run one step; `source_kv(i)` is layer i of the L1 pool, (pages, page_size, 2, H, D).

@@ -20,6 +20,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 L3_WRITE_POLICIES = ("on_backup", "on_evict")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
+L3_FETCH_POLICIES = ("measured", "always")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -83,6 +84,11 @@ class L3Config:
     write_policy: str = "on_backup"  # when L2 pages go to L3: on backup, or on L2 eviction
     exists_timeout_s: float = 0.5
     prefetch_chunk_pages: int = 32  # pages per read; a prefetch is usable chunk by chunk
+    # A read batch holds at most this many bytes too (fewer pages of a large page), and up
+    # to `read_batches` of them are in flight at once (0: one per core, at most 16), so a
+    # long prefetch reads at the host's memory speed and lands in L2 chunk by chunk.
+    read_chunk_bytes: int = 16 << 20
+    read_batches: int = 0
     # Pages known only to L3 that the index keeps (least recently used forgotten first; a
     # lookup past a match finds them again). 0: what the backend says it can hold, else 2**20.
     max_indexed_pages: int = 0
@@ -112,6 +118,19 @@ class L3Config:
             self.prefetch_chunk_pages >= 1,
             f"L3Config.prefetch_chunk_pages must be >= 1, got {self.prefetch_chunk_pages}",
         )
+        _require(
+            self.read_chunk_bytes >= 1,
+            f"L3Config.read_chunk_bytes must be >= 1, got {self.read_chunk_bytes}",
+        )
+        _require(
+            0 <= self.read_batches <= 256,
+            f"L3Config.read_batches must be in [0, 256] (0: one per core), got {self.read_batches}",
+        )
+
+    def pages_per_read(self, bytes_per_page: int) -> int:
+        """Pages in one read batch of a prefetch: `prefetch_chunk_pages`, fewer when that
+        many would hold more than `read_chunk_bytes` (never less than one)."""
+        return max(1, min(self.prefetch_chunk_pages, self.read_chunk_bytes // bytes_per_page))
 
 
 @dataclass(frozen=True)
@@ -129,11 +148,26 @@ class PolicyConfig:
     prefetch_timeout_per_1k_tokens_s: float = 0.01
     prefetch_min_pages: int = 1  # L3 runs shorter than this are not worth a lookup
     eviction_policy: str = "lru"
+    # How much of an L3 run a match fetches: "measured" fetches the leading part whose
+    # estimated time to first token (L3 read + L2->L1, by the rates this cache measured)
+    # beats recomputing it (by the compute rate the engine reports: `record_compute`);
+    # "always" fetches the whole run. Until both rates are measured, "measured" fetches all.
+    l3_fetch_policy: str = "measured"
+    # Priors of the rates until measured (bytes/s): an L3 read, an L2 -> L1 load.
+    l3_read_prior_bytes_per_s: float = 2e9
+    l2_load_prior_bytes_per_s: float = 10e9
 
     def __post_init__(self) -> None:
         _one_of("PolicyConfig", "write_policy", self.write_policy, WRITE_POLICIES)
         _one_of("PolicyConfig", "prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         _one_of("PolicyConfig", "eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        _one_of("PolicyConfig", "l3_fetch_policy", self.l3_fetch_policy, L3_FETCH_POLICIES)
+        for name in ("l3_read_prior_bytes_per_s", "l2_load_prior_bytes_per_s"):
+            value = getattr(self, name)
+            _require(
+                math.isfinite(value) and value > 0,
+                f"PolicyConfig.{name} must be finite and > 0, got {value}",
+            )
         _require(
             self.write_through_threshold >= 1,
             "PolicyConfig.write_through_threshold must be >= 1, "
@@ -234,6 +268,9 @@ ENV_VARIABLES = {
     "HICACHE_L3_WRITE_POLICY": ("l3", "write_policy", str),
     "HICACHE_L3_MAX_INDEXED_PAGES": ("l3", "max_indexed_pages", int),
     "HICACHE_L3_SECRET_FILE": ("l3", "secret_file", str),
+    "HICACHE_L3_READ_BATCHES": ("l3", "read_batches", int),
+    "HICACHE_L3_READ_CHUNK": ("l3", "read_chunk_bytes", parse_size),
+    "HICACHE_L3_FETCH_POLICY": ("policy", "l3_fetch_policy", str),
     "HICACHE_WRITE_POLICY": ("policy", "write_policy", str),
     "HICACHE_WRITE_THROUGH_THRESHOLD": ("policy", "write_through_threshold", int),
     "HICACHE_PREFETCH_POLICY": ("policy", "prefetch_policy", str),

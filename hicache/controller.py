@@ -21,9 +21,10 @@ from typing import NamedTuple
 
 from hicache.config import HiCacheConfig
 from hicache.errors import BackgroundTransferError, HiCacheError
+from hicache.fetch_plan import FetchRates, FetchRatesSnapshot, RunToFetch
 from hicache.metrics import HiCacheStats, Metrics
 from hicache.ops import Executor, LoadOp, OpKind, PrefetchOp, TransferOp
-from hicache.transfers import FAILED_LOAD, INDEX, PageMovement, op_owner
+from hicache.transfers import FAILED_LOAD, INDEX, Landed, PageMovement, op_owner
 from radix.keys import Namespace, encode_tokens
 from radix.node import Node, Tier
 from radix.tree import MatchResult, RadixTree
@@ -53,6 +54,12 @@ class Match:
     _node: Node | None = field(default=None, repr=False)
     _loads: list[LoadOp] = field(default_factory=list, repr=False)
     released: bool = False
+
+    @property
+    def has_loads(self) -> bool:
+        """Whether any of its pages came (or are coming) into L1 by a load: a step that
+        waits for them times the load as well as its compute."""
+        return bool(self._loads)
 
     @property
     def device_page_ids(self) -> list[int]:
@@ -118,6 +125,11 @@ class HiCache(PageMovement):
         self._metrics = Metrics()
         self._policy = config.policy
         self._max_l3_pages = 0  # L3-only pages the index keeps (set when L3 is attached)
+        self._rates = FetchRates(
+            l3_read_prior_bytes_per_s=config.policy.l3_read_prior_bytes_per_s,
+            l2_load_prior_bytes_per_s=config.policy.l2_load_prior_bytes_per_s,
+        )
+        self._replay_tokens = 0
         if config.l3.url:
             executor.attach_l3(config.l3.url)
             self._max_l3_pages = self._l3_index_limit()
@@ -132,10 +144,12 @@ class HiCache(PageMovement):
         """The longest cached prefix of `tokens`, ready for the engine to attend over.
 
         L1 pages are usable at once; L2 pages are loaded into fresh L1 pages layer by layer
-        (`wait_layer`); pages only in L3 are prefetched into L2 and loaded in turn, waiting
-        as the prefetch policy says. L3 trouble (down, slow, corrupt pages) makes the match
-        shorter; it never raises. The result is locked until `release`. `priority` is the
-        request's (the `priority` eviction policy keeps high-priority runs longest).
+        (`wait_layer`); pages only in L3 are prefetched into L2, as much of the run as beats
+        recomputing it (`PolicyConfig.l3_fetch_policy`), each read batch loaded on into L1
+        as soon as it lands, waiting as the prefetch policy says. L3 trouble (down, slow,
+        corrupt pages) makes the match shorter; it never raises. The result is locked until
+        `release`. `priority` is the request's (the `priority` eviction policy keeps
+        high-priority runs longest).
         """
         data = _request_tokens(tokens, namespace)
         with self._lock:
@@ -145,13 +159,17 @@ class HiCache(PageMovement):
             self._metrics.requests += 1
             self._metrics.requested_tokens += len(data) // 4 // self.page_size * self.page_size
             prefetch = self._start_prefetch(data, namespace, first)
+        landed = Landed()
         if prefetch is not None:
-            self._wait_prefetch(prefetch)
+            landed = self._wait_prefetch(prefetch, data, namespace)
         with self._lock:
-            self._apply_completions()
-            if prefetch is not None and not prefetch.done:
-                self._metrics.prefetches_cut_short += 1
-            return self._finish_match(data, namespace, priority)
+            try:
+                self._apply_completions()
+                if prefetch is not None and not prefetch.done:
+                    self._metrics.prefetches_cut_short += 1
+                return self._finish_match(data, namespace, priority, landed)
+            finally:
+                landed.let_go(self._tree)
 
     def prefetch(self, tokens, namespace: Namespace) -> int:
         """Start fetching the L3 part of `tokens`' prefix into L2, without waiting.
@@ -186,6 +204,27 @@ class HiCache(PageMovement):
         with self._lock:
             self._check_background()
             self._apply_completions()
+
+    def record_compute(self, num_rows: int, num_pairs: int, seconds: float) -> None:
+        """The engine reports one step it ran without waiting for a load: `num_rows` rows
+        through the model, `num_pairs` (row, attended position) pairs of attention
+        (`fetch_plan.attention_pairs`), `seconds` of wall time. The compute rate the
+        load-or-recompute choice weighs L3 reads against is fitted to these."""
+        with self._lock:
+            self._rates.record_compute(num_rows, num_pairs, seconds)
+
+    def set_replay_tokens(self, num_tokens: int) -> None:
+        """The engine recomputes at least the last `num_tokens` tokens of every request
+        whatever its hit (a hybrid model's window replay): fetching those saves nothing."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        with self._lock:
+            self._replay_tokens = num_tokens
+
+    def fetch_rates(self) -> FetchRatesSnapshot:
+        """The rates this cache measured for its load-or-recompute choice."""
+        with self._lock:
+            return self._rates.snapshot()
 
     def pages_in_use(self, tier: str) -> int:
         """Pages allocated in "l1" or "l2" (cached or held by requests)."""
@@ -366,8 +405,11 @@ class HiCache(PageMovement):
 
     # ------------------------------------------------------------------ match internals
 
-    def _finish_match(self, data: bytes, namespace: Namespace, priority: int) -> Match:
-        """Load the L2 part of the (now current) match into L1, lock it, count the hits.
+    def _finish_match(
+        self, data: bytes, namespace: Namespace, priority: int, landed: Landed
+    ) -> Match:
+        """Load the L2 part of the (now current) match into L1, lock it, count the hits
+        (with those `landed` loaded while its prefetch ran).
 
         The match's run is locked first, so nothing it holds can leave a tier while room
         is made; its page ids are read off the locked run afterwards (`Match`), never off
@@ -392,6 +434,8 @@ class HiCache(PageMovement):
         if node is not None and priority:
             self._tree.raise_priority(node, priority)
         num_pages = sum(run.num_pages for run in path)
+        num_loaded = min(num_pages, num_loaded + landed.num_loaded)  # (a failed load cuts)
+        num_from_l3 = min(num_loaded, num_from_l3 + landed.num_from_l3)
         for tier, pages in (
             ("l1", num_pages - num_loaded),
             ("l2", num_loaded - num_from_l3),
@@ -467,16 +511,44 @@ class HiCache(PageMovement):
             keys = self._tree.match_prefix(
                 data, namespace, remainder_keys=True, touch=False
             ).remainder_keys
+            began = self._executor.now()
             found = self._executor.l3_exists(keys, self.config.l3.exists_timeout_s)
+            self._rates.record_lookup(self._executor.now() - began)
             if found:
                 self._tree.insert_l3(data, namespace, num_pages=match.matched_pages + found)
-        num_pages = match.num_l3_pages + found
+        num_pages = self._pages_worth_fetching(data, match, match.num_l3_pages + found)
         if num_pages < self._policy.prefetch_min_pages:
             return None
         current = self._tree.match_prefix(data, namespace, touch=False)
-        op = self._submit_prefetch(current.l3_nodes[-1]) if current.l3_nodes else None
+        tail = self._l3_cut(current.l3_nodes, num_pages)
+        op = self._submit_prefetch(tail) if tail is not None else None
         self._trim_l3_index()
         return op
+
+    def _pages_worth_fetching(self, data: bytes, match: MatchResult, num_l3_pages: int) -> int:
+        """How many of the L3 pages past the L1/L2 hit to fetch: all (`always`), or the
+        leading part that beats recomputing them (`measured`: `fetch_plan`)."""
+        if self._policy.l3_fetch_policy == "always" or not num_l3_pages:
+            return num_l3_pages
+        hit_pages = match.matched_pages - match.num_l3_pages
+        run = RunToFetch(
+            hit_tokens=hit_pages * self.page_size,
+            num_pages=num_l3_pages,
+            page_size=self.page_size,
+            page_bytes=self.layout.bytes_per_page,
+            total_tokens=len(data) // 4,
+            replay_tokens=self._replay_tokens,
+            batch_pages=self.config.l3.pages_per_read(self.layout.bytes_per_page),
+        )
+        return self._rates.plan(run).num_pages
+
+    def _l3_cut(self, l3_nodes: list[Node], num_pages: int) -> Node | None:
+        """The L3 run ending the first `num_pages` L3 pages of a path (a run split there)."""
+        for node in l3_nodes:
+            if node.num_pages >= num_pages:
+                return self._tree.split(node, num_pages) if node.num_pages > num_pages else node
+            num_pages -= node.num_pages
+        return l3_nodes[-1] if l3_nodes else None
 
     def _l3_index_limit(self) -> int:
         """L3-only pages the index may keep: the configured number, else as many pages as

@@ -5,17 +5,27 @@ a GPU; synchronous on the CPU). L2 <-> L3 ops run as coroutines on an asyncio lo
 background thread of this executor's own, reading from and writing into the pinned host
 pool's pages directly (`HostPool.page_bytes`), so no page is copied on its way to storage.
 
+A prefetch is read in batches of `L3Config.pages_per_read` pages, up to `read_batches` of
+them in flight at once (the backends take concurrent calls), so that a long run is read on
+as many threads as the backend and the cores give; its `num_ready` grows over the leading
+batches that have arrived whole, and `wait_ready` lets the controller load each one on into
+L1 while the next are still being read.
+
 The only module of `hicache` that imports torch (through `tiers`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from urllib.parse import urlencode
+
+import torch
 
 from hicache.config import HiCacheConfig
 from hicache.ops import (
@@ -36,6 +46,8 @@ from tiers.transfer import TransferEngine
 
 logger = logging.getLogger(__name__)
 
+_MAX_READ_BATCHES = 16  # read batches in flight by default: one per core, at most this many
+
 
 class RealExecutor(Executor):
     """Pools sized from `config`, a transfer engine between them, and an optional L3."""
@@ -43,7 +55,9 @@ class RealExecutor(Executor):
     def __init__(self, config: HiCacheConfig) -> None:
         layout = config.layout
         self._layout = layout
-        self._chunk_pages = config.l3.prefetch_chunk_pages
+        self._read_pages = config.l3.pages_per_read(layout.bytes_per_page)
+        self._read_batches = config.l3.read_batches or min(_MAX_READ_BATCHES, _cpus())
+        self._progress = threading.Condition()  # notified when a prefetch's num_ready grows
         self._l3_secret_file = config.l3.secret_file
         if config.l1.num_pages:
             self.device_pool = DevicePool(layout, config.l1.num_pages, config.l1.device)
@@ -64,7 +78,8 @@ class RealExecutor(Executor):
                 pin=config.l2.pin_memory,
             )
             self.transfer = TransferEngine(self.device_pool, self.host_pool)
-        self._gpu_ops: list[tuple[TransferOp, object]] = []  # (op, handle), in submit order
+        # (op, handle, the load's link timer), in submit order
+        self._gpu_ops: list[tuple[TransferOp, object, _LinkTimer | None]] = []
         self._done: collections.deque[TransferOp] = collections.deque()
         self._events: dict[int, threading.Event] = {}
         self._backend = None
@@ -89,11 +104,13 @@ class RealExecutor(Executor):
 
     def submit(self, op: TransferOp) -> None:
         if isinstance(op, LoadOp):
+            timer = _LinkTimer(self.transfer)
             handle = self.transfer.load_async(op.host_page_ids, op.device_page_ids)
-            self._gpu_ops.append((op, handle))
+            timer.stop()
+            self._gpu_ops.append((op, handle, timer))
         elif isinstance(op, BackupOp):
             handle = self.transfer.backup_async(op.device_page_ids, op.host_page_ids)
-            self._gpu_ops.append((op, handle))
+            self._gpu_ops.append((op, handle, None))
         else:
             if self._backend is None:
                 raise RuntimeError(f"{op.kind.value} submitted with no L3 backend attached")
@@ -104,12 +121,14 @@ class RealExecutor(Executor):
     def poll(self) -> list[TransferOp]:
         finished = []
         still_running = []
-        for op, handle in self._gpu_ops:
+        for op, handle, timer in self._gpu_ops:
             if handle.is_done():
+                if timer is not None:
+                    op.busy_s = timer.seconds()
                 self._finish(op)
                 finished.append(op)
             else:
-                still_running.append((op, handle))
+                still_running.append((op, handle, timer))
         self._gpu_ops = still_running
         while self._done:
             finished.append(self._done.popleft())
@@ -121,14 +140,24 @@ class RealExecutor(Executor):
         event = self._events.get(op.op_id)
         if event is not None:
             return event.wait(timeout_s)
-        for gpu_op, handle in self._gpu_ops:
+        for gpu_op, handle, _timer in self._gpu_ops:
             if gpu_op is op:
                 handle.wait()  # a GPU copy: bounded by the link, no timeout needed
                 return True
         return op.done
 
+    def wait_ready(self, op: PrefetchOp, num_pages: int, timeout_s: float | None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._progress:
+            while not op.done and op.num_ready < num_pages:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._progress.wait(remaining)
+            return op.done or op.num_ready >= num_pages
+
     def wait_layer(self, op: LoadOp, layer: int) -> None:
-        for gpu_op, handle in self._gpu_ops:
+        for gpu_op, handle, _timer in self._gpu_ops:
             if gpu_op is op:
                 handle.wait_layer(layer)
                 return
@@ -173,7 +202,7 @@ class RealExecutor(Executor):
         if self._io is not None:
             self._io.stop()
             self._io = None
-        for _op, handle in self._gpu_ops:
+        for _op, handle, _timer in self._gpu_ops:
             handle.wait()
         self._gpu_ops.clear()
         if self.host_pool is not None:
@@ -196,6 +225,8 @@ class RealExecutor(Executor):
         self._finish(op)
         self._done.append(op)
         self._events.pop(op.op_id).set()
+        with self._progress:
+            self._progress.notify_all()
 
     async def _write(self, op: WriteL3Op) -> None:
         pages = [self.host_pool.page_bytes(page) for page in op.host_page_ids]
@@ -203,18 +234,95 @@ class RealExecutor(Executor):
         op.num_written = _leading_true(stored)
 
     async def _prefetch(self, op: PrefetchOp) -> None:
-        for start in range(0, op.num_pages, self._chunk_pages):
-            end = min(start + self._chunk_pages, op.num_pages)
-            into = [self.host_pool.page_bytes(page) for page in op.host_page_ids[start:end]]
-            found = await self._backend.batch_get(op.keys[start:end], into)
-            arrived = _leading_true(found)
-            op.num_ready = start + arrived  # after the bytes: readers see whole pages
-            if arrived < end - start:
-                return
+        """Read the op's pages in batches, up to `_read_batches` at once, in order.
+
+        `op.num_ready` counts the leading pages that arrived (verified) and grows as batches
+        finish. A batch that comes back short ends the prefetch: the batches after it that
+        have not started are skipped, and those running are waited for (a backend may
+        write into their pages until its call returns; the op owns them until it is done).
+        """
+        spans = [
+            (start, min(start + self._read_pages, op.num_pages))
+            for start in range(0, op.num_pages, self._read_pages)
+        ]
+        arrived: list[int | None] = [None] * len(spans)  # pages each batch got (None: not yet)
+        gate = asyncio.Semaphore(self._read_batches)
+        short = False
+
+        async def read(index: int, start: int, end: int) -> None:
+            nonlocal short
+            async with gate:
+                if short:
+                    arrived[index] = 0
+                    return
+                into = [self.host_pool.page_bytes(page) for page in op.host_page_ids[start:end]]
+                found = await self._backend.batch_get(op.keys[start:end], into)
+            arrived[index] = _leading_true(found)
+            short = short or arrived[index] < end - start
+            self._advance(op, spans, arrived)
+
+        outcomes = await asyncio.gather(
+            *(read(i, start, end) for i, (start, end) in enumerate(spans)),
+            return_exceptions=True,  # every batch returns before the op is done
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    def _advance(self, op: PrefetchOp, spans, arrived) -> None:
+        """Set `num_ready` to the leading pages of batches that arrived (after the bytes:
+        readers see whole pages), and wake whoever waits for them."""
+        ready = 0
+        for (start, end), got in zip(spans, arrived, strict=True):
+            if got is None:
+                break
+            ready = start + got
+            if got < end - start:
+                break
+        if ready > op.num_ready:
+            op.num_ready = ready
+            with self._progress:
+                self._progress.notify_all()
 
     def _finish(self, op: TransferOp) -> None:
         op.finished_s = self.now()
         op.done = True
+
+
+class _LinkTimer:
+    """Times one copy on the link: CUDA events around it on the copy stream (read once the
+    copy is done), or the wall time of a synchronous copy on the CPU."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._stream = transfer.copy_stream
+        self._began = time.perf_counter()
+        self._seconds = 0.0
+        self._events = None
+        if self._stream is not None:
+            start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            # (after the caller's queued work, as the copy itself: time the copy, not the wait)
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            start.record(self._stream)
+            self._events = (start, self._end)
+
+    def stop(self) -> None:
+        """Right after the copy is issued (on the CPU: done)."""
+        if self._events is None:
+            self._seconds = time.perf_counter() - self._began
+        else:
+            self._end.record(self._stream)
+
+    def seconds(self) -> float:
+        """The copy's time; on a GPU, only once the copy is done."""
+        if self._events is None:
+            return self._seconds
+        start, end = self._events
+        end.synchronize()  # (recorded right after the copy's last event: microseconds)
+        return start.elapsed_time(end) / 1e3
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _leading_true(flags: list[bool]) -> int:

@@ -38,6 +38,7 @@ class TransferOp:
     done: bool = False
     finished_s: float = 0.0
     error: BaseException | None = None  # a failure the executor caught; the op's pages are lost
+    busy_s: float | None = None  # the copy's own time on its link, where the executor timed it
     context: object = None  # the controller's bookkeeping; executors never read it
 
 
@@ -77,6 +78,9 @@ class Executor(abc.ABC):
     - `poll` returns the ops that finished since the last call, without blocking.
     - `wait(op, timeout_s)` blocks until the op is done or the timeout passes (None: no
       limit) and says whether it is done; it does not hand the op back (`poll` does).
+    - `wait_ready(op, num_pages, timeout_s)` blocks until a PREFETCH has `num_pages` pages
+      ready (or is done) or the timeout passes, and says which; by default it waits for the
+      whole op (an executor that reads in chunks wakes its caller chunk by chunk).
     - `wait_layer(op, layer)` returns when layer `layer` of a LOAD is in L1 (on a GPU: the
       compute stream waits for it, the host does not).
     - A failure inside an op is recorded on it (`op.error`), never raised from a
@@ -95,6 +99,10 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, op: TransferOp, timeout_s: float | None) -> bool: ...
+
+    def wait_ready(self, op: PrefetchOp, num_pages: int, timeout_s: float | None) -> bool:
+        """Block until `op.num_ready >= num_pages` or `op` is done (see the contracts)."""
+        return self.wait(op, timeout_s) or op.num_ready >= num_pages
 
     @abc.abstractmethod
     def wait_layer(self, op: LoadOp, layer: int) -> None: ...

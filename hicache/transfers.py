@@ -21,7 +21,7 @@ Torch-free: the simulator runs this code with its virtual-time executor.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hicache.ops import (
     BackupOp,
@@ -64,11 +64,27 @@ class _Run:
     chain_l3: bool = True  # backup: write the run on to L3 when done (on_backup policy)
 
 
+@dataclass(eq=False)
+class Landed:
+    """What a match loaded into L1 while its prefetch was still reading: the runs it holds
+    locked meanwhile (let go once the match holds its own), and the pages it loaded."""
+
+    held: list[Node] = field(default_factory=list)
+    num_loaded: int = 0
+    num_from_l3: int = 0
+
+    def let_go(self, tree: RadixTree) -> None:
+        for node in self.held:
+            tree.unlock(node)
+        self.held.clear()
+
+
 class PageMovement:
     """Loads, prefetches, backups, L3 writes and eviction for `HiCache`.
 
     Uses the cache's `_tree`, `_device` / `_host` allocators, `_executor`, `_inflight`,
-    `_metrics`, `_policy`, `config`, `layout` and `_error`; the caller holds the cache's lock.
+    `_metrics`, `_rates`, `_policy`, `config`, `layout` and `_error`; the caller holds the
+    cache's lock.
     """
 
     # ------------------------------------------------------------------ loads
@@ -174,18 +190,53 @@ class PageMovement:
         self._metrics.prefetches_issued += 1
         return op
 
-    def _wait_prefetch(self, op: PrefetchOp) -> None:
-        """Wait for an L3 prefetch as the policy says (the cache's lock is not held)."""
+    def _wait_prefetch(self, op: PrefetchOp, data: bytes, namespace) -> Landed:
+        """Wait for an L3 prefetch as the policy says, the cache's lock not held, and load
+        each part into L1 as soon as it lands in L2: the L2 -> L1 copy of one read batch
+        overlaps the L3 read of the next (and the match's L2 pages go first, at once).
+
+        Returns what was loaded meanwhile; its runs stay locked for the match (`Landed`).
+        """
+        landed = Landed()
+        deadline = self._prefetch_deadline(op)
+        seen = -1
+        while True:
+            with self._lock:
+                self._apply_completions()
+                if op.num_ready > seen:
+                    seen = op.num_ready
+                    self._load_landed(data, namespace, landed)
+            if op.done:
+                return landed
+            remaining = None if deadline is None else deadline - self._executor.now()
+            if remaining is not None and remaining <= 0:
+                return landed
+            self._executor.wait_ready(op, seen + 1, remaining)
+
+    def _prefetch_deadline(self, op: PrefetchOp) -> float | None:
+        """Until when (executor clock) a match waits for `op`; None: until it is done."""
         policy = self._policy.prefetch_policy
         if policy == "best_effort":
-            return
+            return self._executor.now()
         if policy == "wait_complete":
-            self._executor.wait(op, None)
+            return None
+        return op.submitted_s + self._policy.prefetch_budget_s(op.num_pages * self.page_size)
+
+    def _load_landed(self, data: bytes, namespace, landed: Landed) -> None:
+        """Start loading the L2 runs that end the request's usable prefix now into L1, and
+        hold the run that ends the loaded part for the match (the caller holds the lock)."""
+        current = self._tree.match_prefix(data, namespace, touch=False)
+        usable = current.l1_nodes + current.l2_nodes
+        usable = usable[: self._first_failed(usable)]
+        if not usable or usable[-1].level != Tier.L2:
             return
-        budget = self._policy.prefetch_budget_s(op.num_pages * self.page_size)
-        remaining = op.submitted_s + budget - self._executor.now()
-        if remaining > 0:
-            self._executor.wait(op, remaining)
+        self._tree.lock(usable[-1])
+        node, load, from_l3 = self._load_into_l1(usable[-1])
+        if node is not None:
+            landed.held.append(node)
+        if load is not None:
+            landed.num_loaded += load.num_pages
+            landed.num_from_l3 += from_l3
 
     def _advance_prefetch(self, op: PrefetchOp) -> None:
         """Record the pages of a prefetch that have landed in L2 (leading ones, verified).
@@ -454,14 +505,15 @@ class PageMovement:
         moved_pages = op.num_pages
         if op.error is not None:
             self._record_failure(op, op.error)
+        seconds = max(0.0, op.finished_s - op.submitted_s)
         if isinstance(op, PrefetchOp):
             moved_pages = op.num_ready
             self._advance_prefetch(op)
+            self._rates.record_read(moved_pages * self.layout.bytes_per_page, seconds)
+        elif isinstance(op, LoadOp) and op.error is None:
+            self._rates.record_load(op.num_bytes, seconds if op.busy_s is None else op.busy_s)
         self._metrics.record_transfer(
-            direction,
-            moved_pages,
-            moved_pages * self.layout.bytes_per_page,
-            max(0.0, op.finished_s - op.submitted_s),
+            direction, moved_pages, moved_pages * self.layout.bytes_per_page, seconds
         )
         self._let_go(op, run)
         if isinstance(op, LoadOp):

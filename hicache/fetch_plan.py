@@ -1,0 +1,260 @@
+"""Load or recompute: how much of an L3 run a request should fetch, from measured rates.
+
+A run found only in L3 is worth fetching while reading it (L3 -> L2, then L2 -> L1,
+pipelined batch by batch) takes less time than the engine would spend computing its
+tokens. `FetchRates` holds what that choice needs, each measured online by the cache that
+owns it, with a prior until measured:
+
+    L3 read      bytes/s of finished prefetches, net of the L3 round trip (`l3_latency_s`,
+                 timed on the existence lookups)
+    L2 -> L1     bytes/s of finished loads, as the executor timed them on the link
+    compute      seconds of an engine step = per_step + per_row * rows + per_pair * pairs,
+                 fitted by least squares to the steps the engine reports (`pairs`: the
+                 (row, attended position) pairs of the step's attention, which makes the
+                 cost of a long prefix grow with its square, as it does)
+
+`plan_fetch` then evaluates the time to first token of fetching the first n pages and
+recomputing the rest, for n at every read batch's end (plus the whole run, and the point
+past which the engine recomputes rows anyway, `replay_tokens`), and returns the fastest.
+Until the compute rate has been measured, or before L3 has been read once, it fetches the
+whole run (what a cache without this choice does; a read measures the rate). A run it has
+declined many times in a row is probed with one read batch, so a store that got faster is
+seen again.
+
+Torch-free, clock-free: every time is given in seconds by the caller.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+_ALPHA = 0.3  # weight of a new sample in a rate's moving average
+_MIN_READ_BYTES = 1 << 20  # smaller prefetches are all latency: no bandwidth sample
+_COMPUTE_SAMPLES = 64  # engine steps the compute fit uses (the latest)
+_MIN_COMPUTE_SAMPLES = 3
+_PROBE_EVERY = 32  # fully declined fetches before one read batch is fetched anyway
+
+
+class _Average:
+    """An exponential moving average with a prior (used until the first sample)."""
+
+    def __init__(self, prior: float) -> None:
+        self.value = prior
+        self.num_samples = 0
+
+    def add(self, sample: float) -> None:
+        self.value = sample if not self.num_samples else (1 - _ALPHA) * self.value + _ALPHA * sample
+        self.num_samples += 1
+
+
+@dataclass(frozen=True)
+class ComputeFit:
+    """Seconds of one engine step: per_step_s + per_row_s * rows + per_pair_s * pairs."""
+
+    per_step_s: float
+    per_row_s: float
+    per_pair_s: float
+
+    def seconds(self, num_rows: int, num_pairs: int) -> float:
+        return self.per_step_s + self.per_row_s * num_rows + self.per_pair_s * num_pairs
+
+
+def attention_pairs(start: int, end: int) -> int:
+    """(row, attended position) pairs of causal attention of rows [start, end): row p
+    attends to positions 0..p."""
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+def fit_compute(samples) -> ComputeFit | None:
+    """Least squares over (rows, pairs, seconds) samples, coefficients kept >= 0 (a term
+    that fits negative is dropped and the rest refitted); None without enough samples."""
+    if len(samples) < _MIN_COMPUTE_SAMPLES:
+        return None
+    data = np.array(samples, dtype=np.float64)
+    columns = [np.ones(len(data)), data[:, 0], data[:, 1]]
+    kept = [0, 1, 2]
+    while kept:
+        matrix = np.stack([columns[i] for i in kept], axis=1)
+        solution, *_ = np.linalg.lstsq(matrix, data[:, 2], rcond=None)
+        if (solution >= 0).all():
+            coefficients = [0.0, 0.0, 0.0]
+            for index, value in zip(kept, solution, strict=True):
+                coefficients[index] = float(value)
+            if coefficients[1] == 0.0 and coefficients[2] == 0.0:
+                return None  # no cost per token: nothing to weigh a read against
+            return ComputeFit(*coefficients)
+        kept.remove(kept[int(np.argmin(solution))])
+    return None
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """How many leading pages of an L3 run to fetch, and the estimates behind it."""
+
+    num_pages: int
+    fetch_s: float  # estimated time to first token fetching those pages
+    recompute_s: float  # ... fetching none (recomputing the whole run)
+    measured: bool  # False: rates not measured yet, the whole run is fetched
+
+
+@dataclass(frozen=True)
+class FetchRatesSnapshot:
+    l3_read_bytes_per_s: float
+    l3_latency_s: float
+    l2_load_bytes_per_s: float
+    compute: ComputeFit | None
+    num_read_samples: int
+    num_load_samples: int
+    num_compute_samples: int
+    pages_declined: int  # L3 pages left to recompute because fetching them was slower
+
+
+class FetchRates:
+    """The rates one cache measured (see the module docstring). The owner serialises calls."""
+
+    def __init__(self, *, l3_read_prior_bytes_per_s: float, l2_load_prior_bytes_per_s: float):
+        self.l3_read = _Average(l3_read_prior_bytes_per_s)
+        self.l3_latency = _Average(0.0)
+        self.l2_load = _Average(l2_load_prior_bytes_per_s)
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=_COMPUTE_SAMPLES)
+        self._fit: ComputeFit | None = None
+        self._fit_stale = False
+        self._declined_in_a_row = 0
+        self.pages_declined = 0
+
+    # ------------------------------------------------------------------ measurements
+
+    def record_lookup(self, seconds: float) -> None:
+        """One L3 existence lookup's round trip."""
+        if seconds >= 0:
+            self.l3_latency.add(seconds)
+
+    def record_read(self, num_bytes: int, seconds: float) -> None:
+        """A finished prefetch: the bytes that arrived, submit to done."""
+        if num_bytes >= _MIN_READ_BYTES:
+            net = seconds - self.l3_latency.value
+            self.l3_read.add(num_bytes / max(net, seconds / 4, 1e-9))
+
+    def record_load(self, num_bytes: int, seconds: float) -> None:
+        """A finished L2 -> L1 load, timed on the link."""
+        if num_bytes and seconds > 0:
+            self.l2_load.add(num_bytes / seconds)
+
+    def record_compute(self, num_rows: int, num_pairs: int, seconds: float) -> None:
+        """One engine step with no load in it: rows run, attention pairs, wall seconds."""
+        if num_rows > 0 and seconds > 0:
+            self._steps.append((num_rows, num_pairs, seconds))
+            self._fit_stale = True
+
+    @property
+    def compute(self) -> ComputeFit | None:
+        if self._fit_stale:
+            self._fit = fit_compute(self._steps)
+            self._fit_stale = False
+        return self._fit
+
+    def snapshot(self) -> FetchRatesSnapshot:
+        return FetchRatesSnapshot(
+            l3_read_bytes_per_s=self.l3_read.value,
+            l3_latency_s=self.l3_latency.value,
+            l2_load_bytes_per_s=self.l2_load.value,
+            compute=self.compute,
+            num_read_samples=self.l3_read.num_samples,
+            num_load_samples=self.l2_load.num_samples,
+            num_compute_samples=len(self._steps),
+            pages_declined=self.pages_declined,
+        )
+
+    # ------------------------------------------------------------------ the choice
+
+    def plan(self, run: RunToFetch) -> FetchPlan:
+        """How much of `run` to fetch (the leading part that is fastest in all)."""
+        compute = self.compute
+        if compute is None or not self.l3_read.num_samples or run.num_pages == 0:
+            return FetchPlan(run.num_pages, 0.0, 0.0, measured=False)
+        plan = plan_fetch(
+            run,
+            compute,
+            read_bytes_per_s=self.l3_read.value,
+            latency_s=self.l3_latency.value,
+            load_bytes_per_s=self.l2_load.value,
+        )
+        if plan.num_pages == 0:
+            self._declined_in_a_row += 1
+            if self._declined_in_a_row >= _PROBE_EVERY:  # look at the store again
+                self._declined_in_a_row = 0
+                probe = min(run.num_pages, run.batch_pages)
+                return FetchPlan(probe, plan.fetch_s, plan.recompute_s, measured=True)
+        else:
+            self._declined_in_a_row = 0
+        self.pages_declined += run.num_pages - plan.num_pages
+        return plan
+
+
+@dataclass(frozen=True)
+class RunToFetch:
+    """An L3 run past a request's cached prefix.
+
+    hit_tokens:    tokens of the prefix already in L1 or L2
+    num_pages:     pages L3 holds right after them
+    total_tokens:  the request's tokens (what the engine computes beyond the hit)
+    replay_tokens: the engine recomputes at least the last this many tokens whatever the
+                   hit (a hybrid model's window replay; 0: none)
+    batch_pages:   pages per read batch (the pipeline's grain)
+    """
+
+    hit_tokens: int
+    num_pages: int
+    page_size: int
+    page_bytes: int
+    total_tokens: int
+    replay_tokens: int = 0
+    batch_pages: int = 1
+
+
+def plan_fetch(
+    run: RunToFetch,
+    compute: ComputeFit,
+    *,
+    read_bytes_per_s: float,
+    latency_s: float,
+    load_bytes_per_s: float,
+) -> FetchPlan:
+    """The n in [0, run.num_pages] with the least estimated time to first token:
+
+        io(n)      = latency + n * page_bytes / min(read, load)
+                     + min(n, batch) * page_bytes / max(read, load)   (a two-stage pipeline)
+        compute(n) = one step over the rows [min(hit + n * page_size, total - replay), total)
+        T(n)       = io(n) + compute(n)          (io(0) = 0)
+
+    Ties go to the larger n (the same time, and the GPU is left to other requests)."""
+    slow = min(read_bytes_per_s, load_bytes_per_s)
+    fast = max(read_bytes_per_s, load_bytes_per_s)
+    floor = max(0, run.total_tokens - run.replay_tokens)
+    batch = max(1, run.batch_pages)
+
+    def time_to_first_token(num_pages: int) -> float:
+        io = 0.0
+        if num_pages:
+            io = (
+                latency_s
+                + num_pages * run.page_bytes / slow
+                + min(num_pages, batch) * run.page_bytes / fast
+            )
+        start = min(run.hit_tokens + num_pages * run.page_size, floor, run.total_tokens)
+        rows = run.total_tokens - start
+        return io + compute.seconds(rows, attention_pairs(start, run.total_tokens))
+
+    candidates = set(range(0, run.num_pages, batch)) | {run.num_pages}
+    if floor > run.hit_tokens:  # the last page that still saves compute
+        candidates.add(min(run.num_pages, -(-(floor - run.hit_tokens) // run.page_size)))
+    best = max(candidates, key=lambda n: (-time_to_first_token(n), n))
+    return FetchPlan(
+        num_pages=best,
+        fetch_s=time_to_first_token(best),
+        recompute_s=time_to_first_token(0),
+        measured=True,
+    )

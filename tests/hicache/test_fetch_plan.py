@@ -1,0 +1,204 @@
+"""Load or recompute: the choice itself (`hicache.fetch_plan`), and the controller making it
+on a virtual clock with given bandwidths (the simulator's executor) and a compute rate
+reported as an engine would (`HiCache.record_compute`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
+from hicache.controller import HiCache
+from hicache.fetch_plan import (
+    ComputeFit,
+    FetchRates,
+    RunToFetch,
+    attention_pairs,
+    fit_compute,
+    plan_fetch,
+)
+from hicache.simulate.executor import Link, Links, VirtualExecutor
+from hicache.simulate.l3 import SimulatedL3
+from radix.keys import Namespace, page_keys
+from tiers.layout import KVLayout
+
+MiB = 1 << 20
+
+# 4 layers x 16 tokens x K and V x 8 heads x 128 x 4 bytes: 512 KiB a page
+LAYOUT = KVLayout(
+    kind="mha", num_layers=4, page_size=16, dtype="float32", num_kv_heads=8, head_dim=128
+)
+NS = Namespace(model_id="fetch-plan", layout=LAYOUT.descriptor())
+PAGE = LAYOUT.page_size
+
+
+def run_of(num_pages: int, *, hit_pages: int = 0, replay_tokens: int = 0, batch: int = 4):
+    return RunToFetch(
+        hit_tokens=hit_pages * PAGE,
+        num_pages=num_pages,
+        page_size=PAGE,
+        page_bytes=LAYOUT.bytes_per_page,
+        total_tokens=(hit_pages + num_pages) * PAGE + 8,
+        replay_tokens=replay_tokens,
+        batch_pages=batch,
+    )
+
+
+def test_attention_pairs_count_causal_row_position_pairs():
+    assert attention_pairs(0, 1) == 1
+    assert attention_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert attention_pairs(2, 4) == 3 + 4
+    assert attention_pairs(5, 5) == 0
+
+
+def test_the_compute_fit_recovers_the_cost_of_rows_and_pairs():
+    truth = ComputeFit(per_step_s=0.002, per_row_s=1e-5, per_pair_s=2e-9)
+    shapes = [(512, 0), (64, 4000), (2048, 2048), (1, 9000), (300, 100)]
+    steps = [(rows, attention_pairs(start, start + rows)) for rows, start in shapes]
+    fit = fit_compute([(r, p, truth.seconds(r, p)) for r, p in steps])
+    assert fit.per_step_s == pytest.approx(truth.per_step_s, rel=1e-6)
+    assert fit.per_row_s == pytest.approx(truth.per_row_s, rel=1e-6)
+    assert fit.per_pair_s == pytest.approx(truth.per_pair_s, rel=1e-6)
+    assert fit_compute([(1, 1, 0.1), (2, 3, 0.2)]) is None  # too few samples
+
+
+def test_a_fit_never_goes_negative():
+    # Seconds that fall with rows: no cost per row fits; the terms that do are kept >= 0.
+    fit = fit_compute([(100, 0, 0.03), (200, 0, 0.02), (300, 0, 0.01)])
+    assert fit is None or (fit.per_row_s >= 0 and fit.per_pair_s >= 0 and fit.per_step_s >= 0)
+
+
+def test_a_fast_read_fetches_the_whole_run_and_a_slow_one_none():
+    compute = ComputeFit(per_step_s=0.0, per_row_s=1e-4, per_pair_s=0.0)  # 10k tokens/s
+    run = run_of(32)  # 16 MiB: recompute 512 tokens = 51 ms
+    fast = plan_fetch(run, compute, read_bytes_per_s=10e9, latency_s=1e-4, load_bytes_per_s=20e9)
+    assert fast.num_pages == 32 and fast.fetch_s < fast.recompute_s
+    io = 1e-4 + 16 * MiB / 10e9 + 4 * LAYOUT.bytes_per_page / 20e9
+    assert fast.fetch_s == pytest.approx(io + compute.seconds(8, attention_pairs(512, 520)))
+    slow = plan_fetch(run, compute, read_bytes_per_s=1e8, latency_s=1e-4, load_bytes_per_s=20e9)
+    assert slow.num_pages == 0  # 168 ms of reading against 51 ms of compute
+    assert slow.fetch_s == slow.recompute_s
+
+
+def test_past_the_replay_reach_nothing_is_saved_so_nothing_is_fetched():
+    compute = ComputeFit(per_step_s=0.0, per_row_s=1e-4, per_pair_s=0.0)
+    run = run_of(32, replay_tokens=200)  # the last 200 tokens run through the model anyway
+    plan = plan_fetch(run, compute, read_bytes_per_s=10e9, latency_s=0.0, load_bytes_per_s=20e9)
+    floor = run.total_tokens - 200
+    assert plan.num_pages == -(-floor // PAGE)  # the page holding the floor, and no more
+    assert 0 < plan.num_pages < 32
+
+
+def test_the_choice_waits_for_measurements_and_probes_a_store_it_declined():
+    rates = FetchRates(l3_read_prior_bytes_per_s=1e3, l2_load_prior_bytes_per_s=1e9)
+    run = run_of(32)
+    assert rates.plan(run).num_pages == 32  # nothing measured: fetch all (and measure)
+    for rows in (64, 128, 256):
+        rates.record_compute(rows, 0, rows * 1e-6)  # very cheap compute
+    assert rates.plan(run).num_pages == 32  # L3 never read yet: still fetch all
+    rates.record_read(16 * MiB, 2.0)  # 8 MB/s
+    assert rates.plan(run).num_pages == 0
+    declined = [rates.plan(run).num_pages for _ in range(40)]
+    assert declined.count(4) == 1 and set(declined) == {0, 4}  # one batch, once in a while
+    assert rates.snapshot().pages_declined >= 32 * 40
+
+
+@pytest.fixture
+def cache_with():
+    made = []
+
+    def build(read_bytes_per_s: float, **policy) -> tuple[HiCache, SimulatedL3]:
+        store = SimulatedL3(capacity_pages=10_000)
+        links = Links(
+            device_to_host=Link("d2h", 20e9),
+            host_to_device=Link("h2d", 20e9),
+            host_latency_s=0.0,
+            l3_write=(Link("out", 10e9),),
+            l3_read=(Link("in", read_bytes_per_s),),
+            l3_latency_s=1e-4,
+        )
+        executor = VirtualExecutor(
+            num_device_pages=256,
+            num_host_pages=256,
+            page_bytes=LAYOUT.bytes_per_page,
+            links=links,
+            stores={"l3": store},
+        )
+        config = HiCacheConfig(
+            layout=LAYOUT,
+            l1=L1Config(num_pages=256),
+            l2=L2Config(budget_bytes=256 * LAYOUT.bytes_per_page, reserve_bytes=0),
+            l3=L3Config(url="sim://l3"),
+            policy=PolicyConfig(prefetch_policy="wait_complete", **policy),
+        )
+        cache = HiCache(config, executor)
+        made.append(cache)
+        return cache, store
+
+    yield build
+    for cache in made:
+        cache.close()
+
+
+def prompt(seed: int, num_pages: int = 32) -> list[int]:
+    return [seed * 100_000 + i for i in range(num_pages * PAGE)]
+
+
+def report_engine_steps(cache: HiCache, seconds_per_row: float) -> None:
+    """Cold steps as an engine reports them: a cost per row, nothing else."""
+    for rows in (128, 512, 2048):
+        cache.record_compute(rows, attention_pairs(0, rows), rows * seconds_per_row)
+
+
+def l3_match(cache: HiCache, store: SimulatedL3, seed: int):
+    tokens = prompt(seed)
+    store.put(page_keys(tokens, NS, PAGE), visible_s=0.0)
+    match = cache.match(tokens, NS)
+    cache.release(match)
+    return match
+
+
+def test_the_controller_fetches_a_run_from_a_fast_store(cache_with):
+    cache, store = cache_with(read_bytes_per_s=10e9)
+    report_engine_steps(cache, seconds_per_row=1e-4)
+    assert l3_match(cache, store, seed=1).num_l3_pages == 32  # the read that measures L3
+    rates = cache.fetch_rates()
+    assert rates.l3_read_bytes_per_s == pytest.approx(10e9, rel=0.05)  # the given bandwidth
+    assert rates.l3_latency_s == pytest.approx(1e-4)
+    assert l3_match(cache, store, seed=2).num_l3_pages == 32
+    assert cache.fetch_rates().pages_declined == 0
+
+
+def test_the_controller_recomputes_rather_than_read_a_slow_store(cache_with):
+    cache, store = cache_with(read_bytes_per_s=50e6)  # 16 MiB: 0.34 s of reading
+    report_engine_steps(cache, seconds_per_row=1e-5)  # 512 tokens: 5 ms of compute
+    assert l3_match(cache, store, seed=1).num_l3_pages == 32  # measured once
+    assert cache.fetch_rates().l3_read_bytes_per_s == pytest.approx(50e6, rel=0.05)
+    second = l3_match(cache, store, seed=2)
+    assert second.num_pages == 0 and second.num_l3_pages == 0
+    assert cache.fetch_rates().pages_declined == 32
+    assert cache.stats().prefetches_issued == 1  # the second run was never read
+
+
+def test_the_controller_fetches_only_up_to_the_engines_replay_reach(cache_with):
+    cache, store = cache_with(read_bytes_per_s=10e9)
+    report_engine_steps(cache, seconds_per_row=1e-4)
+    cache.set_replay_tokens(5 * PAGE)  # the engine reruns the last 5 pages' rows anyway
+    l3_match(cache, store, seed=1)
+    assert l3_match(cache, store, seed=2).num_l3_pages == 32 - 5
+    cache.check_invariants()
+
+
+def test_always_fetches_whatever_the_rates_say(cache_with):
+    cache, store = cache_with(read_bytes_per_s=50e6, l3_fetch_policy="always")
+    report_engine_steps(cache, seconds_per_row=1e-5)
+    l3_match(cache, store, seed=1)
+    assert l3_match(cache, store, seed=2).num_l3_pages == 32
+
+
+def test_fetch_policy_is_checked():
+    with pytest.raises(ValueError, match="l3_fetch_policy"):
+        PolicyConfig(l3_fetch_policy="sometimes")
+    with pytest.raises(ValueError, match="l3_read_prior_bytes_per_s"):
+        PolicyConfig(l3_read_prior_bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="read_batches"):
+        L3Config(read_batches=-1)
