@@ -32,6 +32,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
+# Subcommands that also take their settings from `--config FILE` and these variables (see
+# hicache.cli_settings): flag > variable > file > the flag's default.
+CONFIGURABLE = {"serve": "HICACHE_SERVE_", "demo": "HICACHE_DEMO_"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the flags is one line (argparse's usage block would bury it), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
 
 def version() -> str:
     try:
@@ -41,7 +52,7 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hicache",
         description="hicache: a tiered KV cache for LLM inference.",
     )
@@ -61,12 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
             "--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS
         )
         importlib.import_module(module_name).add_arguments(sub_parser)
+        if name in CONFIGURABLE:
+            sub_parser.set_defaults(_parser=sub_parser)
+            sub_parser.add_argument(
+                "--config",
+                metavar="FILE",
+                help=f"a TOML file of settings, one key per flag (spill_dir = ...); flags "
+                f"and {CONFIGURABLE[name]}* variables override it. No file is read unless "
+                "given",
+            )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in CONFIGURABLE:
+        try:
+            _layer_settings(args, argv)
+        except ValueError as error:
+            print(f"hicache {args.command}: error: {error}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -75,6 +101,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
+
+
+def _layer_settings(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """Fill in what the flags did not give from HICACHE_<COMMAND>_* and the --config file."""
+    from hicache.cli_settings import apply, given_on_command_line, layered_settings
+
+    layered = layered_settings(args._parser, args.config, CONFIGURABLE[args.command])
+    if layered:
+        argv = sys.argv[1:] if argv is None else argv
+        apply(args, layered, given_on_command_line(build_parser(), argv))
 
 
 if __name__ == "__main__":
