@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "debug", False):
             raise
         flag = "--l1-pages is too few: " if isinstance(error, RequestTooLargeError) else ""
-        print(f"hicache demo: {flag}{error}", file=sys.stderr)
+        print(f"hicache demo: error: {flag}{error}", file=sys.stderr)
         return 2
 
 

@@ -217,6 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-verdict", action="store_true", help="skip the verdict (and the extra runs it takes)"
     )
     out.add_argument("--json", action="store_true", help="print one JSON line instead of text")
+    out.add_argument("--debug", action="store_true", help="on a mistake, print the traceback too")
     out.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -229,12 +230,57 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except (SimulationError, ValueError) as error:
+        if args.debug:
+            raise
         print(f"hicache simulate: error: {error}", file=sys.stderr)
         return 2
 
 
+# flag -> (the least value, what it counts); None (not given) takes the default.
+_AT_LEAST = {
+    "limit": (1, "requests"),
+    "page_size": (1, "tokens"),
+    "gpus_per_instance": (1, "GPUs"),
+    "instances": (1, "instances"),
+    "jobs": (1, "processes"),
+    "write_through_threshold": (1, "hits"),
+}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What the flags alone can get wrong, named by flag, before the trace is read."""
+    for name, (least, unit) in _AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise SimulationError(
+                f"--{name.replace('_', '-')} must be >= {least} {unit}, got {value}"
+            )
+    if not 0 < args.mfu <= 1:
+        raise SimulationError(
+            f"--mfu must be in (0, 1] (a fraction of peak FLOP/s), got {args.mfu}"
+        )
+    for name in ("l1", "l2", "l3"):
+        if getattr(args, name) is not None:
+            _capacity(args, name)
+    if args.sweep and args.out.exists() and not args.out.is_dir():
+        raise SimulationError(f"--out {args.out}: exists and is not a directory")
+
+
+def _capacity(args: argparse.Namespace, tier: str) -> float:
+    """--l1/--l2/--l3 in bytes (GB unless a unit is given), named by its flag."""
+    text = getattr(args, tier)
+    try:
+        value = parse_capacity(text)
+    except ValueError as error:
+        raise SimulationError(f"--{tier} {text}: {error}") from None
+    if value < 0:
+        raise SimulationError(f"--{tier} must be >= 0, got {text}")
+    return value
+
+
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    check_flags(args)
     trace = load_trace(args.trace, args.limit)
     config = build_config(args, trace)
     axes = [parse_sweep(spec) for spec in args.sweep]
@@ -280,7 +326,10 @@ def _sweep_output(
     table = format_sweep_table(axes, rows)
     best = best_sweep_point(axes, rows)
     out_dir: Path = args.out
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SimulationError(f"--out {out_dir}: cannot make it ({error.strerror})") from None
     title = (
         f"{trace.name}: {config.model.name} on {config.num_instances} x "
         f"{config.gpus_per_instance} {config.hardware.name.upper()}"
@@ -344,8 +393,14 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
         model = model.replace(draft=load_model(args.draft))
     hardware = _hardware(args)
     gpus = args.gpus_per_instance or default_gpus_per_instance(model, hardware)
-    l1 = parse_capacity(args.l1) if args.l1 else default_l1_bytes(model, hardware, gpus)
-    l2 = parse_capacity(args.l2) if args.l2 else default_l2_bytes(hardware, gpus)
+    l1 = _capacity(args, "l1") if args.l1 else default_l1_bytes(model, hardware, gpus)
+    if not args.l1 and l1 <= 0:
+        raise SimulationError(
+            f"--gpus-per-instance {gpus}: {model.name}'s weights ({model.weight_bytes / 1e9:,.0f}"
+            f" GB) leave no HBM for KV on {gpus} x {hardware.name.upper()} "
+            f"({hardware.hbm_bytes / 1e9:,.0f} GB each); give more GPUs or --l1"
+        )
+    l2 = _capacity(args, "l2") if args.l2 else default_l2_bytes(hardware, gpus)
     policy = PolicyConfig(
         write_policy=args.write_policy,
         write_through_threshold=args.write_through_threshold,
@@ -372,7 +427,7 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
         gpus_per_instance=gpus,
         l1_bytes=l1,
         l2_bytes=l2,
-        l3_bytes=parse_capacity(args.l3),
+        l3_bytes=_capacity(args, "l3"),
         num_instances=args.instances,
         l3_shared=not args.l3_local,
         l3_bandwidth_bytes_per_s=args.l3_bandwidth * 1e9 if args.l3_bandwidth else None,
