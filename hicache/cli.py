@@ -8,6 +8,7 @@ Each subcommand lives in its own module and is imported only when it runs, so th
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import logging
@@ -66,14 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        sub_parser.set_defaults(_module=module_name)
+        sub_parser.set_defaults(_module=module_name, _parser=sub_parser)
         # Accepted after the subcommand too; there it overrides the one before it.
         sub_parser.add_argument(
             "--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS
         )
         importlib.import_module(module_name).add_arguments(sub_parser)
         if name in CONFIGURABLE:
-            sub_parser.set_defaults(_parser=sub_parser)
             sub_parser.add_argument(
                 "--config",
                 metavar="FILE",
@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # named by the subcommand's parser, which knows the flags meant
+        _unrecognized(getattr(args, "_parser", parser), extras)
     if args.command in CONFIGURABLE:
         try:
             _layer_settings(args, argv)
@@ -101,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> None:
+    flags = [flag for action in parser._actions for flag in action.option_strings]
+    close = difflib.get_close_matches(extras[0].split("=")[0], flags, 1)
+    hint = f" (did you mean {close[0]}?)" if close and extras[0].startswith("--") else ""
+    parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
 def _layer_settings(args: argparse.Namespace, argv: list[str] | None) -> None:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import tomllib
 from collections.abc import Mapping
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from storage_backends.options import parse_size  # the one size grammar of the project
 from tiers.layout import KVLayout
@@ -274,6 +273,10 @@ def command_environment(prefix: str, environ: Mapping[str, str] | None = None) -
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """A TOML file's top-level table, read with the standard library; a missing, unreadable
     or malformed file is a ValueError that names it (keys are checked by the caller)."""
+    try:
+        import tomllib  # the standard library's, from Python 3.11
+    except ModuleNotFoundError:
+        raise ValueError(f"--config {path}: reading TOML needs Python 3.11 or newer") from None
     try:
         with open(path, "rb") as file:
             return tomllib.load(file)
