@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from hicache.config import (
     EVICTION_POLICIES,
@@ -42,6 +44,8 @@ from hicache.simulate.report import (
     format_result,
     format_sweep_table,
     format_verdict,
+    machine,
+    savings_basis,
     sweep_rows,
 )
 from hicache.simulate.sweep import grid, parse_capacity, parse_sweep, run_configs
@@ -280,6 +284,7 @@ def _capacity(args: argparse.Namespace, tier: str) -> float:
 
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    where = machine()  # before the runs load it
     check_flags(args)
     trace = load_trace(args.trace, args.limit)
     config = build_config(args, trace)
@@ -299,32 +304,52 @@ def _run(args: argparse.Namespace) -> int:
     verdict = None if args.no_verdict else build_verdict(config, trace, base, probes, probe_results)
     wall_s = time.perf_counter() - started
     if axes:
+        timing = Timing(wall_s, 1 + len(extra), _jobs(args, len(extra)), where)
         return _sweep_output(
-            args, config, trace, axes, sweep_configs, sweep_results, verdict, wall_s, 1 + len(extra)
+            args, config, trace, axes, sweep_configs, sweep_results, verdict, timing
         )
     if args.json:
         out = base.as_dict()
         out["verdict"] = verdict.as_dict() if verdict else None
         out["wall_s"] = round(wall_s, 3)
+        out["machine"] = where
         print(json.dumps(out))
         return 0
     print(format_header(config, trace))
     print()
-    print(format_result(base, config))
+    print(format_result(base, config, where))
     if verdict is not None:
         print()
         print(format_verdict(verdict))
+    if extra:
+        print()
+        print(f"{1 + len(extra)} runs (the base and the verdict's) in {wall_s:.1f} s, "
+              f"{_jobs(args, len(extra))} processes, on {where}")  # fmt: skip
     return 0
 
 
-def _sweep_output(
-    args, config, trace: Trace, axes, configs, results, verdict, wall_s, num_runs
-) -> int:
+class Timing(NamedTuple):
+    """How long a command took, and where: a time means little without the machine."""
+
+    wall_s: float
+    num_runs: int
+    num_processes: int
+    machine: str
+
+
+def _jobs(args: argparse.Namespace, num_extra: int) -> int:
+    """Processes the extra runs use (as run_configs picks them)."""
+    return max(1, min(num_extra, args.jobs or os.cpu_count() or 1))
+
+
+def _sweep_output(args, config, trace: Trace, axes, configs, results, verdict, timing) -> int:
     from hicache.simulate.plots import plot_sweep
 
     rows = sweep_rows(axes, configs, results)
     table = format_sweep_table(axes, rows)
     best = best_sweep_point(axes, rows)
+    best_result = results[max(range(len(rows)), key=lambda i: rows[i]["net_per_month"])]
+    basis = savings_basis(best_result, configs[0])
     out_dir: Path = args.out
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -334,7 +359,8 @@ def _sweep_output(
         f"{trace.name}: {config.model.name} on {config.num_instances} x "
         f"{config.gpus_per_instance} {config.hardware.name.upper()}"
     )
-    plot = plot_sweep(axes, rows, out_dir / "sweep.png", title)
+    ceiling = verdict.ceiling_hit_rate if verdict else None
+    plot = plot_sweep(axes, rows, out_dir / "sweep.png", title, ceiling_hit_rate=ceiling)
     document = {
         "trace": trace.name,
         "requests": trace.num_requests,
@@ -345,10 +371,11 @@ def _sweep_output(
         ],
         "best": best,
         "verdict": verdict.as_dict() if verdict else None,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(timing.wall_s, 3),
+        "machine": timing.machine,
     }
     (out_dir / "sweep.json").write_text(json.dumps(document, indent=1) + "\n")
-    (out_dir / "sweep.md").write_text(f"{title}\n\n{table}\n\n{best}\n")
+    (out_dir / "sweep.md").write_text(f"{title}\n\n{table}\n\n{best}\n\n{basis}\n")
     if args.json:
         print(
             json.dumps(
@@ -357,7 +384,8 @@ def _sweep_output(
                     "best": best,
                     "verdict": document["verdict"],
                     "files": [str(out_dir / n) for n in ("sweep.json", "sweep.md", plot.name)],
-                    "wall_s": round(wall_s, 3),
+                    "wall_s": round(timing.wall_s, 3),
+                    "machine": timing.machine,
                 }
             )
         )
@@ -367,13 +395,15 @@ def _sweep_output(
     print(table)
     print()
     print(best)
+    print(basis)
     if verdict is not None:
         print()
         print(format_verdict(verdict))
     print()
     print(
-        f"{len(results)} sweep points ({num_runs} runs with the base and the verdict's) in "
-        f"{wall_s:.1f} s; wrote {out_dir / 'sweep.json'}, {out_dir / 'sweep.md'}, {plot}"
+        f"{len(results)} sweep points ({timing.num_runs} runs with the base and the verdict's) "
+        f"in {timing.wall_s:.1f} s, {timing.num_processes} processes, on {timing.machine}; "
+        f"wrote {out_dir / 'sweep.json'}, {out_dir / 'sweep.md'}, {plot}"
     )
     return 0
 
