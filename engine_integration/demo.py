@@ -20,9 +20,12 @@ every subcommand); the work is in `engine_integration.demo_runner`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +156,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--debug", action="store_true", help="on a mistake, print the traceback too")
 
 
+@contextlib.contextmanager
+def step(what: str) -> Iterator[None]:
+    """A progress line for a step that takes seconds: what it does, then how long it took."""
+    print(f"hicache demo: {what}...", end="", flush=True)
+    started = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(" failed", flush=True)
+        raise
+    print(f" {time.perf_counter() - started:.1f} s", flush=True)
+
+
 class DemoMistake(Exception):
     """A mistake in the demo's flags or environment: one line, naming the flag, exit 2."""
 
@@ -162,14 +178,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields})
         check_before_loading(config)
-        from engine_integration.demo_runner import run_demo
+        with step("importing torch and the engine"):
+            from engine_integration.demo_runner import run_demo
 
         return run_demo(config)
     except (DemoMistake, ValueError) as error:
         if getattr(args, "debug", False):
             raise
         flag = "--l1-pages is too few: " if isinstance(error, RequestTooLargeError) else ""
-        print(f"hicache demo: {flag}{error}", file=sys.stderr)
+        print(f"hicache demo: error: {flag}{error}", file=sys.stderr)
         return 2
 
 

@@ -17,11 +17,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from engine_integration.config import EngineConfig
-from engine_integration.demo import BUILTIN, DemoConfig, default_l3_dir
+from engine_integration.demo import BUILTIN, DemoConfig, default_l3_dir, step
 from engine_integration.embedded import CacheSizes, build_cache, load_model, smollm2_path
 from engine_integration.engine import Engine
 from engine_integration.model import Model
@@ -116,7 +117,8 @@ def run_demo(config: DemoConfig) -> int:
         page_size=config.page_size,
         max_running_requests=config.concurrency,
     )
-    model, tokenizer = load_model(model_path, engine_config, seed=config.seed)
+    with step(f"loading {_model_name(model_path)}"):
+        model, tokenizer = load_model(model_path, engine_config, seed=config.seed)
     model = _with_window_layers(model, config, model_path is not None)
     # Per request in flight: with 10 L1 pages and 4 requests at once, only one or two fit
     # their reservation, and the rest queue behind whole answers, while the cache-off run
@@ -140,11 +142,13 @@ def run_demo(config: DemoConfig) -> int:
         # for all its L3 pages: the demo's hits do not depend on how busy the machine is.
         PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete"),
     )
-    cache = build_cache(model, engine_config, sizes)
+    with step("opening the cache"):
+        cache = build_cache(model, engine_config, sizes)
     _print_header(config, model, sizes)
     conversations = make_conversations(config.users, config.turns)
     params = _params(tokenizer, config)
-    _warm_up(model, engine_config)
+    with step("warming up (one untimed request, so first-call costs miss turn 0)"):
+        _warm_up(model, engine_config)
     started = time.perf_counter()
     try:
         engine = Engine(model, engine_config, cache=cache)
@@ -165,6 +169,13 @@ def run_demo(config: DemoConfig) -> int:
     _print_table(records, config.compare)
     _print_totals(records, stats, sizes.l3_url, time.perf_counter() - started)
     return 0
+
+
+def _model_name(model_path: str | None) -> str:
+    if model_path is None:
+        return "the built-in model (random weights)"
+    kind = "a GGUF file, dequantized to fp32" if model_path.endswith(".gguf") else "a checkpoint"
+    return f"{Path(model_path).name} ({kind})"
 
 
 def _model_path(config: DemoConfig) -> str | None:

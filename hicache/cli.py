@@ -8,6 +8,7 @@ Each subcommand lives in its own module and is imported only when it runs, so th
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import logging
@@ -32,6 +33,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
+# Subcommands that also take their settings from `--config FILE` and these variables (see
+# hicache.cli_settings): flag > variable > file > the flag's default.
+CONFIGURABLE = {"serve": "HICACHE_SERVE_", "demo": "HICACHE_DEMO_"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the flags is one line (argparse's usage block would bury it), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
 
 def version() -> str:
     try:
@@ -41,7 +53,7 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hicache",
         description="hicache: a tiered KV cache for LLM inference.",
     )
@@ -55,18 +67,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        sub_parser.set_defaults(_module=module_name)
+        sub_parser.set_defaults(_module=module_name, _parser=sub_parser)
         # Accepted after the subcommand too; there it overrides the one before it.
         sub_parser.add_argument(
             "--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS
         )
         importlib.import_module(module_name).add_arguments(sub_parser)
+        if name in CONFIGURABLE:
+            sub_parser.add_argument(
+                "--config",
+                metavar="FILE",
+                help=f"a TOML file of settings, one key per flag (spill_dir = ...); flags "
+                f"and {CONFIGURABLE[name]}* variables override it. No file is read unless "
+                "given",
+            )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # named by the subcommand's parser, which knows the flags meant
+        _unrecognized(getattr(args, "_parser", parser), extras)
+    if args.command in CONFIGURABLE:
+        try:
+            _layer_settings(args, argv)
+        except ValueError as error:
+            print(f"hicache {args.command}: error: {error}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -75,6 +103,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> None:
+    flags = [flag for action in parser._actions for flag in action.option_strings]
+    close = difflib.get_close_matches(extras[0].split("=")[0], flags, 1)
+    hint = f" (did you mean {close[0]}?)" if close and extras[0].startswith("--") else ""
+    parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
+def _layer_settings(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """Fill in what the flags did not give from HICACHE_<COMMAND>_* and the --config file."""
+    from hicache.cli_settings import apply, given_on_command_line, layered_settings
+
+    layered = layered_settings(args._parser, args.config, CONFIGURABLE[args.command])
+    if layered:
+        argv = sys.argv[1:] if argv is None else argv
+        apply(args, layered, given_on_command_line(build_parser(), argv))
 
 
 if __name__ == "__main__":

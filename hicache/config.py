@@ -2,7 +2,9 @@
 
 Every field is validated in `__post_init__` with a ValueError that names the field and the
 allowed values. `HiCacheConfig.from_env()` reads `HICACHE_*` variables; this is the only
-place the environment is read. No torch here: the simulator uses these classes too.
+place the environment is read (`command_environment` reads the `hicache serve` and
+`hicache demo` variables, `HICACHE_SERVE_*` and `HICACHE_DEMO_*`, for the CLI, and
+`read_config_file` their TOML files). No torch here: the simulator uses these classes too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from storage_backends.options import parse_size  # the one size grammar of the project
 from tiers.layout import KVLayout
@@ -223,7 +226,13 @@ class HiCacheConfig:
         The layout comes from `layout` or from HICACHE_LAYOUT (a layout descriptor).
         """
         env = os.environ if environ is None else environ
-        unknown = sorted(k for k in env if k.startswith("HICACHE_") and k not in ENV_VARIABLES)
+        unknown = sorted(
+            k
+            for k in env
+            if k.startswith("HICACHE_")
+            and k not in ENV_VARIABLES
+            and not k.startswith(COMMAND_ENV_PREFIXES)
+        )
         _require(
             not unknown, f"unknown HICACHE_ variables {unknown}; known: {sorted(ENV_VARIABLES)}"
         )
@@ -279,3 +288,42 @@ ENV_VARIABLES = {
     "HICACHE_PREFETCH_MIN_PAGES": ("policy", "prefetch_min_pages", int),
     "HICACHE_EVICTION_POLICY": ("policy", "eviction_policy", str),
 }
+
+
+# ---------------------------------------------------------------- the commands' settings
+
+# `hicache serve` and `hicache demo` take their settings from flags, then these variables,
+# then a TOML file (hicache.cli_settings); HiCacheConfig.from_env leaves them alone.
+COMMAND_ENV_PREFIXES = ("HICACHE_SERVE_", "HICACHE_DEMO_")
+
+
+def command_environment(prefix: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`prefix`* variables (a COMMAND_ENV_PREFIXES entry) as {key: text}, the key lower-cased
+    without the prefix: HICACHE_SERVE_SPILL_DIR is `spill_dir`."""
+    _require(prefix in COMMAND_ENV_PREFIXES, f"unknown command prefix {prefix!r}")
+    env = os.environ if environ is None else environ
+    return {
+        name[len(prefix) :].lower(): text for name, text in env.items() if name.startswith(prefix)
+    }
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML file's top-level table, read with the standard library; a missing, unreadable
+    or malformed file is a ValueError that names it (keys are checked by the caller)."""
+    try:
+        import tomllib  # the standard library's, from Python 3.11
+    except ModuleNotFoundError:
+        raise ValueError(f"--config {path}: reading TOML needs Python 3.11 or newer") from None
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"--config {path}: is a directory, not a TOML file") from None
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot be read ({error.strerror})") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path}: not valid TOML: {error}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not valid TOML: not UTF-8 text") from None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import socket
+import ssl
 import sys
 
 from storage_backends.options import parse_size
@@ -111,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long writing memory to the spill may take; what is left is "
         "counted, logged and lost (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument("--debug", action="store_true", help="on a mistake, print the traceback")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -149,10 +153,67 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_host(args.host)
         config = config_from_args(args)
+        check_before_serving(config)
     except ValueError as exc:
+        if args.debug:
+            raise
         print(f"hicache serve: error: {exc}", file=sys.stderr)
         return 2
     from .daemon import serve  # grpc is imported only to serve, not to build the parser
 
     return asyncio.run(serve(config))
+
+
+def _check_host(host: str) -> None:
+    """A --host that does not resolve is named as such (not as 'reachable from others')."""
+    try:
+        socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(
+            f"--host {host}: not an address or a name that resolves ({reason})"
+        ) from None
+
+
+def check_before_serving(config: ServerConfig) -> None:
+    """What the flags get wrong about this machine, one line each, before the stores open:
+    a port in use or an address not this machine's, a TLS certificate or key that does not
+    load (gRPC would only log it and say 'failed to bind')."""
+    _check_port("--port", config.host, config.port)
+    if config.metrics_port is not None:
+        _check_port("--metrics-port", config.host, config.metrics_port)
+    if config.tls_cert_file is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+        except (ssl.SSLError, OSError) as exc:
+            raise ValueError(
+                f"--tls-cert {config.tls_cert_file} / --tls-key {config.tls_key_file}: not a "
+                f"PEM certificate chain and its private key ({exc.strerror or exc})"
+            ) from None
+
+
+def _check_port(flag: str, host: str, port: int) -> None:
+    """Bind and close at once, as the server will bind (SO_REUSEADDR, not SO_REUSEPORT)."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"{flag} {port}: {host}:{port} is in use (another hicache serve? `ss -ltnp` "
+                f"shows who listens; {flag} 0 picks a free port)"
+            ) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {host}: not an address of this machine") from None
+        raise ValueError(
+            f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror})"
+        ) from None

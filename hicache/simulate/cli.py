@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from hicache.config import (
     EVICTION_POLICIES,
@@ -42,6 +44,8 @@ from hicache.simulate.report import (
     format_result,
     format_sweep_table,
     format_verdict,
+    machine,
+    savings_basis,
     sweep_rows,
 )
 from hicache.simulate.sweep import grid, parse_capacity, parse_sweep, run_configs
@@ -217,6 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-verdict", action="store_true", help="skip the verdict (and the extra runs it takes)"
     )
     out.add_argument("--json", action="store_true", help="print one JSON line instead of text")
+    out.add_argument("--debug", action="store_true", help="on a mistake, print the traceback too")
     out.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -229,12 +234,58 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except (SimulationError, ValueError) as error:
+        if args.debug:
+            raise
         print(f"hicache simulate: error: {error}", file=sys.stderr)
         return 2
 
 
+# flag -> (the least value, what it counts); None (not given) takes the default.
+_AT_LEAST = {
+    "limit": (1, "requests"),
+    "page_size": (1, "tokens"),
+    "gpus_per_instance": (1, "GPUs"),
+    "instances": (1, "instances"),
+    "jobs": (1, "processes"),
+    "write_through_threshold": (1, "hits"),
+}
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What the flags alone can get wrong, named by flag, before the trace is read."""
+    for name, (least, unit) in _AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise SimulationError(
+                f"--{name.replace('_', '-')} must be >= {least} {unit}, got {value}"
+            )
+    if not 0 < args.mfu <= 1:
+        raise SimulationError(
+            f"--mfu must be in (0, 1] (a fraction of peak FLOP/s), got {args.mfu}"
+        )
+    for name in ("l1", "l2", "l3"):
+        if getattr(args, name) is not None:
+            _capacity(args, name)
+    if args.sweep and args.out.exists() and not args.out.is_dir():
+        raise SimulationError(f"--out {args.out}: exists and is not a directory")
+
+
+def _capacity(args: argparse.Namespace, tier: str) -> float:
+    """--l1/--l2/--l3 in bytes (GB unless a unit is given), named by its flag."""
+    text = getattr(args, tier)
+    try:
+        value = parse_capacity(text)
+    except ValueError as error:
+        raise SimulationError(f"--{tier} {text}: {error}") from None
+    if value < 0:
+        raise SimulationError(f"--{tier} must be >= 0, got {text}")
+    return value
+
+
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    where = machine()  # before the runs load it
+    check_flags(args)
     trace = load_trace(args.trace, args.limit)
     config = build_config(args, trace)
     axes = [parse_sweep(spec) for spec in args.sweep]
@@ -253,39 +304,63 @@ def _run(args: argparse.Namespace) -> int:
     verdict = None if args.no_verdict else build_verdict(config, trace, base, probes, probe_results)
     wall_s = time.perf_counter() - started
     if axes:
+        timing = Timing(wall_s, 1 + len(extra), _jobs(args, len(extra)), where)
         return _sweep_output(
-            args, config, trace, axes, sweep_configs, sweep_results, verdict, wall_s, 1 + len(extra)
+            args, config, trace, axes, sweep_configs, sweep_results, verdict, timing
         )
     if args.json:
         out = base.as_dict()
         out["verdict"] = verdict.as_dict() if verdict else None
         out["wall_s"] = round(wall_s, 3)
+        out["machine"] = where
         print(json.dumps(out))
         return 0
     print(format_header(config, trace))
     print()
-    print(format_result(base, config))
+    print(format_result(base, config, where))
     if verdict is not None:
         print()
         print(format_verdict(verdict))
+    if extra:
+        print()
+        print(f"{1 + len(extra)} runs (the base and the verdict's) in {wall_s:.1f} s, "
+              f"{_jobs(args, len(extra))} processes, on {where}")  # fmt: skip
     return 0
 
 
-def _sweep_output(
-    args, config, trace: Trace, axes, configs, results, verdict, wall_s, num_runs
-) -> int:
+class Timing(NamedTuple):
+    """How long a command took, and where: a time means little without the machine."""
+
+    wall_s: float
+    num_runs: int
+    num_processes: int
+    machine: str
+
+
+def _jobs(args: argparse.Namespace, num_extra: int) -> int:
+    """Processes the extra runs use (as run_configs picks them)."""
+    return max(1, min(num_extra, args.jobs or os.cpu_count() or 1))
+
+
+def _sweep_output(args, config, trace: Trace, axes, configs, results, verdict, timing) -> int:
     from hicache.simulate.plots import plot_sweep
 
     rows = sweep_rows(axes, configs, results)
     table = format_sweep_table(axes, rows)
     best = best_sweep_point(axes, rows)
+    best_result = results[max(range(len(rows)), key=lambda i: rows[i]["net_per_month"])]
+    basis = savings_basis(best_result, configs[0])
     out_dir: Path = args.out
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SimulationError(f"--out {out_dir}: cannot make it ({error.strerror})") from None
     title = (
         f"{trace.name}: {config.model.name} on {config.num_instances} x "
         f"{config.gpus_per_instance} {config.hardware.name.upper()}"
     )
-    plot = plot_sweep(axes, rows, out_dir / "sweep.png", title)
+    ceiling = verdict.ceiling_hit_rate if verdict else None
+    plot = plot_sweep(axes, rows, out_dir / "sweep.png", title, ceiling_hit_rate=ceiling)
     document = {
         "trace": trace.name,
         "requests": trace.num_requests,
@@ -296,10 +371,11 @@ def _sweep_output(
         ],
         "best": best,
         "verdict": verdict.as_dict() if verdict else None,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(timing.wall_s, 3),
+        "machine": timing.machine,
     }
     (out_dir / "sweep.json").write_text(json.dumps(document, indent=1) + "\n")
-    (out_dir / "sweep.md").write_text(f"{title}\n\n{table}\n\n{best}\n")
+    (out_dir / "sweep.md").write_text(f"{title}\n\n{table}\n\n{best}\n\n{basis}\n")
     if args.json:
         print(
             json.dumps(
@@ -308,7 +384,8 @@ def _sweep_output(
                     "best": best,
                     "verdict": document["verdict"],
                     "files": [str(out_dir / n) for n in ("sweep.json", "sweep.md", plot.name)],
-                    "wall_s": round(wall_s, 3),
+                    "wall_s": round(timing.wall_s, 3),
+                    "machine": timing.machine,
                 }
             )
         )
@@ -318,13 +395,15 @@ def _sweep_output(
     print(table)
     print()
     print(best)
+    print(basis)
     if verdict is not None:
         print()
         print(format_verdict(verdict))
     print()
     print(
-        f"{len(results)} sweep points ({num_runs} runs with the base and the verdict's) in "
-        f"{wall_s:.1f} s; wrote {out_dir / 'sweep.json'}, {out_dir / 'sweep.md'}, {plot}"
+        f"{len(results)} sweep points ({timing.num_runs} runs with the base and the verdict's) "
+        f"in {timing.wall_s:.1f} s, {timing.num_processes} processes, on {timing.machine}; "
+        f"wrote {out_dir / 'sweep.json'}, {out_dir / 'sweep.md'}, {plot}"
     )
     return 0
 
@@ -344,8 +423,14 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
         model = model.replace(draft=load_model(args.draft))
     hardware = _hardware(args)
     gpus = args.gpus_per_instance or default_gpus_per_instance(model, hardware)
-    l1 = parse_capacity(args.l1) if args.l1 else default_l1_bytes(model, hardware, gpus)
-    l2 = parse_capacity(args.l2) if args.l2 else default_l2_bytes(hardware, gpus)
+    l1 = _capacity(args, "l1") if args.l1 else default_l1_bytes(model, hardware, gpus)
+    if not args.l1 and l1 <= 0:
+        raise SimulationError(
+            f"--gpus-per-instance {gpus}: {model.name}'s weights ({model.weight_bytes / 1e9:,.0f}"
+            f" GB) leave no HBM for KV on {gpus} x {hardware.name.upper()} "
+            f"({hardware.hbm_bytes / 1e9:,.0f} GB each); give more GPUs or --l1"
+        )
+    l2 = _capacity(args, "l2") if args.l2 else default_l2_bytes(hardware, gpus)
     policy = PolicyConfig(
         write_policy=args.write_policy,
         write_through_threshold=args.write_through_threshold,
@@ -372,7 +457,7 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
         gpus_per_instance=gpus,
         l1_bytes=l1,
         l2_bytes=l2,
-        l3_bytes=parse_capacity(args.l3),
+        l3_bytes=_capacity(args, "l3"),
         num_instances=args.instances,
         l3_shared=not args.l3_local,
         l3_bandwidth_bytes_per_s=args.l3_bandwidth * 1e9 if args.l3_bandwidth else None,

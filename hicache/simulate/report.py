@@ -3,9 +3,11 @@ text reads on a terminal and renders in a README or an issue)."""
 
 from __future__ import annotations
 
+import os
+import platform
 from collections.abc import Sequence
 
-from hicache.simulate.config import SimulationConfig
+from hicache.simulate.config import HOURS_PER_MONTH, SimulationConfig
 from hicache.simulate.result import SimulationResult
 from hicache.simulate.sweep import SweepAxis
 from hicache.simulate.trace import Trace
@@ -49,7 +51,8 @@ def format_header(config: SimulationConfig, trace: Trace) -> str:
     )
 
 
-def format_result(result: SimulationResult, config: SimulationConfig) -> str:
+def format_result(result: SimulationResult, config: SimulationConfig, where: str = "") -> str:
+    """One run's report; `where` describes the machine it ran on (see `machine`)."""
     scope = {"l1": "per instance", "l2": "per instance", "l3": "shared"}
     if not config.l3_shared:
         scope["l3"] = "per instance"
@@ -91,6 +94,7 @@ def format_result(result: SimulationResult, config: SimulationConfig) -> str:
         f"prefill: {p.saved_fraction:.1%} of compute saved ({p.gpu_seconds_saved / 3600:,.2f} "
         f"of {(p.gpu_seconds + p.gpu_seconds_saved) / 3600:,.2f} GPU-hours), worth "
         f"${result.saved_per_month:,.0f}/month at ${gpu_price:.2f}/GPU-hour",
+        savings_basis(result, config),
         f"TTFT: p50 {human_seconds(result.ttft.p50)}, p90 {human_seconds(result.ttft.p90)}, "
         f"p99 {human_seconds(result.ttft.p99)} (queueing p90 {human_seconds(result.queue.p90)};"
         f" waits in match p99 {human_seconds(result.match_wait.p99)})",
@@ -100,9 +104,48 @@ def format_result(result: SimulationResult, config: SimulationConfig) -> str:
         f"cost per month: L1 ${result.cost_per_month['l1']:,.0f}, "
         f"L2 ${result.cost_per_month['l2']:,.0f}, L3 ${result.cost_per_month['l3']:,.0f}, "
         f"GPUs ${result.cost_per_month['gpus']:,.0f}",
-        f"simulated in {result.elapsed_s:.2f} s",
+        f"simulated in {result.elapsed_s:.2f} s" + (f" on {where}" if where else ""),
     ]
     return "\n".join(lines)
+
+
+def savings_basis(result: SimulationResult, config: SimulationConfig) -> str:
+    """What "saved $/month" is computed from, and why it can exceed the GPU bill."""
+    price = config.effective_prices.gpu_hour
+    deployed = config.num_instances * config.gpus_per_instance
+    bill = config.monthly_cost()["gpus"]
+    without, with_cache = result.prefill_gpus_busy_without_cache, result.prefill_gpus_busy
+    text = (
+        f"saved $/month: the prefill GPU time the cache avoids "
+        f"({result.prefill.gpu_seconds_saved / 3600:,.2f} GPU-hours in this run's "
+        f"{result.duration_s:,.0f} s), as if this traffic ran all month ({HOURS_PER_MONTH:.0f} "
+        f"h) at ${price:.2f}/GPU-hour: {without - with_cache:,.1f} GPUs' worth. Prefill of this "
+        f"traffic keeps {without:,.1f} GPUs busy on average without the cache and "
+        f"{with_cache:,.1f} with it; {deployed} are deployed (${bill:,.0f}/month)"
+    )
+    if without > deployed:
+        return text + (
+            ", so without the cache they could not keep up, and the saving can exceed their "
+            "bill: it prices the GPUs that serving this traffic uncached would add."
+        )
+    return text + "."
+
+
+def machine() -> str:
+    """This machine in a few words, for quoting how long a run took: CPUs, and how busy."""
+    cpus = os.cpu_count() or 1
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                "",
+            )
+    except OSError:
+        model = platform.processor()
+    # The load average before the run: other work on the machine slows it.
+    load = f", load {os.getloadavg()[0]:.1f} before the run" if hasattr(os, "getloadavg") else ""
+    return f"{cpus} CPUs" + (f" of {model}" if model else "") + load
 
 
 def format_verdict(verdict: Verdict) -> str:

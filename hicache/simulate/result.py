@@ -126,7 +126,9 @@ class SimulationResult:
     l3_pages_used: int  # pages the L3 store(s) hold at the end
     utilization: list[float]  # per instance: prefill busy time over the trace's span
     cost_per_month: dict[str, float]  # l1, l2, l3, gpus
-    saved_per_month: float  # the prefill GPU time the cache saves, in USD
+    # The prefill GPU time the cache saves, in USD: GPU-seconds saved over the run's span,
+    # scaled to a month at the GPU-hour price (see report.savings_basis).
+    saved_per_month: float
     duration_s: float
     elapsed_s: float
     config: dict
@@ -138,6 +140,16 @@ class SimulationResult:
     @property
     def page_hit_rate(self) -> float:
         return self.hit_pages / self.total_pages if self.total_pages else 0.0
+
+    @property
+    def prefill_gpus_busy(self) -> float:
+        """GPUs the prefill compute keeps busy, on average over the run's span."""
+        return self.prefill.gpu_seconds / self.duration_s
+
+    @property
+    def prefill_gpus_busy_without_cache(self) -> float:
+        """The same for the same traffic with no cache: every prompt token computed."""
+        return (self.prefill.gpu_seconds + self.prefill.gpu_seconds_saved) / self.duration_s
 
     @property
     def cache_cost_per_month(self) -> float:
@@ -167,6 +179,8 @@ class SimulationResult:
             "gpu_hours_saved": round(self.prefill.gpu_seconds_saved / 3600, 4),
             "pflops": round(self.prefill.flops / 1e15, 3),
             "pflops_without_cache": round(self.prefill.flops_without_cache / 1e15, 3),
+            "gpus_busy": round(self.prefill_gpus_busy, 3),
+            "gpus_busy_without_cache": round(self.prefill_gpus_busy_without_cache, 3),
         }
         out["ttft_s"] = _rounded(self.ttft)
         out["queue_s"] = _rounded(self.queue)

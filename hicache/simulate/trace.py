@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import zlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -106,18 +107,54 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> Trace:
         handle = open_text(path)
     except OSError as error:
         raise TraceError(f"{path}: cannot open the trace: {error.strerror or error}") from None
-    requests = []
-    with handle:
-        for line_number, line in enumerate(handle, start=1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            requests.append(_parse_mooncake_line(line, f"{path}:{line_number}"))
+    requests: list[Request] = []
+    try:
+        with handle:
+            for line_number, line in enumerate(handle, start=1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                if not requests:
+                    _check_format(line, path, line_number)
+                requests.append(_parse_mooncake_line(line, f"{path}:{line_number}"))
+    except (OSError, EOFError, zlib.error) as error:  # gzip's complaints among them
+        what = "a damaged or truncated gzip file" if path.suffix == ".gz" else "unreadable"
+        raise TraceError(f"{path}: cannot read the trace ({what}: {error})") from None
+    except UnicodeDecodeError:
+        raise TraceError(
+            f"{path}: not a Mooncake JSONL trace (not UTF-8 text{_gz_hint(path)}); {_FORMATS}"
+        ) from None
     if not requests:
         raise TraceError(f"{path}: the trace holds no requests")
     requests.sort(key=lambda request: request.arrival_s)
     return Trace(path.name, requests, MOONCAKE_BLOCK_TOKENS)
+
+
+_FORMATS = (
+    "--trace takes a Mooncake JSONL file (.jsonl, or .jsonl.gz compressed) or "
+    "conversations[:sessions=N,...]"
+)
+
+
+def _gz_hint(path: Path) -> str:
+    return "; compressed? name it .gz" if path.suffix != ".gz" else ""
+
+
+def _check_format(first_line: str, path: Path, line_number: int) -> None:
+    """The first line says whether this is a JSONL trace at all (a CSV, a JSON array, ...)."""
+    try:
+        record = json.loads(first_line)
+    except json.JSONDecodeError:
+        raise TraceError(
+            f"{path}: not a Mooncake JSONL trace (line {line_number} is not a JSON object: "
+            f"{first_line.strip()[:40]!r}); {_FORMATS}"
+        ) from None
+    if not isinstance(record, dict):
+        raise TraceError(
+            f"{path}: not a Mooncake JSONL trace (line {line_number} is a JSON "
+            f"{type(record).__name__}, not one request per line as an object); {_FORMATS}"
+        )
 
 
 def _parse_mooncake_line(line: str, where: str) -> Request:

@@ -76,8 +76,17 @@ def test_demo_without_smollm2_says_so_and_uses_the_builtin_model(monkeypatch, tm
     args = ["demo", "--users", "1", "--turns", "1", "--max-new-tokens", "2", "--no-compare"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].startswith("hicache demo: SmolLM2 is not installed")
+    lines = out.splitlines()
+    assert any(line.startswith("hicache demo: SmolLM2 is not installed") for line in lines)
     assert "hicache-tiny" in out
+    # The seconds before the first turn say what they are spent on, in order, each timed.
+    steps = ["importing torch", "loading the built-in model", "opening the cache", "warming up"]
+    progress = [
+        i for s in steps for i, line in enumerate(lines) if line.startswith(f"hicache demo: {s}")
+    ]
+    assert len(progress) == len(steps) and progress == sorted(progress), lines
+    assert all(re.search(r"\.\.\. \d+\.\d s$", lines[i]) for i in progress), lines
+    assert progress[-1] < lines.index("with the cache on:")
 
 
 def test_demo_chats_with_smollm2(tmp_path, capsys):

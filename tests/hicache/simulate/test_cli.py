@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -146,3 +147,60 @@ def test_the_simulator_runs_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["requests"] > 0
+
+
+def test_the_saved_figure_says_what_it_is_computed_from_and_adds_up(capsys):
+    code, out, _ = run_cli(capsys, "--json", "--no-verdict", "--l1", "5", "--l2", "20")
+    result = json.loads(out)
+    prefill, price = result["prefill"], result["config"]["gpu_hour_price"]
+    gpus_saved = prefill["gpus_busy_without_cache"] - prefill["gpus_busy"]
+    assert result["saved_per_month"] == pytest.approx(gpus_saved * 730 * price, rel=1e-2)
+    assert gpus_saved > 0
+    code, out, _ = run_cli(capsys, "--no-verdict", "--l1", "5", "--l2", "20")
+    (line,) = [line for line in out.splitlines() if line.startswith("saved $/month:")]
+    assert "GPU-hours in this run's" in line and "730 h" in line and "are deployed" in line
+    (timing,) = [line for line in out.splitlines() if line.startswith("simulated in")]
+    assert " s on " in timing and " CPUs" in timing and "load" in timing
+
+
+def test_a_saving_above_the_gpu_bill_is_explained(capsys):
+    from hicache.cli import build_parser
+    from hicache.simulate.cli import build_config
+    from hicache.simulate.replay import Replay
+    from hicache.simulate.report import savings_basis
+    from hicache.simulate.trace import load_trace
+
+    trace = load_trace(SMALL)
+    config = build_config(build_parser().parse_args(["simulate", "--l1", "5", "--l2", "20"]), trace)
+    result = Replay(config, trace).run()
+    assert "could not keep up" not in savings_basis(result, config)
+    # The same saving over a span so short that uncached prefill needs more GPUs than exist.
+    squeezed = dataclasses.replace(result, duration_s=result.duration_s / 1000)
+    assert squeezed.prefill_gpus_busy_without_cache > config.gpus_per_instance
+    assert "could not keep up" in savings_basis(squeezed, config)
+    assert "exceed their bill" in savings_basis(squeezed, config)
+
+
+def test_the_sweep_plot_shows_the_ceiling_the_recommended_point_and_net(monkeypatch, tmp_path):
+    import matplotlib.pyplot as plt
+
+    from hicache.simulate.plots import plot_sweep
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    rows = [
+        {"l2_gb": gb, "hit_rate": hit, "l1_hit_rate": 0.3, "l2_hit_rate": hit - 0.3,
+         "l3_hit_rate": 0.0, "ttft_p50_s": 1.0, "ttft_p90_s": 2.0, "ttft_p99_s": 3.0,
+         "cache_cost_per_month": cost, "saved_per_month": saved, "net_per_month": saved - cost}
+        for gb, hit, cost, saved in ((0, 0.3, 100, 500), (10, 0.5, 200, 900), (20, 0.55, 600, 950))
+    ]  # fmt: skip
+    plot_sweep([parse_sweep("l2=0,10,20")], rows, tmp_path / "s.png", "t", ceiling_hit_rate=0.6)
+    hits, _, money = figures[0].axes
+    flat = [line.get_ydata() for line in hits.get_lines()]
+    assert any(len(set(y)) == 1 and y[0] == pytest.approx(60) for y in flat)  # the ceiling
+    (net,) = [line for line in money.get_lines() if line.get_label().startswith("net")]
+    assert list(net.get_ydata()) == [400, 700, 350]
+    best = [c for c in money.collections if c.get_label().startswith("recommended: L2 10 GB")]
+    assert best and list(best[0].get_offsets()[0]) == [10, 700]
+    labels = [t.get_text() for panel in figures[0].axes for t in panel.texts]
+    assert len(labels) == len(set(labels))  # no point labels piled on each other
