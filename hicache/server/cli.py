@@ -111,6 +111,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long writing memory to the spill may take; what is left is "
         "counted, logged and lost (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--events-endpoint", default=d.events_endpoint, metavar="ZMQ_ADDRESS",
+        help="publish KV events (vLLM's format, medium STORAGE) for the pages stored and "
+        "dropped, on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557 (default: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--events-replay-endpoint", default=d.events_replay_endpoint, metavar="ZMQ_ADDRESS",
+        help="serve replays of recent event batches to a reconnecting subscriber on this "
+        "ZMQ ROUTER address (default: none)",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -143,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_port=args.metrics_port,
         shutdown_grace_s=args.shutdown_grace,
         flush_timeout_s=args.flush_timeout,
+        events_endpoint=args.events_endpoint,
+        events_replay_endpoint=args.events_replay_endpoint,
         **extra,
     )
 
