@@ -250,7 +250,9 @@ class TierEvents:
         self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes
     ) -> None:
         tokens = np.frombuffer(data, dtype="<u4").tolist()
-        event = BlockStored(keys, parent_key, tokens, self.page_size, None, MEDIUM_OF_TIER[tier], None)
+        event = BlockStored(
+            keys, parent_key, tokens, self.page_size, None, MEDIUM_OF_TIER[tier], None
+        )
         self.publisher.add((event,))
 
     def pages_removed(self, tier: Tier, keys: list[bytes]) -> None:

@@ -59,7 +59,12 @@ def test_the_daemon_publishes_what_l3_stores_and_drops(start_daemon):
             removed = receive_events(
                 socket, lambda got: any(isinstance(e, vllm_events.BlockRemoved) for e in got)
             )
-            gone = {k for e in removed if isinstance(e, vllm_events.BlockRemoved) for k in e.block_hashes}
+            gone = {
+                k
+                for e in removed
+                if isinstance(e, vllm_events.BlockRemoved)
+                for k in e.block_hashes
+            }
             assert gone == set(keys[:2])
             await store.batch_put(more, [os.urandom(2048) for _ in more])
             # no spill: the evicted pages leave L3, and the daemon says which
@@ -67,7 +72,10 @@ def test_the_daemon_publishes_what_l3_stores_and_drops(start_daemon):
 
             def all_evicted(got) -> bool:
                 evicted.update(
-                    k for e in got if isinstance(e, vllm_events.BlockRemoved) for k in e.block_hashes
+                    k
+                    for e in got
+                    if isinstance(e, vllm_events.BlockRemoved)
+                    for k in e.block_hashes
                 )
                 return set(keys[2:]) <= evicted
 
