@@ -69,7 +69,7 @@ def run_conversations(url: str, tag: str, num_users: int = 6, num_turns: int = 4
 
     with concurrent.futures.ThreadPoolExecutor(num_users) as pool:
         for t in range(num_turns):
-            list(pool.map(lambda user: turn(user, t), range(num_users)))
+            list(pool.map(turn, range(num_users), [t] * num_users))
             time.sleep(0.3)  # the last answers' KV events reach the router
     return answers
 
