@@ -6,7 +6,9 @@ daemon's) and keeps, per replica, which tiers hold each page key (`PageIndex`). 
 request it gets the prompt's token ids from a replica (`/hicache/tokenize`: one tokenizer,
 the replicas' own), computes the page keys the replicas' indexes use (the namespace digest
 comes from `/hicache/info`), reads off each replica's cached prefix per tier, and lets
-`hicache.routing` choose: the same code the simulator plans with.
+`hicache.routing` choose: the same code the simulator plans with. A prompt just routed
+counts as cached on its replica for a few seconds (`RecentPages`) until the replica's own
+events say what it keeps.
 
 P/D: when some replicas are `--role prefill` and others `--role decode`, a request goes to a
 decode replica (chosen by the policy over the decode replicas: a conversation's earlier turns
@@ -51,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 _L1, _L2, _L3 = (1 << (tier - 1) for tier in Tier)
 _TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=5)
+RECENT_HOLD_S = 5.0  # how long a routed prompt counts as cached before its events confirm it
 
 
 class PageIndex:
@@ -94,12 +97,47 @@ class PageIndex:
         return counts
 
 
-def cached_prefix(keys: list[bytes], own: PageIndex, shared: PageIndex | None) -> CachedPrefix:
+class RecentPages:
+    """Pages a replica is about to hold: the prompts just sent to it, counted as in L1
+    until `hold_s` has passed. Its events take a moment to arrive; a conversation's next
+    turn, sent the moment the answer is in, must not miss its history meanwhile. Only the
+    events say what stays: an entry that they never confirm simply expires."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self._until: dict[bytes, float] = {}
+
+    def add(self, keys: list[bytes]) -> None:
+        until = time.monotonic() + self.hold_s
+        for key in keys:
+            self._until[key] = until
+
+    def holds(self, key: bytes, now: float) -> bool:
+        return self._until.get(key, 0.0) > now
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        self._until = {k: t for k, t in self._until.items() if t > now}
+
+    def clear(self) -> None:
+        self._until.clear()
+
+
+def cached_prefix(
+    keys: list[bytes],
+    own: PageIndex,
+    shared: PageIndex | None,
+    recent: RecentPages | None = None,
+) -> CachedPrefix:
     """The leading pages of `keys` a replica can serve, each counted in the fastest tier
-    holding it: its own L1/L2/L3, or the shared L3 (the daemon's events)."""
+    holding it: its own L1/L2/L3, or the shared L3 (the daemon's events); pages `recent`
+    still holds count as L1."""
     counts = [0, 0, 0]
+    now = time.monotonic()
     for key in keys:
         mask = own.tiers(key) | (_L3 if shared is not None and shared.tiers(key) else 0)
+        if recent is not None and recent.holds(key, now):
+            mask |= _L1
         if not mask:
             break
         counts[0 if mask & _L1 else 1 if mask & _L2 else 2] += 1
@@ -119,6 +157,7 @@ class ReplicaState:
     num_routed: int = 0
     num_failed: int = 0
     index: PageIndex = field(default_factory=PageIndex)
+    recent: RecentPages = field(default_factory=lambda: RecentPages(RECENT_HOLD_S))
     subscriber: EventSubscriber | None = None
 
 
@@ -257,6 +296,7 @@ class RouteServer:
             replica.page_size, replica.digest = page_size, digest
             replica.started_s = info["started_s"]
             replica.index.clear()
+            replica.recent.clear()
         if replica.subscriber is not None:
             self.feed.remove(replica.subscriber)
             replica.subscriber = None
@@ -278,6 +318,9 @@ class RouteServer:
         """Bring back replicas that answer again (their events start over)."""
         while True:
             await asyncio.sleep(1.0)
+            with self.lock:
+                for replica in self.replicas:
+                    replica.recent.expire()
             for replica in self.replicas:
                 if not replica.alive:
                     try:
@@ -292,6 +335,7 @@ class RouteServer:
             replica.alive = False
             replica.num_failed += 1
             replica.index.clear()
+            replica.recent.clear()
 
     # ------------------------------------------------------------------ HTTP
 
@@ -408,7 +452,9 @@ class RouteServer:
                     return None
                 prefill = chosen[0]
                 prefill.num_routed += 1
+                prefill.recent.add(keys)
             replica.num_routed += 1
+            replica.recent.add(keys)
             return replica, prefill, choice
 
     def _choose(self, keys: list[bytes], role: str, tried: set[int]):
@@ -416,7 +462,7 @@ class RouteServer:
         for i, replica in enumerate(self.replicas):
             if not replica.alive or replica.role != role or i in tried:
                 continue
-            cached[i] = cached_prefix(keys, replica.index, self.shared_l3)
+            cached[i] = cached_prefix(keys, replica.index, self.shared_l3, replica.recent)
             candidates.append(Candidate(i, cached[i], replica.in_flight, replica.num_routed))
         if not candidates:
             return None
