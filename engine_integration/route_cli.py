@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replica may have and still win on its cache (default: %(default)s)",
     )
     a(
+        "--min-share",
+        type=float,
+        default=_D.min_share,
+        help="prefix: a cached prefix decides only when worth more than this share of the "
+        "prompt's pages; below it the least loaded replica wins (default: %(default)s)",
+    )
+    a(
         "--weights",
         default=f"{_W.l1},{_W.l2},{_W.l3}",
         metavar="L1,L2,L3",
@@ -75,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         l1, l2, l3 = (float(part) for part in args.weights.split(","))
         config = RouterConfig(
             replica_urls=tuple(args.replica),
-            routing=RoutingConfig(args.policy, args.balance, TierWeights(l1, l2, l3)),
+            routing=RoutingConfig(
+                args.policy, args.balance, args.min_share, TierWeights(l1, l2, l3)
+            ),
             host=args.host,
             port=args.port,
             l3_events=args.l3_events,

@@ -466,7 +466,7 @@ class RouteServer:
             candidates.append(Candidate(i, cached[i], replica.in_flight, replica.num_routed))
         if not candidates:
             return None
-        choice = self.router.choose(candidates)
+        choice = self.router.choose(candidates, len(keys))
         return self.replicas[choice.index], (choice.value, cached[choice.index])
 
     # ------------------------------------------------------------------ forwarding

@@ -13,8 +13,10 @@ Policies:
   eligible; of those, the one whose cached prefix is worth most wins, a page counting by
   the tier it sits in (`TierWeights`: a page in L1 is ready, one in L2 must be copied over
   PCIe, one in L3 read from storage first); ties go to the less loaded, then to the one
-  given fewer requests. `balance` is what keeps a hot prefix (a system prompt every user
-  shares) from drawing all traffic to one replica.
+  given fewer requests. A prefix worth no more than `min_share` of the prompt's pages is not
+  worth leaving the least loaded for: then the choice is `least_load`'s. `balance` and
+  `min_share` are what keep a hot prefix (a system prompt every user shares, a chat
+  template's first lines) from drawing all traffic to one replica.
 
 So the simulator's plan and the live router make the same choice from the same facts. The
 P/D handoff decision (`needs_prefill`) is here for the same reason.
@@ -64,10 +66,13 @@ class RoutingConfig:
     """policy:  one of POLICIES.
     balance: `prefix` only: how much more load than the least loaded candidate a candidate
              may carry and still win on its cached prefix (the load's own unit).
+    min_share: `prefix` only: the least worth, as a share of the prompt's pages, for which a
+             cached prefix decides (below it, the least loaded wins).
     weights: per-tier worth of a cached page."""
 
     policy: str = "prefix"
     balance: float = 2.0
+    min_share: float = 0.5
     weights: TierWeights = TierWeights()
 
     def __post_init__(self) -> None:
@@ -75,6 +80,8 @@ class RoutingConfig:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {self.policy!r}")
         if self.balance < 0:
             raise ValueError(f"routing balance must be >= 0, got {self.balance}")
+        if not 0 <= self.min_share <= 1:
+            raise ValueError(f"routing min_share must be in [0, 1], got {self.min_share}")
 
 
 class Candidate(NamedTuple):
@@ -96,7 +103,8 @@ class Router:
         self.config = config
         self._turn = 0
 
-    def choose(self, candidates: Sequence[Candidate]) -> Choice:
+    def choose(self, candidates: Sequence[Candidate], num_pages: int | None = None) -> Choice:
+        """`num_pages`: the prompt's full pages (for `min_share`; None: no minimum)."""
         if not candidates:
             raise ValueError("no candidate to route to")
         policy = self.config.policy
@@ -104,9 +112,9 @@ class Router:
             chosen = candidates[self._turn % len(candidates)]
             self._turn += 1
             return Choice(chosen.index, 0.0)
+        least = min(candidates, key=lambda c: (c.load, c.num_routed, c.index))
         if policy == "least_load":
-            chosen = min(candidates, key=lambda c: (c.load, c.num_routed, c.index))
-            return Choice(chosen.index, 0.0)
+            return Choice(least.index, 0.0)
         weights = self.config.weights
         limit = min(c.load for c in candidates) + self.config.balance
         best, best_key = None, None
@@ -117,7 +125,10 @@ class Router:
             key = (value, -candidate.load, -candidate.num_routed, -candidate.index)
             if best_key is None or key > best_key:
                 best, best_key = candidate, key
-        return Choice(best.index, best_key[0])
+        value = best_key[0]
+        if num_pages and value <= self.config.min_share * num_pages * weights.l1:
+            return Choice(least.index, weights.value(least.cached))
+        return Choice(best.index, value)
 
 
 def needs_prefill(cached_on_decode: CachedPrefix, num_prompt_pages: int) -> bool:

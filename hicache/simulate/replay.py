@@ -354,7 +354,8 @@ class Replay:
             )
             for instance in instances
         ]
-        chosen = instances[self._router.choose(candidates).index]
+        num_pages = job.request.input_length // self.config.page_size
+        chosen = instances[self._router.choose(candidates, num_pages).index]
         chosen.num_routed += 1
         return chosen
 

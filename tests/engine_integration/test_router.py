@@ -10,6 +10,9 @@ from collections import Counter
 
 import pytest
 
+from engine_integration.router import PageIndex, RecentPages, cached_prefix
+from hicache.controller import CachedPrefix
+from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.support.replicas import get_json, post_json, post_stream, replica, router
 
 PAGE = 16
@@ -49,23 +52,22 @@ def routers(replicas):
 
 def run_conversations(url: str, tag: str, num_users: int = 6, num_turns: int = 4):
     """Users chatting at once, each turn after the previous one's answer, a wave at a time.
-    Returns the responses per user, in turn order."""
-    system = f"[{tag}] Be brief."
-    histories = [[{"role": "system", "content": system}] for _ in range(num_users)]
+    Each history is kept as token ids (the built-in model's byte tokens), the answer's ids
+    as generated: the replica's cache sees exactly the previous turn again, as a client that
+    keeps token ids (the demo's ChatHistory) sends it. Returns the responses per user."""
+    histories = [list(f"System: [{tag}] Be brief.\n".encode()) for _ in range(num_users)]
     answers: list[list[dict]] = [[] for _ in range(num_users)]
 
     def turn(user: int, t: int) -> None:
-        question = f"User {user} asks question number {t}: what about topic {user * 7 + t}?"
-        histories[user].append({"role": "user", "content": question})
+        question = f"\nUser {user} asks question {t}: what about topic {user * 7 + t}?\nA:"
+        histories[user] += list(question.encode())
         status, body = post_json(
-            f"{url}/v1/chat/completions",
-            {"messages": histories[user], "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            f"{url}/v1/completions",
+            {"prompt": histories[user], "max_tokens": 12, "temperature": 0, "ignore_eos": True},
         )
         assert status == 200, body
         answers[user].append(body)
-        histories[user].append(
-            {"role": "assistant", "content": body["choices"][0]["message"]["content"]}
-        )
+        histories[user] += body["hicache"]["token_ids"]
 
     with concurrent.futures.ThreadPoolExecutor(num_users) as pool:
         for t in range(num_turns):
@@ -163,3 +165,28 @@ def test_a_replica_killed_mid_run_loses_no_request_and_the_router_keeps_serving(
 def _in_flight(url: str, name: str) -> bool:
     stats = get_json(f"{url}/hicache/route/stats", timeout_s=2)
     return bool(stats) and any(r["name"] == name and r["in_flight"] for r in stats["replicas"])
+
+
+NONE = CachedPrefix(0, 0, 0)
+
+
+def test_the_router_index_follows_stores_and_removals_per_tier():
+    a, b, c, d = (bytes([i]) * 16 for i in range(4))
+    own, shared = PageIndex(), PageIndex()
+    own.apply([BlockStored([a, b], None, [0] * 8, 4, None, "GPU", None)])
+    own.apply([BlockStored([a, b, c], None, [0] * 12, 4, None, "CPU", None)])
+    shared.apply([BlockStored([a, b, c, d], None, [], 4, None, "STORAGE", None)])
+    assert cached_prefix([a, b, c, d], own, None) == CachedPrefix(2, 1, 0)
+    assert cached_prefix([a, b, c, d], own, shared) == CachedPrefix(2, 1, 1)
+    own.apply([BlockRemoved([b], "GPU")])
+    assert cached_prefix([a, b, c], own, None) == CachedPrefix(1, 2, 0)
+    own.apply([BlockRemoved([a, b, c], "CPU")])
+    assert cached_prefix([a, b, c], own, None) == CachedPrefix(1, 0, 0)
+    recent = RecentPages(hold_s=60)
+    recent.add([a, b])
+    assert cached_prefix([a, b, c], own, None, recent) == CachedPrefix(2, 0, 0)
+    own.apply([AllBlocksCleared()])
+    assert len(own) == 0 and cached_prefix([a], own, None) == NONE
+    expired = RecentPages(hold_s=0)
+    expired.add([a])
+    assert cached_prefix([a], own, None, expired) == NONE
