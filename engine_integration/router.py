@@ -226,14 +226,21 @@ class EventFeed:
                     self._read(subscriber, index)
 
     def _read(self, subscriber: EventSubscriber, index: PageIndex) -> None:
-        lost = subscriber.lost
+        lost, joined = subscriber.lost, subscriber.last_seq >= 0
         batches = subscriber.receive(0)
         with self.lock:
-            if subscriber.lost != lost:
+            if subscriber.lost != lost and joined:
                 logger.warning(
                     "events from %s were lost: forgetting its pages", subscriber.endpoint
                 )
                 index.clear()
+            elif subscriber.lost != lost:  # joined late, with no replay socket to catch up
+                logger.info(
+                    "%s published %d batches before this router subscribed (no replay "
+                    "socket): pages stored before now are unknown here",
+                    subscriber.endpoint,
+                    subscriber.lost,
+                )
             for _, batch in batches:
                 index.apply(batch.events)
 
