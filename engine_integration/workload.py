@@ -113,19 +113,9 @@ class ChatHistory:
         return text
 
     def _render(self, *, add_generation_prompt: bool) -> str:
-        if self._templated:
-            return self.tokenizer.apply_chat_template(
-                self.messages, add_generation_prompt=add_generation_prompt
-            )
-        parts = []
-        for message in self.messages:
-            if message["role"] == "system":
-                parts.append(f"System: {message['content']}\n")
-            elif message["role"] == "user":
-                parts.append(f"\nUser: {message['content']}\nAssistant:")
-            else:
-                parts.append(f" {message['content']}")
-        return "".join(parts)
+        return render_chat(
+            self.tokenizer, self.messages, add_generation_prompt=add_generation_prompt
+        )
 
     def _after_answer(self, rendered: str) -> str:
         """What the template puts after the last answer, less the end-of-turn token the
@@ -138,3 +128,19 @@ class ChatHistory:
         if self._templated and eos_text and tail.startswith(eos_text):
             tail = tail[len(eos_text) :]
         return tail
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
+    """The text of a conversation: the tokenizer's chat template if it has one, else a
+    plain "System: / User: / Assistant:" format."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    parts = []
+    for message in messages:
+        if message["role"] == "system":
+            parts.append(f"System: {message['content']}\n")
+        elif message["role"] == "user":
+            parts.append(f"\nUser: {message['content']}\nAssistant:")
+        else:
+            parts.append(f" {message['content']}")
+    return "".join(parts)

@@ -28,6 +28,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "hicache.server.cli",
         "run the cache-server daemon: an L3 that many engine instances share over gRPC",
     ),
+    "engine": (
+        "engine_integration.serve_cli",
+        "serve the embedded engine over HTTP, OpenAI-compatible (`hicache engine serve`)",
+    ),
+    "route": (
+        "engine_integration.route_cli",
+        "route requests across engine replicas by where their prefixes are cached",
+    ),
 }
 
 

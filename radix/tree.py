@@ -19,7 +19,7 @@ Contracts:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -77,6 +77,19 @@ class InsertResult(NamedTuple):
     last_node: Node
 
 
+class ResidencyListener(Protocol):
+    """Told of every change of a run's residency in one tier, as it happens (under the
+    tree owner's serialisation). `keys` are the run's page keys; `parent_key` is the key of
+    the page before the run (None at the top of a namespace); `data` the run's tokens in
+    the index encoding. A run that is split keeps its pages where they are: no call."""
+
+    def pages_stored(
+        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes
+    ) -> None: ...
+
+    def pages_removed(self, tier: Tier, keys: list[bytes]) -> None: ...
+
+
 class RadixTree:
     """A compressed radix tree over full pages, with per-tier residency and eviction."""
 
@@ -94,6 +107,7 @@ class RadixTree:
         self._level_pages = [0, 0, 0, 0, 0]  # pages per level (the fastest tier holding them)
         key = eviction_key_function(eviction_policy)
         self._heaps = {tier: CandidateHeap(tier, key, self._is_candidate) for tier in Tier}
+        self.listener: ResidencyListener | None = None  # told of every residency change
 
     # ------------------------------------------------------------------ queries
 
@@ -328,6 +342,8 @@ class RadixTree:
         self._num_nodes += 1
         self._refresh(node)
         self._refresh(parent)
+        if self.listener is not None:
+            self._tell_listener(node, tier, False, True)
         return node
 
     # ------------------------------------------------------------------ residency
@@ -427,6 +443,8 @@ class RadixTree:
     def _set_residency(self, node: Node, tier: Tier, value: list[int] | bool | None) -> None:
         old_level = node.level
         was_held = self._holds(node, tier)
+        if self.listener is not None:
+            self._tell_listener(node, tier, was_held, value is not None and value is not False)
         self._assign(node, tier, value)
         delta = node.num_pages * (int(self._holds(node, tier)) - int(was_held))
         self._pages[tier] += delta
@@ -444,6 +462,18 @@ class RadixTree:
         else:
             self._refresh(node)
         self._refresh(parent)
+
+    def _tell_listener(self, node: Node, tier: Tier, was_held: bool, will_hold: bool) -> None:
+        """Before the change (a run that leaves every tier is detached right after)."""
+        if was_held == will_hold:
+            return
+        keys = self.keys(node)
+        if will_hold:
+            parent = node.parent
+            parent_key = self._last_key(parent) if parent.num_pages else None
+            self.listener.pages_stored(tier, list(keys), parent_key, node.data)
+        else:
+            self.listener.pages_removed(tier, list(keys))
 
     @staticmethod
     def _assign(node: Node, tier: Tier, value: list[int] | bool | None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -67,6 +68,9 @@ class MemoryBackend(StorageBackend):
         # Bytes the owner holds for this store elsewhere (the daemon: pages still arriving);
         # stored objects are kept to the capacity minus this.
         self.reserved_bytes = 0
+        # Told the keys of objects that leave this store for good (evicted with no spill to
+        # take them, or dropped by the spill); the daemon publishes them as L3 removals.
+        self.on_dropped: Callable[[list[bytes]], None] | None = None
 
     @property
     def num_unspilled(self) -> int:
@@ -217,14 +221,19 @@ class MemoryBackend(StorageBackend):
         """Evict the least recently used until `nbytes` more fit; those the spill does not
         hold yet are appended to `evicted`."""
         capacity = self.options.capacity_bytes - self.reserved_bytes
+        dropped: list[bytes] = []
         while self._objects and self._stored_bytes + nbytes > capacity:
             victim, victim_blob = self._objects.popitem(last=False)
             self._stored_bytes -= len(victim_blob)
             self._num_evictions += 1
             if victim in self._in_spill:
                 self._in_spill.discard(victim)
-            else:
+            elif self.spill is not None:
                 evicted.append((victim, victim_blob))
+            else:
+                dropped.append(victim)
+        if dropped and self.on_dropped is not None:
+            self.on_dropped(dropped)
 
     def _spill_evicted(self, evicted: list[tuple[bytes, bytes]]) -> asyncio.Task:
         """Start writing evicted objects to the spill, as a task this store owns."""
@@ -250,6 +259,8 @@ class MemoryBackend(StorageBackend):
                     del self._spilling[key]
                     self._spilling_bytes -= len(blob)
             dropped = len(keys) - sum(stored)
+            if dropped and self.on_dropped is not None:
+                self.on_dropped([key for key, ok in zip(keys, stored, strict=True) if not ok])
             if dropped:
                 self.num_spill_dropped += dropped
                 self._warnings.warn(

@@ -115,6 +115,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "counted, logged and lost (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="on a mistake, print the traceback")
+    parser.add_argument(
+        "--events-endpoint", default=d.events_endpoint, metavar="ZMQ_ADDRESS",
+        help="publish KV events (vLLM's format, medium STORAGE) for the pages stored and "
+        "dropped, on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557 (default: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--events-replay-endpoint", default=d.events_replay_endpoint, metavar="ZMQ_ADDRESS",
+        help="serve replays of recent event batches to a reconnecting subscriber on this "
+        "ZMQ ROUTER address (default: none)",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -147,6 +157,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_port=args.metrics_port,
         shutdown_grace_s=args.shutdown_grace,
         flush_timeout_s=args.flush_timeout,
+        events_endpoint=args.events_endpoint,
+        events_replay_endpoint=args.events_replay_endpoint,
         **extra,
     )
 

@@ -67,6 +67,8 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # SIGTERM: how long in-flight calls may finish
     flush_timeout_s: float = 120.0  # SIGTERM: how long writing memory to the spill may take
     spill_timeout_s: float = 60.0  # one spill read or write batch
+    events_endpoint: str | None = None  # publish L3 KV events on this ZMQ PUB address
+    events_replay_endpoint: str | None = None  # ... and serve replays on this ROUTER address
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "--host must not be empty")
@@ -133,6 +135,18 @@ class ServerConfig:
         _check(self.shutdown_grace_s >= 0, "--shutdown-grace must be >= 0")
         _check(self.flush_timeout_s > 0, "--flush-timeout must be > 0")
         _check(self.spill_timeout_s > 0, "spill_timeout_s must be > 0")
+        for flag, endpoint in (
+            ("--events-endpoint", self.events_endpoint),
+            ("--events-replay-endpoint", self.events_replay_endpoint),
+        ):
+            _check(
+                endpoint is None or endpoint.startswith(("tcp://", "ipc://")),
+                f"{flag} must be a ZMQ address (tcp://HOST:PORT or ipc://PATH), got {endpoint}",
+            )
+        _check(
+            self.events_replay_endpoint is None or self.events_endpoint is not None,
+            "--events-replay-endpoint needs --events-endpoint",
+        )
 
     def _check_namespaces(self) -> None:
         _check(len(self.namespaces) > 0, "at least one --namespace is needed")

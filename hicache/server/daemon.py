@@ -66,11 +66,14 @@ class CacheServer:
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
+        self.events = None  # the KV event publisher, with --events-endpoint
 
     async def start(self) -> int:
         """Open the stores and listen; returns the bound port. Raises OSError if it cannot."""
         config = self.config
         await self.store.open()
+        if config.events_endpoint is not None:
+            self._start_events()
         grpc_auth = self.auth if config.has_tokens else None  # a metrics token alone: open
         service = KVStoreService(
             self.store, config, self.metrics, self.streams, grpc_auth, time.monotonic()
@@ -106,6 +109,18 @@ class CacheServer:
                 collector, self.auth, config.host, config.metrics_port
             )
         return self.port
+
+    def _start_events(self) -> None:
+        from hicache.events import EventPublisher, EventsConfig  # pyzmq, only when asked
+        from hicache.server.events import DaemonEvents
+
+        config = self.config
+        self.events = EventPublisher(
+            EventsConfig(config.events_endpoint, config.events_replay_endpoint)
+        )
+        events = DaemonEvents(self.events)
+        for namespace in self.store.namespaces.values():
+            namespace.publish_events(events)
 
     def _listen(self, server: grpc.aio.Server, address: str) -> int:
         config = self.config
@@ -145,6 +160,8 @@ class CacheServer:
         except asyncio.TimeoutError:
             logger.error("the stores did not close within %ss (a hung spill?)", _CLOSE_TIMEOUT_S)
             self.closed_cleanly = False
+        if self.events is not None:
+            self.events.close()
         return spilled
 
 

@@ -69,6 +69,12 @@ class NamespaceStore:
         self.memory = MemoryBackend(options, None, name=f"memory:{name}", spill=memory_spill)
         self.capacity_bytes = capacity_bytes
         self.in_flight_bytes = 0  # held by unfinished BatchPut streams (charged to the quota)
+        self.events = None  # hicache.server.events.DaemonEvents, when the daemon publishes
+
+    def publish_events(self, events) -> None:
+        """Report the pages this namespace stores and drops to `events` (DaemonEvents)."""
+        self.events = events
+        self.memory.on_dropped = events.removed
 
     async def open(self) -> None:
         await self.memory.connect()
@@ -130,8 +136,12 @@ class NamespaceStore:
         if good:
             good_keys = [keys[i] for i in good]
             good_blobs = [blobs[i] for i in good]
-            for i, outcome in zip(good, await self._store(good_keys, good_blobs), strict=True):
+            stored = await self._store(good_keys, good_blobs)
+            for i, outcome in zip(good, stored, strict=True):
                 outcomes[i] = outcome
+            if self.events is not None:
+                kept = [i for i, outcome in zip(good, stored, strict=True) if outcome.stored]
+                self.events.stored([keys[i] for i in kept], [blobs[i] for i in kept])
         return outcomes  # type: ignore[return-value]
 
     async def _store(self, keys: list[bytes], blobs: list[Buffer]) -> list[PutOutcome]:
@@ -150,6 +160,8 @@ class NamespaceStore:
         removed = await self.memory.delete(keys)
         if self.write_through:  # memory holds a subset of the spill
             removed = max(removed, await self.spill.delete(keys))
+        if self.events is not None and removed:
+            self.events.removed(list(keys))
         return removed
 
     async def flush(self) -> int:

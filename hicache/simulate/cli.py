@@ -116,8 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--routing",
         choices=ROUTING,
         default=_DEFAULT["routing"].default,
-        help="how requests pick an instance: round-robin, or the longest "
-        "prefix an instance holds in L1/L2",
+        help="how requests pick an instance, as `hicache route` does (hicache.routing): "
+        "round_robin, least_load (least queued prefill), or prefix (the most valuable "
+        "tier-weighted cached prefix among instances within 1 s of queued prefill of the least "
+        "busy)",
     )
     model.add_argument(
         "--mfu", type=float, default=_DEFAULT["mfu"].default, help="prefill model-FLOPs utilization"

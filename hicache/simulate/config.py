@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass, field
 
 from hicache.config import L3_WRITE_POLICIES, PolicyConfig
+from hicache.routing import POLICIES
 from hicache.simulate.hardware import HardwareSpec
 from hicache.simulate.models import ModelSpec
 
 HOURS_PER_MONTH = 730.0
-ROUTING = ("round_robin", "prefix")
+ROUTING = POLICIES  # hicache.routing: the policies of `hicache route`
 HBM_FRACTION = 0.9  # of HBM an engine gives to weights and KV (the rest: activations, graphs)
 WEIGHT_SHARE_LIMIT = 0.75  # default GPUs per instance: weights take at most this share of HBM
 L2_HOST_FRACTION = 0.5  # default L2: this share of the instance's host memory

@@ -4,8 +4,9 @@ virtual time.
 Each instance is a prefill engine with its own L1 and L2 and a `VirtualExecutor`; all share
 one simulated L3 (or each has its own). Events run in timestamp order:
 
-- arrival: the router picks an instance (round-robin, or the longest prefix the instance
-  holds in L1/L2, probed without side effects); a request that has to queue gives the
+- arrival: the router picks an instance (`hicache.routing`: round-robin, or the most
+  valuable cached prefix, tier-weighted, among the instances not much busier than the
+  least busy); a request that has to queue gives the
   cache its prefetch hint, as a scheduler would;
 - start (the instance's GPU is free): `match` (the controller loads L2 pages, prefetches
   L3 pages and waits as its prefetch policy says, advancing the instance's clock), then
@@ -24,7 +25,8 @@ the uncached tokens overlaps the per-layer loads. Only prompt pages are cached (
 prefill produces; as on the prefill side of a P/D deployment).
 
 This module knows the controller only through its public API, plus one side-effect-free
-look at an instance's index for routing (`_local_prefix_pages`).
+look at an instance's index for routing (`_cached_prefix`), scored by `hicache.routing`, the
+code `hicache route` runs.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config
-from hicache.controller import HiCache, Match
+from hicache.controller import CachedPrefix, HiCache, Match
+from hicache.routing import NOTHING_CACHED, Candidate, Router, RoutingConfig
 from hicache.simulate.config import SimulationConfig
 from hicache.simulate.errors import SimulationError
 from hicache.simulate.executor import URL_SCHEME, Link, Links, VirtualExecutor
@@ -75,6 +78,7 @@ class _Instance:
         self.tick_pending = False
         self.queued_s = 0.0  # summed no-cache estimates of the queued requests
         self.busy_s = 0.0
+        self.num_routed = 0
 
     def backlog_s(self, now_s: float) -> float:
         return max(0.0, self.free_at_s - now_s) + self.queued_s
@@ -113,7 +117,7 @@ class Replay:
         )
         self._instances = [self._make_instance(i) for i in range(config.num_instances)]
         self._stats = RequestStats.empty(trace.num_requests)
-        self._next_instance = 0
+        self._router = Router(RoutingConfig(config.routing, config.route_balance_s))
         self._events: list[tuple[float, int, int, _Instance]] = []  # (time, seq, kind, where)
         self._seq = itertools.count()
 
@@ -334,35 +338,35 @@ class Replay:
     # ------------------------------------------------------------------ routing
 
     def _route(self, job: _Job, now_s: float) -> _Instance:
+        """The live router's choice (`hicache.routing`), from the instances' own indexes
+        (probed without side effects) and their backlogs in seconds."""
         instances = self._instances
         if len(instances) == 1:
             return instances[0]
-        if self.config.routing == "round_robin":
-            instance = instances[self._next_instance]
-            self._next_instance = (self._next_instance + 1) % len(instances)
-            return instance
-        least = min(instance.backlog_s(now_s) for instance in instances)
-        limit = least + self.config.route_balance_s
-        best, best_key = instances[0], None
-        for instance in instances:
-            backlog = instance.backlog_s(now_s)
-            if backlog > limit:
-                continue
-            local = _local_prefix_pages(instance.cache, job.data, self._namespace)
-            key = (local, -backlog, -instance.index)
-            if best_key is None or key > best_key:
-                best, best_key = instance, key
-        return best
+        candidates = [
+            Candidate(
+                instance.index,
+                _cached_prefix(instance.cache, job.data, self._namespace)
+                if self.config.routing == "prefix"
+                else NOTHING_CACHED,
+                instance.backlog_s(now_s),
+                instance.num_routed,
+            )
+            for instance in instances
+        ]
+        num_pages = job.request.input_length // self.config.page_size
+        chosen = instances[self._router.choose(candidates, num_pages).index]
+        chosen.num_routed += 1
+        return chosen
 
 
-def _local_prefix_pages(cache: HiCache, data: bytes, namespace: Namespace) -> int:
-    """Pages of the prompt's prefix the instance holds in L1 or L2, by its index.
+def _cached_prefix(cache: HiCache, data: bytes, namespace: Namespace) -> CachedPrefix:
+    """The prompt's prefix the instance holds, per tier, by its index.
 
     A match that neither touches (no eviction-order or hit-count change), nor counts, nor
     moves anything: routing must not change what the caches do.
     """
-    cached = cache.cached_prefix(data, namespace)
-    return cached.num_l1_pages + cached.num_l2_pages
+    return cache.cached_prefix(data, namespace)
 
 
 __all__ = ["Replay"]

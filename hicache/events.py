@@ -1,0 +1,368 @@
+"""KV events: what a cache stores and drops, per tier, in vLLM's wire format.
+
+Routers that read vLLM's KV events (llm-d's KV-cache manager, Dynamo's router, SGLang's
+gateway) read hicache the same way:
+
+- a message is three ZMQ frames on a PUB socket: `topic`, an 8-byte big-endian sequence
+  number, and a msgpack `KVEventBatch` (`[ts, [event, ...]]`, an array);
+- an event is a msgpack map tagged by `"type"`: `BlockStored` (page keys as `block_hashes`,
+  the key of the page before them as `parent_block_hash`, their `token_ids`, `block_size` =
+  page size, `medium`), `BlockRemoved` (`block_hashes`, `medium`) or `AllBlocksCleared`;
+- `medium` names the tier: "GPU" for L1, "CPU" for L2, "STORAGE" for L3. A page in several
+  tiers is stored once per tier and removed per tier;
+- a subscriber that missed messages asks the replay socket (ROUTER) for every batch from a
+  sequence number on (`[b"", seq]` from a DEALER); the publisher answers with the batches it
+  still keeps, as the PUB socket sent them, then an end marker of sequence -1.
+
+`TierEvents` is the index's listener (`radix.tree.ResidencyListener`): every run that gains
+or loses a tier becomes one event, queued; the publisher sends what is queued as one batch
+every `batch_interval_s` (or sooner, at `max_batch_events`), so a busy cache does not
+publish per page. The first batch of a publisher begins with `AllBlocksCleared`: whatever a
+subscriber knew of an earlier process at that address is gone.
+
+This module knows sockets and encodings; it does not know the controller (the controller is
+given a listener) or the daemon (which publishes its own L3 events through `EventPublisher`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import zmq
+
+from radix.node import Tier
+
+logger = logging.getLogger(__name__)
+
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE = "GPU", "CPU", "STORAGE"
+MEDIUM_OF_TIER = {Tier.L1: MEDIUM_GPU, Tier.L2: MEDIUM_CPU, Tier.L3: MEDIUM_STORAGE}
+TIER_OF_MEDIUM = {medium: tier for tier, medium in MEDIUM_OF_TIER.items()}
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+# ---------------------------------------------------------------------------- the wire format
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list[bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A batch off the wire; raises msgspec.DecodeError for anything else."""
+    return _decoder.decode(payload)
+
+
+# ---------------------------------------------------------------------------- publishing
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """endpoint:         the PUB socket, e.g. "tcp://127.0.0.1:5557" (bound here; port 0
+                      picks a free one, see `EventPublisher.endpoint`).
+    replay_endpoint:  the ROUTER socket for replays (None: no replay).
+    buffer_batches:   batches kept for replay.
+    batch_interval_s: how long an event may wait for others to share its batch.
+    max_batch_events: a batch is sent as soon as this many events are queued.
+    topic:            the first frame of every message."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    buffer_batches: int = 10_000
+    batch_interval_s: float = 0.01
+    max_batch_events: int = 1024
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"EventsConfig.endpoint must be a ZMQ address, got {self.endpoint!r}")
+        if self.buffer_batches < 1:
+            raise ValueError(f"EventsConfig.buffer_batches must be >= 1, got {self.buffer_batches}")
+        if not 0 < self.batch_interval_s <= 10:
+            raise ValueError(
+                f"EventsConfig.batch_interval_s must be in (0, 10], got {self.batch_interval_s}"
+            )
+        if self.max_batch_events < 1:
+            raise ValueError(
+                f"EventsConfig.max_batch_events must be >= 1, got {self.max_batch_events}"
+            )
+
+
+class EventPublisher:
+    """Batches queued events and publishes them from its own thread (the only one that
+    touches its sockets). `add` is safe from any thread and never blocks on the network."""
+
+    def __init__(self, config: EventsConfig) -> None:
+        self.config = config
+        self._context = zmq.Context.instance()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint = _bind(self._pub, config.endpoint)
+        self._replay = None
+        self.replay_endpoint = None
+        if config.replay_endpoint is not None:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_batches + 1))
+            self.replay_endpoint = _bind(self._replay, config.replay_endpoint)
+        self._topic = config.topic.encode()
+        self._lock = threading.Lock()
+        self._pending: list[KVEvent] = [AllBlocksCleared()]
+        self._num_added = 1
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_batches)
+        self._next_seq = 0
+        self.num_events = 0  # events published so far
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hicache-events", daemon=True)
+        self._thread.start()
+
+    def add(self, events: Iterable[KVEvent]) -> None:
+        with self._lock:
+            before = len(self._pending)
+            self._pending.extend(events)
+            self._num_added += len(self._pending) - before
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will carry."""
+        return self._next_seq
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until every event added so far has been published."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            target = self._num_added
+        while True:
+            if self.num_events >= target:
+                return
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise TimeoutError("the event publisher did not send its queued events")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Publish what is queued, then close the sockets."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        interval_ms = self.config.batch_interval_s * 1000
+        while True:
+            stopping = self._stop.is_set()
+            ready = dict(poller.poll(0 if stopping else interval_ms)) if poller.sockets else {}
+            if not poller.sockets and not stopping:
+                self._stop.wait(self.config.batch_interval_s)
+            if self._replay is not None and ready.get(self._replay):
+                self._serve_replay()
+            self._send_pending()
+            if stopping:
+                return
+
+    def _send_pending(self) -> None:
+        limit = self.config.max_batch_events
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                events, self._pending = self._pending[:limit], self._pending[limit:]
+            payload = _encode(KVEventBatch(ts=time.time(), events=events))
+            seq = self._next_seq
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+            self._next_seq += 1
+            self.num_events += len(events)
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("ignored a malformed replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= start_seq:
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                )
+        self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
+
+
+def _bind(socket: zmq.Socket, endpoint: str) -> str:
+    """Bind; a tcp port of 0 picks a free one. Returns the address actually bound."""
+    try:
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            host = endpoint[len("tcp://") : -len(":0")]
+            port = socket.bind_to_random_port(f"tcp://{host}")
+            return f"tcp://{host}:{port}"
+        socket.bind(endpoint)
+    except zmq.ZMQError as error:
+        raise OSError(f"cannot bind the KV event socket at {endpoint}: {error}") from None
+    return endpoint
+
+
+class TierEvents:
+    """The index's listener: each run that gains or loses a tier becomes one event."""
+
+    def __init__(self, publisher: EventPublisher, page_size: int) -> None:
+        self.publisher = publisher
+        self.page_size = page_size
+
+    def pages_stored(
+        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes
+    ) -> None:
+        tokens = np.frombuffer(data, dtype="<u4").tolist()
+        event = BlockStored(
+            keys, parent_key, tokens, self.page_size, None, MEDIUM_OF_TIER[tier], None
+        )
+        self.publisher.add((event,))
+
+    def pages_removed(self, tier: Tier, keys: list[bytes]) -> None:
+        self.publisher.add((BlockRemoved(keys, MEDIUM_OF_TIER[tier]),))
+
+
+# ---------------------------------------------------------------------------- subscribing
+
+
+class EventSubscriber:
+    """One publisher's batches, in order and without gaps while its replay buffer lasts.
+
+    `receive(timeout_s)` returns the batches that arrived: a gap in the sequence numbers
+    (a slow join, a reconnect, dropped messages) is filled from the replay socket first.
+    `lost` counts batches that neither the socket nor the replay buffer had: a consumer
+    that sees it grow has an incomplete picture (the router forgets that replica's pages).
+    Use from one thread.
+    """
+
+    def __init__(
+        self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = ""
+    ) -> None:
+        self._context = zmq.Context.instance()
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.socket = self._context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.socket.connect(endpoint)
+        self.last_seq = -1
+        self.lost = 0
+        self.num_replayed = 0
+
+    def receive(self, timeout_s: float = 0.0) -> list[tuple[int, KVEventBatch]]:
+        batches: list[tuple[int, KVEventBatch]] = []
+        if not self.socket.poll(int(timeout_s * 1000)):
+            return batches
+        while True:
+            try:
+                _topic, seq_bytes, payload = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return batches
+            self._accept(int.from_bytes(seq_bytes, "big"), payload, batches)
+
+    def replay(self, timeout_s: float = 2.0) -> list[tuple[int, KVEventBatch]]:
+        """Ask for every batch after the last one seen (returns them in order)."""
+        batches: list[tuple[int, KVEventBatch]] = []
+        for seq, payload in self._fetch_replay(self.last_seq + 1, timeout_s):
+            self._accept(seq, payload, batches, replaying=True)
+        return batches
+
+    def _accept(self, seq: int, payload: bytes, out: list, *, replaying: bool = False) -> None:
+        try:
+            batch = decode_batch(payload)
+        except msgspec.DecodeError as error:
+            logger.warning("a KV event batch from %s did not decode: %s", self.endpoint, error)
+            return
+        restarted = seq <= self.last_seq and _starts_clean(batch)
+        if seq <= self.last_seq and not restarted:
+            return  # already had it (a replay overlapping what the socket delivered)
+        if restarted:
+            self.last_seq = seq - 1
+        if seq > self.last_seq + 1 and not replaying:
+            out.extend(self.replay())
+            if seq <= self.last_seq:
+                return
+        if seq > self.last_seq + 1:
+            self.lost += seq - self.last_seq - 1
+        self.last_seq = seq
+        out.append((seq, batch))
+
+    def _fetch_replay(self, start_seq: int, timeout_s: float) -> list[tuple[int, bytes]]:
+        if self.replay_endpoint is None:
+            return []
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        found: list[tuple[int, bytes]] = []
+        try:
+            dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if remaining_ms <= 0 or not dealer.poll(remaining_ms):
+                    logger.warning("the replay from %s did not finish", self.replay_endpoint)
+                    return found
+                frames = dealer.recv_multipart()
+                if len(frames) != 4 or frames[2] == END_OF_REPLAY:
+                    self.num_replayed += len(found)
+                    return found
+                found.append((int.from_bytes(frames[2], "big"), frames[3]))
+        finally:
+            dealer.close(linger=0)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+def _starts_clean(batch: KVEventBatch) -> bool:
+    return bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
+
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventPublisher",
+    "EventSubscriber",
+    "EventsConfig",
+    "KVEventBatch",
+    "TierEvents",
+    "decode_batch",
+]
