@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.metrics import DIRECTIONS, TIERS, HiCacheStats
+from hicache.routing import CachedPrefix, needs_prefill
 from hicache.simulate.config import HOURS_PER_MONTH, SimulationConfig
 from hicache.simulate.l3 import L3Stats
 from hicache.simulate.trace import Trace
@@ -124,6 +125,11 @@ class SimulationResult:
     evicted_pages: dict[str, int]
     l3_evicted_pages: int
     l3_pages_used: int  # pages the L3 store(s) hold at the end
+    # P/D through a shared L3, decided per request as the router decides it
+    # (hicache.routing.needs_prefill on the request's match): the requests a prefill replica
+    # would compute first, and the full pages it would hand to decode through L3.
+    pd_prefills: int
+    pd_handoff_pages: int
     utilization: list[float]  # per instance: prefill busy time over the trace's span
     cost_per_month: dict[str, float]  # l1, l2, l3, gpus
     # The prefill GPU time the cache saves, in USD: GPU-seconds saved over the run's span,
@@ -189,6 +195,7 @@ class SimulationResult:
         out["prefetches"] = dict(self.prefetches)
         out["evicted_pages"] = {**self.evicted_pages, "l3": self.l3_evicted_pages}
         out["l3_pages_used"] = self.l3_pages_used
+        out["pd"] = {"prefills": self.pd_prefills, "handoff_pages": self.pd_handoff_pages}
         out["utilization"] = [round(u, 4) for u in self.utilization]
         out["cost_per_month"] = {k: round(v, 2) for k, v in self.cost_per_month.items()}
         out["saved_per_month"] = round(self.saved_per_month, 2)
@@ -256,6 +263,7 @@ def summarize(
         evicted_pages={t: sum(s.evicted_pages[t] for s in cache_stats) for t in ("l1", "l2")},
         l3_evicted_pages=sum(s.num_evictions for s in l3_stats),
         l3_pages_used=sum(s.num_pages for s in l3_stats),
+        **_pd_handoff(lengths, stats.hit_pages, page_size),
         utilization=[b / duration_s for b in busy_s],
         cost_per_month=costs,
         saved_per_month=saved_per_month,
@@ -263,6 +271,19 @@ def summarize(
         elapsed_s=elapsed_s,
         config=describe(config),
     )
+
+
+def _pd_handoff(lengths: np.ndarray, hit_pages: np.ndarray, page_size: int) -> dict:
+    """Per request, the router's P/D decision over what its match found (pages per tier):
+    a request whose every full page (all but the last token's) is cached goes straight to
+    decode; any other is prefilled, and the pages it lacked cross to decode through L3."""
+    prefills = handoff = 0
+    for length, (l1, l2, l3) in zip(lengths.tolist(), hit_pages.tolist(), strict=True):
+        num_pages = (length - 1) // page_size
+        if needs_prefill(CachedPrefix(l1, l2, l3), num_pages):
+            prefills += 1
+            handoff += num_pages - (l1 + l2 + l3)
+    return {"pd_prefills": prefills, "pd_handoff_pages": handoff}
 
 
 def _prefill(config: SimulationConfig, lengths: np.ndarray, computed_from: np.ndarray):

@@ -54,6 +54,7 @@ class SharedL3Check:
     savings: float  # USD / month the shared L3 adds
     l3_cost: float  # USD / month more than the instances' own L3s cost
     pd_gb_per_s: float  # P->D KV transfer per prefill instance
+    pd_direct_fraction: float  # requests whose every full page is cached: no prefill first
     nic_fraction: float  # of the instance's NIC, with the L3 reads
     local_l3_bytes: float = 0.0  # the per-instance L3s the shared one is compared with
 
@@ -97,6 +98,7 @@ class Verdict:
                 "savings_per_month": _clean(self.shared_l3.savings),
                 "l3_cost_per_month": round(self.shared_l3.l3_cost, 2),
                 "pd_gb_per_s": round(self.shared_l3.pd_gb_per_s, 3),
+                "pd_direct_fraction": round(self.shared_l3.pd_direct_fraction, 4),
                 "nic_fraction": round(self.shared_l3.nic_fraction, 4),
             },
             "text": self.lines,
@@ -208,7 +210,9 @@ def _shared_l3_check(config, trace, base, other: SimulationResult | None):
         # per-instance stores it replaces
         shared_bytes = local_bytes or shared.l3_pages_used * config.page_bytes
     duration = max(base.duration_s, 1e-9)
-    pd_bytes_per_s = trace.total_tokens * config.model.kv_bytes_per_token / duration
+    # What crosses to decode: the pages prefill replicas compute for the requests the
+    # router would send them (hicache.routing.needs_prefill, counted by the simulation).
+    pd_bytes_per_s = shared.pd_handoff_pages * config.page_bytes / duration
     pd_bytes_per_s /= config.num_instances
     l3_read_per_s = shared.bytes_moved["l3_to_l2"] / duration / config.num_instances
     nic = config.hardware.nic_bytes_per_s * config.gpus_per_instance
@@ -220,6 +224,7 @@ def _shared_l3_check(config, trace, base, other: SimulationResult | None):
         savings=shared.saved_per_month - local.saved_per_month,
         l3_cost=(shared_bytes - local_bytes) / 1e9 * price,
         pd_gb_per_s=pd_bytes_per_s / 1e9,
+        pd_direct_fraction=1.0 - shared.pd_prefills / max(shared.requests, 1),
         nic_fraction=(pd_bytes_per_s + l3_read_per_s) / nic,
         local_l3_bytes=local_bytes,
     )
@@ -298,7 +303,7 @@ def _pd_sentence(config: SimulationConfig, check: SharedL3Check) -> str:
         # One instance has nobody to share an L3 with: a verdict either way would be made up.
         return (
             "Prefill/decode disaggregation with a shared L3: not judged with one prefill "
-            f"instance (nothing to share); run with --instances 2 or more. Shipping prompt KV "
+            f"instance (nothing to share); run with --instances 2 or more. Handing prompt KV "
             f"to decode would take {check.pd_gb_per_s:.2f} GB/s ({check.nic_fraction:.0%} of "
             "the NIC with the L3 reads)."
         )
@@ -313,7 +318,9 @@ def _pd_sentence(config: SimulationConfig, check: SharedL3Check) -> str:
         f"{instances} sharing an L3 of {check.l3_bytes / 1e12:,.2f} TB the hit rate is "
         f"{check.hit_rate_shared:.1%} against {check.hit_rate_local:.1%} on {own}; the "
         f"extra hits save {_money(check.savings)}/month of prefill for "
-        f"{_money(check.l3_cost)}/month more of L3. Shipping prompt KV to decode takes "
+        f"{_money(check.l3_cost)}/month more of L3. {check.pd_direct_fraction:.0%} of the "
+        "requests would go straight to decode (every full page cached, as the router "
+        "decides); the prompt KV the others hand to decode takes "
         f"{check.pd_gb_per_s:.2f} GB/s per prefill instance ({check.nic_fraction:.0%} of its "
         f"NIC with the L3 reads).{reason}"
     )

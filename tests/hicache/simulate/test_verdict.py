@@ -89,3 +89,34 @@ def test_one_instance_gets_no_disaggregation_verdict(config_factory):
     line = next(line for line in verdict.lines if "disaggregation" in line)
     assert "not judged with one prefill instance" in line
     assert "pays off" not in line and "does not pay" not in line
+
+
+def test_the_pd_handoff_is_decided_as_the_router_decides_it(config_factory, monkeypatch):
+    """The P/D figures come from hicache.routing.needs_prefill on each request's match
+    (the router's own decision): a request whose full pages are all cached hands nothing
+    to decode; the others hand the pages they lacked. The verdict's GB/s is those pages."""
+    import numpy as np
+
+    from hicache.simulate import result
+
+    lengths = np.array([129, 129, 200, 65])  # full pages a match can cover: 2, 2, 3, 1
+    hits = np.array([[2, 0, 0], [0, 1, 0], [1, 1, 1], [0, 0, 0]])
+    assert result._pd_handoff(lengths, hits, 64) == {"pd_prefills": 2, "pd_handoff_pages": 2}
+    decided = []
+    real = result.needs_prefill
+
+    def spy(cached, num_pages):
+        decided.append((cached, num_pages))
+        return real(cached, num_pages)
+
+    monkeypatch.setattr(result, "needs_prefill", spy)
+    config = config_factory(page_size=64, l1_pages=20, l2_pages=40, l3_pages=300, num_instances=2)
+    base, _, verdict = verdict_for(config)
+    assert len(decided) >= TRACE.num_requests  # every request of every run
+    check = verdict.shared_l3
+    shared = base  # the base config shares its L3
+    expected = shared.pd_handoff_pages * config.page_bytes / shared.duration_s / 2 / 1e9
+    assert check.pd_gb_per_s == pytest.approx(expected)
+    assert check.pd_direct_fraction == pytest.approx(1 - shared.pd_prefills / shared.requests)
+    line = next(line for line in verdict.lines if "disaggregation" in line)
+    assert "straight to decode" in line
