@@ -43,7 +43,6 @@ import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from . import native
 from .base import PageStatus
 from .file_pack import tombstone
 from .objects import KEY_BYTES
@@ -321,13 +320,10 @@ class StagedPack(NamedTuple):
 class DirectorySpace:
     """Capacity and LRU for one directory. Every method blocks: call from worker threads."""
 
-    def __init__(
-        self, root: str, capacity_bytes: int, *, stale_temp_s: float, link_threads: int = 1
-    ) -> None:
+    def __init__(self, root: str, capacity_bytes: int, *, stale_temp_s: float) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.stale_temp_s = stale_temp_s
-        self.link_threads = link_threads  # a pack's names are linked on up to this many threads
         self.ledger = Ledger(root)
         self.index = PackIndex()
         self.index_ready = threading.Event()
@@ -444,10 +440,8 @@ class DirectorySpace:
                     elif self.hard_links or len(pack.keys) == 1:
                         fitting.append(pack)  # (without hard links a pack has but one name)
                         room -= pack.nbytes
-                paths = [[page_path(self.root, key) for key in pack.keys] for pack in fitting]
-                errors = self._link_new_names(fitting, paths)
-                for pack, pack_paths, pack_errors in zip(fitting, paths, errors, strict=True):
-                    self._link_in(state, pack, pack_paths, pack_errors, statuses)
+                for pack in fitting:
+                    self._link_in(state, pack, statuses)
                     # Still under the lock: another process that replaces or evicts one of
                     # its pages reads the pack's link count, which must be the pages' alone.
                     unlink_quiet(pack.temp_path)
@@ -457,29 +451,20 @@ class DirectorySpace:
                 unlink_quiet(pack.temp_path)  # (a commit that failed half-way)
         return statuses
 
-    def _link_in(
-        self,
-        state: LedgerState,
-        pack: StagedPack,
-        paths: list[str],
-        errors: list[int],
-        statuses: list[PageStatus],
-    ) -> None:
-        """With the ledger locked: make each of `paths` a name of the pack (where `errors`
-        says 0, `_link_new_names` did already), replacing older pages; count them in."""
+    def _link_in(self, state: LedgerState, pack: StagedPack, statuses: list[PageStatus]) -> None:
+        """With the ledger locked: make each of the pack's pages' names a link to it,
+        replacing older pages; count them in."""
         try:
             st = os.stat(pack.temp_path)
         except OSError:
             return  # ERROR for all
         linked: list[bytes] = []
-        names = zip(pack.keys, pack.positions, paths, errors, strict=True)
-        for key, position, path, error in names:
+        for key, position in zip(pack.keys, pack.positions, strict=True):
+            path = page_path(self.root, key)
             try:
                 if not self.hard_links:  # a pack of one page, renamed into place
                     old = _lstat_or_none(path)
                     os.rename(pack.temp_path, path)
-                elif error == 0:
-                    old = None  # linked already
                 else:
                     old = _link_new(pack.temp_path, path)  # one system call for a new page
                 if old is not None and old.st_ino == st.st_ino:
@@ -500,28 +485,6 @@ class DirectorySpace:
         if linked:
             state.grow(st.st_size)
             self.index.add(PackInfo(st.st_ino, st.st_size, st.st_mtime_ns, tuple(linked)))
-
-    def _link_new_names(self, packs: list[StagedPack], paths: list[list[str]]) -> list[list[int]]:
-        """Link each pack at each of its `paths` that is not taken, all in one go (the C
-        extension, on up to `link_threads` threads, the packs' names taken in turn so that the
-        threads link to different files); 0 where that made the name. The others (taken,
-        folder missing, anything else; -1: not tried) are left to `_link_new`, one by one."""
-        errors = [[-1] * len(names) for names in paths]
-        threads = min(self.link_threads, sum(map(len, paths)) // 8)
-        if native.pageio is None or not self.hard_links or threads < 2:
-            return errors
-        turns = [
-            (i, j)
-            for j in range(max(map(len, paths)))
-            for i in range(len(paths))
-            if j < len(paths[i])
-        ]
-        codes = native.pageio.link_all(
-            [packs[i].temp_path for i, _ in turns], [paths[i][j] for i, j in turns], threads
-        )
-        for (i, j), code in zip(turns, codes, strict=True):
-            errors[i][j] = code
-        return errors
 
     def _make_room(self, state: LedgerState, growth: int) -> None:
         """Evict least recently used packs until `growth` more bytes fit (or none is left)."""
