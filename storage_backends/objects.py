@@ -339,67 +339,85 @@ def check_object(
     the reader expects, where it knows it), the checksum, and with a `mac_key` the MAC
     (a version 1 object, without one, is then `FORGED`). Nothing is copied.
     """
-    if isinstance(obj, (bytes, bytearray, memoryview)):
+    if type(obj) is bytes:
+        first, rest = memoryview(obj), []
+    elif isinstance(obj, (bytearray, memoryview)):
         first, rest = byte_view(obj), []
     else:
-        parts = _as_parts(obj)
-        if not parts:
+        rest = _as_parts(obj)
+        if not rest:
             return CorruptReason.TRUNCATED
-        first, rest = parts[0], parts[1:]
-    if len(first) < HEADER_FIXED_BYTES and rest:  # the header straddles parts (no backend
-        first, rest = memoryview(b"".join([first, *rest])), []  # here splits it: tolerated)
-    header = parse_header(first)
-    if header is CorruptReason.TRUNCATED and rest:
-        first, rest = memoryview(b"".join([first, *rest])), []
+        first = rest.pop(0)
+    fields = _valid_fields(first)
+    if fields is None:  # a reason to name, or a header that straddles parts (no backend
+        if rest:  # here splits one; tolerated)
+            first, rest = memoryview(b"".join([first, *rest])), []
         header = parse_header(first)
-    if isinstance(header, CorruptReason):
-        return header
-    header_bytes = HEADER_FIXED_BYTES + len(header.layout)
-    if header.mac is not None:
-        header_bytes += MAC_BYTES
-    payload = [first[header_bytes:], *rest] if rest else [first[header_bytes:]]
-    stored = len(payload[0]) if not rest else sum(len(part) for part in payload)
-    reason = _check_fields(header, expected_key, expected_layout, stored, raw_bytes)
+        if isinstance(header, CorruptReason):
+            return header
+        fields = _FIXED.unpack_from(first)
+    _, version, codec, _, layout_len, key, stored, raw, checksum = fields
+    layout_end = HEADER_FIXED_BYTES + layout_len
+    header_bytes = layout_end + (MAC_BYTES if version == SIGNED_VERSION else 0)
+    if key != expected_key:
+        return CorruptReason.KEY
+    if expected_layout is not None and first[HEADER_FIXED_BYTES:layout_end] != expected_layout:
+        return CorruptReason.LAYOUT
+    payload = [first[header_bytes:], *rest]
+    present = len(first) - header_bytes + (sum(len(part) for part in rest) if rest else 0)
+    reason = _check_lengths(codec, stored, raw, present, raw_bytes)
     if reason is not None:
         return reason
     hasher = xxhash.xxh3_64(first[:_CHECKSUM_OFFSET])
     hasher.update(first[HEADER_FIXED_BYTES:header_bytes])
     for part in payload:
         hasher.update(part)
-    if hasher.intdigest() != header.checksum:
+    if hasher.intdigest() != checksum:
         return CorruptReason.CHECKSUM
+    mac = bytes(first[layout_end:header_bytes]) if version == SIGNED_VERSION else None
+    layout = bytes(first[HEADER_FIXED_BYTES:layout_end])
     if mac_key is not None:
-        if header.mac is None:
+        if mac is None:
             return CorruptReason.FORGED
-        mac = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], header.layout)
+        signer = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], layout)
         for part in payload:
-            mac.update(part)
-        if not hmac.compare_digest(mac.digest(), header.mac):
+            signer.update(part)
+        if not hmac.compare_digest(signer.digest(), mac):
             return CorruptReason.FORGED
-    return header, payload
+    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac), payload
 
 
-def _check_fields(
-    header: ObjectHeader,
-    expected_key: bytes,
-    expected_layout: bytes | None,
-    stored_present: int,
-    raw_bytes: int | None,
+def _valid_fields(first: memoryview) -> tuple | None:
+    """The fixed header's fields, where they are those of an object whose whole header is in
+    `first`; None where `parse_header` has something to say."""
+    if len(first) < HEADER_FIXED_BYTES:
+        return None
+    fields = _FIXED.unpack_from(first)
+    magic, version, codec, flags, layout_len = fields[:5]
+    if magic != MAGIC or flags or codec >= len(_CODECS):
+        return None
+    if version == FORMAT_VERSION:
+        end = HEADER_FIXED_BYTES + layout_len
+    elif version == SIGNED_VERSION:
+        end = HEADER_FIXED_BYTES + layout_len + MAC_BYTES
+    else:
+        return None
+    return fields if len(first) >= end else None
+
+
+def _check_lengths(
+    codec: int, stored: int, raw: int, stored_present: int, raw_bytes: int | None
 ) -> CorruptReason | None:
-    """The checks of a parsed header against what the reader expects and what it holds."""
-    if header.key != expected_key:
-        return CorruptReason.KEY
-    if expected_layout is not None and header.layout != expected_layout:
-        return CorruptReason.LAYOUT
-    if stored_present < header.stored_bytes:
+    """The header's lengths against the bytes present and what the reader expects."""
+    if stored_present < stored:
         return CorruptReason.TRUNCATED
-    if stored_present > header.stored_bytes:
+    if stored_present > stored:
         return CorruptReason.LENGTH
-    if header.compression is Compression.NONE and header.raw_bytes != header.stored_bytes:
+    if codec == Compression.NONE and raw != stored:
         return CorruptReason.LENGTH
-    if header.raw_bytes > min(MAX_PAYLOAD_BYTES, _LZ4_MAX_RATIO * header.stored_bytes + 64):
+    if raw > min(MAX_PAYLOAD_BYTES, _LZ4_MAX_RATIO * stored + 64):
         return CorruptReason.LENGTH  # (sizes a decompression buffer: bounded before use)
-    if raw_bytes is not None and header.raw_bytes != raw_bytes:
+    if raw_bytes is not None and raw != raw_bytes:
         return CorruptReason.LENGTH
     return None
 
