@@ -376,15 +376,21 @@ def check_object(
         return CorruptReason.CHECKSUM
     mac = bytes(first[layout_end:header_bytes]) if version == SIGNED_VERSION else None
     layout = bytes(first[HEADER_FIXED_BYTES:layout_end])
-    if mac_key is not None:
-        if mac is None:
-            return CorruptReason.FORGED
-        signer = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], layout)
-        for part in payload:
-            signer.update(part)
-        if not hmac.compare_digest(signer.digest(), mac):
-            return CorruptReason.FORGED
+    if mac_key is not None and not _mac_matches(mac_key, mac, first, layout, payload):
+        return CorruptReason.FORGED
     return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac), payload
+
+
+def _mac_matches(
+    mac_key: MacKey, mac: bytes | None, first: memoryview, layout: bytes, payload: list
+) -> bool:
+    """Whether the object carries a MAC (version 2) and it is the one `mac_key` makes."""
+    if mac is None:
+        return False
+    signer = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], layout)
+    for part in payload:
+        signer.update(part)
+    return hmac.compare_digest(signer.digest(), mac)
 
 
 def _valid_fields(first: memoryview) -> tuple | None:
