@@ -17,6 +17,9 @@ from typing import NamedTuple
 from .objects import KEY_BYTES
 
 _HEX = frozenset("0123456789abcdef")
+# A temporary file this old is a dead writer's (a pack is written and linked in within a
+# batch's time: seconds even on a slow mount); a scan removes it.
+STALE_TEMP_S = 600.0
 TEMP_MARK = ".tmp."  # in the name of a pack being written (file_space.temp_path)
 
 
@@ -36,12 +39,12 @@ class DirectoryScan(NamedTuple):
     num_stale_temps: int  # temporary files of dead writers removed by this scan
 
 
-def scan_directory(root: str, *, stale_temp_s: float) -> DirectoryScan:
+def scan_directory(root: str) -> DirectoryScan:
     """Every page link under root, grouped into packs; remove long-dead temporary files."""
     packs: dict[int, list] = {}  # ino -> [size, mtime, keys]
     links = 0
     stale = 0
-    stale_before_ns = time.time_ns() - int(stale_temp_s * 1e9)
+    stale_before_ns = time.time_ns() - int(STALE_TEMP_S * 1e9)
     for top in _hex_dirs(root):
         for sub in _hex_dirs(top.path):
             prefix = top.name + sub.name

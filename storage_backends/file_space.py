@@ -78,10 +78,9 @@ class StagedPack(NamedTuple):
 class DirectorySpace:
     """Capacity and LRU for one directory. Every method blocks: call from worker threads."""
 
-    def __init__(self, root: str, capacity_bytes: int, *, stale_temp_s: float) -> None:
+    def __init__(self, root: str, capacity_bytes: int) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
-        self.stale_temp_s = stale_temp_s
         self.ledger = Ledger(root)
         self.index = PackIndex()
         self.index_ready = threading.Event()
@@ -132,7 +131,7 @@ class DirectorySpace:
         """Rescan without the lock: refresh the index, and rebuild the ledger if it drifted."""
         started_ns = time.time_ns()
         before = self.ledger.read()
-        scan = scan_directory(self.root, stale_temp_s=self.stale_temp_s)
+        scan = scan_directory(self.root)
         after = self.ledger.read()
         self.index.load(scan, started_ns=started_ns)
         self.last_state = after
@@ -155,7 +154,7 @@ class DirectorySpace:
     def _rebuild(self, state: LedgerState) -> None:
         """With the ledger locked: totals and index from a fresh scan."""
         started_ns = time.time_ns()
-        scan = scan_directory(self.root, stale_temp_s=self.stale_temp_s)
+        scan = scan_directory(self.root)
         # The correction counts as churn, so other processes' drift checks do not trip on it.
         state.churn_bytes += abs(scan.total_bytes - state.used_bytes)
         state.num_changes += abs(scan.num_objects - state.num_objects)

@@ -65,9 +65,6 @@ class FileOptions(BackendOptions):
     touch_interval_s: float = url_option(
         "touch_interval", "duration", 1.0, doc="a read refreshes a pack's mtime older than this"
     )
-    stale_temp_s: float = url_option(
-        "stale_temp", "duration", 600.0, doc="temporary files older than this are removed"
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,7 +78,6 @@ class FileOptions(BackendOptions):
         check_range("pack_bytes", self.pack_bytes, low=1)
         check_range("scan_interval", self.scan_interval_s, low=0.001)
         check_range("touch_interval", self.touch_interval_s, low=0.0)
-        check_range("stale_temp", self.stale_temp_s, low=1.0)
 
 
 class FileBackend(StorageBackend):
@@ -92,9 +88,7 @@ class FileBackend(StorageBackend):
         super().__init__(options, layout, name=name)
         self.options: FileOptions = options
         self.root = options.path
-        self._space = DirectorySpace(
-            options.path, options.capacity_bytes, stale_temp_s=options.stale_temp_s
-        )
+        self._space = DirectorySpace(options.path, options.capacity_bytes)
         signed = self._mac_key is not None  # its pages carry a MAC
         header_bytes = header_size(layout, signed=signed) if layout is not None else 0
         self._reader = PackReader(
