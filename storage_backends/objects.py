@@ -339,6 +339,10 @@ def check_object(
     the reader expects, where it knows it), the checksum, and with a `mac_key` the MAC
     (a version 1 object, without one, is then `FORGED`). Nothing is copied.
     """
+    if mac_key is None and raw_bytes is not None and expected_layout is not None:
+        header = _as_expected(obj, expected_key, expected_layout, raw_bytes)
+        if header is not None:  # (the common read, checked with one comparison)
+            return header, [obj[1]]
     if type(obj) is bytes:
         first, rest = memoryview(obj), []
     elif isinstance(obj, (bytearray, memoryview)):
@@ -391,6 +395,28 @@ def _mac_matches(
     for part in payload:
         signer.update(part)
     return hmac.compare_digest(signer.digest(), mac)
+
+
+def _as_expected(
+    obj: ObjectParts, key: bytes, layout: bytes, raw_bytes: int
+) -> ObjectHeader | None:
+    """The header, where `obj` is (whole header, payload) and exactly the uncompressed
+    version 1 object a writer of `key`, `layout` and `raw_bytes` makes, checksum and all;
+    None for anything else, which the full check then names. One comparison covers every
+    header field, as the expected header is rebuilt around the computed checksum."""
+    if isinstance(obj, (bytes, bytearray, memoryview)) or len(obj) != 2:
+        return None
+    head, payload = obj
+    if len(payload) != raw_bytes or len(head) != HEADER_FIXED_BYTES + len(layout):
+        return None
+    prefix = _PLAIN.pack(MAGIC, FORMAT_VERSION, 0, 0, len(layout), key, raw_bytes, raw_bytes)
+    hasher = xxhash.xxh3_64(prefix)
+    hasher.update(layout)
+    hasher.update(payload)
+    checksum = hasher.intdigest()
+    if head != prefix + _CHECKSUM.pack(checksum) + layout:
+        return None
+    return ObjectHeader(key, layout, Compression.NONE, raw_bytes, raw_bytes, checksum)
 
 
 def _valid_fields(first: memoryview) -> tuple | None:
