@@ -338,6 +338,9 @@ def check_object(
     lengths against the header, against the bytes present and against `raw_bytes` (the size
     the reader expects, where it knows it), the checksum, and with a `mac_key` the MAC
     (a version 1 object, without one, is then `FORGED`). Nothing is copied.
+
+    (Past 60 lines on purpose: this is the one place a page is verified, and its checks are
+    read best in the order they are applied.)
     """
     if mac_key is None and raw_bytes is not None and expected_layout is not None:
         header = _as_expected(obj, expected_key, expected_layout, raw_bytes)
