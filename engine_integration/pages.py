@@ -15,7 +15,6 @@ import torch
 
 from hicache.controller import HiCache, Match
 from radix.keys import Namespace
-from tiers.allocator import PageAllocator
 from tiers.device_pool import DevicePool
 from tiers.layout import KVLayout
 
@@ -87,12 +86,10 @@ class CachedPages:
 
 
 class PrivatePages:
-    """A pool of `num_pages` pages of `layout` on `device` that only this engine uses, with
-    its one allocator (the pool itself is memory only)."""
+    """A pool of `num_pages` pages of `layout` on `device` that only this engine uses."""
 
     def __init__(self, layout: KVLayout, num_pages: int, device) -> None:
         self.pool = DevicePool(layout, num_pages, device)
-        self.allocator = PageAllocator(num_pages, name="private L1")
         self.page_size = layout.page_size
 
     def layer(self, i: int) -> torch.Tensor:
@@ -105,13 +102,13 @@ class PrivatePages:
         return None
 
     def alloc(self, num_pages: int) -> list[int]:
-        return self.allocator.alloc(num_pages)
+        return self.pool.allocator.alloc(num_pages)
 
     def wait_layer(self, match: Match, layer: int) -> None:
         pass
 
     def finish(self, tokens: list[int], page_ids: list[int], match: Match | None) -> None:
-        self.allocator.free(page_ids)
+        self.pool.allocator.free(page_ids)
 
     def abandon(self, own_page_ids: list[int], match: Match | None) -> None:
-        self.allocator.free(own_page_ids)
+        self.pool.allocator.free(own_page_ids)
