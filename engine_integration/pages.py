@@ -15,6 +15,7 @@ import torch
 
 from hicache.controller import HiCache, Match
 from radix.keys import Namespace
+from tiers.allocator import PageAllocator
 from tiers.device_pool import DevicePool
 from tiers.layout import KVLayout
 
@@ -86,10 +87,12 @@ class CachedPages:
 
 
 class PrivatePages:
-    """A pool of `num_pages` pages of `layout` on `device` that only this engine uses."""
+    """A pool of `num_pages` pages of `layout` on `device` that only this engine uses, with
+    its one allocator (the pool itself is memory only)."""
 
     def __init__(self, layout: KVLayout, num_pages: int, device) -> None:
         self.pool = DevicePool(layout, num_pages, device)
+        self.allocator = PageAllocator(num_pages, name="private L1")
         self.page_size = layout.page_size
 
     def layer(self, i: int) -> torch.Tensor:
@@ -102,13 +105,13 @@ class PrivatePages:
         return None
 
     def alloc(self, num_pages: int) -> list[int]:
-        return self.pool.allocator.alloc(num_pages)
+        return self.allocator.alloc(num_pages)
 
     def wait_layer(self, match: Match, layer: int) -> None:
         pass
 
     def finish(self, tokens: list[int], page_ids: list[int], match: Match | None) -> None:
-        self.pool.allocator.free(page_ids)
+        self.allocator.free(page_ids)
 
     def abandon(self, own_page_ids: list[int], match: Match | None) -> None:
-        self.pool.allocator.free(own_page_ids)
+        self.allocator.free(own_page_ids)

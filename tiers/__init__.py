@@ -3,7 +3,8 @@
 Knows page ids and tensors; never tokens or page keys.
 
     layout.py       KVLayout: the shape of one token's KV per layer, and the sizes derived
-    allocator.py    PageAllocator: free page ids of one pool
+    allocator.py    PageAllocator: free page ids of one pool, and each used one's owner
+                    (the one allocator over a pool's ids: the pools are memory only)
     device_pool.py  DevicePool: L1, layer-first (num_layers, num_pages, page_size, ...)
     host_pool.py    HostPool: L2, page-first and pinned (num_pages, num_layers, page_size, ...)
     kernels.py      Triton copy kernels (backup, load_layer) and their torch references

@@ -5,15 +5,16 @@ of layer i indexes by page id:
 
     kv  (num_layers, num_pages, page_size, *token_shape)
 
-plus the page allocator that hands its page ids out. The pool does not know which tokens a
-page holds (the radix tree does) nor whether a page is backed up (the controller does).
+The pool is memory only: which of its page ids are free, and who holds each, is the
+allocator of whoever owns the pool (the controller's `PageAllocator`, or an engine's private
+one), the only allocator over these ids. The pool does not know which tokens a page holds
+(the radix tree does) nor whether a page is backed up (the controller does).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tiers.allocator import PageAllocator
 from tiers.errors import MemoryBudgetError
 from tiers.layout import KVLayout
 
@@ -27,7 +28,7 @@ class DevicePool:
     def __init__(self, layout: KVLayout, num_pages: int, device: str | torch.device = "cuda"):
         self.layout = layout
         self.device = _resolve(torch.device(device))
-        self.allocator = PageAllocator(num_pages, name="device pool")
+        self._num_pages = _check_num_pages(num_pages)
         self.kv = torch.empty(  # (L, P, S, *token_shape)
             (layout.num_layers, num_pages, layout.page_size, *layout.token_shape),
             dtype=layout.torch_dtype,
@@ -36,7 +37,7 @@ class DevicePool:
 
     @property
     def num_pages(self) -> int:
-        return self.allocator.num_pages
+        return self._num_pages
 
     @property
     def nbytes(self) -> int:
@@ -93,3 +94,9 @@ def _resolve(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _check_num_pages(num_pages: int) -> int:
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
+    return num_pages

@@ -24,7 +24,6 @@ import weakref
 
 import torch
 
-from tiers.allocator import PageAllocator
 from tiers.errors import MemoryBudgetError, PageIdError
 from tiers.layout import KVLayout
 
@@ -44,7 +43,7 @@ class HostPool:
 
     def __init__(self, layout: KVLayout, num_pages: int, pin: bool = True) -> None:
         self.layout = layout
-        self.allocator = PageAllocator(num_pages, name="host pool")
+        self._num_pages = _check_num_pages(num_pages)
         self.kv = torch.empty(  # (P, L, S, *token_shape)
             (num_pages, layout.num_layers, layout.page_size, *layout.token_shape),
             dtype=layout.torch_dtype,
@@ -66,7 +65,7 @@ class HostPool:
 
     @property
     def num_pages(self) -> int:
-        return self.allocator.num_pages
+        return self._num_pages
 
     @property
     def nbytes(self) -> int:
@@ -173,3 +172,9 @@ def _unregister(kv: torch.Tensor) -> None:
 def _error_code(result) -> int:
     """cudaError_t as returned by torch's cudart binding (an enum, or an int) -> int."""
     return int(getattr(result, "value", result))
+
+
+def _check_num_pages(num_pages: int) -> int:
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+        raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
+    return num_pages

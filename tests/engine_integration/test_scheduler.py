@@ -71,7 +71,7 @@ def test_abort_gives_back_pages_and_the_match(small_model, engines):
     other = private.add_request(tokens, SamplingParams(8))
     private.step()
     private.abort(other.request_id)
-    assert private.pages.pool.allocator.num_free == 32
+    assert private.pages.allocator.num_free == 32
 
 
 def test_bad_requests_are_refused(small_model, engines):
