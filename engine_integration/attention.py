@@ -1,17 +1,20 @@
 """Attention over paged source KV (hicache's L1 pages) and over a late layer's window.
 
-Source layers: a request's KV pages are gathered into one contiguous (length, 2, H, D)
-tensor and attended with a causal mask. In batch-invariant mode (the CPU) queries go in
-blocks of B rows aligned to absolute positions, and block k always attends over exactly the
-keys [0, (k + 1) * B): the same shapes, so the same arithmetic, whether the block is part
-of a cold prefill, of an encoder replay after a hit, or a decode step. Keys past what has
-been written are zeros and masked out (a masked key adds exactly zero). Otherwise one call
-per request goes through torch's scaled_dot_product_attention (flash or memory-efficient
-kernels on CUDA).
+Source layers: a request's KV pages are gathered into one contiguous tensor and attended
+with a causal mask. In batch-invariant mode (the CPU) queries are padded to whole blocks of
+B rows aligned to absolute positions, and the keys go in tiles of 16 * B positions, also at
+absolute positions ([0, T), [T, 2T), ...): a query at t runs an online softmax over the
+tiles 0 .. t // T in that order, every tile one fixed-shape score matrix (`tiled_attention`).
+Its arithmetic then depends on t alone, whether it is part of a cold prefill, of an encoder
+replay after a hit, or a decode step: the other query rows of the call only change the
+gemm's row count (see rows.py: MKL gives a row the same bits for any multiple of 4 rows),
+and keys past what has been written are zeros and masked out (a masked key adds exactly
+zero). Otherwise one call per request goes through torch's scaled_dot_product_attention
+(flash or memory-efficient kernels on CUDA).
 
-Late layers: the same, over the window: for queries in block k, keys at positions
-[k * B - W, k * B + B), read from the ring plus the block's own new keys; a query at t sees
-the keys in (t - W, t] that exist.
+Late layers, in batch-invariant mode, block by block over the window: for queries in block
+k, keys at positions [k * B - W, k * B + B), read from the ring plus the block's own new
+keys; a query at t sees the keys in (t - W, t] that exist.
 """
 
 from __future__ import annotations
@@ -43,11 +46,8 @@ def write_kv(flat_kv: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> No
     flat_kv.index_copy_(0, slots, kv)
 
 
-def attention_length(start: int, end: int, block_rows: int | None) -> int:
-    """How many key positions `source_attention` reads for queries [start, end)."""
-    if block_rows is None:
-        return end
-    return ((end - 1) // block_rows + 1) * block_rows
+KEY_TILE_BLOCKS = 16  # blocks per key tile of the batch-invariant source attention
+QUERY_CHUNK_BLOCKS = 32  # blocks of queries attended together (bounds the score tensors)
 
 
 def source_attention(
@@ -61,28 +61,104 @@ def source_attention(
     block_rows: int | None,
 ) -> torch.Tensor:
     """Causal attention of queries q (n, Hq, D) at positions [start, start + n) over a
-    request's paged KV: `slots` are the pool slots of positions [0, attention_length(...)),
-    of which [0, num_written) are written. -> (n, Hq, D)."""
+    request's paged KV: `slots` are the pool slots of positions [0, start + n), of which
+    [0, num_written) are written. -> (n, Hq, D)."""
     n = q.shape[0]
     end = start + n
     if block_rows is None:
         kv = gather_kv(flat_kv, slots, num_written)
         return _sdpa(q, kv, causal_lower_right(n, end), scale)
-    rows = block_rows
-    kv = gather_kv(flat_kv, slots, num_written)
-    # (H, length, D), laid out once: a block reads its first keys as a view (the same
-    # row-major matrices), not a copy per block, which cost O(length^2) bytes a layer.
-    keys = kv[:, 0].transpose(0, 1).contiguous()
-    values = kv[:, 1].transpose(0, 1).contiguous()
+    first = start // block_rows * block_rows
+    padded = q.new_zeros((-(-end // block_rows) * block_rows - first, *q.shape[1:]))
+    padded[start - first : end - first] = q
+    tile = KEY_TILE_BLOCKS * block_rows
+    keys, values = _key_tiles(flat_kv, slots[:num_written], padded.shape[0] + first, tile)
+    out = tiled_attention(
+        padded, first, keys, values, scale, tile=tile, chunk=QUERY_CHUNK_BLOCKS * block_rows
+    )
+    return out[start - first : end - first]
 
-    def attend_block(block: int, q_block: torch.Tensor) -> torch.Tensor:
-        length = (block + 1) * rows
-        query_positions = torch.arange(block * rows, length, device=q.device)
-        key_positions = torch.arange(length, device=q.device)
-        mask = key_positions[None, :] <= query_positions[:, None]  # (B, length)
-        return _attend(q_block, keys[:, :length], values[:, :length], mask, scale)
 
-    return _blockwise(q, start, rows, attend_block)
+def _key_tiles(flat_kv, slots, num_positions, tile):
+    """Keys and values of positions [0, len(slots)) as (H, L, D) each, zero past them up to
+    L = num_positions rounded up to whole tiles."""
+    kv = flat_kv.index_select(0, slots)  # (written, 2, H, D)
+    shape = (kv.shape[2], -(-num_positions // tile) * tile, kv.shape[3])
+    keys, values = kv.new_zeros(shape), kv.new_zeros(shape)
+    keys[:, : kv.shape[0]] = kv[:, 0].transpose(0, 1)
+    values[:, : kv.shape[0]] = kv[:, 1].transpose(0, 1)
+    return keys, values
+
+
+def tiled_attention(
+    q: torch.Tensor,
+    first: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    *,
+    tile: int,
+    chunk: int,
+) -> torch.Tensor:
+    """Causal attention of q (m, Hq, D) at positions [first, first + m), m and `first` whole
+    blocks, over keys/values (H, L, D), L whole tiles, in tiles of `tile` keys at absolute
+    positions; `chunk` query positions at a time (a multiple of the block).
+
+    A query at position t goes over the tiles 0 .. t // tile in that order with an online
+    softmax (running max, sum and output, rescaled tile by tile), each tile a fixed-shape
+    (rows, tile) score matrix: its arithmetic depends on t alone, not on which rows share
+    the call, how the prompt was split or how many keys exist past t (masked: they add
+    exactly zero). -> (m, Hq, D)."""
+    m, num_heads, dim = q.shape
+    num_kv_heads = keys.shape[0]
+    group = num_heads // num_kv_heads
+    # (H, m * group, D): row r is position first + r // group, query head r % group of its
+    # KV head, so a run of positions is a run of rows (GQA without copying keys).
+    grouped = (
+        (q * scale)
+        .view(m, num_kv_heads, group, dim)
+        .transpose(0, 1)
+        .reshape(num_kv_heads, m * group, dim)
+    )
+    out = torch.empty_like(grouped)
+    for lo in range(0, m, chunk):
+        hi = min(m, lo + chunk)
+        rows = slice(lo * group, hi * group)
+        out[:, rows] = _attend_tiles(
+            grouped[:, rows], first + lo, hi - lo, group, keys, values, tile
+        )
+    return out.view(num_kv_heads, m, group, dim).transpose(0, 1).reshape(m, num_heads, dim)
+
+
+def _attend_tiles(q, first, m, group, keys, values, tile):
+    """The online softmax of `tiled_attention` for q (H, m * group, D) at positions
+    [first, first + m). -> (H, m * group, D)."""
+    row_positions = torch.arange(first, first + m, device=q.device).repeat_interleave(group)
+    key_offsets = torch.arange(tile, device=q.device)
+    running_max = running_sum = acc = None
+    for number in range((first + m - 1) // tile + 1):
+        base = number * tile
+        skip = max(0, base - first) * group  # rows before the tile see none of it
+        scores = torch.bmm(q[:, skip:], keys[:, base : base + tile].transpose(1, 2))
+        # rows whose position is inside the tile see only its keys up to themselves
+        diagonal = min(scores.shape[1], max(0, base + tile - 1 - first) * group - skip)
+        if diagonal > 0:
+            hidden = key_offsets[None, :] + base > row_positions[skip : skip + diagonal, None]
+            scores[:, :diagonal].masked_fill_(hidden, float("-inf"))
+        tile_max = scores.amax(dim=-1)  # (H, rows)
+        if running_max is None:
+            running_max = tile_max
+            probs = torch.exp(scores - tile_max[..., None])
+            running_sum = probs.sum(dim=-1)
+            acc = torch.bmm(probs, values[:, base : base + tile])
+            continue
+        new_max = torch.maximum(running_max[:, skip:], tile_max)
+        rescale = torch.exp(running_max[:, skip:] - new_max)
+        probs = torch.exp(scores - new_max[..., None])
+        running_sum[:, skip:].mul_(rescale).add_(probs.sum(dim=-1))
+        acc[:, skip:].mul_(rescale[..., None]).add_(torch.bmm(probs, values[:, base : base + tile]))
+        running_max[:, skip:] = new_max
+    return acc / running_sum[..., None]
 
 
 def window_attention(
