@@ -46,8 +46,7 @@ def write_kv(flat_kv: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> No
     flat_kv.index_copy_(0, slots, kv)
 
 
-KEY_TILE_BLOCKS = 16  # blocks per key tile of the batch-invariant source attention
-QUERY_CHUNK_BLOCKS = 32  # blocks of queries attended together (bounds the score tensors)
+TILE_BLOCKS = 16  # blocks per tile of the batch-invariant source attention
 
 
 def source_attention(
@@ -71,11 +70,9 @@ def source_attention(
     first = start // block_rows * block_rows
     padded = q.new_zeros((-(-end // block_rows) * block_rows - first, *q.shape[1:]))
     padded[start - first : end - first] = q
-    tile = KEY_TILE_BLOCKS * block_rows
-    keys, values = _key_tiles(flat_kv, slots[:num_written], padded.shape[0] + first, tile)
-    out = tiled_attention(
-        padded, first, keys, values, scale, tile=tile, chunk=QUERY_CHUNK_BLOCKS * block_rows
-    )
+    tile = TILE_BLOCKS * block_rows
+    keys, values = _key_tiles(flat_kv, slots[:num_written], first + padded.shape[0], tile)
+    out = tiled_attention(padded, first, keys, values, scale, tile=tile)
     return out[start - first : end - first]
 
 
@@ -98,67 +95,29 @@ def tiled_attention(
     scale: float,
     *,
     tile: int,
-    chunk: int,
 ) -> torch.Tensor:
-    """Causal attention of q (m, Hq, D) at positions [first, first + m), m and `first` whole
-    blocks, over keys/values (H, L, D), L whole tiles, in tiles of `tile` keys at absolute
-    positions; `chunk` query positions at a time (a multiple of the block).
+    """Causal attention of q (m, Hq, D) at positions [first, first + m), `first` and m
+    whole blocks, over keys/values (H, L, D), L whole tiles of `tile` positions.
 
-    A query at position t goes over the tiles 0 .. t // tile in that order with an online
-    softmax (running max, sum and output, rescaled tile by tile), each tile a fixed-shape
-    (rows, tile) score matrix: its arithmetic depends on t alone, not on which rows share
-    the call, how the prompt was split or how many keys exist past t (masked: they add
-    exactly zero). -> (m, Hq, D)."""
-    m, num_heads, dim = q.shape
-    num_kv_heads = keys.shape[0]
-    group = num_heads // num_kv_heads
-    # (H, m * group, D): row r is position first + r // group, query head r % group of its
-    # KV head, so a run of positions is a run of rows (GQA without copying keys).
-    grouped = (
-        (q * scale)
-        .view(m, num_kv_heads, group, dim)
-        .transpose(0, 1)
-        .reshape(num_kv_heads, m * group, dim)
-    )
-    out = torch.empty_like(grouped)
-    for lo in range(0, m, chunk):
-        hi = min(m, lo + chunk)
-        rows = slice(lo * group, hi * group)
-        out[:, rows] = _attend_tiles(
-            grouped[:, rows], first + lo, hi - lo, group, keys, values, tile
+    The queries of tile i (positions [i * tile, (i + 1) * tile)) attend over exactly the
+    keys [0, (i + 1) * tile) in one softmax, the keys past each query masked: a query's
+    arithmetic depends on its position alone, not on which of its tile's rows share the
+    call (only the gemm's row count changes), how the prompt was split or how many keys
+    exist past it (zeros, masked: they add exactly zero). -> (m, Hq, D)."""
+    out = torch.empty_like(q)
+    end = first + q.shape[0]
+    for number in range(first // tile, (end - 1) // tile + 1):
+        lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
+        length = (number + 1) * tile
+        query_positions = torch.arange(lo, hi, device=q.device)
+        # only the tile's own keys can lie past a query: the mask covers that tile alone
+        diagonal = torch.arange(number * tile, length, device=q.device)
+        hidden = diagonal[None, :] > query_positions[:, None]  # (rows, tile)
+        rows = slice(lo - first, hi - first)
+        out[rows] = _attend(
+            q[rows], keys[:, :length], values[:, :length], hidden, scale, masked_from=length - tile
         )
-    return out.view(num_kv_heads, m, group, dim).transpose(0, 1).reshape(m, num_heads, dim)
-
-
-def _attend_tiles(q, first, m, group, keys, values, tile):
-    """The online softmax of `tiled_attention` for q (H, m * group, D) at positions
-    [first, first + m). -> (H, m * group, D)."""
-    row_positions = torch.arange(first, first + m, device=q.device).repeat_interleave(group)
-    key_offsets = torch.arange(tile, device=q.device)
-    running_max = running_sum = acc = None
-    for number in range((first + m - 1) // tile + 1):
-        base = number * tile
-        skip = max(0, base - first) * group  # rows before the tile see none of it
-        scores = torch.bmm(q[:, skip:], keys[:, base : base + tile].transpose(1, 2))
-        # rows whose position is inside the tile see only its keys up to themselves
-        diagonal = min(scores.shape[1], max(0, base + tile - 1 - first) * group - skip)
-        if diagonal > 0:
-            hidden = key_offsets[None, :] + base > row_positions[skip : skip + diagonal, None]
-            scores[:, :diagonal].masked_fill_(hidden, float("-inf"))
-        tile_max = scores.amax(dim=-1)  # (H, rows)
-        if running_max is None:
-            running_max = tile_max
-            probs = torch.exp(scores - tile_max[..., None])
-            running_sum = probs.sum(dim=-1)
-            acc = torch.bmm(probs, values[:, base : base + tile])
-            continue
-        new_max = torch.maximum(running_max[:, skip:], tile_max)
-        rescale = torch.exp(running_max[:, skip:] - new_max)
-        probs = torch.exp(scores - new_max[..., None])
-        running_sum[:, skip:].mul_(rescale).add_(probs.sum(dim=-1))
-        acc[:, skip:].mul_(rescale[..., None]).add_(torch.bmm(probs, values[:, base : base + tile]))
-        running_max[:, skip:] = new_max
-    return acc / running_sum[..., None]
+    return out
 
 
 def window_attention(
@@ -194,7 +153,7 @@ def window_attention(
             q_block,
             keys[:, 0].transpose(0, 1).contiguous(),
             keys[:, 1].transpose(0, 1).contiguous(),
-            mask,
+            ~mask,
             scale,
         )
         window.write(layer, torch.arange(lo, hi, device=q.device), new_kv)
@@ -236,9 +195,11 @@ def _window_keys(new_kv, new_start, q_start, q_end, window, layer, key_start):
     return mask, keys
 
 
-def _attend(q, keys, values, mask, scale):
-    """Plain attention with fixed shapes: q (m, Hq, D), keys/values (H, L, D), mask (m, L)
-    -> (m, Hq, D). Query heads are grouped onto their KV head (GQA) without copying keys."""
+def _attend(q, keys, values, mask, scale, *, masked_from=0):
+    """Plain attention with fixed shapes: q (m, Hq, D), keys/values (H, L, D); mask (m,
+    L - masked_from) is True where a key is hidden from a query (keys before `masked_from`
+    are seen by all) -> (m, Hq, D). Query heads are grouped onto their KV head (GQA)
+    without copying keys."""
     m, num_heads, dim = q.shape
     num_kv_heads, length = keys.shape[:2]
     group = num_heads // num_kv_heads
@@ -248,7 +209,8 @@ def _attend(q, keys, values, mask, scale):
         .reshape(num_kv_heads, group * m, dim)
     )
     scores = torch.bmm(grouped, keys.transpose(1, 2)).view(num_kv_heads, group, m, length)
-    scores = (scores * scale).masked_fill(~mask, float("-inf"))
+    scores = scores * scale
+    scores[..., masked_from:].masked_fill_(mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
     out = torch.bmm(probs.view(num_kv_heads, group * m, length), values)
     return out.view(num_kv_heads, group, m, dim).permute(2, 0, 1, 3).reshape(m, num_heads, dim)
