@@ -2,15 +2,14 @@
 
 Source layers: a request's KV pages are gathered into one contiguous tensor and attended
 with a causal mask. In batch-invariant mode (the CPU) queries are padded to whole blocks of
-B rows aligned to absolute positions, and the keys go in tiles of 16 * B positions, also at
-absolute positions ([0, T), [T, 2T), ...): a query at t runs an online softmax over the
-tiles 0 .. t // T in that order, every tile one fixed-shape score matrix (`tiled_attention`).
-Its arithmetic then depends on t alone, whether it is part of a cold prefill, of an encoder
-replay after a hit, or a decode step: the other query rows of the call only change the
-gemm's row count (see rows.py: MKL gives a row the same bits for any multiple of 4 rows),
-and keys past what has been written are zeros and masked out (a masked key adds exactly
-zero). Otherwise one call per request goes through torch's scaled_dot_product_attention
-(flash or memory-efficient kernels on CUDA).
+B rows aligned to absolute positions, and cut at tiles of T = 8 * B positions, also at
+absolute positions: the queries of tile i attend over exactly the keys [0, (i + 1) * T) in
+one softmax (`tiled_attention`). A query's shapes then depend on its position alone,
+whether it is part of a cold prefill, of an encoder replay after a hit, or a decode step:
+the other rows of the call only change the gemm's row count, which leaves a row's bits
+alone (rows.py), and keys past what has been written are zeros and masked out (a masked
+key adds exactly zero). Otherwise one call per request goes through torch's
+scaled_dot_product_attention (flash or memory-efficient kernels on CUDA).
 
 Late layers, in batch-invariant mode, block by block over the window: for queries in block
 k, keys at positions [k * B - W, k * B + B), read from the ring plus the block's own new
@@ -46,7 +45,7 @@ def write_kv(flat_kv: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> No
     flat_kv.index_copy_(0, slots, kv)
 
 
-TILE_BLOCKS = 16  # blocks per tile of the batch-invariant source attention
+TILE_BLOCKS = 8  # blocks per tile of the batch-invariant source attention
 
 
 def source_attention(
@@ -203,13 +202,13 @@ def _attend(q, keys, values, mask, scale, *, masked_from=0):
     m, num_heads, dim = q.shape
     num_kv_heads, length = keys.shape[:2]
     group = num_heads // num_kv_heads
-    grouped = (
-        q.view(m, num_kv_heads, group, dim)
+    grouped = (  # scaled here: q is smaller than the scores
+        (q * scale)
+        .view(m, num_kv_heads, group, dim)
         .permute(1, 2, 0, 3)
         .reshape(num_kv_heads, group * m, dim)
     )
     scores = torch.bmm(grouped, keys.transpose(1, 2)).view(num_kv_heads, group, m, length)
-    scores = scores * scale
     scores[..., masked_from:].masked_fill_(mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
     out = torch.bmm(probs.view(num_kv_heads, group * m, length), values)
