@@ -7,7 +7,8 @@ hit bitwise equal to a cold prefill) prefills at least as fast as transformers d
 
 For each prompt length: the time to prefill the prompt and produce the first token (one
 request, max_new_tokens=1, the cache off), median of `--repeats` after a warm-up, for the
-engine's default path (batch-invariant), its dense path, and transformers. Ratio =
+engine's default path (batch-invariant), its dense path, and transformers, taken in turns
+(the machine's load then falls on all three alike). Ratio =
 transformers' time / the engine's (above 1.0: the engine is faster). The prompt is the chat
 template around real text, repeated to length.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -96,27 +98,32 @@ def transformers_model(model):
     return hf.eval()
 
 
-def time_engine(model, config: EngineConfig, prompt: list[int], repeats: int) -> float:
-    pages = -(-len(prompt) // config.page_size) + 1
-    times = []
-    for _ in range(repeats + 1):  # the first is the warm-up
-        engine = Engine(model, config, num_private_pages=pages)
-        started = time.perf_counter()
-        engine.generate([prompt], ONE_TOKEN)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+def engine_run(model, config: EngineConfig, prompt: list[int]) -> float:
+    """Seconds to prefill `prompt` and produce one token, in a fresh engine."""
+    engine = Engine(model, config, num_private_pages=-(-len(prompt) // config.page_size) + 1)
+    started = time.perf_counter()
+    engine.generate([prompt], ONE_TOKEN)
+    return time.perf_counter() - started
 
 
 @torch.inference_mode()
-def time_transformers(hf, prompt: list[int], repeats: int) -> float:
+def transformers_run(hf, prompt: list[int]) -> float:
     ids = torch.tensor([prompt])
-    times = []
+    started = time.perf_counter()
+    logits = hf(ids, logits_to_keep=1).logits
+    int(logits[0, -1].argmax())
+    return time.perf_counter() - started
+
+
+def interleaved(runs: dict, repeats: int) -> dict:
+    """Median seconds of each of `runs` (name -> callable), taken in turns (A, B, C, A, B,
+    C, ...) so that a change in the machine's load falls on all of them alike; the first
+    turn is the warm-up."""
+    times = {name: [] for name in runs}
     for _ in range(repeats + 1):
-        started = time.perf_counter()
-        logits = hf(ids, logits_to_keep=1).logits
-        int(logits[0, -1].argmax())
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+        for name, run in runs.items():
+            times[name].append(run())
+    return {name: statistics.median(values[1:]) for name, values in times.items()}
 
 
 def main() -> None:
@@ -130,9 +137,15 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         prompt = prompt_of(tokenizer, length)
-        engine_s = time_engine(model, invariant, prompt, args.repeats)
-        dense_s = time_engine(dense_model, dense, prompt, args.repeats)
-        hf_s = time_transformers(hf, prompt, args.repeats)
+        medians = interleaved(
+            {
+                "engine": functools.partial(engine_run, model, invariant, prompt),
+                "dense": functools.partial(engine_run, dense_model, dense, prompt),
+                "transformers": functools.partial(transformers_run, hf, prompt),
+            },
+            args.repeats,
+        )
+        engine_s, dense_s, hf_s = medians["engine"], medians["dense"], medians["transformers"]
         rows.append((length, engine_s, dense_s, hf_s))
         emit(
             {
