@@ -1,9 +1,9 @@
 """Attention over paged source KV (hicache's L1 pages) and over a late layer's window.
 
 Source layers: a request's KV pages are gathered into one contiguous tensor and attended
-with a causal mask. In batch-invariant mode (the CPU) queries are padded to whole blocks of
-B rows aligned to absolute positions, and cut at tiles of T = 8 * B positions, also at
-absolute positions: the queries of tile i attend over exactly the keys [0, (i + 1) * T) in
+with a causal mask. In batch-invariant mode (the CPU) queries are padded to runs of 4 rows
+aligned to absolute positions and cut at tiles of T = 8 * B positions (B: the block), also
+at absolute positions: the queries of tile i attend over exactly the keys [0, (i + 1) * T) in
 one softmax (`tiled_attention`). A query's shapes then depend on its position alone,
 whether it is part of a cold prefill, of an encoder replay after a hit, or a decode step:
 the other rows of the call only change the gemm's row count, which leaves a row's bits
@@ -46,6 +46,10 @@ def write_kv(flat_kv: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> No
 
 
 TILE_BLOCKS = 8  # blocks per tile of the batch-invariant source attention
+# Queries are padded to runs of this many rows at positions that are multiples of it: the
+# smallest row count whose gemm gives a row its bits in any larger call (rows.py), so that a
+# decode step attends with 4 rows, not a whole block.
+QUERY_ROWS = 4
 
 
 def source_attention(
@@ -66,8 +70,8 @@ def source_attention(
     if block_rows is None:
         kv = gather_kv(flat_kv, slots, num_written)
         return _sdpa(q, kv, causal_lower_right(n, end), scale)
-    first = start // block_rows * block_rows
-    padded = q.new_zeros((-(-end // block_rows) * block_rows - first, *q.shape[1:]))
+    first = start // QUERY_ROWS * QUERY_ROWS
+    padded = q.new_zeros((-(-end // QUERY_ROWS) * QUERY_ROWS - first, *q.shape[1:]))
     padded[start - first : end - first] = q
     tile = TILE_BLOCKS * block_rows
     keys, values = _key_tiles(flat_kv, slots[:num_written], first + padded.shape[0], tile)
@@ -100,7 +104,8 @@ def tiled_attention(
     tile: int,
 ) -> torch.Tensor:
     """Causal attention of q (m, Hq, D) at positions [first, first + m), `first` and m
-    whole blocks, over keys (H, D, L) and values (H, L, D), L whole tiles of `tile`.
+    multiples of QUERY_ROWS (and `tile` one of them), over keys (H, D, L) and values
+    (H, L, D), L whole tiles of `tile`.
 
     The queries of tile i (positions [i * tile, (i + 1) * tile)) attend over exactly the
     keys [0, (i + 1) * tile) in one softmax, the keys past each query masked: a query's
