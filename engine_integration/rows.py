@@ -15,13 +15,13 @@ Two things can break that:
 
 So in invariant mode a request's run of consecutive positions fills whole blocks of
 `block_rows` rows aligned to absolute positions (block k holds positions [k*B, k*B + B)),
-padding rows hold zeros, and the packed tensor always has a multiple of B rows. A projection
-is one gemm over all packed rows (`linear`): every row count is then a multiple of B.
+padding rows hold zeros, and the packed tensor always has a multiple of 4 rows. A projection
+is one gemm over all packed rows (`linear`).
 Row-wise work made of exactly rounded operations (norms, RoPE, residuals) runs once over the
 whole tensor (`rowwise`); an elementwise op with a transcendental function runs once where no
 thread's share of the tensor ends in a scalar tail, else block by block (`pointwise`).
-Single decode tokens of different requests share blocks when their slots differ. Without
-invariance (CUDA), the rows are simply packed densely as one block.
+Single tokens (decode steps) need no block: they go one after another in runs of 4 rows.
+Without invariance (CUDA), the rows are simply packed densely as one block.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class RowLayout:
             base = len(positions) - first * rows
             index.extend(range(base + start, base + end))
             positions.extend(range(first * rows, -(-end // rows) * rows))
-        _pack_singles(singles, rows, index, positions)
+        _pack_singles(singles, index, positions)
         return cls(
             as_index(index, device),
             as_index(positions, device),
@@ -96,7 +96,7 @@ class RowLayout:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`F.linear` of packed rows x (num_packed, in) by weight (out, in): one gemm over all
-        the rows, whose count is a multiple of `block_rows` (see the module docstring)."""
+        the rows, whose count is a multiple of 4 (see the module docstring)."""
         return F.linear(x, weight, bias)
 
     def rowwise(self, fn: Callable, *packed: torch.Tensor):
@@ -125,21 +125,18 @@ class RowLayout:
         return torch.cat(parts)
 
 
-def _pack_singles(
-    singles: list[tuple[int, int]], rows: int, index: list[int], positions: list[int]
-) -> None:
-    """First-fit single tokens into shared blocks, each at slot position % rows."""
-    blocks: list[list[bool]] = []
+SINGLE_ROWS = 4  # single tokens (decode steps) go in runs of this many rows
+
+
+def _pack_singles(singles: list[tuple[int, int]], index: list[int], positions: list[int]) -> None:
+    """Single tokens one after another, padded to a multiple of SINGLE_ROWS rows: the
+    smallest row count whose gemm gives each row the bits it gets in any larger call (the
+    module docstring), so that a decode step costs 4 rows, not a block of 16."""
     base = len(positions)
-    for real_row, position in singles:
-        slot = position % rows
-        number = next((n for n, used in enumerate(blocks) if not used[slot]), len(blocks))
-        if number == len(blocks):
-            blocks.append([False] * rows)
-            positions.extend(range(rows))  # padding rows: any position will do
-        blocks[number][slot] = True
-        index[real_row] = base + number * rows + slot
-        positions[base + number * rows + slot] = position
+    for number, (real_row, position) in enumerate(singles):
+        index[real_row] = base + number
+        positions.append(position)
+    positions.extend([0] * (-len(singles) % SINGLE_ROWS))  # padding rows: any position
 
 
 def as_index(values: list[int], device) -> torch.Tensor:
