@@ -42,6 +42,7 @@ class RowLayout:
     num_packed: int
     block_rows: int | None  # None: one block (no padding)
     max_position: int  # the largest of `positions`, known without reading the device
+    padded: bool = True  # False: the packed rows are the real rows, in order
 
     @classmethod
     def build(cls, runs: Sequence[tuple[int, int]], block_rows: int | None, device) -> RowLayout:
@@ -55,6 +56,7 @@ class RowLayout:
                 len(positions),
                 None,
                 max(positions, default=0),
+                padded=False,
             )
         rows = block_rows
         index: list[int] = []
@@ -76,11 +78,12 @@ class RowLayout:
             len(positions),
             rows,
             max(positions, default=0),
+            padded=index != list(range(len(positions))),
         )
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(num_real, ...) -> (num_packed, ...), zeros in padding rows."""
-        if self.block_rows is None:
+        if not self.padded:
             return x
         out = x.new_zeros((self.num_packed, *x.shape[1:]))
         out.index_copy_(0, self.index, x)
@@ -88,7 +91,7 @@ class RowLayout:
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(num_packed, ...) -> (num_real, ...)."""
-        if self.block_rows is None:
+        if not self.padded:
             return packed
         return packed.index_select(0, self.index)
 
