@@ -4,7 +4,7 @@ Source layers: a request's KV pages are gathered into one contiguous tensor and 
 with a causal mask. In batch-invariant mode (the CPU) queries are padded to runs of 4 rows
 aligned to absolute positions and cut at tiles of T = 8 * B positions (B: the block), also
 at absolute positions: the queries of tile i attend over exactly the keys [0, (i + 1) * T) in
-one softmax (`tiled_attention`). A query's shapes then depend on its position alone,
+one call (`tiled_attention`). A query's shapes then depend on its position alone,
 whether it is part of a cold prefill, of an encoder replay after a hit, or a decode step:
 the other rows of the call only change the gemm's row count, which leaves a row's bits
 alone (rows.py), and keys past what has been written are zeros and masked out (a masked
@@ -74,23 +74,22 @@ def source_attention(
     padded = q.new_zeros((-(-end // QUERY_ROWS) * QUERY_ROWS - first, *q.shape[1:]))
     padded[start - first : end - first] = q
     tile = TILE_BLOCKS * block_rows
-    keys, values = _key_tiles(flat_kv, slots[:num_written], first + padded.shape[0], tile)
+    keys, values = _key_tiles(
+        flat_kv, slots[:num_written], first + padded.shape[0], tile, q.shape[1]
+    )
     out = tiled_attention(padded, first, keys, values, scale, tile=tile)
     return out[start - first : end - first]
 
 
-def _key_tiles(flat_kv, slots, num_positions, tile):
-    """Keys as (H, D, L) and values as (H, L, D) of positions [0, len(slots)), zero past
-    them up to L = num_positions rounded up to whole tiles. Keys are laid out transposed
-    once, so that each score gemm reads them in the order it wants (a transposed view made
-    MKL's bmm nearly twice as slow)."""
+def _key_tiles(flat_kv, slots, num_positions, tile, num_heads):
+    """Keys and values (Hq, L, D) of positions [0, len(slots)), one per query head, zero
+    past them up to L = num_positions rounded up to whole tiles."""
     kv = flat_kv.index_select(0, slots)  # (written, 2, H, D)
-    num_kv_heads, dim = kv.shape[2:]
-    length = -(-num_positions // tile) * tile
-    keys = kv.new_zeros((num_kv_heads, dim, length))
-    values = kv.new_zeros((num_kv_heads, length, dim))
-    keys[:, :, : kv.shape[0]] = kv[:, 0].permute(1, 2, 0)
-    values[:, : kv.shape[0]] = kv[:, 1].transpose(0, 1)
+    group = num_heads // kv.shape[2]
+    shape = (num_heads, -(-num_positions // tile) * tile, kv.shape[3])
+    keys, values = kv.new_zeros(shape), kv.new_zeros(shape)
+    keys[:, : kv.shape[0]] = kv[:, 0].transpose(0, 1).repeat_interleave(group, dim=0)
+    values[:, : kv.shape[0]] = kv[:, 1].transpose(0, 1).repeat_interleave(group, dim=0)
     return keys, values
 
 
@@ -104,32 +103,32 @@ def tiled_attention(
     tile: int,
 ) -> torch.Tensor:
     """Causal attention of q (m, Hq, D) at positions [first, first + m), `first` and m
-    multiples of QUERY_ROWS (and `tile` one of them), over keys (H, D, L) and values
-    (H, L, D), L whole tiles of `tile`.
+    multiples of QUERY_ROWS (and `tile` one of them), over keys and values (Hq, L, D), L
+    whole tiles of `tile`.
 
     The queries of tile i (positions [i * tile, (i + 1) * tile)) attend over exactly the
-    keys [0, (i + 1) * tile) in one softmax, the keys past each query masked: a query's
-    arithmetic depends on its position alone, not on which of its tile's rows share the
-    call (only the gemm's row count changes), how the prompt was split or how many keys
-    exist past it (zeros, masked: they add exactly zero). -> (m, Hq, D)."""
+    keys [0, (i + 1) * tile), the keys past each query masked, in one call of torch's
+    scaled_dot_product_attention (on the CPU its flash kernel, one parallel region, whose
+    key blocks follow from the key count and whose gemms see only the row count change):
+    a query's arithmetic depends on its position alone, not on which of its tile's rows
+    share the call, how the prompt was split or how many keys exist past it (zeros,
+    masked: they add exactly zero). `test_rows.py` checks this. -> (m, Hq, D)."""
     out = torch.empty_like(q)
     end = first + q.shape[0]
     for number in range(first // tile, (end - 1) // tile + 1):
         lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
         length = (number + 1) * tile
         query_positions = torch.arange(lo, hi, device=q.device)
-        # only the tile's own keys can lie past a query: the mask covers that tile alone
-        diagonal = torch.arange(number * tile, length, device=q.device)
-        hidden = diagonal[None, :] > query_positions[:, None]  # (rows, tile)
+        seen = torch.arange(length, device=q.device)[None, :] <= query_positions[:, None]
         rows = slice(lo - first, hi - first)
-        out[rows] = _attend(
-            q[rows],
-            keys[..., :length],
-            values[:, :length],
-            hidden,
-            scale,
-            masked_from=length - tile,
+        attended = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None],  # (1, Hq, rows, D)
+            keys[None, :, :length],
+            values[None, :, :length],
+            attn_mask=seen,
+            scale=scale,
         )
+        out[rows] = attended[0].transpose(0, 1)
     return out
 
 

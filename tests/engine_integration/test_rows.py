@@ -55,13 +55,17 @@ def _dense_reference(q, first, keys, values, scale):
     """float64 causal attention of q (m, Hq, D) at positions [first, first + m)."""
     m, num_heads, _ = q.shape
     group = num_heads // keys.shape[0]
-    k = keys.double().transpose(1, 2).repeat_interleave(group, 0)  # (Hq, L, D)
+    k = keys.double().repeat_interleave(group, 0)  # (Hq, L, D)
     v = values.double().repeat_interleave(group, 0)
     scores = torch.einsum("mhd,hld->hml", q.double(), k) * scale
     positions = torch.arange(first, first + m)
-    hidden = torch.arange(keys.shape[2])[None, :] > positions[:, None]
+    hidden = torch.arange(keys.shape[1])[None, :] > positions[:, None]
     probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
     return torch.einsum("hml,hld->mhd", probs, v)
+
+
+def per_query_head(keys, values, group=3):
+    return keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
 
 
 def test_tiled_attention_is_causal_attention_and_row_invariant(threads):
@@ -70,16 +74,16 @@ def test_tiled_attention_is_causal_attention_and_row_invariant(threads):
     generator = torch.Generator().manual_seed(7)
     tile, length = 32, 96  # 3 tiles of 4 blocks of 8 rows
     q = torch.randn(length, 6, 16, generator=generator)
-    keys = torch.randn(2, 16, length, generator=generator)  # (H, D, L)
+    keys = torch.randn(2, length, 16, generator=generator)
     values = torch.randn(2, length, 16, generator=generator)
     scale = 16**-0.5
-    full = tiled_attention(q, 0, keys, values, scale, tile=tile)
+    full = tiled_attention(q, 0, *per_query_head(keys, values), scale, tile=tile)
     expected = _dense_reference(q, 0, keys, values, scale)
     torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5)
-    for start, end in [(8, 16), (24, 40), (40, 96), (88, 96), (0, 64)]:
+    for start, end in [(8, 16), (24, 40), (40, 96), (88, 96), (0, 64), (4, 8), (92, 96), (60, 68)]:
         written = end  # keys past the queries are zeros, as before they are written
         k, v = keys.clone(), values.clone()
-        k[..., written:] = 0
+        k[:, written:] = 0
         v[:, written:] = 0
-        part = tiled_attention(q[start:end], start, k, v, scale, tile=tile)
+        part = tiled_attention(q[start:end], start, *per_query_head(k, v), scale, tile=tile)
         assert torch.equal(part, full[start:end]), (start, end)
