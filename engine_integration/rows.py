@@ -7,8 +7,9 @@ Two things can break that:
 
 - a matmul's result for one row can depend on how many rows are multiplied with it. MKL's
   sgemm (torch's CPU BLAS) gives a row the same bits for any row count that is a multiple of
-  4 (its rows go in 4-row panels; a call of 1 to 3 rows, or a panel tail, takes another
-  kernel); `tests/engine_integration/test_rows.py` checks this on the machine it runs on;
+  4, at any offset and at 1 or 2 threads (measured for every multiple of 16 up to 8,192
+  rows); a call of 1 to 3 rows, or of 5 to 11 at 2 threads, gives some rows other bits.
+  `tests/engine_integration/test_rows.py` checks this on the machine it runs on;
 - a vectorised elementwise op computes the elements of its scalar tail (past the last full
   vector of a thread's share) with another formula, e.g. `silu` through `std::exp`, so an
   element's bits depend on where the tensor's tails fall.
@@ -16,10 +17,10 @@ Two things can break that:
 So in invariant mode a request's run of consecutive positions fills whole blocks of
 `block_rows` rows aligned to absolute positions (block k holds positions [k*B, k*B + B)),
 padding rows hold zeros, and the packed tensor always has a multiple of 4 rows. A projection
-is one gemm over all packed rows (`linear`).
-Row-wise work made of exactly rounded operations (norms, RoPE, residuals) runs once over the
-whole tensor (`rowwise`); an elementwise op with a transcendental function runs once where no
-thread's share of the tensor ends in a scalar tail, else block by block (`pointwise`).
+is one gemm over all packed rows (`linear`). Row-wise work made of exactly rounded
+operations (norms, RoPE, residuals) runs once over the whole tensor (`rowwise`); an
+elementwise op with a transcendental function runs once where no thread's share of the
+tensor ends in a scalar tail, else block by block (`pointwise`).
 Single tokens (decode steps) need no block: they go one after another in runs of 4 rows.
 Without invariance (CUDA), the rows are simply packed densely as one block.
 """
