@@ -117,29 +117,56 @@ def tiled_attention(
     masked: they add exactly zero). `test_rows.py` checks this. -> (m, Hq, D)."""
     end = first + q.shape[0]
     heads_first = q.transpose(0, 1).contiguous()[None]  # (1, Hq, m, D): tiles are views
-    parts = []
-    for number in range(first // tile, (end - 1) // tile + 1):
-        lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
-        length = (number + 1) * tile
-        parts.append(
-            F.scaled_dot_product_attention(
-                heads_first[:, :, lo - first : hi - first],
-                keys[None, :, :length],
-                values[None, :, :length],
-                attn_mask=_causal_bias(lo, hi, length, q.dtype, q.device),
-                scale=scale,
-            )
-        )
+    attend = _tile_on_cpu if q.device.type == "cpu" else _tile_masked
+    parts = [
+        attend(heads_first, keys, values, first, end, number, tile, scale)
+        for number in range(first // tile, (end - 1) // tile + 1)
+    ]
     return torch.cat(parts, dim=2)[0].transpose(0, 1)
 
 
+def _tile_masked(heads_first, keys, values, first, end, number, tile, scale):
+    """Tile `number`'s queries over keys [0, (number + 1) * tile) in one masked call."""
+    lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
+    length = (number + 1) * tile
+    return F.scaled_dot_product_attention(
+        heads_first[:, :, lo - first : hi - first],
+        keys[None, :, :length],
+        values[None, :, :length],
+        attn_mask=_causal_bias(lo, hi, 0, length, heads_first.dtype, heads_first.device),
+        scale=scale,
+    )
+
+
+def _tile_on_cpu(heads_first, keys, values, first, end, number, tile, scale):
+    """The same on the CPU in two flash calls, merged by their log-sum-exp: the keys before
+    the tile, which every query sees (no mask: the masked kernel reads a mask element per
+    score and scaled badly at 2 threads), and the tile's own keys under the causal mask."""
+    lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
+    base = number * tile
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rows = heads_first[:, :, lo - first : hi - first]
+    bias = _causal_bias(lo, hi, base, base + tile, rows.dtype, rows.device)
+    own, own_lse = flash(
+        rows, keys[None, :, base : base + tile], values[None, :, base : base + tile],
+        attn_mask=bias, scale=scale,
+    )  # fmt: skip
+    if number == 0:
+        return own
+    past, past_lse = flash(rows, keys[None, :, :base], values[None, :, :base], scale=scale)
+    top = torch.maximum(own_lse, past_lse)
+    own_weight, past_weight = torch.exp(own_lse - top), torch.exp(past_lse - top)
+    merged = past * past_weight[..., None] + own * own_weight[..., None]
+    return merged / (past_weight + own_weight)[..., None]
+
+
 @functools.lru_cache(maxsize=64)
-def _causal_bias(lo: int, hi: int, length: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The additive mask (hi - lo, length) of queries at positions [lo, hi) over keys [0,
-    length): 0 where a key is seen, -inf past the query. Cached: every layer of a step asks
-    for the same ones (building them was a tenth of a 2,048-token prefill at 2 threads)."""
+def _causal_bias(lo, hi, key_start, key_end, dtype, device) -> torch.Tensor:
+    """The additive mask (hi - lo, key_end - key_start) of queries at positions [lo, hi) over
+    keys [key_start, key_end): 0 where a key is seen, -inf past the query. Cached: every
+    layer of a step asks for the same ones."""
     positions = torch.arange(lo, hi, device=device)[:, None]
-    hidden = torch.arange(length, device=device)[None, :] > positions
+    hidden = torch.arange(key_start, key_end, device=device)[None, :] > positions
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
