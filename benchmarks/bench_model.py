@@ -7,11 +7,15 @@ hit bitwise equal to a cold prefill) prefills at least as fast as transformers d
 
 For each prompt length: the time to prefill the prompt and produce the first token (one
 request, max_new_tokens=1, the cache off), median of `--repeats` after a warm-up, for the
-engine's default path (batch-invariant), its dense path, and transformers. Ratio =
+engine's default path (batch-invariant), its dense path, and transformers, taken in turns
+(the machine's load then falls on all three alike). Ratio =
 transformers' time / the engine's (above 1.0: the engine is faster). The prompt is the chat
 template around real text, repeated to length.
 
     python benchmarks/bench_model.py --model smollm2            # 700 and 4,096 tokens
+
+Then, after the first length's prompt, the time per greedy decode step (`--decode-tokens`
+of them, one request): the engine's default path against transformers with its KV cache.
     python benchmarks/bench_model.py --smoke                    # short, for the tests
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 import time
@@ -47,10 +52,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lengths", default="700,4096", help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
+    parser.add_argument(
+        "--decode-tokens", type=int, default=32, help="greedy tokens timed after the first prompt"
+    )
     parser.add_argument("--smoke", action="store_true", help="short prompts, one repeat")
     args = parser.parse_args()
     if args.smoke:
-        args.lengths, args.repeats = "128", 1
+        args.lengths, args.repeats, args.decode_tokens = "128", 1, 4
     args.lengths = [int(n) for n in args.lengths.split(",")]
     if args.model == "smollm2":
         path = smollm2_path()
@@ -96,27 +104,56 @@ def transformers_model(model):
     return hf.eval()
 
 
-def time_engine(model, config: EngineConfig, prompt: list[int], repeats: int) -> float:
-    pages = -(-len(prompt) // config.page_size) + 1
-    times = []
-    for _ in range(repeats + 1):  # the first is the warm-up
-        engine = Engine(model, config, num_private_pages=pages)
-        started = time.perf_counter()
-        engine.generate([prompt], ONE_TOKEN)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+def engine_run(model, config: EngineConfig, prompt: list[int]) -> float:
+    """Seconds to prefill `prompt` and produce one token, in a fresh engine."""
+    engine = Engine(model, config, num_private_pages=-(-len(prompt) // config.page_size) + 1)
+    started = time.perf_counter()
+    engine.generate([prompt], ONE_TOKEN)
+    return time.perf_counter() - started
 
 
 @torch.inference_mode()
-def time_transformers(hf, prompt: list[int], repeats: int) -> float:
+def transformers_run(hf, prompt: list[int]) -> float:
     ids = torch.tensor([prompt])
-    times = []
+    started = time.perf_counter()
+    logits = hf(ids, logits_to_keep=1).logits
+    int(logits[0, -1].argmax())
+    return time.perf_counter() - started
+
+
+def engine_decode(model, config: EngineConfig, prompt: list[int], num_tokens: int) -> float:
+    """Seconds per decode step of one request after its prefill (greedy, cache off)."""
+    pages = -(-(len(prompt) + num_tokens) // config.page_size) + 1
+    engine = Engine(model, config, num_private_pages=pages)
+    engine.add_request(prompt, SamplingParams(max_new_tokens=num_tokens + 1))
+    engine.step()  # the prefill and the first token
+    started = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return (time.perf_counter() - started) / num_tokens
+
+
+@torch.inference_mode()
+def transformers_decode(hf, prompt: list[int], num_tokens: int) -> float:
+    """Seconds per greedy decode step with transformers' KV cache, after the prefill."""
+    out = hf(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+    started = time.perf_counter()
+    for _ in range(num_tokens):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        out = hf(token, past_key_values=out.past_key_values, use_cache=True)
+    int(out.logits[0, -1].argmax())
+    return time.perf_counter() - started
+
+
+def interleaved(runs: dict, repeats: int) -> dict:
+    """Median seconds of each of `runs` (name -> callable), taken in turns (A, B, C, A, B,
+    C, ...) so that a change in the machine's load falls on all of them alike; the first
+    turn is the warm-up."""
+    times = {name: [] for name in runs}
     for _ in range(repeats + 1):
-        started = time.perf_counter()
-        logits = hf(ids, logits_to_keep=1).logits
-        int(logits[0, -1].argmax())
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+        for name, run in runs.items():
+            times[name].append(run())
+    return {name: statistics.median(values[1:]) for name, values in times.items()}
 
 
 def main() -> None:
@@ -130,9 +167,15 @@ def main() -> None:
     rows = []
     for length in args.lengths:
         prompt = prompt_of(tokenizer, length)
-        engine_s = time_engine(model, invariant, prompt, args.repeats)
-        dense_s = time_engine(dense_model, dense, prompt, args.repeats)
-        hf_s = time_transformers(hf, prompt, args.repeats)
+        medians = interleaved(
+            {
+                "engine": functools.partial(engine_run, model, invariant, prompt),
+                "dense": functools.partial(engine_run, dense_model, dense, prompt),
+                "transformers": functools.partial(transformers_run, hf, prompt),
+            },
+            args.repeats,
+        )
+        engine_s, dense_s, hf_s = medians["engine"], medians["dense"], medians["transformers"]
         rows.append((length, engine_s, dense_s, hf_s))
         emit(
             {
@@ -148,6 +191,8 @@ def main() -> None:
                 "dense_ratio_vs_transformers": round(hf_s / dense_s, 3),
             }
         )
+    if args.decode_tokens:
+        decode = decode_row(args, model, invariant, hf, prompt_of(tokenizer, args.lengths[0]))
     print(f"\nprefill on the CPU, {args.threads} threads, {model.config.model_id}")
     print(f"{'tokens':>7}  {'engine':>9}  {'dense':>9}  {'transformers':>12}  {'ratio':>6}")
     for length, engine_s, dense_s, hf_s in rows:
@@ -155,6 +200,36 @@ def main() -> None:
             f"{length:>7,}  {engine_s:>8.3f}s  {dense_s:>8.3f}s  {hf_s:>11.3f}s  "
             f"{hf_s / engine_s:>5.2f}x"
         )
+    if args.decode_tokens:
+        engine_ms, hf_ms = decode["engine_ms_per_token"], decode["transformers_ms_per_token"]
+        print(
+            f"decode after {args.lengths[0]:,} tokens: engine {engine_ms:.1f} ms/token, "
+            f"transformers {hf_ms:.1f} ms/token, {hf_ms / engine_ms:.2f}x"
+        )
+
+
+def decode_row(args, model, config: EngineConfig, hf, prompt: list[int]) -> dict:
+    """Time decode steps, engine and transformers in turns, and emit one JSON line."""
+    medians = interleaved(
+        {
+            "engine": functools.partial(engine_decode, model, config, prompt, args.decode_tokens),
+            "transformers": functools.partial(transformers_decode, hf, prompt, args.decode_tokens),
+        },
+        args.repeats,
+    )
+    row = {
+        "bench": "model_decode",
+        "model": model.config.model_id,
+        "device": device_name("cpu"),
+        "threads": args.threads,
+        "prompt_tokens": len(prompt),
+        "decode_tokens": args.decode_tokens,
+        "engine_ms_per_token": round(medians["engine"] * 1e3, 2),
+        "transformers_ms_per_token": round(medians["transformers"] * 1e3, 2),
+        "ratio_vs_transformers": round(medians["transformers"] / medians["engine"], 3),
+    }
+    emit(row)
+    return row
 
 
 if __name__ == "__main__":

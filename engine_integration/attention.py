@@ -1,20 +1,24 @@
 """Attention over paged source KV (hicache's L1 pages) and over a late layer's window.
 
-Source layers: a request's KV pages are gathered into one contiguous (length, 2, H, D)
-tensor and attended with a causal mask. In batch-invariant mode (the CPU) queries go in
-blocks of B rows aligned to absolute positions, and block k always attends over exactly the
-keys [0, (k + 1) * B): the same shapes, so the same arithmetic, whether the block is part
-of a cold prefill, of an encoder replay after a hit, or a decode step. Keys past what has
-been written are zeros and masked out (a masked key adds exactly zero). Otherwise one call
-per request goes through torch's scaled_dot_product_attention (flash or memory-efficient
-kernels on CUDA).
+Source layers: a request's KV pages are gathered into one contiguous tensor and attended
+with a causal mask. In batch-invariant mode (the CPU) queries are padded to runs of 4 rows
+aligned to absolute positions and cut at tiles of T = 8 * B positions (B: the block), also
+at absolute positions: the queries of tile i attend over exactly the keys [0, (i + 1) * T) in
+one call (`tiled_attention`). A query's shapes then depend on its position alone,
+whether it is part of a cold prefill, of an encoder replay after a hit, or a decode step:
+the other rows of the call only change the gemm's row count, which leaves a row's bits
+alone (rows.py), and keys past what has been written are zeros and masked out (a masked
+key adds exactly zero). Otherwise one call per request goes through torch's
+scaled_dot_product_attention (flash or memory-efficient kernels on CUDA).
 
-Late layers: the same, over the window: for queries in block k, keys at positions
-[k * B - W, k * B + B), read from the ring plus the block's own new keys; a query at t sees
-the keys in (t - W, t] that exist.
+Late layers, in batch-invariant mode, block by block over the window: for queries in block
+k, keys at positions [k * B - W, k * B + B), read from the ring plus the block's own new
+keys; a query at t sees the keys in (t - W, t] that exist.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +50,11 @@ def write_kv(flat_kv: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> No
     flat_kv.index_copy_(0, slots, kv)
 
 
-def attention_length(start: int, end: int, block_rows: int | None) -> int:
-    """How many key positions `source_attention` reads for queries [start, end)."""
-    if block_rows is None:
-        return end
-    return ((end - 1) // block_rows + 1) * block_rows
+TILE_BLOCKS = 8  # blocks per tile of the batch-invariant source attention
+# Queries are padded to runs of this many rows at positions that are multiples of it: the
+# smallest row count whose gemm gives a row its bits in any larger call (rows.py), so that a
+# decode step attends with 4 rows, not a whole block.
+QUERY_ROWS = 4
 
 
 def source_attention(
@@ -64,28 +68,109 @@ def source_attention(
     block_rows: int | None,
 ) -> torch.Tensor:
     """Causal attention of queries q (n, Hq, D) at positions [start, start + n) over a
-    request's paged KV: `slots` are the pool slots of positions [0, attention_length(...)),
-    of which [0, num_written) are written. -> (n, Hq, D)."""
+    request's paged KV: `slots` are the pool slots of positions [0, start + n), of which
+    [0, num_written) are written. -> (n, Hq, D)."""
     n = q.shape[0]
     end = start + n
     if block_rows is None:
         kv = gather_kv(flat_kv, slots, num_written)
         return _sdpa(q, kv, causal_lower_right(n, end), scale)
-    rows = block_rows
-    kv = gather_kv(flat_kv, slots, num_written)
-    # (H, length, D), laid out once: a block reads its first keys as a view (the same
-    # row-major matrices), not a copy per block, which cost O(length^2) bytes a layer.
-    keys = kv[:, 0].transpose(0, 1).contiguous()
-    values = kv[:, 1].transpose(0, 1).contiguous()
+    first = start // QUERY_ROWS * QUERY_ROWS
+    padded = q.new_zeros((-(-end // QUERY_ROWS) * QUERY_ROWS - first, *q.shape[1:]))
+    padded[start - first : end - first] = q
+    tile = TILE_BLOCKS * block_rows
+    keys, values = _key_tiles(
+        flat_kv, slots[:num_written], first + padded.shape[0], tile, q.shape[1]
+    )
+    out = tiled_attention(padded, first, keys, values, scale, tile=tile)
+    return out[start - first : end - first]
 
-    def attend_block(block: int, q_block: torch.Tensor) -> torch.Tensor:
-        length = (block + 1) * rows
-        query_positions = torch.arange(block * rows, length, device=q.device)
-        key_positions = torch.arange(length, device=q.device)
-        mask = key_positions[None, :] <= query_positions[:, None]  # (B, length)
-        return _attend(q_block, keys[:, :length], values[:, :length], mask, scale)
 
-    return _blockwise(q, start, rows, attend_block)
+def _key_tiles(flat_kv, slots, num_positions, tile, num_heads):
+    """Keys and values (Hq, L, D) of positions [0, len(slots)), one per query head, zero
+    past them up to L = num_positions rounded up to whole tiles."""
+    kv = flat_kv.index_select(0, slots)  # (written, 2, H, D)
+    group = num_heads // kv.shape[2]
+    shape = (num_heads, -(-num_positions // tile) * tile, kv.shape[3])
+    keys, values = kv.new_zeros(shape), kv.new_zeros(shape)
+    keys[:, : kv.shape[0]] = kv[:, 0].transpose(0, 1).repeat_interleave(group, dim=0)
+    values[:, : kv.shape[0]] = kv[:, 1].transpose(0, 1).repeat_interleave(group, dim=0)
+    return keys, values
+
+
+def tiled_attention(
+    q: torch.Tensor,
+    first: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    *,
+    tile: int,
+) -> torch.Tensor:
+    """Causal attention of q (m, Hq, D) at positions [first, first + m), `first` and m
+    multiples of QUERY_ROWS (and `tile` one of them), over keys and values (Hq, L, D), L
+    whole tiles of `tile`.
+
+    The queries of tile i (positions [i * tile, (i + 1) * tile)) attend over exactly the
+    keys [0, (i + 1) * tile), the keys past each query masked, in one call of torch's
+    scaled_dot_product_attention (on the CPU its flash kernel, one parallel region, whose
+    key blocks follow from the key count and whose gemms see only the row count change):
+    a query's arithmetic depends on its position alone, not on which of its tile's rows
+    share the call, how the prompt was split or how many keys exist past it (zeros,
+    masked: they add exactly zero). `test_rows.py` checks this. -> (m, Hq, D)."""
+    end = first + q.shape[0]
+    heads_first = q.transpose(0, 1).contiguous()[None]  # (1, Hq, m, D): tiles are views
+    attend = _tile_on_cpu if q.device.type == "cpu" else _tile_masked
+    parts = [
+        attend(heads_first, keys, values, first, end, number, tile, scale)
+        for number in range(first // tile, (end - 1) // tile + 1)
+    ]
+    return torch.cat(parts, dim=2)[0].transpose(0, 1)
+
+
+def _tile_masked(heads_first, keys, values, first, end, number, tile, scale):
+    """Tile `number`'s queries over keys [0, (number + 1) * tile) in one masked call."""
+    lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
+    length = (number + 1) * tile
+    return F.scaled_dot_product_attention(
+        heads_first[:, :, lo - first : hi - first],
+        keys[None, :, :length],
+        values[None, :, :length],
+        attn_mask=_causal_bias(lo, hi, 0, length, heads_first.dtype, heads_first.device),
+        scale=scale,
+    )
+
+
+def _tile_on_cpu(heads_first, keys, values, first, end, number, tile, scale):
+    """The same on the CPU in two flash calls, merged by their log-sum-exp: the keys before
+    the tile, which every query sees (no mask: the masked kernel reads a mask element per
+    score and scaled badly at 2 threads), and the tile's own keys under the causal mask."""
+    lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
+    base = number * tile
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rows = heads_first[:, :, lo - first : hi - first]
+    bias = _causal_bias(lo, hi, base, base + tile, rows.dtype, rows.device)
+    own, own_lse = flash(
+        rows, keys[None, :, base : base + tile], values[None, :, base : base + tile],
+        attn_mask=bias, scale=scale,
+    )  # fmt: skip
+    if number == 0:
+        return own
+    past, past_lse = flash(rows, keys[None, :, :base], values[None, :, :base], scale=scale)
+    top = torch.maximum(own_lse, past_lse)
+    own_weight, past_weight = torch.exp(own_lse - top), torch.exp(past_lse - top)
+    merged = past * past_weight[..., None] + own * own_weight[..., None]
+    return merged / (past_weight + own_weight)[..., None]
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_bias(lo, hi, key_start, key_end, dtype, device) -> torch.Tensor:
+    """The additive mask (hi - lo, key_end - key_start) of queries at positions [lo, hi) over
+    keys [key_start, key_end): 0 where a key is seen, -inf past the query. Cached: every
+    layer of a step asks for the same ones."""
+    positions = torch.arange(lo, hi, device=device)[:, None]
+    hidden = torch.arange(key_start, key_end, device=device)[None, :] > positions
+    return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def window_attention(
@@ -119,9 +204,9 @@ def window_attention(
         )
         out = _attend(
             q_block,
-            keys[:, 0].transpose(0, 1).contiguous(),
+            keys[:, 0].permute(1, 2, 0).contiguous(),
             keys[:, 1].transpose(0, 1).contiguous(),
-            mask,
+            ~mask,
             scale,
         )
         window.write(layer, torch.arange(lo, hi, device=q.device), new_kv)
@@ -163,19 +248,22 @@ def _window_keys(new_kv, new_start, q_start, q_end, window, layer, key_start):
     return mask, keys
 
 
-def _attend(q, keys, values, mask, scale):
-    """Plain attention with fixed shapes: q (m, Hq, D), keys/values (H, L, D), mask (m, L)
-    -> (m, Hq, D). Query heads are grouped onto their KV head (GQA) without copying keys."""
+def _attend(q, keys, values, mask, scale, *, masked_from=0):
+    """Plain attention with fixed shapes: q (m, Hq, D), keys (H, D, L), values (H, L, D);
+    mask (m, L - masked_from) is True where a key is hidden from a query (keys before
+    `masked_from` are seen by all) -> (m, Hq, D). Query heads are grouped onto their KV
+    head (GQA) without copying keys."""
     m, num_heads, dim = q.shape
-    num_kv_heads, length = keys.shape[:2]
+    num_kv_heads, length = keys.shape[0], keys.shape[2]
     group = num_heads // num_kv_heads
-    grouped = (
-        q.view(m, num_kv_heads, group, dim)
+    grouped = (  # scaled here: q is smaller than the scores
+        (q * scale)
+        .view(m, num_kv_heads, group, dim)
         .permute(1, 2, 0, 3)
         .reshape(num_kv_heads, group * m, dim)
     )
-    scores = torch.bmm(grouped, keys.transpose(1, 2)).view(num_kv_heads, group, m, length)
-    scores = (scores * scale).masked_fill(~mask, float("-inf"))
+    scores = torch.bmm(grouped, keys).view(num_kv_heads, group, m, length)
+    scores[..., masked_from:].masked_fill_(mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
     out = torch.bmm(probs.view(num_kv_heads, group * m, length), values)
     return out.view(num_kv_heads, group, m, dim).permute(2, 0, 1, 3).reshape(m, num_heads, dim)

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from engine_integration.attention import (
-    attention_length,
     page_slots,
     source_attention,
     window_attention,
@@ -153,10 +152,7 @@ class Model:
         ids = as_index([t for s in seqs for t in s.token_ids], self.device)
         x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
         page_size = source_kv(0).shape[1]
-        slots = [
-            page_slots(s.page_table, page_size, attention_length(s.start, s.end, self.block_rows))
-            for s in seqs
-        ]
+        slots = [page_slots(s.page_table, page_size, s.end) for s in seqs]
         for i in range(config.num_source_layers):
             x = self._source_layer(i, x, layout, rope, seqs, slots, source_kv(i))
         hidden = layout.unpack(x)  # (rows, hidden)
@@ -244,7 +240,7 @@ class Model:
         layout = RowLayout.build(runs, self.block_rows, self.device)
         last = hidden.index_select(0, as_index(rows, self.device))
         eps = self.config.rms_norm_eps
-        normed = layout.map_blocks(
+        normed = layout.rowwise(
             lambda block: rms_norm(block, self.weights.final_norm, eps), layout.pack(last)
         )
         return layout.unpack(layout.linear(normed, self.weights.lm_head)).float()
@@ -252,7 +248,7 @@ class Model:
     # ------------------------------------------------------------------ row-wise parts
 
     def _project(self, weights: LayerWeights, x, layout: RowLayout, rope):
-        """Norm, q/k/v projection and RoPE, block by block.
+        """Norm, q/k/v projection and RoPE.
         -> q (rows, Hq, D) and kv (rows, 2, H, D) of the real rows."""
         if self._graphs is not None:
             return self._graphs.run(
@@ -266,7 +262,7 @@ class Model:
         config = self.config
         eps = config.rms_norm_eps
         sizes = [config.q_size, config.kv_size, config.kv_size]
-        normed = layout.map_blocks(lambda block: rms_norm(block, weights.input_norm, eps), x)
+        normed = layout.rowwise(lambda block: rms_norm(block, weights.input_norm, eps), x)
         qkv = layout.linear(normed, weights.qkv, weights.qkv_bias)
 
         def rotate(block, cos, sin):
@@ -278,11 +274,11 @@ class Model:
             k = k * cos + _rotate_half(k) * sin
             return q, torch.stack([k, v], dim=1)
 
-        q, kv = layout.map_blocks(rotate, qkv, *rope)
+        q, kv = layout.rowwise(rotate, qkv, *rope)
         return layout.unpack(q), layout.unpack(kv)
 
     def _finish_layer(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
-        """Output projection, residual, norm, SwiGLU MLP, residual, block by block."""
+        """Output projection, residual, norm, SwiGLU MLP, residual."""
         if self._graphs is not None:
             return self._graphs.run(
                 ("finish", id(weights)),
@@ -294,11 +290,12 @@ class Model:
     def _finish_rows(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         x = x + layout.linear(layout.pack(attn.flatten(1)), weights.o, weights.o_bias)
-        normed = layout.map_blocks(lambda block: rms_norm(block, weights.post_norm, eps), x)
+        normed = layout.rowwise(lambda block: rms_norm(block, weights.post_norm, eps), x)
         gate_up = layout.linear(normed, weights.gate_up)
 
         def swiglu(block):
             gate, up = block.chunk(2, dim=-1)
             return F.silu(gate) * up
 
-        return x + layout.linear(layout.map_blocks(swiglu, gate_up), weights.down)
+        activated = layout.pointwise(swiglu, gate_up, width=self.config.intermediate_size)
+        return x + layout.linear(activated, weights.down)

@@ -1,22 +1,28 @@
 """How a step's token rows are laid out for the dense (row-wise) operations.
 
-Batch invariance: on the CPU, a matmul's result for one row can depend on how many rows
-are multiplied with it (BLAS picks a different kernel for 4 rows than for 400), and a
-vectorised elementwise op can treat an element differently depending on where the tensor's
-vector tail falls. Either would make a cached page differ, in its last bits, from the same
-page computed in another batch, and a hit would then not equal a cold prefill.
+Batch invariance: on the CPU, a token's numbers must depend only on its own inputs, never on
+its neighbours, the chunking or the batch, or a cached page would differ in its last bits
+from the same page computed in another batch, and a hit would not equal a cold prefill.
+Two things can break that:
 
-So in invariant mode every row-wise op runs on fixed-shape blocks of `block_rows` rows, and
-a token at position p always sits in row `p % block_rows` of its block. Elementwise ops run
-block by block; a projection runs as one batched matmul over all blocks (`linear`): each
-block is then its own fixed-shape gemm (the same bits whatever the number of blocks or
-threads), and the threads share out the blocks, where a loop of 16-row gemms left the
-second core idle. A token's numbers
-then depend only on its own inputs, never on its neighbours, the chunking or the batch.
-A request's run of consecutive positions fills its own blocks (block k holds positions
-[k*B, k*B + B)); single decode tokens of different requests share blocks when their slots
-differ. Padding rows hold zeros. Without invariance (CUDA), the rows are simply packed
-densely as one block.
+- a matmul's result for one row can depend on how many rows are multiplied with it. MKL's
+  sgemm (torch's CPU BLAS) gives a row the same bits for any row count that is a multiple of
+  4, at any offset and at 1 or 2 threads (measured for every multiple of 16 up to 8,192
+  rows); a call of 1 to 3 rows (or 5-7, 9-11 at 2 threads) gives some rows other bits.
+  `tests/engine_integration/test_rows.py` checks this on the machine it runs on;
+- a vectorised elementwise op computes the elements of its scalar tail (past the last full
+  vector of a thread's share) with another formula, e.g. `silu` through `std::exp`, so an
+  element's bits depend on where the tensor's tails fall.
+
+So in invariant mode a request's run of consecutive positions fills whole blocks of
+`block_rows` rows aligned to absolute positions (block k holds positions [k*B, k*B + B)),
+padding rows hold zeros, and the packed tensor always has a multiple of 4 rows. A projection
+is one gemm over all packed rows (`linear`). Row-wise work made of exactly rounded
+operations (norms, RoPE, residuals) runs once over the whole tensor (`rowwise`); an
+elementwise op with a transcendental function runs once where no thread's share of the
+tensor ends in a scalar tail, else block by block (`pointwise`).
+Single tokens (decode steps) need no block: they go one after another in runs of 4 rows.
+Without invariance (CUDA), the rows are simply packed densely as one block.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class RowLayout:
     num_packed: int
     block_rows: int | None  # None: one block (no padding)
     max_position: int  # the largest of `positions`, known without reading the device
+    padded: bool = True  # False: the packed rows are the real rows, in order
 
     @classmethod
     def build(cls, runs: Sequence[tuple[int, int]], block_rows: int | None, device) -> RowLayout:
@@ -50,6 +57,7 @@ class RowLayout:
                 len(positions),
                 None,
                 max(positions, default=0),
+                padded=False,
             )
         rows = block_rows
         index: list[int] = []
@@ -64,18 +72,19 @@ class RowLayout:
             base = len(positions) - first * rows
             index.extend(range(base + start, base + end))
             positions.extend(range(first * rows, -(-end // rows) * rows))
-        _pack_singles(singles, rows, index, positions)
+        _pack_singles(singles, index, positions)
         return cls(
             as_index(index, device),
             as_index(positions, device),
             len(positions),
             rows,
             max(positions, default=0),
+            padded=index != list(range(len(positions))),
         )
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(num_real, ...) -> (num_packed, ...), zeros in padding rows."""
-        if self.block_rows is None:
+        if not self.padded:
             return x
         out = x.new_zeros((self.num_packed, *x.shape[1:]))
         out.index_copy_(0, self.index, x)
@@ -83,24 +92,30 @@ class RowLayout:
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(num_packed, ...) -> (num_real, ...)."""
-        if self.block_rows is None:
+        if not self.padded:
             return packed
         return packed.index_select(0, self.index)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`F.linear` of packed rows x (num_packed, in) by weight (out, in): one gemm per
-        block, in one batched call (see the module docstring)."""
-        if self.block_rows is None:
-            return F.linear(x, weight, bias)
-        blocks = x.view(-1, self.block_rows, x.shape[-1])  # (num_blocks, B, in)
-        weight_t = weight.t().expand(blocks.shape[0], *weight.t().shape)  # (num_blocks, in, out)
-        if bias is None:
-            out = torch.bmm(blocks, weight_t)
-        else:
-            out = torch.baddbmm(bias.expand(blocks.shape[0], self.block_rows, -1), blocks, weight_t)
-        return out.view(-1, weight.shape[0])
+        """`F.linear` of packed rows x (num_packed, in) by weight (out, in): one gemm over all
+        the rows, whose count is a multiple of 4 (see the module docstring)."""
+        return F.linear(x, weight, bias)
+
+    def rowwise(self, fn: Callable, *packed: torch.Tensor):
+        """`fn` over the packed tensors at once: for row-wise work whose operations round
+        exactly (add, multiply, divide, square root) or reduce a row of fixed length, so that
+        no row's bits depend on the others."""
+        return fn(*packed)
+
+    def pointwise(self, fn: Callable, x: torch.Tensor, *, width: int) -> torch.Tensor:
+        """`fn` over packed x, where `fn` applies a transcendental elementwise op (silu) to a
+        (num_packed, width) view: in one call where no element falls in a vectorised loop's
+        scalar tail, else block by block."""
+        if self.block_rows is None or tail_free(self.num_packed * width, width):
+            return fn(x)
+        return self.map_blocks(fn, x)
 
     def map_blocks(self, fn: Callable, *packed: torch.Tensor):
         """`fn` over each block of the packed tensors (one call without invariance); `fn`
@@ -114,21 +129,18 @@ class RowLayout:
         return torch.cat(parts)
 
 
-def _pack_singles(
-    singles: list[tuple[int, int]], rows: int, index: list[int], positions: list[int]
-) -> None:
-    """First-fit single tokens into shared blocks, each at slot position % rows."""
-    blocks: list[list[bool]] = []
+SINGLE_ROWS = 4  # single tokens (decode steps) go in runs of this many rows
+
+
+def _pack_singles(singles: list[tuple[int, int]], index: list[int], positions: list[int]) -> None:
+    """Single tokens one after another, padded to a multiple of SINGLE_ROWS rows: the
+    smallest row count whose gemm gives each row the bits it gets in any larger call (the
+    module docstring), so that a decode step costs 4 rows, not a block of 16."""
     base = len(positions)
-    for real_row, position in singles:
-        slot = position % rows
-        number = next((n for n, used in enumerate(blocks) if not used[slot]), len(blocks))
-        if number == len(blocks):
-            blocks.append([False] * rows)
-            positions.extend(range(rows))  # padding rows: any position will do
-        blocks[number][slot] = True
-        index[real_row] = base + number * rows + slot
-        positions[base + number * rows + slot] = position
+    for number, (real_row, position) in enumerate(singles):
+        index[real_row] = base + number
+        positions.append(position)
+    positions.extend([0] * (-len(singles) % SINGLE_ROWS))  # padding rows: any position
 
 
 def as_index(values: list[int], device) -> torch.Tensor:
@@ -138,3 +150,20 @@ def as_index(values: list[int], device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+# torch's elementwise loops split a tensor of n elements into ceil(n / t) per thread (t =
+# min(threads, ceil(n / GRAIN))) and each share runs in vectors of 2 * Vec elements then a
+# scalar tail: with every share a multiple of 64 elements (2 * 16 floats with AVX-512) and
+# each row a multiple of 64 (a strided view restarts the loop per row), nothing is a tail.
+_GRAIN = 32768
+_VECTOR_STEP = 64
+
+
+def tail_free(num_elements: int, row_elements: int | None = None) -> bool:
+    """Whether an elementwise op over `num_elements` (rows of `row_elements`) runs every
+    element in full vectors at the current thread count."""
+    threads = min(torch.get_num_threads(), max(1, -(-num_elements // _GRAIN)))
+    share = -(-num_elements // threads)
+    rows_ok = row_elements is None or row_elements % _VECTOR_STEP == 0
+    return rows_ok and share % _VECTOR_STEP == 0 and num_elements % _VECTOR_STEP == 0

@@ -77,9 +77,9 @@ def test_dense_path_is_the_same_model(small_model):
 
 def test_row_layout_blocks_by_position():
     layout = RowLayout.build([(5, 19), (40, 41), (43, 44), (48, 49)], 8, "cpu")
-    # run (5, 19): blocks 0..2 (positions 0..23); the single tokens share one block except
-    # 48 (slot 0) fits with 43 (slot 3) and 40 (slot 0) -> two shared blocks.
-    assert layout.num_packed == 24 + 16
+    # run (5, 19): blocks 0..2 (positions 0..23); the single tokens follow, one after
+    # another, padded to 4 rows.
+    assert layout.num_packed == 24 + 4
     assert layout.index[:14].tolist() == list(range(5, 19))
     assert layout.positions[layout.index].tolist() == [*range(5, 19), 40, 43, 48]
     assert len(set(layout.index.tolist())) == layout.index.numel()

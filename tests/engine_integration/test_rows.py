@@ -1,0 +1,89 @@
+"""The premises of the batch-invariant CPU path, checked on the machine the tests run on, and
+the tiled source attention against a dense reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_integration.attention import tiled_attention
+from engine_integration.rows import RowLayout, tail_free
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("num_in", "num_out"), [(64, 256), (576, 960), (1536, 576), (64, 96)])
+def test_gemm_gives_a_row_the_same_bits_for_any_multiple_of_four_rows(threads, num_in, num_out):
+    """rows.py's premise: a projection over all packed rows (a multiple of the block) gives
+    each row the bits it gets in any other multiple-of-4 row count, at any offset."""
+    generator = torch.Generator().manual_seed(num_in + num_out)
+    weight = torch.randn(num_out, num_in, generator=generator)
+    x = torch.randn(1024, num_in, generator=generator)
+    full = F.linear(x, weight)
+    for num_rows in (4, 8, 12, 16, 20, 48, 100, 256, 1000):
+        for offset in (0, 4, 1024 - num_rows):
+            part = F.linear(x[offset : offset + num_rows], weight)
+            assert torch.equal(part, full[offset : offset + num_rows]), (num_rows, offset)
+
+
+def test_silu_in_one_call_only_where_no_scalar_tail(threads):
+    """A silu share ending in a scalar tail gives other bits there (seen on this machine:
+    thousands of elements of 100,003 differ in chunks of 7): `pointwise` runs one call only
+    where `tail_free` holds, and then each block's rows keep their bits."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(48 * 16, 2 * 1536, generator=generator) * 4
+    layout = RowLayout.build([(0, x.shape[0])], 16, "cpu")
+
+    def swiglu(block):
+        gate, up = block.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    assert tail_free(x.shape[0] * 1536, 1536)
+    whole = layout.pointwise(swiglu, x, width=1536)
+    assert torch.equal(whole, layout.map_blocks(swiglu, x))
+    assert not tail_free(100_003) and not tail_free(16 * 100, 100)
+
+
+def _dense_reference(q, first, keys, values, scale):
+    """float64 causal attention of q (m, Hq, D) at positions [first, first + m)."""
+    m, num_heads, _ = q.shape
+    group = num_heads // keys.shape[0]
+    k = keys.double().repeat_interleave(group, 0)  # (Hq, L, D)
+    v = values.double().repeat_interleave(group, 0)
+    scores = torch.einsum("mhd,hld->hml", q.double(), k) * scale
+    positions = torch.arange(first, first + m)
+    hidden = torch.arange(keys.shape[1])[None, :] > positions[:, None]
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return torch.einsum("hml,hld->mhd", probs, v)
+
+
+def per_query_head(keys, values, group=3):
+    return keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+
+
+def test_tiled_attention_is_causal_attention_and_row_invariant(threads):
+    """Against float64; and a query's bits are the same whichever rows of its tile share
+    the call and whatever lies in the keys past it (not written yet: zeros)."""
+    generator = torch.Generator().manual_seed(7)
+    tile, length = 32, 96  # 3 tiles of 4 blocks of 8 rows
+    q = torch.randn(length, 6, 16, generator=generator)
+    keys = torch.randn(2, length, 16, generator=generator)
+    values = torch.randn(2, length, 16, generator=generator)
+    scale = 16**-0.5
+    full = tiled_attention(q, 0, *per_query_head(keys, values), scale, tile=tile)
+    expected = _dense_reference(q, 0, keys, values, scale)
+    torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5)
+    for start, end in [(8, 16), (24, 40), (40, 96), (88, 96), (0, 64), (4, 8), (92, 96), (60, 68)]:
+        written = end  # keys past the queries are zeros, as before they are written
+        k, v = keys.clone(), values.clone()
+        k[:, written:] = 0
+        v[:, written:] = 0
+        part = tiled_attention(q[start:end], start, *per_query_head(k, v), scale, tile=tile)
+        assert torch.equal(part, full[start:end]), (start, end)
