@@ -32,7 +32,7 @@ from engine_integration.attention import (
 )
 from engine_integration.config import ModelConfig
 from engine_integration.graphs import RowwiseGraphs
-from engine_integration.rows import RowLayout, as_index
+from engine_integration.rows import RowLayout, as_index, check_gemm_invariance
 from engine_integration.weights import LayerWeights, ModelWeights
 from engine_integration.window import LateWindow
 
@@ -98,6 +98,19 @@ def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _projection_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of every projection: q/k/v, output, gate/up, down, LM head."""
+    hidden = config.hidden_size
+    qkv = config.q_size + 2 * config.kv_size
+    return [
+        (hidden, qkv),
+        (config.q_size, hidden),
+        (hidden, 2 * config.intermediate_size),
+        (config.intermediate_size, hidden),
+        (hidden, config.vocab_size),
+    ]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
@@ -134,6 +147,11 @@ class Model:
         self.scale = config.head_dim**-0.5
         self.rope = RotaryTable(config, self.device, self.dtype)
         # Dense batches on CUDA replay the row-wise halves of each layer as CUDA graphs.
+        # Batch invariance rests on a measured property of the CPU's gemm (rows.py): checked
+        # at the model's projection shapes, once per process and shape.
+        self.bitwise_invariant = block_rows is not None and check_gemm_invariance(
+            _projection_shapes(config), self.dtype
+        )
         dense_cuda = block_rows is None and self.device.type == "cuda"
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
 

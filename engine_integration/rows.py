@@ -27,11 +27,15 @@ Without invariance (CUDA), the rows are simply packed densely as one block.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -167,3 +171,34 @@ def tail_free(num_elements: int, row_elements: int | None = None) -> bool:
     share = -(-num_elements // threads)
     rows_ok = row_elements is None or row_elements % _VECTOR_STEP == 0
     return rows_ok and share % _VECTOR_STEP == 0 and num_elements % _VECTOR_STEP == 0
+
+
+@functools.cache
+def _gemm_rows_invariant(num_in: int, num_out: int, dtype: torch.dtype, threads: int) -> bool:
+    generator = torch.Generator().manual_seed(num_in * 31 + num_out)
+    weight = torch.randn(num_out, num_in, generator=generator).to(dtype)
+    x = torch.randn(160, num_in, generator=generator).to(dtype)
+    full = F.linear(x, weight)
+    for num_rows, offset in ((4, 0), (4, 8), (12, 36), (20, 140), (64, 96), (100, 4)):
+        if not torch.equal(F.linear(x[offset : offset + num_rows], weight),
+                           full[offset : offset + num_rows]):  # fmt: skip
+            return False
+    return True
+
+
+def check_gemm_invariance(shapes: Sequence[tuple[int, int]], dtype: torch.dtype) -> bool:
+    """Whether this CPU's gemm gives a row the same bits for any multiple-of-4 row count at
+    the given (in, out) projection shapes (the premise above), at the current thread count;
+    once per shape. When it does not, a cached page can differ from a cold prefill's in its
+    last bits: that is said once, loudly, rather than left for a hit to show."""
+    threads = torch.get_num_threads()
+    broken = [s for s in shapes if not _gemm_rows_invariant(*s, dtype, threads)]
+    if broken:
+        logger.warning(
+            "this CPU's matmul gives a row different bits in calls of different row counts "
+            "(projections %s, %d threads): cache hits will equal cold prefills only to "
+            "rounding, not bit for bit",
+            broken,
+            threads,
+        )
+    return not broken

@@ -87,3 +87,23 @@ def test_tiled_attention_is_causal_attention_and_row_invariant(threads):
         v[:, written:] = 0
         part = tiled_attention(q[start:end], start, *per_query_head(k, v), scale, tile=tile)
         assert torch.equal(part, full[start:end]), (start, end)
+
+
+def test_a_cpu_whose_gemm_breaks_the_premise_is_named_at_model_load(monkeypatch, caplog):
+    """The model checks the premise at its own projection shapes when it is built; where it
+    fails, one warning says hits will equal cold prefills only to rounding."""
+    from engine_integration import rows
+
+    assert rows.check_gemm_invariance([(64, 96)], torch.float32)
+    real = F.linear
+
+    def drifting(x, weight, bias=None):  # a BLAS whose bits depend on the row count
+        out = real(x, weight, bias)
+        return out + (x.shape[0] % 8) * 1e-7
+
+    monkeypatch.setattr(rows.F, "linear", drifting)
+    rows._gemm_rows_invariant.cache_clear()
+    with caplog.at_level("WARNING", logger="engine_integration.rows"):
+        assert not rows.check_gemm_invariance([(64, 96)], torch.float32)
+    assert "only to rounding" in caplog.text
+    rows._gemm_rows_invariant.cache_clear()
