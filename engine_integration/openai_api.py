@@ -10,11 +10,15 @@ prompt's KV came from, which replica served it). Torch-free.
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from aiohttp import web
 
 from engine_integration.workload import render_chat
 
@@ -213,3 +217,30 @@ class TextStream:
                 end -= 1
         out, self.sent = text[self.sent : end], max(self.sent, end)
         return out
+
+
+async def serve_until_stopped(app, host: str, port: int, command: str, banner, close) -> int:
+    """Serve `app` on host:port until SIGTERM or SIGINT, then `await close()`.
+
+    `banner(port)` is the "listening" line (the port as bound: 0 picks one); a port that
+    cannot be bound is one error line and exit status 1. For `hicache engine serve` and
+    `hicache route`."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as error:
+        print(f"{command}: error: cannot listen: {error}", flush=True)
+        await runner.cleanup()
+        await close()
+        return 1
+    print(banner(runner.addresses[0][1]), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await close()
+    print(f"{command}: stopped", flush=True)
+    return 0

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from engine_integration.openai_api import (
     error_body,
     parse_request,
     response,
+    serve_until_stopped,
 )
 from engine_integration.request import Request, RequestOutput
 from engine_integration.sampling import SamplingParams
@@ -404,28 +404,19 @@ async def serve(config: ReplicaConfig) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     replica = Replica(config)
-    runner = web.AppRunner(replica.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    try:
-        await site.start()
-    except OSError as error:
-        print(f"hicache engine serve: error: cannot listen: {error}", flush=True)
-        replica.close()
-        return 1
-    port = runner.addresses[0][1]
     events = f", events on {replica.publisher.endpoint}" if replica.publisher else ""
-    print(
-        f"hicache engine serve: {replica.name} ({config.role}, {replica.model_name}) listening "
-        f"on http://{config.host}:{port}{events}",
-        flush=True,
+
+    async def close() -> None:
+        replica.close()
+
+    return await serve_until_stopped(
+        replica.app(),
+        config.host,
+        config.port,
+        "hicache engine serve",
+        lambda port: (
+            f"hicache engine serve: {replica.name} ({config.role}, "
+            f"{replica.model_name}) listening on http://{config.host}:{port}{events}"
+        ),
+        close,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    await runner.cleanup()
-    replica.close()
-    print("hicache engine serve: stopped", flush=True)
-    return 0

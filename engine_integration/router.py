@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ import aiohttp
 import zmq
 from aiohttp import web
 
-from engine_integration.openai_api import CHAT, COMPLETIONS, error_body
+from engine_integration.openai_api import CHAT, COMPLETIONS, error_body, serve_until_stopped
 from hicache.events import (
     TIER_OF_MEDIUM,
     AllBlocksCleared,
@@ -557,27 +556,14 @@ async def serve(config: RouterConfig) -> int:
         print(f"hicache route: error: {error}", flush=True)
         await server.close()
         return 1
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    try:
-        await site.start()
-    except OSError as error:
-        print(f"hicache route: error: cannot listen: {error}", flush=True)
-        await server.close()
-        return 1
-    port = runner.addresses[0][1]
-    print(
-        f"hicache route: {config.routing.policy} over {len(server.replicas)} replicas, "
-        f"listening on http://{config.host}:{port}",
-        flush=True,
+    return await serve_until_stopped(
+        server.app(),
+        config.host,
+        config.port,
+        "hicache route",
+        lambda port: (
+            f"hicache route: {config.routing.policy} over {len(server.replicas)} "
+            f"replicas, listening on http://{config.host}:{port}"
+        ),
+        server.close,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    await runner.cleanup()
-    await server.close()
-    print("hicache route: stopped", flush=True)
-    return 0

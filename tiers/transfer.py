@@ -166,10 +166,13 @@ class TransferEngine:
         self._wait_for_caller()
         with torch.cuda.stream(self.copy_stream):
             host_ids, dev_ids = self._to_device(self.load_kernel, host_ids, dev_ids)
+            runs = []
+            if self.load_kernel == "copy_engine":  # the same split for every layer
+                runs, host_ids, dev_ids = self._split_runs(host_ids, dev_ids)
             events = []
             keep_alive = [host_ids, dev_ids]
             for layer in range(num_layers):
-                keep_alive += self._load_layer(layer, host_ids, dev_ids)
+                keep_alive += self._load_layer(layer, host_ids, dev_ids, runs)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
                 events.append(event)
@@ -219,11 +222,14 @@ class TransferEngine:
             return ids
         return tuple(t.pin_memory().to(self.device, non_blocking=True) for t in ids)
 
-    def _load_layer(self, layer: int, host_ids: torch.Tensor, dev_ids: torch.Tensor) -> list:
-        """Issue one layer's load; returns what must live until it is done."""
+    def _load_layer(
+        self, layer: int, host_ids: torch.Tensor, dev_ids: torch.Tensor, runs=()
+    ) -> list:
+        """Issue one layer's load (on the copy engines: `runs` from `_split_runs`, and the
+        pages left over); returns what must live until it is done."""
         host_kv, dev_kv = self.host_pool.kv, self.device_pool.kv
         if self.load_kernel == "copy_engine":
-            return self._load_layer_on_engines(layer, host_ids, dev_ids)
+            return self._load_layer_on_engines(layer, runs, host_ids, dev_ids)
         if self.load_kernel == "triton":
             kernels.load_layer(
                 host_kv, dev_kv, layer, host_ids, dev_ids, config=self.config, check_ids=False
@@ -251,18 +257,24 @@ class TransferEngine:
             kernels.backup_reference(dev_kv, host_kv, dev_ids, host_ids)
         return []
 
-    def _load_layer_on_engines(self, layer: int, host_ids, dev_ids) -> list:
-        """A strided copy per run of consecutive pages, one batch for the pages left over
-        (`tiers.copy_engine`: the driver's CPU cost is per copy)."""
+    def _split_runs(self, host_ids: torch.Tensor, dev_ids: torch.Tensor):
+        """(runs of consecutive pages, the host and device ids left over) for the copy
+        engines: a run is one strided copy a layer (`tiers.copy_engine`: the driver's CPU
+        cost is per copy)."""
+        if not self._copier.has_2d:
+            return [], host_ids, dev_ids
+        runs, rest = page_runs(host_ids.numpy(), dev_ids.numpy())
+        rest = torch.from_numpy(rest)
+        return runs, host_ids[rest], dev_ids[rest]
+
+    def _load_layer_on_engines(self, layer: int, runs, host_ids, dev_ids) -> list:
+        """A strided copy per run, one batch for the pages left over."""
         chunk = self._chunk_bytes
         stream = self.copy_stream.cuda_stream
         dev_kv, host_kv = self.device_pool.kv, self.host_pool.kv
         dev_layer = dev_kv.data_ptr() + layer * dev_kv.stride(0) * dev_kv.element_size()
         host_page_stride = host_kv.stride(0) * host_kv.element_size()
         host_layer = host_kv.data_ptr() + layer * chunk
-        runs, rest = [], None
-        if self._copier.has_2d:
-            runs, rest = page_runs(host_ids.numpy(), dev_ids.numpy())
         for host_id, dev_id, length in runs:
             self._copier.copy_2d(
                 dev_layer + dev_id * chunk,
@@ -273,9 +285,6 @@ class TransferEngine:
                 length,
                 stream,
             )
-        if rest is not None:
-            rest = torch.from_numpy(rest)
-            host_ids, dev_ids = host_ids[rest], dev_ids[rest]
         if not len(host_ids):
             return []
         device_ptrs, host_ptrs = self._chunk_pointers(layer, dev_ids, host_ids)
