@@ -338,8 +338,13 @@ static uint64_t object_checksum(const uint8_t *plain, const uint8_t *layout, siz
     return hash_two(hashed, PLAIN_BYTES + layout_len, payload, payload_len);
 }
 
-/* -- a small pool of threads that share one batch at a time ----------------------------------- */
+/* -- a small pool of threads that every batch in flight shares ------------------------------- */
 
+/* Batches posted by callers on several threads at once (the file backend reads a prefix as
+ * parallel batches) share one pool: a pool thread takes a unit of the oldest batch that still
+ * wants helpers and has units left, and moves on to the next batch when that one runs dry. So
+ * N concurrent callers never start N pools' worth of threads, and no caller runs alone while
+ * the pool idles. */
 typedef struct batch batch_t;
 struct batch {
     size_t num_units;
@@ -348,6 +353,7 @@ struct batch {
     void *data;
     int helpers_wanted; /* pool threads that may still join */
     int helpers_active; /* pool threads inside run() for this batch */
+    batch_t *later;     /* the next batch posted, in pool.first's list */
 };
 
 static struct {
@@ -355,10 +361,8 @@ static struct {
     pthread_cond_t wake;     /* a batch was posted */
     pthread_cond_t finished; /* a helper left a batch */
     int num_threads;
-    int busy; /* a caller owns the pool; others run their batch alone */
-    batch_t *batch;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0,
-          NULL};
+    batch_t *first; /* batches in flight, oldest first */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, NULL};
 
 #define MAX_POOL_THREADS 64
 
@@ -368,13 +372,21 @@ static void work_on(batch_t *batch) {
         batch->run(batch, unit);
 }
 
+/* The oldest batch in flight that a helper may join and that has work left; called locked. */
+static batch_t *wanting_help(void) {
+    for (batch_t *b = pool.first; b != NULL; b = b->later)
+        if (b->helpers_wanted > 0 && atomic_load(&b->next) < b->num_units)
+            return b;
+    return NULL;
+}
+
 static void *pool_thread(void *unused) {
     (void)unused;
     pthread_mutex_lock(&pool.lock);
     for (;;) {
-        while (pool.batch == NULL || pool.batch->helpers_wanted == 0)
+        batch_t *batch;
+        while ((batch = wanting_help()) == NULL)
             pthread_cond_wait(&pool.wake, &pool.lock);
-        batch_t *batch = pool.batch;
         batch->helpers_wanted--;
         batch->helpers_active++;
         pthread_mutex_unlock(&pool.lock);
@@ -392,29 +404,12 @@ static void reset_after_fork(void) {
     pthread_cond_init(&pool.wake, NULL);
     pthread_cond_init(&pool.finished, NULL);
     pool.num_threads = 0;
-    pool.busy = 0;
-    pool.batch = NULL;
+    pool.first = NULL;
 }
 
-/* Run every unit of `batch` on this thread and up to `threads - 1` pool threads; returns when
- * all are done. Called without the GIL. A second caller while the pool is busy runs alone. */
-static void run_batch(batch_t *batch, int threads) {
-    int helpers = threads - 1;
-    if (helpers > (int)batch->num_units - 1)
-        helpers = (int)batch->num_units - 1;
-    if (helpers > MAX_POOL_THREADS)
-        helpers = MAX_POOL_THREADS;
-    if (helpers <= 0) {
-        work_on(batch);
-        return;
-    }
-    pthread_mutex_lock(&pool.lock);
-    if (pool.busy) {
-        pthread_mutex_unlock(&pool.lock);
-        work_on(batch);
-        return;
-    }
-    while (pool.num_threads < helpers) {
+/* Start pool threads until there are `wanted` (fewer if the system refuses); called locked. */
+static void grow_pool(int wanted) {
+    while (pool.num_threads < wanted) {
         pthread_t thread;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
@@ -426,12 +421,32 @@ static void run_batch(batch_t *batch, int threads) {
             break;
         pool.num_threads++;
     }
+}
+
+/* Run every unit of `batch` on this thread and up to `threads - 1` pool threads; returns when
+ * all are done. Called without the GIL, from any number of threads at once: their batches
+ * share the pool, whose size is the largest `threads - 1` asked for. */
+static void run_batch(batch_t *batch, int threads) {
+    int helpers = threads - 1;
+    if (helpers > (int)batch->num_units - 1)
+        helpers = (int)batch->num_units - 1;
+    if (helpers > MAX_POOL_THREADS)
+        helpers = MAX_POOL_THREADS;
+    if (helpers <= 0) {
+        work_on(batch);
+        return;
+    }
+    pthread_mutex_lock(&pool.lock);
+    grow_pool(helpers);
     if (helpers > pool.num_threads)
         helpers = pool.num_threads;
-    pool.busy = 1;
     batch->helpers_wanted = helpers;
     batch->helpers_active = 0;
-    pool.batch = batch;
+    batch->later = NULL;
+    batch_t **tail = &pool.first;
+    while (*tail != NULL)
+        tail = &(*tail)->later;
+    *tail = batch;
     for (int i = 0; i < helpers; i++)
         pthread_cond_signal(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
@@ -439,11 +454,14 @@ static void run_batch(batch_t *batch, int threads) {
     work_on(batch);
 
     pthread_mutex_lock(&pool.lock);
-    batch->helpers_wanted = 0; /* every unit is claimed: late helpers stay asleep */
+    batch->helpers_wanted = 0; /* every unit is claimed: no helper joins it now */
     while (batch->helpers_active > 0)
         pthread_cond_wait(&pool.finished, &pool.lock);
-    pool.batch = NULL;
-    pool.busy = 0;
+    for (batch_t **link = &pool.first; *link != NULL; link = &(*link)->later)
+        if (*link == batch) {
+            *link = batch->later;
+            break;
+        }
     pthread_mutex_unlock(&pool.lock);
 }
 

@@ -233,15 +233,17 @@ def test_read_stretches_refuses_malformed_work(pack):
 
 
 def test_concurrent_callers_share_the_pool_safely(pack):
-    """Callers on several Python threads at once (one owns the pool, the others run alone)."""
+    """Callers on several Python threads at once post their batches to one pool; each asks for
+    its own number of threads, so the pool grows while others' batches are in flight."""
     import concurrent.futures
 
-    def one(_):
-        verified, _, views = pack.read([(0, 3), (3, 6), (6, 9), (9, 12)], threads=4)
+    def one(n):
+        spans = [(i, i + 1) for i in range(12)] if n % 3 else [(0, 3), (3, 6), (6, 9), (9, 12)]
+        verified, _, views = pack.read(spans, threads=2 + n % 7)
         return bytes(verified), [bytes(views[i]) for i in range(12)]
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(one, range(40)))
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(120)))
     for verified, views in results:
         assert verified == b"\x01" * 12
         assert views == pack.pages
