@@ -64,6 +64,7 @@ from engine_integration.engine import Engine, kv_layout_for  # noqa: E402
 from engine_integration.sampling import SamplingParams  # noqa: E402
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig  # noqa: E402
 from hicache.controller import HiCache  # noqa: E402
+from storage_backends.options import parse_size  # noqa: E402
 
 MODEL_1B = ModelConfig(
     vocab_size=32000,
@@ -115,6 +116,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--read-batches", type=int, default=0, help="L3 read batches in flight (0: auto)"
     )
+    parser.add_argument(
+        "--read-chunk", default="48MiB", help="L3 read batch size (L3Config.read_chunk_bytes)"
+    )
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -128,6 +132,7 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
     args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.read_chunk = parse_size(args.read_chunk)
     return args
 
 
@@ -165,6 +170,7 @@ def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dic
         "repeats": args.repeats,
         "io_threads": args.io_threads,
         "read_batches": args.read_batches,
+        "read_chunk_bytes": args.read_chunk,
         "cpus": CPUS,
     }
     bench = _Bench(model, config, url, l1_pages, args, ceiling_file)
@@ -214,7 +220,11 @@ class _Bench:
                     reserve_bytes=L2Config().reserve_bytes if on_cuda else 0,
                     pin_memory=on_cuda,
                 ),
-                l3=L3Config(url=self.url, read_batches=self.args.read_batches),
+                l3=L3Config(
+                    url=self.url,
+                    read_batches=self.args.read_batches,
+                    read_chunk_bytes=self.args.read_chunk,
+                ),
                 policy=POLICY,
             )
         )
@@ -389,7 +399,8 @@ def _print_table(rows: list[dict], args) -> None:
     print()
     print(
         f"hicache engine TTFT, medians of {args.repeats} ({args.device}; L3 file:// "
-        f"io_threads={args.io_threads}, read_batches={args.read_batches or 'auto'})"
+        f"io_threads={args.io_threads}, read_batches={args.read_batches or 'auto'}, "
+        f"read_chunk={args.read_chunk >> 20}MiB)"
     )
     cases = ("cold", "l1", "l2", "l3", "l3_new")
     header = [

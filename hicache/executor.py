@@ -46,7 +46,7 @@ from tiers.transfer import TransferEngine
 
 logger = logging.getLogger(__name__)
 
-_MAX_READ_BATCHES = 16  # read batches in flight by default: one per core, at most this many
+_MAX_READ_BATCHES = 4  # read batches in flight by default: one per core, at most this many
 
 
 class RealExecutor(Executor):
