@@ -23,7 +23,7 @@ import torch
 
 from engine_integration.config import EngineConfig
 from engine_integration.demo import BUILTIN, DemoConfig, default_l3_dir, step
-from engine_integration.embedded import CacheSizes, build_cache, load_model, smollm2_path
+from engine_integration.embedded import CacheSizes, build_cache, load_model, smollm2_path, warm_up
 from engine_integration.engine import Engine
 from engine_integration.model import Model
 from engine_integration.request import RequestOutput
@@ -148,7 +148,7 @@ def run_demo(config: DemoConfig) -> int:
     conversations = make_conversations(config.users, config.turns)
     params = _params(tokenizer, config)
     with step("warming up (one untimed request, so first-call costs miss turn 0)"):
-        _warm_up(model, engine_config)
+        warm_up(model, engine_config, max_rows=1024)  # (the demo's prompts are short)
     started = time.perf_counter()
     try:
         engine = Engine(model, engine_config, cache=cache)
@@ -224,13 +224,6 @@ def _print_header(config: DemoConfig, model: Model, sizes: CacheSizes) -> None:
         f"  L1 {config.l1_pages} pages, L2 {config.l2_pages} pages, L3 "
         f"{sizes.l3_url or 'off'} ({config.page_size} tokens a page)"
     )
-
-
-def _warm_up(model, engine_config: EngineConfig) -> None:
-    """One untimed request, so that first-call costs do not land on the first turn."""
-    engine = Engine(model, engine_config, num_private_pages=4)
-    prompt = [i % model.config.vocab_size for i in range(100)]
-    engine.generate([prompt], SamplingParams(max_new_tokens=2))
 
 
 def _is_the_demos_own(l3_url: str) -> bool:

@@ -17,9 +17,11 @@ from pathlib import Path
 import torch
 
 from engine_integration.config import EngineConfig, ModelConfig, tiny_model_config
-from engine_integration.engine import kv_layout_for
+from engine_integration.engine import Engine, kv_layout_for
 from engine_integration.errors import CheckpointError
+from engine_integration.graphs import MAX_ROWS, bucket
 from engine_integration.model import Model
+from engine_integration.sampling import SamplingParams
 from engine_integration.tokenizer import HFTokenizer, Tokenizer, gguf_tokenizer, load_tokenizer
 from engine_integration.weights import load_weights, random_weights, read_model_config
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
@@ -140,3 +142,23 @@ def build_cache(model: Model, engine_config: EngineConfig, sizes: CacheSizes) ->
         policy=sizes.policy,
     )
     return HiCache(config)
+
+
+def warm_up(model: Model, engine_config: EngineConfig, max_rows: int | None = None) -> None:
+    """Throwaway requests on private pages (no cache), so that what first calls cost is paid
+    before the first real request, as serving engines do at start: on CUDA a prompt of each
+    CUDA-graph row bucket up to `max_rows` (default: a prefill chunk, at most
+    `graphs.MAX_ROWS`), which captures that bucket's graphs and has cuBLAS and the
+    attention kernels pick theirs; on the CPU one short request."""
+    if engine_config.on_cuda:
+        top = min(max_rows or engine_config.prefill_chunk_tokens, MAX_ROWS)
+        lengths = [bucket(1)]
+        while lengths[-1] * 2 <= top:
+            lengths.append(lengths[-1] * 2)
+    else:
+        lengths = [100]
+    page_size = engine_config.page_size
+    engine = Engine(model, engine_config, num_private_pages=-(-max(lengths) // page_size) + 4)
+    vocab = model.config.vocab_size
+    for length in lengths:
+        engine.generate([[i % vocab for i in range(length)]], SamplingParams(max_new_tokens=2))

@@ -78,6 +78,7 @@ class RealExecutor(Executor):
                 pin=config.l2.pin_memory,
             )
             self.transfer = TransferEngine(self.device_pool, self.host_pool)
+            self.transfer.warm_up()  # (no page is in use yet)
         # (op, handle, the load's link timer), in submit order
         self._gpu_ops: list[tuple[TransferOp, object, _LinkTimer | None]] = []
         self._done: collections.deque[TransferOp] = collections.deque()

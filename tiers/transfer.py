@@ -200,6 +200,20 @@ class TransferEngine:
             event.record(self.copy_stream)
         return BackupHandle(event, keep_alive=(dev_ids, host_ids, *pointer_arrays))
 
+    def warm_up(self) -> None:
+        """Copy a few pages each way once and wait, so that what a first copy costs (the
+        Triton kernels' compilation for 1, 2 and 16 pages, which it specialises for, the
+        driver's first batched copy) is paid here, not by the first request that moves a
+        page. For pools nothing holds pages in yet: their first 16 pages are overwritten.
+        A no-op on the CPU, where nothing is compiled."""
+        if not self.on_cuda:
+            return
+        most = min(16, self.device_pool.num_pages, self.host_pool.num_pages)
+        for count in sorted({1, min(2, most), most}):
+            ids = list(range(count))
+            self.backup_async(ids, ids).wait()
+            self.load_async(ids, ids).wait()
+
     def _wait_for_caller(self) -> None:
         """Order the copy stream after the work queued so far on the caller's stream.
 

@@ -126,3 +126,19 @@ def test_cuda_graphs_compute_what_the_eager_kernels_compute(gpu_model):
     engine = Engine(graphed, GPU, num_private_pages=64)
     run_one(engine, random_prompt(9, 150, GPU_MODEL.vocab_size), params)  # the same steps
     assert graphed._graphs.num_graphs == captured
+
+
+def test_warm_up_captures_the_graphs_a_first_request_would(gpu_model):
+    """After `warm_up` (what the demo runs at start), requests whose steps fit the warmed
+    buckets capture nothing: their first call costs nothing extra."""
+    from engine_integration.embedded import warm_up
+    from engine_integration.model import Model
+
+    model = Model(GPU_MODEL, gpu_model.weights, block_rows=None)
+    warm_up(model, GPU, max_rows=256)
+    captured = model._graphs.num_graphs
+    assert captured > 0
+    engine = Engine(model, GPU, num_private_pages=64)
+    for seed, length in enumerate((20, 90, 250)):
+        run_one(engine, random_prompt(seed, length, GPU_MODEL.vocab_size), PARAMS)
+    assert model._graphs.num_graphs == captured
