@@ -148,7 +148,7 @@ def run_demo(config: DemoConfig) -> int:
     conversations = make_conversations(config.users, config.turns)
     params = _params(tokenizer, config)
     with step("warming up (one untimed request, so first-call costs miss turn 0)"):
-        warm_up(model, engine_config, max_rows=1024)  # (the demo's prompts are short)
+        warm_up(model, engine_config)
     started = time.perf_counter()
     try:
         engine = Engine(model, engine_config, cache=cache)

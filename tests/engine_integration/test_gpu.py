@@ -142,3 +142,18 @@ def test_warm_up_captures_the_graphs_a_first_request_would(gpu_model):
     for seed, length in enumerate((20, 90, 250)):
         run_one(engine, random_prompt(seed, length, GPU_MODEL.vocab_size), PARAMS)
     assert model._graphs.num_graphs == captured
+
+
+def test_attention_never_runs_on_cudnn(gpu_model):
+    """cuDNN's SDPA builds an execution plan for each new pair of lengths on its first call
+    (50-1,100 ms on the H200) and every request brings new lengths: the engine's attention,
+    the late layers' masked window included, runs on the other backends."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(gpu_model, GPU, num_private_pages=64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for seed, length in enumerate((37, 150)):
+            run_one(engine, random_prompt(seed, length, GPU_MODEL.vocab_size), PARAMS)
+    names = {event.key for event in prof.key_averages()}
+    assert any("attention" in name for name in names)
+    assert not any("cudnn_attention" in name for name in names), sorted(names)
