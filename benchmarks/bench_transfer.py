@@ -61,12 +61,11 @@ SMOKE_CASES = [
     Case("smoke-mha", "mha;layers=3;page=4;kv_heads=2;head_dim=8;dtype=bfloat16", 6),
     Case("smoke-mla", "mla;layers=2;page=2;kv_lora_rank=12;rope_dim=4;dtype=float16", 6),
 ]
-SWEEP = [  # CopyConfig(max_programs, num_warps, tile_bytes, prefetch)
-    (16, 8, 32768, False),
-    (16, 4, 16384, True),
-    (16, 16, 65536, True),
-    (16, 32, 131072, True),
-    (8, 16, 65536, True),
+SWEEP = [  # CopyConfig(max_programs, num_warps, tile_bytes)
+    (16, 4, 16384),
+    (16, 16, 65536),
+    (16, 32, 131072),
+    (8, 16, 65536),
 ]
 
 
@@ -298,11 +297,10 @@ def print_table(rows: list[dict], meta: dict) -> None:
 
 
 def print_sweep(rows: list[dict]) -> None:
-    print("\nlaunch shapes (programs x warps, tile, prefetch): GB/s and % of ceiling")
+    print("\nlaunch shapes (programs x warps, tile): GB/s and % of ceiling")
     for r in rows:
         c = r["config"]
-        tile_kib, prefetch = c["tile_bytes"] // 1024, int(c["prefetch"])
-        shape = f"{c['max_programs']}x{c['num_warps']} {tile_kib}K pf={prefetch}"
+        shape = f"{c['max_programs']}x{c['num_warps']} {c['tile_bytes'] // 1024}K"
         print(
             f"{r['case']:<14}{r['op']:<11}{shape:<20}{r['gbps']:>8.1f}"
             f"{100 * r['ratio_to_ceiling']:>7.1f}%{'' if r['sweep'] else '  (default)'}"

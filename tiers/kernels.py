@@ -50,13 +50,11 @@ class CopyConfig:
     num_warps:    warps per program.
     tile_bytes:   bytes one program moves per loop step (power of two); more bytes in flight
                   hide the latency of PCIe reads, at the cost of registers.
-    prefetch:     issue the loads of the next tile before the stores of this one.
     """
 
     max_programs: int = 16
     num_warps: int = 8
     tile_bytes: int = 32768
-    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_programs <= 4096:
@@ -154,43 +152,25 @@ def _copy_chunks_kernel(
     ROWS_PER_CHUNK: tl.constexpr,
     ROW_ELEMS: tl.constexpr,
     ROWS_PER_TILE: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # Each program strides over the tiles of the launch (a persistent grid of <= 16 programs).
-    # With PREFETCH, the loads of tile k+1 (page ids and data) are issued before the stores of
-    # tile k, so two tiles per program are in flight. On an H200 (PCIe 5 x16) this did not
-    # change the rate, nor did 8 vs 16 programs, 4-32 warps or 16-128 KiB tiles: SM reads of
-    # host memory settle at ~48.5 GB/s (~89 % of the copy engine) and writes at ~50.5 GB/s
-    # (~92 %), the link and not the launch shape being the limit there.
+    # Issuing the loads of tile k+1 before the stores of tile k (two tiles in flight) was an
+    # option until it measured no gain on an H200 (bench_transfer --sweep: 85.0 % of the
+    # copy engine's rate without, 86.4 % with, backups 90.5 % both); nor did 8 vs 16
+    # programs, 4-32 warps or 16-128 KiB tiles: SM reads of host memory settle at ~48.5 GB/s
+    # (~89 % of the copy engine) and writes at ~50.5 GB/s (~92 %), the link and not the
+    # launch shape being the limit there.
     pid = tl.program_id(0)
     step = tl.num_programs(0) * ROWS_PER_TILE
     cols = tl.arange(0, ROW_ELEMS)[None, :]  # (1, C)
-    start = pid * ROWS_PER_TILE
-    if PREFETCH:
+    for first in range(pid * ROWS_PER_TILE, num_rows, step):
         src_off, dst_off, valid = _tile_offsets(
-            start, num_rows, src_page_ids_ptr, dst_page_ids_ptr, src_base, src_page_stride,
+            first, num_rows, src_page_ids_ptr, dst_page_ids_ptr, src_base, src_page_stride,
             src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
             NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
         )  # fmt: skip
         values = tl.load(src_ptr + (src_off[:, None] + cols), mask=valid[:, None])  # (R, C)
-        for first in range(start, num_rows, step):
-            next_src, next_dst, next_valid = _tile_offsets(
-                first + step, num_rows, src_page_ids_ptr, dst_page_ids_ptr, src_base,
-                src_page_stride, src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
-                NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
-            )  # fmt: skip
-            next_values = tl.load(src_ptr + (next_src[:, None] + cols), mask=next_valid[:, None])
-            tl.store(dst_ptr + (dst_off[:, None] + cols), values, mask=valid[:, None])
-            values, dst_off, valid = next_values, next_dst, next_valid
-    else:
-        for first in range(start, num_rows, step):
-            src_off, dst_off, valid = _tile_offsets(
-                first, num_rows, src_page_ids_ptr, dst_page_ids_ptr, src_base, src_page_stride,
-                src_layer_stride, dst_base, dst_page_stride, dst_layer_stride,
-                NUM_LAYERS, ROWS_PER_CHUNK, ROW_ELEMS, ROWS_PER_TILE,
-            )  # fmt: skip
-            values = tl.load(src_ptr + (src_off[:, None] + cols), mask=valid[:, None])
-            tl.store(dst_ptr + (dst_off[:, None] + cols), values, mask=valid[:, None])
+        tl.store(dst_ptr + (dst_off[:, None] + cols), values, mask=valid[:, None])
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -425,7 +405,6 @@ def _launch(
         ROWS_PER_CHUNK=chunk // plan.row_elems,
         ROW_ELEMS=plan.row_elems,
         ROWS_PER_TILE=plan.rows_per_tile,
-        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
     )
     return plan

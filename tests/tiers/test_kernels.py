@@ -108,8 +108,7 @@ def test_load_layer_matches_reference(kind, page_size, dtype, kvh):
         CopyConfig(max_programs=1, tile_bytes=8),  # one row of one access per step
         CopyConfig(max_programs=3, tile_bytes=128),  # tiles span chunks; ragged last tile
         CopyConfig(max_programs=5, tile_bytes=2048),
-        CopyConfig(max_programs=3, tile_bytes=128, prefetch=False),
-        CopyConfig(max_programs=1, tile_bytes=16, prefetch=False),
+        CopyConfig(max_programs=1, tile_bytes=16),
     ],
 )
 def test_launch_shapes_that_split_and_join_chunks(config, kvh):
@@ -317,7 +316,7 @@ def test_gpu_backup_and_load_match_reference(name, cuda_device, kvh):
 
 GPU_CONFIGS = {
     "default": CopyConfig(),
-    "no-prefetch": CopyConfig(prefetch=False, tile_bytes=16384, num_warps=4),
+    "small-tiles": CopyConfig(tile_bytes=16384, num_warps=4),
     "8-programs": CopyConfig(max_programs=8, tile_bytes=65536, num_warps=16),
 }
 
