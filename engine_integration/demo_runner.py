@@ -147,7 +147,7 @@ def run_demo(config: DemoConfig) -> int:
     _print_header(config, model, sizes)
     conversations = make_conversations(config.users, config.turns)
     params = _params(tokenizer, config)
-    with step("warming up (one untimed request, so first-call costs miss turn 0)"):
+    with step("warming up (untimed requests, so first-call costs miss turn 0)"):
         warm_up(model, engine_config)
     started = time.perf_counter()
     try:
