@@ -76,9 +76,12 @@ def run_conversations(url: str, tag: str, num_users: int = 6, num_turns: int = 4
     return answers
 
 
-def hit_rate(answers) -> float:
+def l1_hit_rate(answers) -> float:
+    """The share of prompt tokens found in the serving replica's own L1: what routing
+    decides. (A turn sent elsewhere may still hit the replicas' shared L3, if the cache
+    judges reading it faster than recomputing, a judgement the machine's load changes.)"""
     flat = [a for user in answers for a in user]
-    hits = sum(sum(a["hicache"]["hit_tokens"].values()) for a in flat)
+    hits = sum(a["hicache"]["hit_tokens"]["l1"] for a in flat)
     return hits / sum(a["usage"]["prompt_tokens"] for a in flat)
 
 
@@ -100,9 +103,9 @@ def test_prefix_routing_keeps_each_conversation_on_its_replica_and_the_load_even
     prefix_load, turn_load = load(prefix_answers), load(turn_answers)
     assert sorted(prefix_load.values()) == [8, 8, 8], prefix_load
     assert sorted(turn_load.values()) == [8, 8, 8], turn_load
-    assert hit_rate(prefix_answers) >= 1.5 * hit_rate(turn_answers), (
-        hit_rate(prefix_answers),
-        hit_rate(turn_answers),
+    assert l1_hit_rate(prefix_answers) >= 1.5 * l1_hit_rate(turn_answers), (
+        l1_hit_rate(prefix_answers),
+        l1_hit_rate(turn_answers),
     )
     stats = get_json(f"{by_prefix.url}/hicache/route/stats")
     assert all(r["pages"]["l1"] > 0 for r in stats["replicas"])  # every replica's events
