@@ -10,6 +10,11 @@ Every stored page is a self-describing object (`objects`), verified on every rea
     found = await backend.batch_get(keys[:n], into=host_page_views)
 
 Client libraries (redis) are imported only when a URL of their scheme is opened.
+
+Where things live: a page is verified in one place, `objects.check_object` (every backend's
+reads, the daemon's puts and gets, with the MAC of a tenant secret); a `file://` batch is
+read by `file_read.BatchRead` and written by `file_write.BatchWrite`, whose bytes reach the
+disk in `file_write.write_all`.
 """
 
 from .base import PageStatus, StorageBackend
@@ -24,6 +29,7 @@ from .objects import (
     CorruptReason,
     FramedObject,
     ObjectHeader,
+    check_object,
     decode_object,
     decode_object_into,
     encode_object,
@@ -66,6 +72,7 @@ __all__ = [
     "parse_header",
     "parse_size",
     "register_backend",
+    "check_object",
     "verify_object",
     "verify_payload",
 ]

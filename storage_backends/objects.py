@@ -46,8 +46,6 @@ from typing import NamedTuple
 
 import xxhash
 
-from . import native
-
 MAGIC = b"HCKV"
 FORMAT_VERSION = 1
 SIGNED_VERSION = 2  # a MAC follows the layout descriptor
@@ -222,44 +220,15 @@ def frame_objects(
     payloads: Sequence[Buffer],
     compression: str | Compression = "none",
     *,
-    threads: int = 1,
     mac_key: MacKey | None = None,
 ) -> list[FramedObject]:
-    """`frame_object` for a batch, the layout and the codec checked once. Uncompressed pages
-    without a MAC are framed by the C extension where it is built, hashed on up to `threads`
-    threads (it knows no MAC: pages with one are framed here)."""
+    """`frame_object` for a batch, the layout and the codec checked once."""
     encoded = layout_bytes(layout)
     codec = Compression.parse(compression)
-    if codec is Compression.NONE and native.pageio is not None and mac_key is None:
-        return _frame_natively(keys, encoded, payloads, threads)
     return [
         _frame(check_key(key), encoded, payload, codec, mac_key)
         for key, payload in zip(keys, payloads, strict=True)
     ]
-
-
-def _frame_natively(
-    keys: Sequence[bytes], layout: bytes, payloads: Sequence[Buffer], threads: int
-) -> list[FramedObject]:
-    """Uncompressed pages framed by the C extension (the same headers as `_frame`'s)."""
-    pages = [byte_view(payload, what="page") for payload in payloads]
-    joined = b"".join([check_key(key) for key in keys])
-    if len(joined) != KEY_BYTES * len(pages):
-        raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-    size = HEADER_FIXED_BYTES + len(layout)
-    headers = bytearray(size * len(pages))
-    native.pageio.frame_headers(joined, plain_template(layout), layout, pages, headers, threads)
-    view = memoryview(headers)
-    return [
-        FramedObject(bytes(view[size * i : size * (i + 1)]), page) for i, page in enumerate(pages)
-    ]
-
-
-def plain_template(layout: bytes) -> bytes:
-    """The first 48 bytes of the header of an uncompressed page of `layout`, with the key and
-    the lengths zero: what the C extension fills in per page (key at 16, lengths at 32 and
-    40), to frame pages and to check them."""
-    return _PLAIN.pack(MAGIC, FORMAT_VERSION, Compression.NONE, 0, len(layout), b"", 0, 0)
 
 
 def _frame(
@@ -352,177 +321,149 @@ def _as_parts(obj: ObjectParts) -> list[memoryview]:
     return [byte_view(part) for part in obj]
 
 
-def _check(
+def check_object(
     obj: ObjectParts,
     expected_key: bytes,
     expected_layout: bytes | None,
+    *,
+    raw_bytes: int | None = None,
     mac_key: MacKey | None = None,
 ) -> tuple[ObjectHeader, list[memoryview]] | CorruptReason:
-    """Every check but the reader's expected size (the MAC too, given a `mac_key`). Returns
-    the header and the payload parts."""
-    parts = _as_parts(obj)
-    if not parts:
-        return CorruptReason.TRUNCATED
-    first = parts[0]
-    header = parse_header(first)
-    if header is CorruptReason.TRUNCATED and len(parts) > 1:
-        # The header straddles parts (no backend here splits it; tolerate it anyway).
-        first = memoryview(b"".join(parts))
-        parts = [first]
-        header = parse_header(first)
-    if isinstance(header, CorruptReason):
-        return header
-    payload = [first[header.header_bytes :], *parts[1:]]
-    stored = len(payload[0]) if len(payload) == 1 else sum(len(p) for p in payload)
-    reason = _check_fields(header, expected_key, expected_layout, stored)
-    if reason is not None:
-        return reason
-    hasher = _start_checksum(first, header)
-    for part in payload:
-        hasher.update(part)
-    if hasher.intdigest() != header.checksum:
-        return CorruptReason.CHECKSUM
-    if mac_key is not None:
-        if header.mac is None:
-            return CorruptReason.FORGED
-        mac = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], header.layout)
-        for part in payload:
-            mac.update(part)
-        if not hmac.compare_digest(mac.digest(), header.mac):
-            return CorruptReason.FORGED
-    return header, payload
+    """The check every read of an object goes through, in every backend and the daemon:
+    (its header, its stored payload as views into `obj`), or why it is refused.
 
+    `obj` is the whole object, as one buffer or as parts in order (a header read apart from
+    its payload, a Redis hash of chunks). Checked: magic, version and flags, the codec, the
+    key, the layout (unless `expected_layout` is None: the daemon stores every layout), the
+    lengths against the header, against the bytes present and against `raw_bytes` (the size
+    the reader expects, where it knows it), the checksum, and with a `mac_key` the MAC
+    (a version 1 object, without one, is then `FORGED`). Nothing is copied.
 
-def _check_fields(
-    header: ObjectHeader, expected_key: bytes, expected_layout: bytes | None, stored_present: int
-) -> CorruptReason | None:
-    """The checks of a parsed header against what the reader expects and what it holds."""
-    if header.key != expected_key:
-        return CorruptReason.KEY
-    if expected_layout is not None and header.layout != expected_layout:
-        return CorruptReason.LAYOUT
-    if stored_present < header.stored_bytes:
-        return CorruptReason.TRUNCATED
-    if stored_present > header.stored_bytes:
-        return CorruptReason.LENGTH
-    if header.compression is Compression.NONE and header.raw_bytes != header.stored_bytes:
-        return CorruptReason.LENGTH
-    if header.raw_bytes > min(MAX_PAYLOAD_BYTES, _LZ4_MAX_RATIO * header.stored_bytes + 64):
-        return CorruptReason.LENGTH  # (sizes a decompression buffer: bounded before use)
-    return None
-
-
-def _early_reject(
-    view: memoryview, expected_key: bytes, expected_layout: bytes | None, signed: bool
-) -> CorruptReason | None:
-    """What the fixed part alone can refuse, before reading a layout of unknown length
-    (`signed`: the reader has a MAC key, and so takes version 2 objects only)."""
-    if len(view) < HEADER_FIXED_BYTES:
-        return None  # parse_header names it
-    magic, version, _, flags, layout_len, key, *_ = _FIXED.unpack_from(view)
-    if magic != MAGIC:
-        return CorruptReason.MAGIC
-    if version not in (FORMAT_VERSION, SIGNED_VERSION) or flags != 0:
-        return CorruptReason.VERSION
-    if key != expected_key:
-        return CorruptReason.KEY
-    if expected_layout is not None and layout_len != len(expected_layout):
-        return CorruptReason.LAYOUT
-    if signed and version != SIGNED_VERSION:
-        return CorruptReason.FORGED
-    return None
-
-
-def _start_checksum(head: memoryview, header: ObjectHeader) -> xxhash.xxh3_64:
-    """The checksum over the header, every byte but the checksum itself."""
-    hasher = xxhash.xxh3_64(head[:_CHECKSUM_OFFSET])
-    hasher.update(head[HEADER_FIXED_BYTES : header.header_bytes])
-    return hasher
-
-
-class StreamingCheck:
-    """Verify an object read piece by piece: its header first, then the payload in order.
-
-    For readers that copy each piece onward as it arrives (the file backend reads a page in
-    cache-sized chunks): the header and the sizes are checked before the first piece, the
-    checksum after the last, so a caller that hands out data must wait for `finish()`.
+    (Past 60 lines on purpose: this is the one place a page is verified, and its checks are
+    read best in the order they are applied.)
     """
-
-    def __init__(self, header: ObjectHeader, head: memoryview, mac_key: MacKey | None) -> None:
-        self.header = header
-        self._hasher = _start_checksum(head, header)
-        self._mac = None
-        if mac_key is not None:
-            self._mac = _new_mac(mac_key, head[:_CHECKSUM_OFFSET], header.layout)
-        self._seen = 0
-
-    @classmethod
-    def start(
-        cls,
-        head: Buffer,
-        expected_key: bytes,
-        expected_layout: bytes | None,
-        *,
-        object_bytes: int,
-        raw_bytes: int | None = None,
-        mac_key: MacKey | None = None,
-    ) -> StreamingCheck | CorruptReason:
-        """`head` holds at least the header; `object_bytes` is the whole object's stored size;
-        `raw_bytes` the payload size the reader expects, if it knows it; `mac_key` the
-        reader's, if it has a secret (then the MAC is checked as well, at `finish`)."""
-        view = byte_view(head)
-        early = _early_reject(view, expected_key, expected_layout, mac_key is not None)
-        if early is not None:
-            return early
-        header = parse_header(view)
+    if mac_key is None and raw_bytes is not None and expected_layout is not None:
+        header = _as_expected(obj, expected_key, expected_layout, raw_bytes)
+        if header is not None:  # (the common read, checked with one comparison)
+            return header, [obj[1]]
+    if type(obj) is bytes:
+        first, rest = memoryview(obj), []
+    elif isinstance(obj, (bytearray, memoryview)):
+        first, rest = byte_view(obj), []
+    else:
+        rest = _as_parts(obj)
+        if not rest:
+            return CorruptReason.TRUNCATED
+        first = rest.pop(0)
+    fields = _valid_fields(first)
+    if fields is None:  # a reason to name, or a header that straddles parts (no backend
+        if rest:  # here splits one; tolerated)
+            first, rest = memoryview(b"".join([first, *rest])), []
+        header = parse_header(first)
         if isinstance(header, CorruptReason):
             return header
-        stored_present = object_bytes - header.header_bytes
-        reason = _check_fields(header, expected_key, expected_layout, stored_present)
-        if reason is None and raw_bytes is not None and header.raw_bytes != raw_bytes:
-            reason = CorruptReason.LENGTH
-        return reason if reason is not None else cls(header, view, mac_key)
+        fields = _FIXED.unpack_from(first)
+    _, version, codec, _, layout_len, key, stored, raw, checksum = fields
+    layout_end = HEADER_FIXED_BYTES + layout_len
+    header_bytes = layout_end + (MAC_BYTES if version == SIGNED_VERSION else 0)
+    if key != expected_key:
+        return CorruptReason.KEY
+    if expected_layout is not None and first[HEADER_FIXED_BYTES:layout_end] != expected_layout:
+        return CorruptReason.LAYOUT
+    payload = [first[header_bytes:], *rest]
+    present = len(first) - header_bytes + (sum(len(part) for part in rest) if rest else 0)
+    reason = _check_lengths(codec, stored, raw, present, raw_bytes)
+    if reason is not None:
+        return reason
+    hasher = xxhash.xxh3_64(first[:_CHECKSUM_OFFSET])
+    hasher.update(first[HEADER_FIXED_BYTES:header_bytes])
+    for part in payload:
+        hasher.update(part)
+    if hasher.intdigest() != checksum:
+        return CorruptReason.CHECKSUM
+    mac = bytes(first[layout_end:header_bytes]) if version == SIGNED_VERSION else None
+    layout = bytes(first[HEADER_FIXED_BYTES:layout_end])
+    if mac_key is not None and not _mac_matches(mac_key, mac, first, layout, payload):
+        return CorruptReason.FORGED
+    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac), payload
 
-    def update(self, piece: Buffer) -> None:
-        self._hasher.update(piece)
-        if self._mac is not None:
-            self._mac.update(piece)
-        self._seen += len(piece)
 
-    def finish(self) -> CorruptReason | None:
-        """None if the pieces were exactly the payload and its checksum matches."""
-        if self._seen < self.header.stored_bytes:
-            return CorruptReason.TRUNCATED
-        if self._seen > self.header.stored_bytes:
-            return CorruptReason.LENGTH
-        if self._hasher.intdigest() != self.header.checksum:
-            return CorruptReason.CHECKSUM
-        if self._mac is not None and not hmac.compare_digest(self._mac.digest(), self.header.mac):
-            return CorruptReason.FORGED
+def _mac_matches(
+    mac_key: MacKey, mac: bytes | None, first: memoryview, layout: bytes, payload: list
+) -> bool:
+    """Whether the object carries a MAC (version 2) and it is the one `mac_key` makes."""
+    if mac is None:
+        return False
+    signer = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], layout)
+    for part in payload:
+        signer.update(part)
+    return hmac.compare_digest(signer.digest(), mac)
+
+
+def _as_expected(
+    obj: ObjectParts, key: bytes, layout: bytes, raw_bytes: int
+) -> ObjectHeader | None:
+    """The header, where `obj` is (whole header, payload) and exactly the uncompressed
+    version 1 object a writer of `key`, `layout` and `raw_bytes` makes, checksum and all;
+    None for anything else, which the full check then names. One comparison covers every
+    header field, as the expected header is rebuilt around the computed checksum."""
+    if isinstance(obj, (bytes, bytearray, memoryview)) or len(obj) != 2:
         return None
+    head, payload = obj
+    if len(payload) != raw_bytes or len(head) != HEADER_FIXED_BYTES + len(layout):
+        return None
+    prefix = _PLAIN.pack(MAGIC, FORMAT_VERSION, 0, 0, len(layout), key, raw_bytes, raw_bytes)
+    hasher = xxhash.xxh3_64(prefix)
+    hasher.update(layout)
+    hasher.update(payload)
+    checksum = hasher.intdigest()
+    if head != prefix + _CHECKSUM.pack(checksum) + layout:
+        return None
+    return ObjectHeader(key, layout, Compression.NONE, raw_bytes, raw_bytes, checksum)
 
 
-def check_plain(head: Buffer, payload: Buffer, key: bytes, layout: bytes) -> bool:
-    """The fast check of an object read as `head` (its whole header) and `payload`: True if it
-    is exactly the uncompressed page `key` of `layout`, `len(payload)` long, checksum and all.
+def _valid_fields(first: memoryview) -> tuple | None:
+    """The fixed header's fields, where they are those of an object whose whole header is in
+    `first`; None where `parse_header` has something to say."""
+    if len(first) < HEADER_FIXED_BYTES:
+        return None
+    fields = _FIXED.unpack_from(first)
+    magic, version, codec, flags, layout_len = fields[:5]
+    if magic != MAGIC or flags or codec >= len(_CODECS):
+        return None
+    if version == FORMAT_VERSION:
+        end = HEADER_FIXED_BYTES + layout_len
+    elif version == SIGNED_VERSION:
+        end = HEADER_FIXED_BYTES + layout_len + MAC_BYTES
+    else:
+        return None
+    return fields if len(first) >= end else None
 
-    False for anything else, valid (an lz4 page) or not: the caller then runs the full check
-    (`StreamingCheck`, `decode_object_into`), which names the reason. One comparison covers
-    every header field, as the expected header is rebuilt around the computed checksum.
-    """
-    return head == _header(key, layout, payload, len(payload), Compression.NONE)
+
+def _check_lengths(
+    codec: int, stored: int, raw: int, stored_present: int, raw_bytes: int | None
+) -> CorruptReason | None:
+    """The header's lengths against the bytes present and what the reader expects."""
+    if stored_present < stored:
+        return CorruptReason.TRUNCATED
+    if stored_present > stored:
+        return CorruptReason.LENGTH
+    if codec == Compression.NONE and raw != stored:
+        return CorruptReason.LENGTH
+    if raw > min(MAX_PAYLOAD_BYTES, _LZ4_MAX_RATIO * stored + 64):
+        return CorruptReason.LENGTH  # (sizes a decompression buffer: bounded before use)
+    if raw_bytes is not None and raw != raw_bytes:
+        return CorruptReason.LENGTH
+    return None
 
 
 def verify_object(
     obj: ObjectParts, expected_key: bytes, *, mac_key: MacKey | None = None
 ) -> CorruptReason | None:
-    """Check an object for `expected_key` without knowing its layout (the daemon's check:
-    without a `mac_key`, so objects with a MAC pass on their checksum alone).
-
-    None when it is intact. The layout descriptor is covered by the checksum but not compared:
-    the reader compares it when it decodes.
-    """
-    checked = _check(obj, expected_key, None, mac_key)
+    """`check_object` for `expected_key` without knowing its layout (the daemon's check:
+    without a `mac_key`, so objects with a MAC pass on their checksum alone). None when it
+    is intact; the reader compares the layout when it decodes."""
+    checked = check_object(obj, expected_key, None, mac_key=mac_key)
     return checked if isinstance(checked, CorruptReason) else None
 
 
@@ -534,12 +475,12 @@ def decode_object(
     Uncompressed payloads come back as a memoryview into `blob` (no copy); lz4 payloads as the
     decompressed `bytes`.
     """
-    checked = _check(blob, expected_key, layout_bytes(expected_layout), mac_key)
+    checked = check_object(blob, expected_key, layout_bytes(expected_layout), mac_key=mac_key)
     if isinstance(checked, CorruptReason):
         return checked
     header, payload = checked
     if header.compression is Compression.NONE:
-        return payload[0]
+        return payload[0] if len(payload) == 1 else b"".join(payload)
     return _decompress(header, payload)
 
 
@@ -551,19 +492,15 @@ def verify_payload(
     *,
     mac_key: MacKey | None = None,
 ) -> list[memoryview] | CorruptReason:
-    """Verify an object and return its payload, `raw_bytes` long, as parts to copy out.
-
-    The parts are views into `obj` (or the decompressed bytes, for lz4): nothing is copied.
-    """
+    """Verify an object (`check_object`) and return its payload, `raw_bytes` long, as parts
+    to copy out: views into `obj` (or the decompressed bytes, for lz4), nothing copied."""
     layout = (
         expected_layout if isinstance(expected_layout, bytes) else layout_bytes(expected_layout)
     )
-    checked = _check(obj, expected_key, layout, mac_key)
+    checked = check_object(obj, expected_key, layout, raw_bytes=raw_bytes, mac_key=mac_key)
     if isinstance(checked, CorruptReason):
         return checked
     header, payload = checked
-    if header.raw_bytes != raw_bytes:
-        return CorruptReason.LENGTH
     if header.compression is Compression.LZ4:
         raw = _decompress(header, payload)
         if isinstance(raw, CorruptReason):
@@ -589,71 +526,13 @@ def decode_object_into(
     payload = verify_payload(obj, expected_key, expected_layout, len(target), mac_key=mac_key)
     if isinstance(payload, CorruptReason):
         return payload
+    if len(payload) == 1:
+        target[:] = payload[0]
+        return None
     offset = 0
     for part in payload:
         target[offset : offset + len(part)] = part
         offset += len(part)
-    return None
-
-
-def decode_objects_into(
-    objs: Sequence[ObjectParts],
-    expected_keys: Sequence[bytes],
-    expected_layout: bytes,
-    intos: Sequence[memoryview],
-    *,
-    threads: int = 1,
-    mac_key: MacKey | None = None,
-) -> list[CorruptReason | None]:
-    """`decode_object_into` for a batch: one None (verified and copied) or reason per object.
-
-    Where the C extension is built, whole uncompressed objects (one buffer each, the common
-    reply of a network backend) are checked and copied by it on up to `threads` threads;
-    anything else, and anything it refused, goes through `decode_object_into`, which names the
-    reason. Either way a destination is written only once its object has checked out. With a
-    `mac_key` every object goes through `decode_object_into` (the C check knows no MAC).
-    """
-    results: list[CorruptReason | None | bool] = [False] * len(objs)  # False: not decoded yet
-    if native.pageio is not None and mac_key is None:
-        size = HEADER_FIXED_BYTES + len(expected_layout)
-        buffers = [_one_buffer(obj) for obj in objs]
-        whole = [
-            i
-            for i, buf in enumerate(buffers)
-            if buf is not None and len(buf) == size + len(intos[i])
-        ]
-        if whole:
-            verified = bytearray(len(whole))
-            native.pageio.check_copy(
-                [buffers[i] for i in whole],
-                [intos[i] for i in whole],
-                b"".join([expected_keys[i] for i in whole]),
-                plain_template(expected_layout),
-                expected_layout,
-                verified,
-                threads,
-            )
-            for i, ok in zip(whole, verified, strict=True):
-                if ok:
-                    results[i] = None
-    for i, result in enumerate(results):
-        if result is False:
-            results[i] = decode_object_into(
-                objs[i], expected_keys[i], expected_layout, intos[i], mac_key=mac_key
-            )
-    return results
-
-
-def _one_buffer(obj: ObjectParts) -> memoryview | None:
-    """The object as one flat byte view where it is one buffer (alone, or the only part)
-    that C can read as it is; else None."""
-    part = obj if isinstance(obj, (bytes, bytearray, memoryview)) else None
-    if part is None and len(obj) == 1:
-        part = obj[0]
-    if isinstance(part, (bytes, bytearray)):
-        return memoryview(part)
-    if isinstance(part, memoryview) and part.c_contiguous:
-        return part.cast("B") if part.format != "B" or part.ndim != 1 else part
     return None
 
 
