@@ -54,6 +54,7 @@ from .objects import (
     byte_view,
     check_key,
     decode_object_into,
+    decode_objects_into,
     frame_objects,
     join_parts,
     layout_bytes,
@@ -68,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _timeout = getattr(asyncio, "timeout", None)  # 3.11+: a deadline without a task per call
+_SHARE_BYTES = 1 << 20  # a batch's checksums and copies: a thread per this many bytes ...
+_SHARE_THREADS = 8  # ... and at most this many
 # The cores this process may run on (what thread counts are capped by, here and in backends).
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -167,11 +170,23 @@ class StorageBackend(abc.ABC):
     def _decode_all(
         self, keys: list[bytes], views: list[memoryview], fetched: list[Fetched]
     ) -> list[ReadInto]:
-        """Verify a batch and copy it into `views` (`_decode_into`, page by page)."""
-        return [
-            self._decode_into(key, view, item)
-            for key, view, item in zip(keys, views, fetched, strict=True)
-        ]
+        """Verify a batch and copy it into `views`: `objects.decode_objects_into`, checked
+        and copied by the C extension on a thread per `_SHARE_BYTES`."""
+        outcomes: list[ReadInto] = list(fetched)  # misses, errors and reasons stay as they are
+        found = [i for i, item in enumerate(fetched) if not _settled(item)]
+        if not found:
+            return outcomes
+        reasons = decode_objects_into(
+            [fetched[i] for i in found],
+            [keys[i] for i in found],
+            self._layout_bytes,
+            [views[i] for i in found],
+            threads=_share(sum(len(views[i]) for i in found)),
+            mac_key=self._mac_key,
+        )
+        for i, reason in zip(found, reasons, strict=True):
+            outcomes[i] = True if reason is None else reason
+        return outcomes
 
     def _decode_into(self, key: bytes, view: memoryview, item: Fetched) -> ReadInto:
         if _settled(item):
@@ -509,7 +524,8 @@ class StorageBackend(abc.ABC):
         self, keys: list[bytes], views: list[memoryview], layout: str
     ) -> list[FramedObject]:
         if self._compression is Compression.NONE and self._mac_key is None:
-            return frame_objects(keys, layout, views)  # xxh3 at memory speed: on the loop
+            threads = _share(sum(map(len, views)))  # checksums on a thread per _SHARE_BYTES
+            return frame_objects(keys, layout, views, threads=threads)
         loop = asyncio.get_running_loop()  # lz4 and SHA-256 release the GIL: off the loop
         frame = functools.partial(
             frame_objects, compression=self._compression, mac_key=self._mac_key
@@ -595,6 +611,12 @@ def _load_secret(path: str, name: str) -> MacKey | None:
 def _settled(item: Fetched) -> bool:
     """Whether a fetched item is an outcome already (a miss, an error, a reason), not bytes."""
     return item is None or isinstance(item, (PageStatus, CorruptReason))
+
+
+def _share(nbytes: int) -> int:
+    """Threads that share the checksums (and copies) of `nbytes` of pages: one per
+    `_SHARE_BYTES`, at most `_SHARE_THREADS` (past that, memory bandwidth is the limit)."""
+    return max(1, min(nbytes // _SHARE_BYTES, _SHARE_THREADS, CPUS))
 
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -6,14 +6,17 @@ a hung mount):
 1. `locate`: each key's pack, looked up first in the packs this batch has opened (a batch
    usually comes from a few packs written together), else opened through the key's own name;
 2. the page cache's share: pages that lie next to each other in a pack, at the size this
-   backend writes, form stretches of up to `_STRETCH_BYTES`, each read with one `preadv`
-   that never waits (RWF_NOWAIT), headers and pages straight into place, then checked;
+   backend writes, form stretches of up to `_STRETCH_BYTES`; the C reader
+   (`pageio.read_stretches`, one call, its own threads, no GIL) reads each with one `preadv`
+   that never waits (RWF_NOWAIT), headers and pages straight into place, and checks them;
 3. what the page cache lacked (or the filesystem cannot promise, NFS): page by page, through
    this thread's chunk buffer, from as many workers as there are such pages (they wait on a
    disk or a server, so they overlap).
 
-Every page, whichever step read it, is checked by `objects.check_object` (key, layout,
-lengths, checksum, MAC): the one verification function of every backend.
+Every page, whichever step read it, is checked by the one C check (key, layout, lengths,
+checksum: `check_parts` in `_pageio.c`), inside the C reader for step 2 and through
+`objects.check_object` for step 3, which also names the reason; with a tenant secret the
+MAC is checked after it (`objects.mac_matches`).
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too) the engine may hand that L2 page to something else. So the kernel writes
@@ -38,7 +41,16 @@ from .base import CPUS, Fetched, PageStatus, ReadInto
 from .file_pack import PackTable, read_table
 from .file_space import DirectorySpace, page_path
 from .guard import CopyGuard
-from .objects import MAC_BYTES, CorruptReason, check_object, decode_object_into
+from .native import pageio
+from .objects import (
+    MAC_BYTES,
+    CorruptReason,
+    check_object,
+    decode_object_into,
+    mac_matches,
+    parse_header,
+    reason_of,
+)
 from .workers import WorkerPool, share
 
 _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is not a page
@@ -46,11 +58,9 @@ _CHUNK_BYTES = 256 << 10  # a read that may wait lands in this much of the threa
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
 _STRETCH_PAGES = 64  # ... and at most this many pages
-# A batch's page-cache copies take a thread per this much. Measured on the 16 cores of an
-# H200 host: a 2 MiB batch (32 pages of 64 KiB) read no faster with helpers (the threads take
-# turns on the GIL between short copies), an 8 MiB one 1.3x faster with four threads than
-# with two, a 64 MiB one 1.6-1.8x.
-_HELPER_BYTES = 2 << 20
+# A batch's page-cache copies take a C pool thread per this much (they never take the GIL,
+# and wake in microseconds).
+_HELPER_BYTES = 512 << 10
 _PENDING = object()  # an outcome not decided yet
 _UNSUPPORTED = -2  # the filesystem has no RWF_NOWAIT
 
@@ -198,15 +208,51 @@ class BatchRead:
     # -- step 2: the page cache's share, by stretches -------------------------------------
 
     def _read_cached(self) -> None:
-        """Read and check the stretches that the page cache holds whole, on this thread and
-        helpers for a large batch (`_HELPER_BYTES`); leave the rest `_PENDING`."""
+        """Read and check the stretches that the page cache holds whole: one call of the C
+        reader (`read_stretches`), on this thread and its pool threads, one per
+        `_HELPER_BYTES` of the batch. Leaves the rest `_PENDING`."""
         total = sum(len(view) for view in self.views)
         threads = max(1, min(total // _HELPER_BYTES, self.reader.io_threads, CPUS))
         stretch_bytes = _STRETCH_BYTES
         if threads > 1:  # about four stretches per thread, so that they finish together
             stretch_bytes = min(_STRETCH_BYTES, max(128 << 10, total // (4 * threads)))
-        stretches = self._stretches(stretch_bytes)
-        share(self.pool, stretches, self._read_stretch, min(threads, len(stretches)))
+        runs = self._stretches(stretch_bytes)
+        if not runs:
+            return
+        work = []
+        for first, end in runs:
+            table = self.packs[first]
+            buffers = [part for j in range(first, end) for part in (self.heads[j], self.views[j])]
+            work.append((table.fd, table.entries[self.keys[first]][0], buffers, first))
+        codes = bytearray(len(self.keys))
+        if not self.guard.enter():  # the call is over: nothing may land in its buffers
+            for first, end in runs:
+                _fill(self.outcomes, range(first, end), None)
+            return
+        try:
+            got = pageio.read_stretches(
+                work, b"".join(self.keys), self.reader.layout, codes, min(threads, len(runs))
+            )
+        finally:
+            self.guard.leave()
+        for (first, end), read in zip(runs, got, strict=True):
+            self._settle_stretch(first, end, read, codes)
+
+    def _settle_stretch(self, first: int, end: int, read: int, codes: bytearray) -> None:
+        """The outcomes of one stretch the C reader read (`read` bytes; -1: an error, -2: no
+        RWF_NOWAIT here) and checked (`codes`). A stretch not read whole is left `_PENDING`,
+        to be read page by page."""
+        table = self.packs[first]
+        if read == _UNSUPPORTED:
+            self.reader.nowait = False  # e.g. NFS: every read through the chunk buffer
+        if not all(codes[first:end]):
+            return  # not all cached (or an error, which the page by page read reports)
+        for j in range(first, end):
+            reason = reason_of(codes[j])
+            if reason is None and self.reader.mac_key is not None:
+                reason = self._forged(j)
+            self.outcomes[j] = True if reason is None else reason
+            table.served = table.served or reason is None
 
     def _stretches(self, stretch_bytes: int) -> list[tuple[int, int]]:
         """The batch cut into (first, end) runs of positions whose objects lie back to back
@@ -233,25 +279,6 @@ class BatchRead:
                 runs.append((i, end))
             i = end
         return runs
-
-    def _read_stretch(self, run: tuple[int, int]) -> None:
-        first, end = run
-        table = self.packs[first]
-        buffers = [part for j in range(first, end) for part in (self.heads[j], self.views[j])]
-        offset = table.entries[self.keys[first]][0]
-        want = sum(len(part) for part in buffers)
-        try:
-            got = self._nowait_into(table.fd, buffers, offset)
-        except OSError as exc:
-            self.reader.note_error(f"{table.path}: {exc}")
-            _fill(self.outcomes, range(first, end), PageStatus.ERROR)
-            return
-        if got is None:
-            _fill(self.outcomes, range(first, end), None)  # the call is over
-        elif got == want:
-            for j in range(first, end):
-                self._settle(j, table)
-        # else: not all cached, left to be read page by page
 
     # -- step 3: page by page -------------------------------------------------------------
 
@@ -337,6 +364,16 @@ class BatchRead:
             return None
         table.served = True
         return True
+
+    def _forged(self, i: int) -> CorruptReason | None:
+        """FORGED where page `i`, checked already by the C reader, lacks this tenant's MAC."""
+        head = self.heads[i]
+        header = parse_header(head)
+        if isinstance(header, CorruptReason):
+            return header  # (not after a passed check)
+        if mac_matches(self.reader.mac_key, header, head, [self.views[i]]):
+            return None
+        return CorruptReason.FORGED
 
     def _settle(self, i: int, table: PackTable) -> None:
         """Check page `i`, read into place whole: True, or why not."""

@@ -45,6 +45,7 @@ from .base import PageStatus
 from .file_index import TEMP_MARK, PackIndex, PackInfo, scan_directory
 from .file_ledger import LEDGER_NAME, Ledger, LedgerState  # (LEDGER_NAME: for tools)
 from .file_pack import tombstone
+from .native import pageio
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,10 @@ class StagedPack(NamedTuple):
 class DirectorySpace:
     """Capacity and LRU for one directory. Every method blocks: call from worker threads."""
 
-    def __init__(self, root: str, capacity_bytes: int) -> None:
+    def __init__(self, root: str, capacity_bytes: int, *, link_threads: int = 1) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
+        self.link_threads = link_threads  # a batch's names are linked on up to this many threads
         self.ledger = Ledger(root)
         self.index = PackIndex()
         self.index_ready = threading.Event()
@@ -197,8 +199,10 @@ class DirectorySpace:
                     elif self.hard_links or len(pack.keys) == 1:
                         fitting.append(pack)  # (without hard links a pack has but one name)
                         room -= pack.nbytes
-                for pack in fitting:
-                    self._link_in(state, pack, statuses)
+                paths = [[page_path(self.root, key) for key in pack.keys] for pack in fitting]
+                errors = self._link_new_names(fitting, paths)
+                for pack, pack_paths, pack_errors in zip(fitting, paths, errors, strict=True):
+                    self._link_in(state, pack, pack_paths, pack_errors, statuses)
                     # Still under the lock: another process that replaces or evicts one of
                     # its pages reads the pack's link count, which must be the pages' alone.
                     unlink_quiet(pack.temp_path)
@@ -208,20 +212,52 @@ class DirectorySpace:
                 unlink_quiet(pack.temp_path)  # (a commit that failed half-way)
         return statuses
 
-    def _link_in(self, state: LedgerState, pack: StagedPack, statuses: list[PageStatus]) -> None:
-        """With the ledger locked: make each of the pack's pages' names a link to it,
-        replacing older pages; count them in."""
+    def _link_new_names(self, packs: list[StagedPack], paths: list[list[str]]) -> list[list[int]]:
+        """Link each pack at each of its `paths` that is not taken, all in one call of the C
+        extension (`link_all`, on up to `link_threads` threads, the packs' names taken in turn
+        so that the threads link to different files); 0 where that made the name. The others
+        (taken, folder missing, anything else; -1: not tried, without hard links) are left
+        to `_link_in`, one by one."""
+        errors = [[-1] * len(names) for names in paths]
+        if not self.hard_links or not packs:
+            return errors
+        threads = max(1, min(self.link_threads, sum(map(len, paths)) // 8))
+        turns = [
+            (i, j)
+            for j in range(max(map(len, paths)))
+            for i in range(len(paths))
+            if j < len(paths[i])
+        ]
+        codes = pageio.link_all(
+            [packs[i].temp_path for i, _ in turns], [paths[i][j] for i, j in turns], threads
+        )
+        for (i, j), code in zip(turns, codes, strict=True):
+            errors[i][j] = code
+        return errors
+
+    def _link_in(
+        self,
+        state: LedgerState,
+        pack: StagedPack,
+        paths: list[str],
+        errors: list[int],
+        statuses: list[PageStatus],
+    ) -> None:
+        """With the ledger locked: make each of `paths` a name of the pack (where `errors`
+        says 0, `_link_new_names` did already), replacing older pages; count them in."""
         try:
             st = os.stat(pack.temp_path)
         except OSError:
             return  # ERROR for all
         linked: list[bytes] = []
-        for key, position in zip(pack.keys, pack.positions, strict=True):
-            path = page_path(self.root, key)
+        names = zip(pack.keys, pack.positions, paths, errors, strict=True)
+        for key, position, path, error in names:
             try:
                 if not self.hard_links:  # a pack of one page, renamed into place
                     old = _lstat_or_none(path)
                     os.rename(pack.temp_path, path)
+                elif error == 0:
+                    old = None  # linked already
                 else:
                     old = _link_new(pack.temp_path, path)  # one system call for a new page
                 if old is not None and old.st_ino == st.st_ino:

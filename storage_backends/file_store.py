@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from .base import Fetched, PageStatus, ReadInto, StorageBackend
+from .base import CPUS, Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .file_read import BatchRead, PackReader
 from .file_space import DirectorySpace, page_path
@@ -88,7 +88,9 @@ class FileBackend(StorageBackend):
         super().__init__(options, layout, name=name)
         self.options: FileOptions = options
         self.root = options.path
-        self._space = DirectorySpace(options.path, options.capacity_bytes)
+        self._space = DirectorySpace(
+            options.path, options.capacity_bytes, link_threads=min(options.io_threads, CPUS)
+        )
         signed = self._mac_key is not None  # its pages carry a MAC
         header_bytes = header_size(layout, signed=signed) if layout is not None else 0
         self._reader = PackReader(

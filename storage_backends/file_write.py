@@ -1,38 +1,42 @@
 """Writing a batch of pages to `file://`: `BatchWrite` owns one batch's state.
 
-A batch is cut into packs (`cut_into_packs`); each pack is one task on a worker, start to
-end: its pages framed (`objects.frame_objects`), the pack written to a temporary name of its
-own (`<first key's name>.tmp.<pid>.<n>`) in calls of at most `_WRITE_BYTES`, then linked in
-with the ledger locked (`DirectorySpace.commit`: its pages' names made hard links to it,
-room made by evicting LRU packs). A reader in this process or any other sees the old page,
-the new page or nothing, never a partial one. With `fsync=true` a pack is fsynced before it
-is linked, and the folders that got its names after, all at once, before the batch is
-answered.
+A batch is one task on a worker, start to end:
 
-The batch's statuses come when its last pack is in. The tasks are not cancelled when the
-caller stops waiting: every pack is either linked in or its temporary file removed. Each
-pack makes its own room, so a batch larger than the free room may evict its own first
-packs, as the next batch would.
+1. cut into packs (`PackWriter.cut_into_packs`): one per `_PARALLEL_BYTES`, at most one per
+   core and per worker, each at most `pack_bytes`;
+2. framed and written by the C writer in one call (`pageio.write_packs`, a thread per pack,
+   no GIL): each pack to a temporary name of its own (`<first key's name>.tmp.<pid>.<n>`),
+   its table then its objects, in calls of at most 256 KiB. Uncompressed pages are framed
+   there; lz4 and a tenant's MAC are applied before (`objects.frame_objects`), and the C
+   writer writes those objects as they are;
+3. linked in with the ledger locked (`DirectorySpace.commit`: the pages' names made hard
+   links to their pack, on several threads, room made by evicting LRU packs). A reader in
+   this process or any other sees the old page, the new page or nothing, never a partial one;
+4. with `fsync=true`, the packs and the folders that got their names fsynced all at once
+   (`pageio.sync_all`) before the batch is answered.
+
+The task is not cancelled once it runs: every pack is either linked in or its temporary
+file removed. A power cut after step 3 and before step 4 can leave names of a pack whose
+bytes never reached the disk: its pages then fail their checksums, misses like any torn
+page, and the put was never acknowledged.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import itertools
 import os
-import threading
 from collections.abc import Callable, Sequence
 
 from .base import CPUS, PageStatus
 from .file_pack import pack_table
-from .file_read import _past
-from .file_space import DirectorySpace, StagedPack, fsync_folder, page_path, temp_path, unlink_quiet
-from .objects import Compression, FramedObject, MacKey, frame_objects
-from .workers import WorkerPool, share
+from .file_space import DirectorySpace, StagedPack, page_path, temp_path
+from .native import pageio
+from .objects import Compression, FramedObject, MacKey, frame_objects, layout_bytes, plain_template
+from .workers import WorkerPool
 
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-_WRITE_BYTES = 256 << 10  # at most this much per write call (see write_all)
-_PARALLEL_BYTES = 2 << 20  # batches of several times this are cut into packs written in parallel
+_PARALLEL_BYTES = 1 << 20  # batches of several times this are cut into packs written in parallel
 _SYNC_THREADS = 32  # fsyncs at once (a 32-page batch: up to 32 folders): they wait on the disk
 
 
@@ -55,6 +59,8 @@ class PackWriter:
         self.space = space
         self.root = space.root
         self.layout = layout
+        self.layout_bytes = layout_bytes(layout) if layout is not None else b""
+        self.plain = plain_template(self.layout_bytes)  # what the C writer frames pages from
         self.header_bytes = header_bytes
         self.compression = compression
         self.mac_key = mac_key
@@ -63,8 +69,10 @@ class PackWriter:
         self.io_threads = io_threads
         self.note_error = note_error
         self.serial = itertools.count()  # temporary names of this process
-        # fsyncs wait on the disk, not on a core: many at once (one round a batch)
-        self.sync_pool = WorkerPool(_SYNC_THREADS, "hicache-file-sync") if fsync else None
+
+    def frames_natively(self) -> bool:
+        """Whether the C writer frames this backend's pages (uncompressed, no MAC)."""
+        return self.compression is Compression.NONE and self.mac_key is None
 
     def cut_into_packs(self, sizes: Sequence[int]) -> list[list[int]]:
         """The batch (its objects' `sizes`) cut into packs: lists of positions.
@@ -91,15 +99,18 @@ class PackWriter:
         packs.append(pack)
         return packs
 
-    def sync(self, targets: list[str]) -> None:
-        """fsync each folder, all at once; OSError if one fails. (A batch of 32 pages names
-        about 30 of the 256 folders; one by one each waited for its own journal commit and
-        disk flush: 4.6-5.0 ms a batch on a virtual disk, against about 1 ms at once.)"""
-        share(self.sync_pool, targets, fsync_folder, min(len(targets), _SYNC_THREADS))
+    def sync(self, targets: list[int | str]) -> None:
+        """fsync each target (an open pack, or a folder by path), all at once; OSError if one
+        fails. (A batch of 32 pages names about 30 of the 256 folders; one by one each waited
+        for its own journal commit and disk flush: 4.6-5.0 ms a batch on a virtual disk,
+        against about 1 ms at once.)"""
+        threads = max(1, min(len(targets), _SYNC_THREADS))
+        for target, error in zip(targets, pageio.sync_all(targets, threads), strict=True):
+            if error:
+                raise OSError(error, f"fsync failed: {os.strerror(error)}", str(target))
 
     def close(self) -> None:
-        if self.sync_pool is not None:
-            self.sync_pool.shutdown(wait=False)
+        """Nothing to release (the C pool's threads outlive any backend)."""
 
 
 class BatchWrite:
@@ -124,115 +135,74 @@ class BatchWrite:
             self.sizes = [writer.header_bytes + len(page) for page in sources]
 
     def submit(self, pool: WorkerPool) -> concurrent.futures.Future:
-        """Write the packs on `pool` (one task each); a future of one status per key."""
-        packs = self.writer.cut_into_packs(self.sizes)
-        if len(packs) == 1:  # one task: if the caller gives up before it starts, nothing
-            return pool.submit(self._put_pack, packs[0])
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_running_or_notify_cancel()  # the caller may stop waiting, not stop the work
-        tasks = [pool.submit(self._put_pack, pack) for pack in packs]
-        remaining = [len(tasks)]
-        lock = threading.Lock()
+        """Write the batch on `pool` (one task); a future of one status per key. If the
+        caller gives up before the task starts, nothing is written."""
+        return pool.submit(self._put)
 
-        def finished(_: concurrent.futures.Future) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            statuses = [PageStatus.ERROR] * len(self.keys)
-            for pack, task in zip(packs, tasks, strict=True):
-                if task.exception() is not None:
-                    done.set_exception(task.exception())
-                    return
-                for i in pack:
-                    statuses[i] = task.result()[i]
-            done.set_result(statuses)
-
-        for task in tasks:
-            task.add_done_callback(finished)
-        return done
-
-    def _put_pack(self, positions: list[int]) -> list[PageStatus]:
-        """One pack, start to end on this thread: framed, written, linked in. Statuses for
-        the whole batch (ERROR outside `positions`)."""
-        keys = [self.keys[i] for i in positions]
-        if self.framed:
-            objects = [self.sources[i] for i in positions]
-        else:
-            writer = self.writer
+    def _put(self) -> list[PageStatus]:
+        """Frame (where the C writer does not), write, link in, make durable."""
+        writer = self.writer
+        objects: Sequence[FramedObject] | None = self.sources if self.framed else None
+        if objects is None and not writer.frames_natively():
             objects = frame_objects(
-                keys,
+                self.keys,
                 writer.layout,
-                [self.sources[i] for i in positions],
+                self.sources,
                 writer.compression,
                 mac_key=writer.mac_key,
             )
-            for i, obj in zip(positions, objects, strict=True):
-                self.sizes[i] = obj.nbytes
-        staged = self._write(positions, keys, objects)
-        return self._commit([staged] if staged is not None else [])
-
-    def _write(
-        self, positions: list[int], keys: list[bytes], objects: list[FramedObject]
-    ) -> StagedPack | None:
-        """Write one pack to its temporary name; None if that failed (noted)."""
-        writer = self.writer
-        table = pack_table(keys, [obj.nbytes for obj in objects])
-        parts: list = [table]
-        for obj in objects:
-            parts += (obj.header, obj.payload)
-        tmp = temp_path(page_path(writer.root, keys[0]), next(writer.serial))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if objects is not None:
+            self.sizes[:] = [obj.nbytes for obj in objects]
+        staged, work = zip(*[self._stage(p, objects) for p in writer.cut_into_packs(self.sizes)])
+        written = self._write(staged, work)
+        if not writer.fsync:
+            return writer.space.commit(written, len(self.keys))
+        unsynced: list[int] = []
         try:
-            try:
-                fd = os.open(tmp, flags, 0o644)
-            except FileNotFoundError:
-                os.makedirs(os.path.dirname(tmp), exist_ok=True)
-                fd = os.open(tmp, flags, 0o644)
-            try:
-                write_all(fd, parts)
-                if writer.fsync:
-                    os.fsync(fd)
-            finally:
+            for pack in written:
+                unsynced.append(os.open(pack.temp_path, os.O_RDONLY | os.O_CLOEXEC))
+            statuses = writer.space.commit(written, len(self.keys))
+            folders = {os.path.dirname(page_path(writer.root, k)) for p in written for k in p.keys}
+            writer.sync([*unsynced, *sorted(folders)])
+            return statuses
+        finally:
+            for fd in unsynced:
                 os.close(fd)
-        except OSError as exc:
-            writer.note_error(f"{tmp}: {exc}")
-            unlink_quiet(tmp)
-            return None
-        nbytes = len(table) + sum(obj.nbytes for obj in objects)
-        return StagedPack(keys, positions, tmp, nbytes)
 
-    def _commit(self, staged: list[StagedPack]) -> list[PageStatus]:
-        """Link the packs in; with `fsync`, the folders that got names are made durable
-        before the batch is answered."""
+    def _stage(
+        self, positions: list[int], objects: Sequence[FramedObject] | None
+    ) -> tuple[StagedPack, tuple]:
+        """One pack: what the ledger will take in, and what the C writer takes, (temp,
+        table, keys, pages, headers) for pages it frames, (temp, table, None, parts, None)
+        for objects framed already."""
+        keys = [self.keys[i] for i in positions]
+        temp = temp_path(page_path(self.writer.root, keys[0]), next(self.writer.serial))
+        table = pack_table(keys, [self.sizes[i] for i in positions])
+        pack = StagedPack(keys, positions, temp, len(table) + sum(self.sizes[i] for i in positions))
+        if objects is None:
+            pages = [self.sources[i] for i in positions]
+            headers = bytearray(self.writer.header_bytes * len(pages))
+            return pack, (temp, table, b"".join(keys), pages, headers)
+        parts = [part for i in positions for part in (objects[i].header, objects[i].payload)]
+        return pack, (temp, table, None, parts, None)
+
+    def _write(self, staged: Sequence[StagedPack], work: Sequence[tuple]) -> list[StagedPack]:
+        """Write every pack in one call of the C writer (a directory removed under us is made
+        again, and its packs written once more); the packs written, the others noted."""
         writer = self.writer
-        statuses = writer.space.commit(staged, len(self.keys))
-        if writer.fsync:
-            folders = {os.path.dirname(page_path(writer.root, k)) for p in staged for k in p.keys}
-            writer.sync(sorted(folders))
-        return statuses
-
-
-def write_all(fd: int, buffers: list) -> None:
-    """Write the buffers in order, at most `_WRITE_BYTES` per system call.
-
-    Bounded calls, not one writev of the whole pack: a single 2 MiB write into a new file ran
-    at a tenth of the speed of the same bytes in 256 KiB calls (measured: 0.3 against 3.3
-    GB/s into the page cache of an ext4 directory on a 6.18 kernel; larger page-cache folios
-    for larger writes are the likely cause).
-    """
-    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while pending:
-        batch, size = [], 0
-        while pending and size < _WRITE_BYTES and len(batch) < _IOV_MAX:
-            view = pending[0]
-            take = view[: _WRITE_BYTES - size]
-            batch.append(take)
-            size += len(take)
-            if len(take) == len(view):
-                pending.pop(0)
+        threads = max(1, min(len(work), writer.io_threads, CPUS))
+        errors = pageio.write_packs(list(work), writer.plain, writer.layout_bytes, threads)
+        if errno.ENOENT in errors and writer.space.make_root():
+            again = [i for i, error in enumerate(errors) if error == errno.ENOENT]
+            retried = pageio.write_packs(
+                [work[i] for i in again], writer.plain, writer.layout_bytes, threads
+            )
+            for i, error in zip(again, retried, strict=True):
+                errors[i] = error
+        written = []
+        for pack, error in zip(staged, errors, strict=True):
+            if error:
+                writer.note_error(f"{pack.temp_path}: {os.strerror(error)}")
             else:
-                pending[0] = view[len(take) :]
-        written = os.writev(fd, batch)
-        if written < size:  # stopped short (a signal, a full disk): the rest goes again
-            pending[:0] = _past(batch, written)
+                written.append(pack)
+        return written

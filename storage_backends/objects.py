@@ -29,6 +29,10 @@ checks out under its key: anything else is `CorruptReason.FORGED`, a miss. A rea
 a key reads both versions as before (integrity only; the MAC is covered by the checksum but
 not checked), and so does the daemon, which stores clients' objects as opaque bytes.
 
+The checksum, and the check of a stored object (header, lengths, checksum), are the C
+extension's (`native.pageio`: `xxh3_64`, `check_object`), the one implementation of each;
+this module frames objects, names what a check refused and checks the MAC.
+
 This module knows bytes and buffers only: not what a layout means, not where objects live.
 An object may arrive as one buffer or as several parts whose concatenation is the object
 (a Redis hash of header and chunks, a header read apart from its payload); every reader here
@@ -44,7 +48,7 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import xxhash
+from .native import pageio
 
 MAGIC = b"HCKV"
 FORMAT_VERSION = 1
@@ -220,15 +224,44 @@ def frame_objects(
     payloads: Sequence[Buffer],
     compression: str | Compression = "none",
     *,
+    threads: int = 1,
     mac_key: MacKey | None = None,
 ) -> list[FramedObject]:
-    """`frame_object` for a batch, the layout and the codec checked once."""
+    """`frame_object` for a batch, the layout and the codec checked once. Uncompressed pages
+    without a MAC are framed by the C extension in one call, hashed on up to `threads`
+    threads; lz4 and MACs are applied here page by page (the checksum still the C one)."""
     encoded = layout_bytes(layout)
     codec = Compression.parse(compression)
+    if codec is Compression.NONE and mac_key is None:
+        return _frame_plain(keys, encoded, payloads, threads)
     return [
         _frame(check_key(key), encoded, payload, codec, mac_key)
         for key, payload in zip(keys, payloads, strict=True)
     ]
+
+
+def _frame_plain(
+    keys: Sequence[bytes], layout: bytes, payloads: Sequence[Buffer], threads: int
+) -> list[FramedObject]:
+    """Uncompressed version 1 pages framed by the C extension (`frame_headers`)."""
+    pages = [byte_view(payload, what="page") for payload in payloads]
+    joined = b"".join([check_key(key) for key in keys])
+    if len(joined) != KEY_BYTES * len(pages):
+        raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+    size = HEADER_FIXED_BYTES + len(layout)
+    headers = bytearray(size * len(pages))
+    pageio.frame_headers(joined, plain_template(layout), layout, pages, headers, threads)
+    view = memoryview(headers)
+    return [
+        FramedObject(bytes(view[size * i : size * (i + 1)]), page) for i, page in enumerate(pages)
+    ]
+
+
+def plain_template(layout: bytes) -> bytes:
+    """The first 48 bytes of the header of an uncompressed version 1 page of `layout`, with
+    the key and the lengths zero: what the C extension fills in per page (key at 16, lengths
+    at 32 and 40) when it frames pages."""
+    return _PLAIN.pack(MAGIC, FORMAT_VERSION, Compression.NONE, 0, len(layout), b"", 0, 0)
 
 
 def _frame(
@@ -239,6 +272,8 @@ def _frame(
     mac_key: MacKey | None = None,
 ) -> FramedObject:
     raw = byte_view(payload, what="page")
+    if compression is not Compression.LZ4 and mac_key is None:
+        return _frame_plain([key], layout, [raw], 1)[0]
     stored: memoryview | bytes = raw
     if compression is Compression.LZ4 and len(raw) > 0:
         import lz4.block  # optional codec, imported when first used
@@ -270,9 +305,8 @@ def _header(
         mac = _new_mac(mac_key, prefix, layout)
         mac.update(stored)
         tail = layout + mac.digest()
-    hasher = xxhash.xxh3_64(prefix + tail)
-    hasher.update(stored)
-    return prefix + _CHECKSUM.pack(hasher.intdigest()) + tail
+    checksum = pageio.xxh3_64(prefix + tail, stored)
+    return prefix + _CHECKSUM.pack(checksum) + tail
 
 
 # -- decoding --------------------------------------------------------------------------------
@@ -321,6 +355,27 @@ def _as_parts(obj: ObjectParts) -> list[memoryview]:
     return [byte_view(part) for part in obj]
 
 
+# What the C check answers (`_pageio.c`, check_parts): 1 verified, else the reason by number.
+_VERIFIED = 1
+_REASONS = {
+    2: CorruptReason.MAGIC,
+    3: CorruptReason.VERSION,
+    4: CorruptReason.KEY,
+    5: CorruptReason.LAYOUT,
+    6: CorruptReason.LENGTH,
+    7: CorruptReason.TRUNCATED,
+    8: CorruptReason.CHECKSUM,
+    9: CorruptReason.COMPRESSION,
+}
+_SPLIT_HEADER = 10  # the header straddles two parts: joined, and asked again
+_MAX_PARTS = 1024
+
+
+def reason_of(code: int) -> CorruptReason | None:
+    """The reason a C check's answer `code` names (None: it checked out)."""
+    return None if code == _VERIFIED else _REASONS[code]
+
+
 def check_object(
     obj: ObjectParts,
     expected_key: bytes,
@@ -333,128 +388,52 @@ def check_object(
     (its header, its stored payload as views into `obj`), or why it is refused.
 
     `obj` is the whole object, as one buffer or as parts in order (a header read apart from
-    its payload, a Redis hash of chunks). Checked: magic, version and flags, the codec, the
-    key, the layout (unless `expected_layout` is None: the daemon stores every layout), the
-    lengths against the header, against the bytes present and against `raw_bytes` (the size
-    the reader expects, where it knows it), the checksum, and with a `mac_key` the MAC
-    (a version 1 object, without one, is then `FORGED`). Nothing is copied.
-
-    (Past 60 lines on purpose: this is the one place a page is verified, and its checks are
-    read best in the order they are applied.)
+    its payload, a Redis hash of chunks). The C check (`pageio.check_object`, the same one
+    the file reader and `check_copy` apply to a batch) looks at the magic, version and
+    flags, the codec, the key, the layout (unless `expected_layout` is None: the daemon
+    stores every layout), the lengths against the header, the bytes present and `raw_bytes`
+    (the size the reader expects, where it knows it), and the checksum; here, with a
+    `mac_key`, the MAC (a version 1 object, without one, is then `FORGED`). Nothing is copied.
     """
-    if mac_key is None and raw_bytes is not None and expected_layout is not None:
-        header = _as_expected(obj, expected_key, expected_layout, raw_bytes)
-        if header is not None:  # (the common read, checked with one comparison)
-            return header, [obj[1]]
-    if type(obj) is bytes:
-        first, rest = memoryview(obj), []
-    elif isinstance(obj, (bytearray, memoryview)):
-        first, rest = byte_view(obj), []
-    else:
-        rest = _as_parts(obj)
-        if not rest:
-            return CorruptReason.TRUNCATED
-        first = rest.pop(0)
-    fields = _valid_fields(first)
-    if fields is None:  # a reason to name, or a header that straddles parts (no backend
-        if rest:  # here splits one; tolerated)
-            first, rest = memoryview(b"".join([first, *rest])), []
-        header = parse_header(first)
-        if isinstance(header, CorruptReason):
-            return header
-        fields = _FIXED.unpack_from(first)
-    _, version, codec, _, layout_len, key, stored, raw, checksum = fields
-    layout_end = HEADER_FIXED_BYTES + layout_len
-    header_bytes = layout_end + (MAC_BYTES if version == SIGNED_VERSION else 0)
-    if key != expected_key:
-        return CorruptReason.KEY
-    if expected_layout is not None and first[HEADER_FIXED_BYTES:layout_end] != expected_layout:
-        return CorruptReason.LAYOUT
-    payload = [first[header_bytes:], *rest]
-    present = len(first) - header_bytes + (sum(len(part) for part in rest) if rest else 0)
-    reason = _check_lengths(codec, stored, raw, present, raw_bytes)
-    if reason is not None:
-        return reason
-    hasher = xxhash.xxh3_64(first[:_CHECKSUM_OFFSET])
-    hasher.update(first[HEADER_FIXED_BYTES:header_bytes])
-    for part in payload:
-        hasher.update(part)
-    if hasher.intdigest() != checksum:
-        return CorruptReason.CHECKSUM
-    mac = bytes(first[layout_end:header_bytes]) if version == SIGNED_VERSION else None
-    layout = bytes(first[HEADER_FIXED_BYTES:layout_end])
-    if mac_key is not None and not _mac_matches(mac_key, mac, first, layout, payload):
+    parts = _as_parts(obj)
+    if not parts:
+        return CorruptReason.TRUNCATED
+    if len(parts) > _MAX_PARTS:
+        parts = [memoryview(b"".join(parts))]
+    expected_raw = -1 if raw_bytes is None else raw_bytes
+    code = pageio.check_object(parts, expected_key, expected_layout, expected_raw)
+    if code == _SPLIT_HEADER:  # (no backend here splits a header; tolerated)
+        parts = [memoryview(b"".join(parts))]
+        code = pageio.check_object(parts, expected_key, expected_layout, expected_raw)
+    if code != _VERIFIED:
+        return _REASONS[code]
+    header = _verified_header(parts[0])
+    payload = [parts[0][header.header_bytes :], *parts[1:]]
+    if mac_key is not None and not mac_matches(mac_key, header, parts[0], payload):
         return CorruptReason.FORGED
-    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac), payload
+    return header, payload
 
 
-def _mac_matches(
-    mac_key: MacKey, mac: bytes | None, first: memoryview, layout: bytes, payload: list
+def _verified_header(first: memoryview) -> ObjectHeader:
+    """The header of an object the C check has passed (its fields are sound)."""
+    _, version, codec, _, layout_len, key, stored, raw, checksum = _FIXED.unpack_from(first)
+    layout_end = HEADER_FIXED_BYTES + layout_len
+    layout = bytes(first[HEADER_FIXED_BYTES:layout_end])
+    mac = bytes(first[layout_end : layout_end + MAC_BYTES]) if version == SIGNED_VERSION else None
+    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac)
+
+
+def mac_matches(
+    mac_key: MacKey, header: ObjectHeader, first: Buffer, payload: Sequence[Buffer]
 ) -> bool:
-    """Whether the object carries a MAC (version 2) and it is the one `mac_key` makes."""
-    if mac is None:
+    """Whether a checked object (its `header`, its buffer `first` holding the header, its
+    stored `payload` parts) carries a MAC (version 2) and it is the one `mac_key` makes."""
+    if header.mac is None:
         return False
-    signer = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], layout)
+    signer = _new_mac(mac_key, memoryview(first)[:_CHECKSUM_OFFSET], header.layout)
     for part in payload:
         signer.update(part)
-    return hmac.compare_digest(signer.digest(), mac)
-
-
-def _as_expected(
-    obj: ObjectParts, key: bytes, layout: bytes, raw_bytes: int
-) -> ObjectHeader | None:
-    """The header, where `obj` is (whole header, payload) and exactly the uncompressed
-    version 1 object a writer of `key`, `layout` and `raw_bytes` makes, checksum and all;
-    None for anything else, which the full check then names. One comparison covers every
-    header field, as the expected header is rebuilt around the computed checksum."""
-    if isinstance(obj, (bytes, bytearray, memoryview)) or len(obj) != 2:
-        return None
-    head, payload = obj
-    if len(payload) != raw_bytes or len(head) != HEADER_FIXED_BYTES + len(layout):
-        return None
-    prefix = _PLAIN.pack(MAGIC, FORMAT_VERSION, 0, 0, len(layout), key, raw_bytes, raw_bytes)
-    hasher = xxhash.xxh3_64(prefix)
-    hasher.update(layout)
-    hasher.update(payload)
-    checksum = hasher.intdigest()
-    if head != prefix + _CHECKSUM.pack(checksum) + layout:
-        return None
-    return ObjectHeader(key, layout, Compression.NONE, raw_bytes, raw_bytes, checksum)
-
-
-def _valid_fields(first: memoryview) -> tuple | None:
-    """The fixed header's fields, where they are those of an object whose whole header is in
-    `first`; None where `parse_header` has something to say."""
-    if len(first) < HEADER_FIXED_BYTES:
-        return None
-    fields = _FIXED.unpack_from(first)
-    magic, version, codec, flags, layout_len = fields[:5]
-    if magic != MAGIC or flags or codec >= len(_CODECS):
-        return None
-    if version == FORMAT_VERSION:
-        end = HEADER_FIXED_BYTES + layout_len
-    elif version == SIGNED_VERSION:
-        end = HEADER_FIXED_BYTES + layout_len + MAC_BYTES
-    else:
-        return None
-    return fields if len(first) >= end else None
-
-
-def _check_lengths(
-    codec: int, stored: int, raw: int, stored_present: int, raw_bytes: int | None
-) -> CorruptReason | None:
-    """The header's lengths against the bytes present and what the reader expects."""
-    if stored_present < stored:
-        return CorruptReason.TRUNCATED
-    if stored_present > stored:
-        return CorruptReason.LENGTH
-    if codec == Compression.NONE and raw != stored:
-        return CorruptReason.LENGTH
-    if raw > min(MAX_PAYLOAD_BYTES, _LZ4_MAX_RATIO * stored + 64):
-        return CorruptReason.LENGTH  # (sizes a decompression buffer: bounded before use)
-    if raw_bytes is not None and raw != raw_bytes:
-        return CorruptReason.LENGTH
-    return None
+    return hmac.compare_digest(signer.digest(), header.mac)
 
 
 def verify_object(
@@ -533,6 +512,61 @@ def decode_object_into(
     for part in payload:
         target[offset : offset + len(part)] = part
         offset += len(part)
+    return None
+
+
+def decode_objects_into(
+    objs: Sequence[ObjectParts],
+    expected_keys: Sequence[bytes],
+    expected_layout: bytes,
+    intos: Sequence[memoryview],
+    *,
+    threads: int = 1,
+    mac_key: MacKey | None = None,
+) -> list[CorruptReason | None]:
+    """`decode_object_into` for a batch: one None (verified and copied) or reason per object.
+
+    Objects held as one buffer each (the common reply of a network backend, what memory://
+    holds) are checked and copied by the C extension in one call (`check_copy`, the same
+    check as `check_object`'s) on up to `threads` threads; objects in parts, intact lz4 ones
+    and, with a `mac_key`, all of them (the C check knows no MAC) go through
+    `decode_object_into`. Either way a destination is written only once its object checked
+    out.
+    """
+    results: list[CorruptReason | None | bool] = [False] * len(objs)  # False: not decoded yet
+    buffers = [_one_buffer(obj) for obj in objs] if mac_key is None else []
+    whole = [i for i, buf in enumerate(buffers) if buf is not None]
+    if whole:
+        codes = bytearray(len(whole))
+        pageio.check_copy(
+            [buffers[i] for i in whole],
+            [intos[i] for i in whole],
+            b"".join([expected_keys[i] for i in whole]),
+            expected_layout,
+            codes,
+            threads,
+        )
+        for i, code in zip(whole, codes, strict=True):
+            if code:  # (0: intact but lz4, decoded below)
+                results[i] = reason_of(code)
+    for i, result in enumerate(results):
+        if result is False:
+            results[i] = decode_object_into(
+                objs[i], expected_keys[i], expected_layout, intos[i], mac_key=mac_key
+            )
+    return results
+
+
+def _one_buffer(obj: ObjectParts) -> memoryview | None:
+    """The object as one flat byte view where it is one buffer (alone, or the only part)
+    that C can read as it is; else None."""
+    part = obj if isinstance(obj, (bytes, bytearray, memoryview)) else None
+    if part is None and len(obj) == 1:
+        part = obj[0]
+    if isinstance(part, (bytes, bytearray)):
+        return memoryview(part)
+    if isinstance(part, memoryview) and part.c_contiguous:
+        return part.cast("B") if part.format != "B" or part.ndim != 1 else part
     return None
 
 

@@ -294,18 +294,18 @@ def test_compressed_pages_in_a_pack_take_the_full_path(tmp_path, pages):
 def test_large_batches_read_with_helper_threads_or_without(
     tmp_path, pages, monkeypatch, io_threads, cpus
 ):
-    """A batch of 6 MiB shares its page-cache copies with other threads, one per 2 MiB (so
-    three); at most one per core and per worker, none with one core or one worker."""
+    """A batch of 6 MiB shares its page-cache copies with the C reader's threads, one per
+    512 KiB; at most one per core and per worker, none with one core or one worker."""
     monkeypatch.setattr(file_read_module, "CPUS", cpus)
     asked = []
-    real_share = file_read_module.share
+    real = file_read_module.pageio
 
-    def spy(pool, tasks, work, threads):
-        if work.__name__ == "_read_stretch":
-            asked.append(threads)
-        return real_share(pool, tasks, work, threads)
+    class Spy:
+        def read_stretches(self, *args):
+            asked.append(args[-1])
+            return real.read_stretches(*args)
 
-    monkeypatch.setattr(file_read_module, "share", spy)
+    monkeypatch.setattr(file_read_module, "pageio", Spy())
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]
@@ -323,7 +323,7 @@ def test_large_batches_read_with_helper_threads_or_without(
                 assert await store.batch_get(order, views) == expected
                 got = [bytes(v) for v, ok in zip(views, expected, strict=True) if ok]
                 assert got == data[6:] + data[:6]
-            threads = min(3, io_threads, cpus)
+            threads = min(12, io_threads, cpus)
             assert asked and set(asked) == {threads}
             assert store.stats().num_corrupt_total == 0
 
@@ -575,8 +575,9 @@ def test_fsync_mode_round_trips(tmp_path, pages):
 
 
 def hook_fsyncs(monkeypatch, seen, *, failing) -> None:
-    """Route the file backend's fsyncs through `seen(target)`, an fd, each then synced for
-    real; while `failing()`, each fails with EIO instead (as a disk that refuses a flush)."""
+    """Route the file backend's fsyncs (os.fsync, and the C extension's sync_all) through
+    `seen(target)`, an fd or a path, each then synced for real; while `failing()`, each fails
+    with EIO instead (as a disk that refuses a flush: os.fsync raises, sync_all reports it)."""
     real_fsync = os.fsync
 
     def fsync(fd):
@@ -586,6 +587,19 @@ def hook_fsyncs(monkeypatch, seen, *, failing) -> None:
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
+    real = file_write_module.pageio
+
+    class Hooked:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def sync_all(targets, threads):
+            for target in targets:
+                seen(target)
+            return [errno.EIO] * len(targets) if failing() else real.sync_all(targets, threads)
+
+    monkeypatch.setattr(file_write_module, "pageio", Hooked())
 
 
 def test_fsync_mode_syncs_every_pack_and_folder_before_answering(tmp_path, pages, monkeypatch):
@@ -645,8 +659,8 @@ def test_fsync_mode_makes_every_folder_durable_when_it_opens(tmp_path, pages, mo
 
 def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(tmp_path, pages, monkeypatch):
     """The disk refuses a flush (EIO, injected at the fsync calls): a put with fsync=true that
-    cannot be made durable is not acknowledged, all False; the store goes on. (Each pack is
-    synced before it is linked: an error per page, the pack never linked.)"""
+    cannot be made durable is not acknowledged, all False; the store goes on. (The batch is
+    synced in one round after it is linked: one fault, as on the C path before.)"""
     root = tmp_path / "kv"
     keys = [pages.key(i) for i in range(8)]
     failing = [False]
@@ -659,7 +673,7 @@ def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(tmp_path, pages,
             failing[0] = True
             data = [pages.page(k, 64 << 10) for k in keys]
             assert await store.batch_put(keys[:4], data[:4]) == [False] * 4
-            assert store.stats().num_errors == 4
+            assert store.stats().num_errors == 1
             failing[0] = False
             assert await store.batch_put(keys[4:], data[4:]) == [True] * 4
             assert await store.batch_put(keys[:4], data[:4]) == [True] * 4
@@ -782,24 +796,35 @@ def test_a_filesystem_without_hard_links_gets_a_file_per_page(tmp_path, pages, m
 
 
 def test_one_failed_pack_of_a_batch_fails_its_pages_alone(tmp_path, pages, monkeypatch):
-    """A pack whose write fails (a full disk) loses its pages only; the batch's other packs
-    are stored, no temporary file is left and the ledger matches the disk."""
+    """A pack whose write fails (a full disk: the C writer's answer for it, its temporary
+    file removed) loses its pages only; the batch's other packs are stored, no temporary
+    file is left and the ledger matches the disk. (The C writer's own half-way failure is
+    test_pageio's, with a real file size limit.)"""
     monkeypatch.setattr(file_write_module, "CPUS", 8)
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]  # three packs of eight pages
     data = [pages.page(k, page_bytes) for k in keys]
-    write_all = file_write_module.write_all
+    real = file_write_module.pageio
 
-    def disk_full_for_the_middle_pack(fd, parts):
-        if keys[12] in bytes(parts[0]):  # the pack's table names its keys
-            raise OSError(errno.ENOSPC, "No space left on device")
-        write_all(fd, parts)
+    class DiskFullForTheMiddlePack:
+        def __getattr__(self, name):
+            return getattr(real, name)
 
-    monkeypatch.setattr(file_write_module, "write_all", disk_full_for_the_middle_pack)
+        @staticmethod
+        def write_packs(work, *args):
+            errors = real.write_packs(work, *args)
+            for i, pack in enumerate(work):
+                if keys[12] in bytes(pack[1]):  # the pack's table names its keys
+                    os.unlink(pack[0])
+                    errors[i] = errno.ENOSPC
+            return errors
+
+    monkeypatch.setattr(file_write_module, "pageio", DiskFullForTheMiddlePack())
 
     async def body():
-        async with open_backend(f"file://{root}?capacity=1GiB", layout=pages.LAYOUT) as store:
+        url = f"file://{root}?capacity=1GiB&io_threads=3"
+        async with open_backend(url, layout=pages.LAYOUT) as store:
             assert await store.batch_put(keys, data) == [True] * 8 + [False] * 8 + [True] * 8
             assert store.stats().num_errors == 8
             assert temp_files(root) == []
