@@ -758,6 +758,28 @@ static int hold_stretch(held_t *held, PyObject *item, stretch_t *s, struct iovec
     return 1;
 }
 
+/* The buffers of all stretches; -1 with an exception. */
+static Py_ssize_t count_stretch_buffers(PyObject *list) {
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4 ||
+            !PyList_Check(PyTuple_GET_ITEM(item, 2))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "read_stretches: each stretch is (fd, offset, buffers, first_page)");
+            return -1;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(PyTuple_GET_ITEM(item, 2));
+        if (n == 0 || n % 2 || n > MAX_IOV) {
+            PyErr_SetString(PyExc_ValueError,
+                            "read_stretches: a stretch has 1 to 512 (header, payload) pairs");
+            return -1;
+        }
+        total += n;
+    }
+    return total;
+}
+
 static PyObject *read_stretches(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *list;
@@ -777,23 +799,9 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
                                           "one byte per key, the layout at most 65535 bytes");
         goto done;
     }
-    Py_ssize_t num_buffers = 0;
-    for (Py_ssize_t i = 0; i < num; i++) {
-        PyObject *item = PyList_GET_ITEM(list, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4 ||
-            !PyList_Check(PyTuple_GET_ITEM(item, 2))) {
-            PyErr_SetString(PyExc_TypeError,
-                            "read_stretches: each stretch is (fd, offset, buffers, first_page)");
-            goto done;
-        }
-        Py_ssize_t n = PyList_GET_SIZE(PyTuple_GET_ITEM(item, 2));
-        if (n == 0 || n % 2 || n > MAX_IOV) {
-            PyErr_SetString(PyExc_ValueError,
-                            "read_stretches: a stretch has 1 to 512 (header, payload) pairs");
-            goto done;
-        }
-        num_buffers += n;
-    }
+    Py_ssize_t num_buffers = count_stretch_buffers(list);
+    if (num_buffers < 0)
+        goto done;
     stretches = PyMem_Calloc(num ? num : 1, sizeof *stretches);
     iovs = PyMem_Calloc(num_buffers ? num_buffers : 1, sizeof *iovs);
     held.views = PyMem_Calloc(num_buffers ? num_buffers : 1, sizeof *held.views);
@@ -1326,6 +1334,62 @@ PyDoc_STRVAR(write_packs_doc,
 "they are. Returns the errno of each pack: 0 when written; otherwise its temporary file is\n"
 "removed.");
 
+/* The number of list entries of all packs (pages, or parts); -1 with an exception. */
+static Py_ssize_t count_pack_entries(PyObject *list) {
+    Py_ssize_t total = 0;
+    for (Py_ssize_t p = 0; p < PyList_GET_SIZE(list); p++) {
+        PyObject *item = PyList_GET_ITEM(list, p);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5 ||
+            !PyList_Check(PyTuple_GET_ITEM(item, 3))) {
+            PyErr_SetString(PyExc_TypeError, "write_packs: each pack is (temp, table, keys, "
+                                             "pages, headers) with a list of pages");
+            return -1;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(PyTuple_GET_ITEM(item, 3));
+        if (n == 0 || n > (1 << 20)) {
+            PyErr_SetString(PyExc_ValueError, "write_packs: a pack has 1 to 2**20 pages");
+            return -1;
+        }
+        total += n;
+    }
+    return total;
+}
+
+/* Take one pack's buffers into held and `pack` (its iovecs from `iov`); the iovecs it will
+ * use, or 0 with an exception. `temp` gets the encoded name (the caller releases it). */
+static Py_ssize_t hold_pack(held_t *held, PyObject *item, pack_t *pack, struct iovec *iov,
+                            size_t header_bytes, PyObject **temp) {
+    PyObject *pages = PyTuple_GET_ITEM(item, 3);
+    Py_ssize_t n = PyList_GET_SIZE(pages);
+    if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(item, 0), temp))
+        return 0;
+    pack->temp = PyBytes_AS_STRING(*temp);
+    Py_buffer *table = hold(held, PyTuple_GET_ITEM(item, 1), 0, "write_packs: table");
+    if (table == NULL)
+        return 0;
+    pack->table = table->buf;
+    pack->table_len = (size_t)table->len;
+    pack->num_pages = (int)n;
+    pack->iov = iov;
+    pack->pages = &held->views[held->count];
+    if (PyTuple_GET_ITEM(item, 4) == Py_None && PyTuple_GET_ITEM(item, 2) == Py_None)
+        return hold_list(held, pages, 0, "write_packs: part") ? 1 + n : 0; /* framed already */
+    Py_buffer *keys = hold(held, PyTuple_GET_ITEM(item, 2), 0, "write_packs: keys");
+    Py_buffer *headers =
+        keys ? hold(held, PyTuple_GET_ITEM(item, 4), 1, "write_packs: headers") : NULL;
+    if (headers == NULL)
+        return 0;
+    if (keys->len != KEY_BYTES * n || (size_t)headers->len != header_bytes * (size_t)n) {
+        PyErr_SetString(PyExc_ValueError, "write_packs: keys must be 16 bytes per page, "
+                                          "headers 56 + len(layout) per page");
+        return 0;
+    }
+    pack->keys = keys->buf;
+    pack->headers = headers->buf;
+    pack->pages = &held->views[held->count];
+    return hold_list(held, pages, 0, "write_packs: page") ? 1 + 2 * n : 0;
+}
+
 static PyObject *write_packs(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *list;
@@ -1339,28 +1403,14 @@ static PyObject *write_packs(PyObject *self, PyObject *args) {
     pack_t *packs = NULL;
     PyObject **temps = NULL;
     struct iovec *iovs = NULL;
-    size_t header_bytes = FIXED_BYTES + (size_t)layout.len;
     if (plain.len != PLAIN_BYTES || layout.len > MAX_LAYOUT_BYTES) {
         PyErr_SetString(PyExc_ValueError, "write_packs: plain must be 48 bytes, the layout at "
                                           "most 65535");
         goto done;
     }
-    Py_ssize_t total_pages = 0;
-    for (Py_ssize_t p = 0; p < num; p++) {
-        PyObject *item = PyList_GET_ITEM(list, p);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5 ||
-            !PyList_Check(PyTuple_GET_ITEM(item, 3))) {
-            PyErr_SetString(PyExc_TypeError, "write_packs: each pack is (temp, table, keys, "
-                                             "pages, headers) with a list of pages");
-            goto done;
-        }
-        Py_ssize_t n = PyList_GET_SIZE(PyTuple_GET_ITEM(item, 3));
-        if (n == 0 || n > (1 << 20)) {
-            PyErr_SetString(PyExc_ValueError, "write_packs: a pack has 1 to 2**20 pages");
-            goto done;
-        }
-        total_pages += n;
-    }
+    Py_ssize_t total_pages = count_pack_entries(list);
+    if (total_pages < 0)
+        goto done;
     packs = PyMem_Calloc(num + 1, sizeof *packs);
     held.views = PyMem_Calloc(3 * num + total_pages + 1, sizeof *held.views);
     temps = PyMem_Calloc(num + 1, sizeof *temps);
@@ -1371,43 +1421,11 @@ static PyObject *write_packs(PyObject *self, PyObject *args) {
     }
     struct iovec *iov = iovs;
     for (Py_ssize_t p = 0; p < num; p++) {
-        PyObject *item = PyList_GET_ITEM(list, p);
-        PyObject *pages = PyTuple_GET_ITEM(item, 3);
-        pack_t *pack = &packs[p];
-        Py_ssize_t n = PyList_GET_SIZE(pages);
-        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(item, 0), &temps[p]))
+        Py_ssize_t used = hold_pack(&held, PyList_GET_ITEM(list, p), &packs[p], iov,
+                                    FIXED_BYTES + (size_t)layout.len, &temps[p]);
+        if (used == 0)
             goto done;
-        pack->temp = PyBytes_AS_STRING(temps[p]);
-        Py_buffer *table = hold(&held, PyTuple_GET_ITEM(item, 1), 0, "write_packs: table");
-        if (table == NULL)
-            goto done;
-        pack->table = table->buf;
-        pack->table_len = (size_t)table->len;
-        pack->num_pages = (int)n;
-        pack->iov = iov;
-        if (PyTuple_GET_ITEM(item, 4) == Py_None && PyTuple_GET_ITEM(item, 2) == Py_None) {
-            pack->pages = &held.views[held.count]; /* framed already: its parts */
-            if (!hold_list(&held, pages, 0, "write_packs: part"))
-                goto done;
-            iov += 1 + n;
-            continue;
-        }
-        Py_buffer *keys = hold(&held, PyTuple_GET_ITEM(item, 2), 0, "write_packs: keys");
-        Py_buffer *headers =
-            keys ? hold(&held, PyTuple_GET_ITEM(item, 4), 1, "write_packs: headers") : NULL;
-        if (headers == NULL)
-            goto done;
-        if (keys->len != KEY_BYTES * n || (size_t)headers->len != header_bytes * (size_t)n) {
-            PyErr_SetString(PyExc_ValueError, "write_packs: keys must be 16 bytes per page, "
-                                              "headers 56 + len(layout) per page");
-            goto done;
-        }
-        pack->keys = keys->buf;
-        pack->headers = headers->buf;
-        pack->pages = &held.views[held.count];
-        if (!hold_list(&held, pages, 0, "write_packs: page"))
-            goto done;
-        iov += 1 + 2 * n;
+        iov += used;
     }
     writes_t writes = {packs, plain.buf, layout.buf, (size_t)layout.len};
     batch_t batch = {.num_units = (size_t)num, .run = write_one, .data = &writes};
