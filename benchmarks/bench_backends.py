@@ -262,8 +262,9 @@ def per_file_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
 
 def bare_pack_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
     """A file per batch read as the file backend reads a pack (one preadv of headers and pages
-    per 512 KiB, the C extension's xxh3 over every page, one thread) with bare os calls and nothing else: the floor of a
-    verified read through packs on this machine (context, not a ceiling)."""
+    per 512 KiB, the C extension's xxh3 over every page, one thread) with bare os calls and
+    nothing else: the floor of a verified read through packs on this machine (context, not a
+    ceiling)."""
     header = bytes(header_size(LAYOUT))
     folder = directory / "bare-packs"
     folder.mkdir(exist_ok=True)

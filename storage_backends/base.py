@@ -53,17 +53,15 @@ from .objects import (
     ObjectParts,
     byte_view,
     check_key,
-    decode_object_into,
-    decode_objects_into,
     frame_objects,
     join_parts,
     layout_bytes,
     mac_key_from_secret,
     split_object,
-    verify_object,
 )
 from .options import BackendOptions
 from .stats import BackendStats, RateLimitedWarnings, Usage
+from .verify import decode_object_into, decode_objects_into, verify_object
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +168,7 @@ class StorageBackend(abc.ABC):
     def _decode_all(
         self, keys: list[bytes], views: list[memoryview], fetched: list[Fetched]
     ) -> list[ReadInto]:
-        """Verify a batch and copy it into `views`: `objects.decode_objects_into`, checked
+        """Verify a batch and copy it into `views`: `verify.decode_objects_into`, checked
         and copied by the C extension on a thread per `_SHARE_BYTES`."""
         outcomes: list[ReadInto] = list(fetched)  # misses, errors and reasons stay as they are
         found = [i for i, item in enumerate(fetched) if not _settled(item)]

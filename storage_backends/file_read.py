@@ -15,8 +15,8 @@ a hung mount):
 
 Every page, whichever step read it, is checked by the one C check (key, layout, lengths,
 checksum: `check_parts` in `_pageio.c`), inside the C reader for step 2 and through
-`objects.check_object` for step 3, which also names the reason; with a tenant secret the
-MAC is checked after it (`objects.mac_matches`).
+`verify.check_object` for step 3, which also names the reason; with a tenant secret the
+MAC is checked after it (`verify.mac_matches`).
 
 A read never lets a late write reach the caller's buffer: once `batch_get` has returned
 (on a timeout too) the engine may hand that L2 page to something else. So the kernel writes
@@ -42,15 +42,8 @@ from .file_pack import PackTable, read_table
 from .file_space import DirectorySpace, page_path
 from .guard import CopyGuard
 from .native import pageio
-from .objects import (
-    MAC_BYTES,
-    CorruptReason,
-    check_object,
-    decode_object_into,
-    mac_matches,
-    parse_header,
-    reason_of,
-)
+from .objects import MAC_BYTES, CorruptReason, parse_header
+from .verify import check_object, decode_object_into, mac_matches, reason_of
 from .workers import WorkerPool, share
 
 _MAX_OBJECT_BYTES = 1 << 30  # objects read without an expected size: larger is not a page

@@ -153,8 +153,8 @@ class BatchWrite:
             )
         if objects is not None:
             self.sizes[:] = [obj.nbytes for obj in objects]
-        staged, work = zip(*[self._stage(p, objects) for p in writer.cut_into_packs(self.sizes)])
-        written = self._write(staged, work)
+        packs = [self._stage(p, objects) for p in writer.cut_into_packs(self.sizes)]
+        written = self._write([pack for pack, _ in packs], [work for _, work in packs])
         if not writer.fsync:
             return writer.space.commit(written, len(self.keys))
         unsynced: list[int] = []
@@ -186,12 +186,12 @@ class BatchWrite:
         parts = [part for i in positions for part in (objects[i].header, objects[i].payload)]
         return pack, (temp, table, None, parts, None)
 
-    def _write(self, staged: Sequence[StagedPack], work: Sequence[tuple]) -> list[StagedPack]:
+    def _write(self, staged: list[StagedPack], work: list[tuple]) -> list[StagedPack]:
         """Write every pack in one call of the C writer (a directory removed under us is made
         again, and its packs written once more); the packs written, the others noted."""
         writer = self.writer
         threads = max(1, min(len(work), writer.io_threads, CPUS))
-        errors = pageio.write_packs(list(work), writer.plain, writer.layout_bytes, threads)
+        errors = pageio.write_packs(work, writer.plain, writer.layout_bytes, threads)
         if errno.ENOENT in errors and writer.space.make_root():
             again = [i for i, error in enumerate(errors) if error == errno.ENOENT]
             retried = pageio.write_packs(

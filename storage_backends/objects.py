@@ -29,9 +29,9 @@ checks out under its key: anything else is `CorruptReason.FORGED`, a miss. A rea
 a key reads both versions as before (integrity only; the MAC is covered by the checksum but
 not checked), and so does the daemon, which stores clients' objects as opaque bytes.
 
-The checksum, and the check of a stored object (header, lengths, checksum), are the C
-extension's (`native.pageio`: `xxh3_64`, `check_object`), the one implementation of each;
-this module frames objects, names what a check refused and checks the MAC.
+The checksum and the check of a stored object (header, lengths, checksum) are the C
+extension's (`native.pageio`: `xxh3_64`, `check_object`), the one implementation of each.
+This module holds the format and frames objects; `verify` checks and decodes them.
 
 This module knows bytes and buffers only: not what a layout means, not where objects live.
 An object may arrive as one buffer or as several parts whose concatenation is the object
@@ -60,11 +60,11 @@ MAX_LAYOUT_BYTES = 0xFFFF
 MAX_PAYLOAD_BYTES = 1 << 30  # a payload larger than this is not a page: refused unread
 _LZ4_MAX_RATIO = 255  # an lz4 block never expands its input more than this (plus a little)
 
-_FIXED = struct.Struct("<4sHBBH6x16sQQQ")
-_CHECKSUM_OFFSET = 48
+FIXED_HEADER = struct.Struct("<4sHBBH6x16sQQQ")
+CHECKSUM_OFFSET = 48
 _CHECKSUM = struct.Struct("<Q")
 _PLAIN = struct.Struct("<4sHBBH6x16sQQ")  # the fixed header up to the checksum
-assert _FIXED.size == HEADER_FIXED_BYTES
+assert FIXED_HEADER.size == HEADER_FIXED_BYTES
 
 Buffer = bytes | bytearray | memoryview
 ObjectParts = Buffer | Sequence[Buffer]
@@ -86,7 +86,7 @@ class Compression(enum.IntEnum):
             raise ValueError(f"compression must be 'none' or 'lz4', got {name!r}") from None
 
 
-_CODECS = (Compression.NONE, Compression.LZ4)  # by header value
+CODECS = (Compression.NONE, Compression.LZ4)  # by header value
 
 
 class CorruptReason(str, enum.Enum):
@@ -179,7 +179,7 @@ def mac_key_from_secret(secret: bytes) -> MacKey:
     return hmac.digest(secret, b"hicache tenant MAC key", hashlib.sha256)
 
 
-def _new_mac(mac_key: MacKey, plain: Buffer, layout: bytes) -> hmac.HMAC:
+def start_mac(mac_key: MacKey, plain: Buffer, layout: bytes) -> hmac.HMAC:
     """HMAC-SHA256 (SHA-256 runs on the CPU's SHA instructions where it has them, and
     without the GIL), fed with the label, the plain header and the layout; the payload next."""
     mac = hmac.new(mac_key, _MAC_LABEL, hashlib.sha256)
@@ -302,7 +302,7 @@ def _header(
     prefix = _PLAIN.pack(MAGIC, version, compression, 0, len(layout), key, len(stored), raw_bytes)
     tail = layout
     if mac_key is not None:
-        mac = _new_mac(mac_key, prefix, layout)
+        mac = start_mac(mac_key, prefix, layout)
         mac.update(stored)
         tail = layout + mac.digest()
     checksum = pageio.xxh3_64(prefix + tail, stored)
@@ -318,12 +318,14 @@ def parse_header(buf: Buffer) -> ObjectHeader | CorruptReason:
     if len(view) < HEADER_FIXED_BYTES:
         start = bytes(view[: len(MAGIC)])
         return CorruptReason.TRUNCATED if MAGIC.startswith(start) else CorruptReason.MAGIC
-    magic, version, codec, flags, layout_len, key, stored, raw, checksum = _FIXED.unpack_from(view)
+    magic, version, codec, flags, layout_len, key, stored, raw, checksum = FIXED_HEADER.unpack_from(
+        view
+    )
     if magic != MAGIC:
         return CorruptReason.MAGIC
     if version not in (FORMAT_VERSION, SIGNED_VERSION) or flags != 0:
         return CorruptReason.VERSION
-    if codec >= len(_CODECS):
+    if codec >= len(CODECS):
         return CorruptReason.COMPRESSION
     layout_end = HEADER_FIXED_BYTES + layout_len
     mac_bytes = MAC_BYTES if version == SIGNED_VERSION else 0
@@ -331,7 +333,7 @@ def parse_header(buf: Buffer) -> ObjectHeader | CorruptReason:
         return CorruptReason.TRUNCATED
     layout = bytes(view[HEADER_FIXED_BYTES:layout_end])
     mac = bytes(view[layout_end : layout_end + MAC_BYTES]) if mac_bytes else None
-    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac)
+    return ObjectHeader(key, layout, CODECS[codec], stored, raw, checksum, mac)
 
 
 def peek_sizes(buf: Buffer) -> tuple[int, int] | None:
@@ -342,245 +344,11 @@ def peek_sizes(buf: Buffer) -> tuple[int, int] | None:
     view = byte_view(buf)
     if len(view) < HEADER_FIXED_BYTES:
         return None
-    magic, version, _, _, layout_len, _, stored, _, _ = _FIXED.unpack_from(view)
+    magic, version, _, _, layout_len, _, stored, _, _ = FIXED_HEADER.unpack_from(view)
     if magic != MAGIC:
         return None
     mac_bytes = MAC_BYTES if version == SIGNED_VERSION else 0
     return HEADER_FIXED_BYTES + layout_len + mac_bytes, stored
-
-
-def _as_parts(obj: ObjectParts) -> list[memoryview]:
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return [byte_view(obj)]
-    return [byte_view(part) for part in obj]
-
-
-# What the C check answers (`_pageio.c`, check_parts): 1 verified, else the reason by number.
-_VERIFIED = 1
-_REASONS = {
-    2: CorruptReason.MAGIC,
-    3: CorruptReason.VERSION,
-    4: CorruptReason.KEY,
-    5: CorruptReason.LAYOUT,
-    6: CorruptReason.LENGTH,
-    7: CorruptReason.TRUNCATED,
-    8: CorruptReason.CHECKSUM,
-    9: CorruptReason.COMPRESSION,
-}
-_SPLIT_HEADER = 10  # the header straddles two parts: joined, and asked again
-_MAX_PARTS = 1024
-
-
-def reason_of(code: int) -> CorruptReason | None:
-    """The reason a C check's answer `code` names (None: it checked out)."""
-    return None if code == _VERIFIED else _REASONS[code]
-
-
-def check_object(
-    obj: ObjectParts,
-    expected_key: bytes,
-    expected_layout: bytes | None,
-    *,
-    raw_bytes: int | None = None,
-    mac_key: MacKey | None = None,
-) -> tuple[ObjectHeader, list[memoryview]] | CorruptReason:
-    """The check every read of an object goes through, in every backend and the daemon:
-    (its header, its stored payload as views into `obj`), or why it is refused.
-
-    `obj` is the whole object, as one buffer or as parts in order (a header read apart from
-    its payload, a Redis hash of chunks). The C check (`pageio.check_object`, the same one
-    the file reader and `check_copy` apply to a batch) looks at the magic, version and
-    flags, the codec, the key, the layout (unless `expected_layout` is None: the daemon
-    stores every layout), the lengths against the header, the bytes present and `raw_bytes`
-    (the size the reader expects, where it knows it), and the checksum; here, with a
-    `mac_key`, the MAC (a version 1 object, without one, is then `FORGED`). Nothing is copied.
-    """
-    parts = _as_parts(obj)
-    if not parts:
-        return CorruptReason.TRUNCATED
-    if len(parts) > _MAX_PARTS:
-        parts = [memoryview(b"".join(parts))]
-    expected_raw = -1 if raw_bytes is None else raw_bytes
-    code = pageio.check_object(parts, expected_key, expected_layout, expected_raw)
-    if code == _SPLIT_HEADER:  # (no backend here splits a header; tolerated)
-        parts = [memoryview(b"".join(parts))]
-        code = pageio.check_object(parts, expected_key, expected_layout, expected_raw)
-    if code != _VERIFIED:
-        return _REASONS[code]
-    header = _verified_header(parts[0])
-    payload = [parts[0][header.header_bytes :], *parts[1:]]
-    if mac_key is not None and not mac_matches(mac_key, header, parts[0], payload):
-        return CorruptReason.FORGED
-    return header, payload
-
-
-def _verified_header(first: memoryview) -> ObjectHeader:
-    """The header of an object the C check has passed (its fields are sound)."""
-    _, version, codec, _, layout_len, key, stored, raw, checksum = _FIXED.unpack_from(first)
-    layout_end = HEADER_FIXED_BYTES + layout_len
-    layout = bytes(first[HEADER_FIXED_BYTES:layout_end])
-    mac = bytes(first[layout_end : layout_end + MAC_BYTES]) if version == SIGNED_VERSION else None
-    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac)
-
-
-def mac_matches(
-    mac_key: MacKey, header: ObjectHeader, first: Buffer, payload: Sequence[Buffer]
-) -> bool:
-    """Whether a checked object (its `header`, its buffer `first` holding the header, its
-    stored `payload` parts) carries a MAC (version 2) and it is the one `mac_key` makes."""
-    if header.mac is None:
-        return False
-    signer = _new_mac(mac_key, memoryview(first)[:_CHECKSUM_OFFSET], header.layout)
-    for part in payload:
-        signer.update(part)
-    return hmac.compare_digest(signer.digest(), header.mac)
-
-
-def verify_object(
-    obj: ObjectParts, expected_key: bytes, *, mac_key: MacKey | None = None
-) -> CorruptReason | None:
-    """`check_object` for `expected_key` without knowing its layout (the daemon's check:
-    without a `mac_key`, so objects with a MAC pass on their checksum alone). None when it
-    is intact; the reader compares the layout when it decodes."""
-    checked = check_object(obj, expected_key, None, mac_key=mac_key)
-    return checked if isinstance(checked, CorruptReason) else None
-
-
-def decode_object(
-    blob: Buffer, expected_key: bytes, expected_layout: str, *, mac_key: MacKey | None = None
-) -> memoryview | bytes | CorruptReason:
-    """The payload of a verified object, or why it was refused.
-
-    Uncompressed payloads come back as a memoryview into `blob` (no copy); lz4 payloads as the
-    decompressed `bytes`.
-    """
-    checked = check_object(blob, expected_key, layout_bytes(expected_layout), mac_key=mac_key)
-    if isinstance(checked, CorruptReason):
-        return checked
-    header, payload = checked
-    if header.compression is Compression.NONE:
-        return payload[0] if len(payload) == 1 else b"".join(payload)
-    return _decompress(header, payload)
-
-
-def verify_payload(
-    obj: ObjectParts,
-    expected_key: bytes,
-    expected_layout: str | bytes,
-    raw_bytes: int,
-    *,
-    mac_key: MacKey | None = None,
-) -> list[memoryview] | CorruptReason:
-    """Verify an object (`check_object`) and return its payload, `raw_bytes` long, as parts
-    to copy out: views into `obj` (or the decompressed bytes, for lz4), nothing copied."""
-    layout = (
-        expected_layout if isinstance(expected_layout, bytes) else layout_bytes(expected_layout)
-    )
-    checked = check_object(obj, expected_key, layout, raw_bytes=raw_bytes, mac_key=mac_key)
-    if isinstance(checked, CorruptReason):
-        return checked
-    header, payload = checked
-    if header.compression is Compression.LZ4:
-        raw = _decompress(header, payload)
-        if isinstance(raw, CorruptReason):
-            return raw
-        payload = [memoryview(raw)]
-    return payload
-
-
-def decode_object_into(
-    obj: ObjectParts,
-    expected_key: bytes,
-    expected_layout: str | bytes,
-    into: Buffer,
-    *,
-    mac_key: MacKey | None = None,
-) -> CorruptReason | None:
-    """Verify an object and copy its payload into `into` (exactly the raw payload's size).
-
-    Returns None on success. On any CorruptReason `into` is left untouched: the payload is
-    checked before a byte is copied.
-    """
-    target = byte_view(into, writable=True, what="destination buffer")
-    payload = verify_payload(obj, expected_key, expected_layout, len(target), mac_key=mac_key)
-    if isinstance(payload, CorruptReason):
-        return payload
-    if len(payload) == 1:
-        target[:] = payload[0]
-        return None
-    offset = 0
-    for part in payload:
-        target[offset : offset + len(part)] = part
-        offset += len(part)
-    return None
-
-
-def decode_objects_into(
-    objs: Sequence[ObjectParts],
-    expected_keys: Sequence[bytes],
-    expected_layout: bytes,
-    intos: Sequence[memoryview],
-    *,
-    threads: int = 1,
-    mac_key: MacKey | None = None,
-) -> list[CorruptReason | None]:
-    """`decode_object_into` for a batch: one None (verified and copied) or reason per object.
-
-    Objects held as one buffer each (the common reply of a network backend, what memory://
-    holds) are checked and copied by the C extension in one call (`check_copy`, the same
-    check as `check_object`'s) on up to `threads` threads; objects in parts, intact lz4 ones
-    and, with a `mac_key`, all of them (the C check knows no MAC) go through
-    `decode_object_into`. Either way a destination is written only once its object checked
-    out.
-    """
-    results: list[CorruptReason | None | bool] = [False] * len(objs)  # False: not decoded yet
-    buffers = [_one_buffer(obj) for obj in objs] if mac_key is None else []
-    whole = [i for i, buf in enumerate(buffers) if buf is not None]
-    if whole:
-        codes = bytearray(len(whole))
-        pageio.check_copy(
-            [buffers[i] for i in whole],
-            [intos[i] for i in whole],
-            b"".join([expected_keys[i] for i in whole]),
-            expected_layout,
-            codes,
-            threads,
-        )
-        for i, code in zip(whole, codes, strict=True):
-            if code:  # (0: intact but lz4, decoded below)
-                results[i] = reason_of(code)
-    for i, result in enumerate(results):
-        if result is False:
-            results[i] = decode_object_into(
-                objs[i], expected_keys[i], expected_layout, intos[i], mac_key=mac_key
-            )
-    return results
-
-
-def _one_buffer(obj: ObjectParts) -> memoryview | None:
-    """The object as one flat byte view where it is one buffer (alone, or the only part)
-    that C can read as it is; else None."""
-    part = obj if isinstance(obj, (bytes, bytearray, memoryview)) else None
-    if part is None and len(obj) == 1:
-        part = obj[0]
-    if isinstance(part, (bytes, bytearray)):
-        return memoryview(part)
-    if isinstance(part, memoryview) and part.c_contiguous:
-        return part.cast("B") if part.format != "B" or part.ndim != 1 else part
-    return None
-
-
-def _decompress(header: ObjectHeader, payload: list[memoryview]) -> bytes | CorruptReason:
-    import lz4.block
-
-    packed = payload[0] if len(payload) == 1 else b"".join(payload)
-    try:
-        raw = lz4.block.decompress(packed, uncompressed_size=header.raw_bytes)
-    except lz4.block.LZ4BlockError:
-        return CorruptReason.COMPRESSION
-    if len(raw) != header.raw_bytes:
-        return CorruptReason.COMPRESSION
-    return raw
 
 
 def split_object(blob: Buffer) -> FramedObject | CorruptReason:
@@ -592,11 +360,18 @@ def split_object(blob: Buffer) -> FramedObject | CorruptReason:
     return FramedObject(view[: header.header_bytes], view[header.header_bytes :])
 
 
+def as_parts(obj: ObjectParts) -> list[memoryview]:
+    """An object's parts (one buffer, or several in order) as flat byte views."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return [byte_view(obj)]
+    return [byte_view(part) for part in obj]
+
+
 def join_parts(obj: ObjectParts) -> bytes:
     """The object as one `bytes`: free when it already is one, else one copy."""
     if isinstance(obj, bytes):
         return obj
-    parts = _as_parts(obj)
+    parts = as_parts(obj)
     if len(parts) == 1 and isinstance(parts[0].obj, bytes) and len(parts[0]) == len(parts[0].obj):
         return parts[0].obj
     return b"".join(parts)

@@ -23,7 +23,8 @@ from storage_backends import file_write as file_write_module
 from storage_backends import open_backend
 from storage_backends.file_pack import ENTRY_BYTES, entry_position, read_table, table_bytes
 from storage_backends.file_space import LEDGER_NAME, page_path, temp_path
-from storage_backends.objects import decode_object, encode_object, header_size
+from storage_backends.objects import encode_object, header_size
+from storage_backends.verify import decode_object
 
 WORKER = Path(__file__).with_name("file_worker.py")
 PAGE_BYTES = 4096

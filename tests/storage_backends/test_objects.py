@@ -15,8 +15,6 @@ from storage_backends.objects import (
     MAGIC,
     Compression,
     CorruptReason,
-    decode_object,
-    decode_object_into,
     encode_object,
     frame_object,
     header_size,
@@ -24,8 +22,8 @@ from storage_backends.objects import (
     layout_bytes,
     parse_header,
     split_object,
-    verify_object,
 )
+from storage_backends.verify import decode_object, decode_object_into, verify_object
 
 KEY = bytes(range(16))
 LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"

@@ -19,13 +19,13 @@ from storage_backends import native
 from storage_backends.file_pack import pack_table
 from storage_backends.objects import (
     CorruptReason,
-    _REASONS,
     encode_object,
     frame_objects,
     header_size,
     layout_bytes,
     plain_template,
 )
+from storage_backends.verify import _REASONS
 
 pageio = native.pageio
 CODE = {reason: code for code, reason in _REASONS.items()}  # the C check's numbers
@@ -112,7 +112,8 @@ def test_the_check_names_the_first_thing_wrong(simd):
     layout = layout_bytes(LAYOUT)
     good = bytearray(encode_object(key, LAYOUT, page))
 
-    def check(obj, *, want_key=key, want_layout=layout, raw=len(page)):
+    def check(obj, *, want_key=key, want_layout=layout, raw=None):
+        raw = len(page) if raw is None else raw
         return pageio.check_object([bytes(obj)], want_key, want_layout, raw)
 
     def flipped(at, bit=0x40):
@@ -463,8 +464,9 @@ def test_write_packs_writes_objects_framed_already_as_they_are(tmp_path):
     table = pack_table(keys, [obj.nbytes for obj in objects])
     temp = str(tmp_path / "a" / "b" / "pack.tmp")
     encoded = layout_bytes(LAYOUT)
-    assert pageio.write_packs([(temp, table, None, parts, None)], plain_template(encoded),
-                              encoded, 2) == [0]
+    assert pageio.write_packs(
+        [(temp, table, None, parts, None)], plain_template(encoded), encoded, 2
+    ) == [0]
     with open(temp, "rb") as f:
         assert f.read() == table + b"".join(bytes(part) for part in parts)
 

@@ -19,12 +19,11 @@ from storage_backends import BackendConfigError, open_backend
 from storage_backends.objects import (
     MAC_BYTES,
     CorruptReason,
-    decode_object,
     encode_object,
     mac_key_from_secret,
     parse_header,
-    verify_object,
 )
+from storage_backends.verify import decode_object, verify_object
 
 from .conftest import BACKENDS
 
