@@ -205,7 +205,7 @@ class FileBackend(StorageBackend):
         if failed:
             self._counts["errors"] += len(failed)
             self._note_page_error(failed[-1])
-            self._warn_page_errors("delete", len(failed))
+            self._tally.warn_page_errors("delete", len(failed))
         return removed
 
     def _usage(self) -> Usage:

@@ -48,6 +48,7 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from .errors import BackendConfigError
 from .native import pageio
 
 MAGIC = b"HCKV"
@@ -169,6 +170,46 @@ def header_size(layout: str, *, signed: bool = False) -> int:
     """Bytes of the header an object of this layout carries in front of its payload (with a
     MAC: `signed`)."""
     return HEADER_FIXED_BYTES + len(layout_bytes(layout)) + (MAC_BYTES if signed else 0)
+
+
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """A batch's keys as a list, each 16 bytes (a bad one is named by its position)."""
+    keys = list(keys)
+    if all(type(key) is bytes and len(key) == KEY_BYTES for key in keys):
+        return keys  # the common case, without building a message per key
+    for i, key in enumerate(keys):
+        check_key(key, what=f"keys[{i}]")
+    return keys
+
+
+def writable_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """Flat writable byte views of the caller's buffers; a bad one is named by its position
+    (the names are built only then: this runs for every read)."""
+    try:
+        return [byte_view(buf, writable=True) for buf in buffers]
+    except ValueError:
+        return [byte_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(buffers)]
+
+
+def check_same_length(name: str, keys: list[bytes], values: Sequence[object]) -> None:
+    if len(values) != len(keys):
+        raise ValueError(f"{name} has {len(values)} entries for {len(keys)} keys")
+
+
+def load_secret(path: str, name: str) -> MacKey | None:
+    """The MAC key of the secret in `path` (read once, when backend `name` is built); None
+    for no secret. The file holds the secret alone (surrounding whitespace is ignored)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise BackendConfigError(f"{name}: secret_file {path!r}: {exc.strerror}") from None
+    try:
+        return mac_key_from_secret(secret)
+    except ValueError as exc:
+        raise BackendConfigError(f"{name}: secret_file {path!r}: {exc}") from None
 
 
 def mac_key_from_secret(secret: bytes) -> MacKey:
