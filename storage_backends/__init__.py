@@ -10,6 +10,13 @@ Every stored page is a self-describing object (`objects`), verified on every rea
     found = await backend.batch_get(keys[:n], into=host_page_views)
 
 Client libraries (redis) are imported only when a URL of their scheme is opened.
+
+Where things live: a page is verified in one place, the C check `check_parts` of
+`_pageio.c`, reached through `verify.check_object` (every backend's reads, the daemon's
+puts and gets; it names the reason and checks the MAC of a tenant secret) and, for a batch,
+through the C reader and `check_copy`, which call the same check. A `file://` batch is read
+by `file_read.BatchRead` and written by `file_write.BatchWrite`, whose bytes reach the disk
+in one place, the C writer `write_packs` (`write_one` in `_pageio.c`).
 """
 
 from .base import PageStatus, StorageBackend
@@ -24,20 +31,23 @@ from .objects import (
     CorruptReason,
     FramedObject,
     ObjectHeader,
-    decode_object,
-    decode_object_into,
     encode_object,
     frame_object,
     frame_objects,
     mac_key_from_secret,
     parse_header,
-    verify_object,
-    verify_payload,
 )
 from .options import BackendOptions, parse_duration, parse_size
 from .registry import known_schemes, open_backend, register_backend
 from .stats import BackendStats, Usage
 from .sync import SyncBackend
+from .verify import (
+    check_object,
+    decode_object,
+    decode_object_into,
+    verify_object,
+    verify_payload,
+)
 
 __all__ = [
     "BackendClosedError",
@@ -66,6 +76,7 @@ __all__ = [
     "parse_header",
     "parse_size",
     "register_backend",
+    "check_object",
     "verify_object",
     "verify_payload",
 ]

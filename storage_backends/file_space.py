@@ -24,7 +24,8 @@ files are removed by hand. The periodic scan detects it: with `churn` the bytes 
 removed while it ran, a scan total further than `churn` from the ledger's cannot be explained
 by concurrent writers, and the ledger is rebuilt from a scan done under the lock.
 
-Nothing here reads page contents: that is `file_store`'s job.
+The ledger file itself is `file_ledger`'s. Nothing here reads page contents: that is
+`file_read`'s job.
 """
 
 from __future__ import annotations
@@ -32,30 +33,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
-import heapq
 import logging
 import os
 import stat
-import struct
 import threading
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from . import native
 from .base import PageStatus
+from .file_index import TEMP_MARK, PackIndex, PackInfo, scan_directory
+from .file_ledger import LEDGER_NAME, Ledger, LedgerState  # (LEDGER_NAME: for tools)
 from .file_pack import tombstone
-from .objects import KEY_BYTES
+from .native import pageio
 
 logger = logging.getLogger(__name__)
 
-LEDGER_NAME = ".hicache-ledger"
-_LEDGER = struct.Struct("<8s5q")
-_LEDGER_MAGIC = b"HCLEDG01"
+__all__ = ["LEDGER_NAME", "DirectorySpace", "page_path", "temp_path"]
+
 _HEX_DIGITS = "0123456789abcdef"
-_HEX = frozenset(_HEX_DIGITS)
-_TEMP_MARK = ".tmp."
 
 
 def page_path(root: str, key: bytes) -> str:
@@ -68,245 +64,7 @@ def page_path(root: str, key: bytes) -> str:
 
 
 def temp_path(path: str, serial: int) -> str:
-    return f"{path}{_TEMP_MARK}{os.getpid()}.{serial}"
-
-
-@dataclasses.dataclass
-class LedgerState:
-    valid: bool = False  # False: the ledger is new or unreadable and must be rebuilt by a scan
-    used_bytes: int = 0
-    num_objects: int = 0
-    churn_bytes: int = 0  # bytes added plus bytes removed, ever: the drift test's yardstick
-    num_changes: int = 0  # objects added plus removed, ever
-    num_evictions: int = 0
-
-    def grow(self, nbytes: int) -> None:
-        """A pack's bytes came in."""
-        self.used_bytes += nbytes
-        self.churn_bytes += nbytes
-
-    def shrink(self, nbytes: int) -> None:
-        """A pack's bytes went (its last page link was removed)."""
-        self.used_bytes -= nbytes
-        self.churn_bytes += nbytes
-
-    def pack(self) -> bytes:
-        return _LEDGER.pack(
-            _LEDGER_MAGIC,
-            self.used_bytes,
-            self.num_objects,
-            self.churn_bytes,
-            self.num_changes,
-            self.num_evictions,
-        )
-
-    @classmethod
-    def unpack(cls, data: bytes) -> LedgerState:
-        if len(data) < _LEDGER.size:
-            return cls()
-        magic, *values = _LEDGER.unpack_from(data)
-        if magic != _LEDGER_MAGIC or min(values) < 0:
-            return cls()
-        return cls(True, *values)
-
-
-_PROCESS_LOCKS: dict[str, threading.Lock] = {}
-_PROCESS_LOCKS_GUARD = threading.Lock()
-
-
-def _process_lock(path: str) -> threading.Lock:
-    """One lock per ledger per process: flock alone does not order this process's threads
-    (and on NFS it is emulated by per-process POSIX locks)."""
-    with _PROCESS_LOCKS_GUARD:
-        return _PROCESS_LOCKS.setdefault(os.path.realpath(path), threading.Lock())
-
-
-class Ledger:
-    """The shared totals file. Every method blocks; call them from worker threads.
-
-    One ledger per directory, whatever happens to it: each time it is locked, the file held
-    is checked to still be the one at its name. If the directory (or the ledger alone) was
-    removed or replaced under us, the directory is made again and the ledger at its name
-    opened (a fresh one is invalid, so the caller rebuilds it from a scan), so every process
-    counts into the same file, never into one only it still holds.
-    """
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        self.path = os.path.join(root, LEDGER_NAME)
-        self._lock = _process_lock(self.path)
-        self._fd: int | None = None
-
-    def open(self) -> None:
-        with self._lock:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-
-    def _lock_current(self) -> int:
-        """flock the ledger at its name (reopened, and the directory made again, if what we
-        held is no longer it); returns the locked fd. Called with the process lock held."""
-        for _ in range(8):  # another process may replace it again in between: look again
-            fd = self._fd
-            if fd is None:
-                raise OSError(f"ledger {self.path} is not open")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            held = os.fstat(fd)
-            try:
-                named = os.stat(self.path)
-            except FileNotFoundError:
-                named = None
-            if named is not None and (named.st_ino, named.st_dev) == (held.st_ino, held.st_dev):
-                return fd
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            self._fd = None
-            logger.warning(
-                "%s: the cache directory or its ledger was removed or replaced while in use; "
-                "made it again, and the ledger is rebuilt from what is on disk",
-                self.root,
-            )
-            os.makedirs(self.root, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        raise OSError(f"ledger {self.path} keeps being replaced")
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[LedgerState]:
-        """Hold the ledger; changes made to the yielded state are written back on exit."""
-        with self._lock:
-            fd = self._lock_current()
-            try:
-                state = LedgerState.unpack(os.pread(fd, _LEDGER.size, 0))
-                before = dataclasses.replace(state)
-                yield state
-                if state != before and state.valid:
-                    os.pwrite(fd, state.pack(), 0)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-
-    def read(self) -> LedgerState:
-        with self.locked() as state:
-            return dataclasses.replace(state)
-
-
-class PackInfo(NamedTuple):
-    """One pack as seen on disk: its inode, size, mtime, and the page keys linked to it."""
-
-    ino: int
-    nbytes: int
-    mtime_ns: int
-    keys: tuple[bytes, ...]
-
-
-class DirectoryScan(NamedTuple):
-    packs: list[PackInfo]  # oldest mtime first
-    total_bytes: int  # bytes of the packs (each counted once, however many links it has)
-    num_objects: int  # page links
-    num_stale_temps: int  # temporary files of dead writers removed by this scan
-
-
-def scan_directory(root: str, *, stale_temp_s: float) -> DirectoryScan:
-    """Every page link under root, grouped into packs; remove long-dead temporary files."""
-    packs: dict[int, list] = {}  # ino -> [size, mtime, keys]
-    links = 0
-    stale = 0
-    stale_before_ns = time.time_ns() - int(stale_temp_s * 1e9)
-    for top in _hex_dirs(root):
-        for sub in _hex_dirs(top.path):
-            prefix = top.name + sub.name
-            with os.scandir(sub.path) as entries:
-                for entry in entries:
-                    name = entry.name
-                    try:
-                        if _TEMP_MARK in name:
-                            if entry.stat().st_mtime_ns < stale_before_ns:
-                                os.unlink(entry.path)
-                                stale += 1
-                        elif len(name) == 2 * KEY_BYTES and name.startswith(prefix):
-                            if not _HEX.issuperset(name):
-                                continue
-                            st = entry.stat(follow_symlinks=False)
-                            found = packs.setdefault(st.st_ino, [st.st_size, st.st_mtime_ns, []])
-                            found[2].append(bytes.fromhex(name))
-                            links += 1
-                    except FileNotFoundError:
-                        continue  # evicted or renamed by another process while we looked
-    infos = [PackInfo(ino, size, mtime, tuple(keys)) for ino, (size, mtime, keys) in packs.items()]
-    infos.sort(key=lambda info: info.mtime_ns)
-    return DirectoryScan(infos, sum(info.nbytes for info in infos), links, stale)
-
-
-def _hex_dirs(path: str) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as entries:
-            return [
-                e
-                for e in entries
-                if len(e.name) == 1 and _HEX.issuperset(e.name) and e.is_dir(follow_symlinks=False)
-            ]
-    except FileNotFoundError:
-        return []
-
-
-class PackIndex:
-    """Eviction candidates, oldest first: the last scan, then this process's own activity.
-
-    A lazy min-heap of (mtime, inode) over the packs this process knows: noting a pack again
-    pushes a newer entry and leaves the old one to be skipped. Thread-safe: readers note
-    touches while the committer pops candidates.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._packs: dict[int, PackInfo] = {}
-        self._noted_ns: dict[int, int] = {}  # when this process last noted each pack
-        self._heap: list[tuple[int, int]] = []
-
-    def load(self, scan: DirectoryScan, *, started_ns: int) -> None:
-        """Replace what was scanned before; keep packs noted after this scan started."""
-        with self._lock:
-            recent = {ino: self._packs[ino] for ino, t in self._noted_ns.items() if t >= started_ns}
-            self._packs = {info.ino: info for info in scan.packs}
-            self._packs.update(recent)
-            self._noted_ns = {ino: self._noted_ns[ino] for ino in recent}
-            self._heap = [(info.mtime_ns, info.ino) for info in self._packs.values()]
-            heapq.heapify(self._heap)
-
-    def add(self, info: PackInfo) -> None:
-        with self._lock:
-            self._packs[info.ino] = info
-            self._noted_ns[info.ino] = time.time_ns()
-            heapq.heappush(self._heap, (info.mtime_ns, info.ino))
-
-    def touch(self, ino: int, mtime_ns: int) -> None:
-        """A pack was used at `mtime_ns` (unknown packs wait for the next scan)."""
-        with self._lock:
-            info = self._packs.get(ino)
-            if info is None or info.mtime_ns >= mtime_ns:
-                return
-            self._packs[ino] = info._replace(mtime_ns=mtime_ns)
-            self._noted_ns[ino] = time.time_ns()
-            heapq.heappush(self._heap, (mtime_ns, ino))
-
-    def pop_oldest(self) -> PackInfo | None:
-        with self._lock:
-            while self._heap:
-                mtime, ino = heapq.heappop(self._heap)
-                info = self._packs.get(ino)
-                if info is not None and info.mtime_ns == mtime:
-                    del self._packs[ino]
-                    self._noted_ns.pop(ino, None)
-                    return info
-            return None
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._packs)
+    return f"{path}{TEMP_MARK}{os.getpid()}.{serial}"
 
 
 class StagedPack(NamedTuple):
@@ -321,13 +79,10 @@ class StagedPack(NamedTuple):
 class DirectorySpace:
     """Capacity and LRU for one directory. Every method blocks: call from worker threads."""
 
-    def __init__(
-        self, root: str, capacity_bytes: int, *, stale_temp_s: float, link_threads: int = 1
-    ) -> None:
+    def __init__(self, root: str, capacity_bytes: int, *, link_threads: int = 1) -> None:
         self.root = root
         self.capacity_bytes = capacity_bytes
-        self.stale_temp_s = stale_temp_s
-        self.link_threads = link_threads  # a pack's names are linked on up to this many threads
+        self.link_threads = link_threads  # a batch's names are linked on up to this many threads
         self.ledger = Ledger(root)
         self.index = PackIndex()
         self.index_ready = threading.Event()
@@ -378,7 +133,7 @@ class DirectorySpace:
         """Rescan without the lock: refresh the index, and rebuild the ledger if it drifted."""
         started_ns = time.time_ns()
         before = self.ledger.read()
-        scan = scan_directory(self.root, stale_temp_s=self.stale_temp_s)
+        scan = scan_directory(self.root)
         after = self.ledger.read()
         self.index.load(scan, started_ns=started_ns)
         self.last_state = after
@@ -401,7 +156,7 @@ class DirectorySpace:
     def _rebuild(self, state: LedgerState) -> None:
         """With the ledger locked: totals and index from a fresh scan."""
         started_ns = time.time_ns()
-        scan = scan_directory(self.root, stale_temp_s=self.stale_temp_s)
+        scan = scan_directory(self.root)
         # The correction counts as churn, so other processes' drift checks do not trip on it.
         state.churn_bytes += abs(scan.total_bytes - state.used_bytes)
         state.num_changes += abs(scan.num_objects - state.num_objects)
@@ -457,6 +212,29 @@ class DirectorySpace:
                 unlink_quiet(pack.temp_path)  # (a commit that failed half-way)
         return statuses
 
+    def _link_new_names(self, packs: list[StagedPack], paths: list[list[str]]) -> list[list[int]]:
+        """Link each pack at each of its `paths` that is not taken, all in one call of the C
+        extension (`link_all`, on up to `link_threads` threads, the packs' names taken in turn
+        so that the threads link to different files); 0 where that made the name. The others
+        (taken, folder missing, anything else; -1: not tried, without hard links) are left
+        to `_link_in`, one by one."""
+        errors = [[-1] * len(names) for names in paths]
+        if not self.hard_links or not packs:
+            return errors
+        threads = max(1, min(self.link_threads, sum(map(len, paths)) // 8))
+        turns = [
+            (i, j)
+            for j in range(max(map(len, paths)))
+            for i in range(len(paths))
+            if j < len(paths[i])
+        ]
+        codes = pageio.link_all(
+            [packs[i].temp_path for i, _ in turns], [paths[i][j] for i, j in turns], threads
+        )
+        for (i, j), code in zip(turns, codes, strict=True):
+            errors[i][j] = code
+        return errors
+
     def _link_in(
         self,
         state: LedgerState,
@@ -500,28 +278,6 @@ class DirectorySpace:
         if linked:
             state.grow(st.st_size)
             self.index.add(PackInfo(st.st_ino, st.st_size, st.st_mtime_ns, tuple(linked)))
-
-    def _link_new_names(self, packs: list[StagedPack], paths: list[list[str]]) -> list[list[int]]:
-        """Link each pack at each of its `paths` that is not taken, all in one go (the C
-        extension, on up to `link_threads` threads, the packs' names taken in turn so that the
-        threads link to different files); 0 where that made the name. The others (taken,
-        folder missing, anything else; -1: not tried) are left to `_link_new`, one by one."""
-        errors = [[-1] * len(names) for names in paths]
-        threads = min(self.link_threads, sum(map(len, paths)) // 8)
-        if native.pageio is None or not self.hard_links or threads < 2:
-            return errors
-        turns = [
-            (i, j)
-            for j in range(max(map(len, paths)))
-            for i in range(len(paths))
-            if j < len(paths[i])
-        ]
-        codes = native.pageio.link_all(
-            [packs[i].temp_path for i, _ in turns], [paths[i][j] for i, j in turns], threads
-        )
-        for (i, j), code in zip(turns, codes, strict=True):
-            errors[i][j] = code
-        return errors
 
     def _make_room(self, state: LedgerState, growth: int) -> None:
         """Evict least recently used packs until `growth` more bytes fit (or none is left)."""
@@ -613,7 +369,7 @@ def _set(statuses: list[PageStatus], positions: list[int], status: PageStatus) -
 
 def _can_hard_link(root: str) -> bool:
     """Whether the filesystem under root makes hard links (some FUSE mounts do not)."""
-    probe = os.path.join(root, f".hicache-probe{_TEMP_MARK}{os.getpid()}")
+    probe = os.path.join(root, f".hicache-probe{TEMP_MARK}{os.getpid()}")
     unlink_quiet(probe)
     unlink_quiet(probe + ".link")
     try:
@@ -649,7 +405,7 @@ def _try_link(source: str, path: str) -> os.stat_result | None:
 
 def _replace(source: str, path: str) -> None:
     """Make the existing name `path` a link to `source`, atomically."""
-    temp = f"{path}{_TEMP_MARK}{os.getpid()}.link"  # under the ledger lock: one at a time
+    temp = f"{path}{TEMP_MARK}{os.getpid()}.link"  # under the ledger lock: one at a time
     unlink_quiet(temp)
     os.link(source, temp)
     try:

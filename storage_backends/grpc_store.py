@@ -32,30 +32,21 @@ The first use checks every server: a refused token or an unknown namespace raise
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
 
 import grpc
 
 from .allocator import tune_for_large_messages
 from .base import Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
+from .grpc_options import GrpcOptions, options_from_url, read_file
 from .guard import CopyGuard
 from .objects import FramedObject
-from .options import BackendOptions, check_range, options_from_query, url_option
 from .pieces import ObjectAssembly, WireError, encode_put_request, split_into_messages
 from .proto import kvstore_pb2 as pb
 from .protocol import (
-    DEFAULT_MESSAGE_BYTES,
-    DEFAULT_NAMESPACE,
-    DEFAULT_PORT,
-    MAX_MESSAGE_BYTES,
-    MIN_MESSAGE_BYTES,
     bearer_metadata,
-    check_namespace,
     method_path,
 )
 from .rendezvous import Rendezvous
@@ -75,55 +66,6 @@ _PUT_STATUS = {
     pb.PUT_STATUS_REJECTED: PageStatus.REJECTED,
     pb.PUT_STATUS_CORRUPT: PageStatus.REJECTED,  # refused: the object failed its check
 }
-
-
-@dataclass(frozen=True)
-class GrpcOptions(BackendOptions):
-    servers: tuple[str, ...] = ()  # "host:port", as listed in the URL
-    tls: bool = False  # grpcs://
-    token: str = field(default="", repr=False)  # read from token_file
-    namespace: str = url_option("namespace", "str", DEFAULT_NAMESPACE, doc="tenant on the server")
-    token_file: str = url_option("token_file", "str", "", doc="file holding the bearer token")
-    ca_file: str = url_option("ca_file", "str", "", doc="grpcs: CA certificates (PEM)")
-    server_name: str = url_option(
-        "server_name", "str", "", doc="grpcs: the name the server certificate must carry"
-    )
-    max_message_bytes: int = url_option(
-        "max_message", "size", DEFAULT_MESSAGE_BYTES, doc="largest gRPC message either way"
-    )
-    put_streams: int = url_option(
-        "put_streams", "int", 4, doc="BatchPut streams in flight to one server at once"
-    )
-    retries: int = url_option("retries", "int", 3, doc="retries of a call refused as UNAVAILABLE")
-    backoff_s: float = url_option("backoff", "duration", 0.02, doc="first retry delay; doubles")
-    down_s: float = url_option("down_for", "duration", 1.0, doc="skip a failed server this long")
-    connect_timeout_s: float = url_option(
-        "connect_timeout", "duration", 2.0, doc="first use: how long to wait for each server"
-    )
-    # Off by default: the client runs inside someone else's engine process, whose malloc
-    # policy is not ours to change (`hicache serve` sets it for the daemon).
-    tune_malloc: bool = url_option(
-        "tune_malloc", "bool", False, doc="set this process' glibc malloc policy (`allocator`)"
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.servers:
-            raise BackendConfigError("grpc:// needs host:port (or several, comma-separated)")
-        try:
-            check_namespace(self.namespace)
-        except ValueError as exc:
-            raise BackendConfigError(str(exc)) from None
-        check_range(
-            "max_message", self.max_message_bytes, low=MIN_MESSAGE_BYTES, high=MAX_MESSAGE_BYTES
-        )
-        check_range("put_streams", self.put_streams, low=1, high=256)
-        check_range("retries", self.retries, low=0, high=20)
-        check_range("backoff", self.backoff_s, low=0.0)
-        check_range("down_for", self.down_s, low=0.0)
-        check_range("connect_timeout", self.connect_timeout_s, low=0.001)
-        if (self.ca_file or self.server_name) and not self.tls:
-            raise BackendConfigError("ca_file and server_name need grpcs:// (TLS)")
 
 
 class _ServerFailed(Exception):
@@ -194,7 +136,7 @@ class GrpcBackend(StorageBackend):
             return grpc.aio.insecure_channel(target, options=channel_options)
         if opts.server_name:
             channel_options.append(("grpc.ssl_target_name_override", opts.server_name))
-        roots = _read_file(opts.ca_file, "ca_file") if opts.ca_file else None
+        roots = read_file(opts.ca_file, "ca_file") if opts.ca_file else None
         credentials = grpc.ssl_channel_credentials(root_certificates=roots)
         return grpc.aio.secure_channel(target, credentials, options=channel_options)
 
@@ -499,54 +441,7 @@ def _describe(exc: grpc.aio.AioRpcError) -> str:
     return exc.details() or exc.code().name
 
 
-def _read_file(path: str, option: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise BackendConfigError(f"{option}: cannot read {path!r}: {exc.strerror}") from None
-
-
-def _parse_servers(netloc: str, url: str) -> tuple[str, ...]:
-    servers = []
-    for item in netloc.split(","):
-        item = item.strip()
-        if not item:
-            raise BackendConfigError(f"{url}: empty server in the host list")
-        if item.startswith("["):  # [ipv6]:port
-            host, _, rest = item[1:].partition("]")
-            port_text = rest[1:] if rest.startswith(":") else ""
-            host = f"[{host}]"
-        else:
-            host, _, port_text = item.rpartition(":") if ":" in item else (item, "", "")
-        try:
-            port = int(port_text) if port_text else DEFAULT_PORT
-        except ValueError:
-            raise BackendConfigError(f"{url}: {item!r} has a bad port {port_text!r}") from None
-        if not host or not 0 < port < 65536:
-            raise BackendConfigError(f"{url}: {item!r} is not host:port")
-        servers.append(f"{host.lower()}:{port}")
-    if len(set(servers)) != len(servers):
-        raise BackendConfigError(f"{url}: a server is listed twice")
-    return tuple(servers)
-
-
 def open_url(url: str, *, layout: str | None = None, name: str = "") -> GrpcBackend:
     """`grpc://host:port[,host:port...]?namespace=...&token_file=...&timeout=...` (or
     `grpcs://` for TLS)."""
-    parts = urlsplit(url)
-    shown = name or url
-    if parts.path not in ("", "/"):
-        raise BackendConfigError(f"{shown}: grpc:// takes no path; use ?namespace=")
-    if parts.username or parts.password:
-        raise BackendConfigError(f"{shown}: grpc:// takes no user:password; use ?token_file=")
-    servers = _parse_servers(unquote(parts.netloc), shown)
-    options = options_from_query(
-        GrpcOptions, parts.query, url=shown, servers=servers, tls=parts.scheme == "grpcs"
-    )
-    if options.token_file:
-        token = _read_file(options.token_file, "token_file").decode().strip()
-        if not token:
-            raise BackendConfigError(f"{shown}: token_file {options.token_file!r} is empty")
-        options = dataclasses.replace(options, token=token)
-    return GrpcBackend(options, layout, name=shown)
+    return GrpcBackend(options_from_url(url, name), layout, name=name or url)

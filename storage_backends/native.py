@@ -1,18 +1,20 @@
-"""The C fast paths of the storage backends (page framing, the file backend's reads and
-writes), where this install has them.
-
-`pageio` is the `_pageio` extension (built from `_pageio.c` when the project is installed) or
-None where it could not be built (no C compiler, not Linux). Every user of it has a Python
-path doing the same work, so an install without it loses speed, never function or safety:
-the extension only ever answers "this page checked out" or "look closer", and the Python
-readers name what is wrong.
+"""The C extension of the storage backends, `_pageio` (built from `_pageio.c` when the
+project is installed): the page checksum (XXH3), the check of a stored object, the framing
+of pages and the file backend's batch reads and writes. It is the only implementation of
+each, so it is required: an install that cannot build it fails (setup.py says why), and an
+import without it fails here, saying how to build it.
 """
 
 from __future__ import annotations
 
 try:
     from . import _pageio as pageio
-except ImportError:  # not built here: the Python paths
-    pageio = None
+except ImportError as exc:  # pragma: no cover - a broken install
+    raise ImportError(
+        "storage_backends._pageio (the C extension every page checksum, check, read and "
+        "write goes through) is not built in this install: reinstall the project with a C "
+        "compiler and Python's headers present (pip install -e .), or build it in place with "
+        "`python setup.py build_ext --inplace`"
+    ) from exc
 
 __all__ = ["pageio"]

@@ -29,6 +29,10 @@ checks out under its key: anything else is `CorruptReason.FORGED`, a miss. A rea
 a key reads both versions as before (integrity only; the MAC is covered by the checksum but
 not checked), and so does the daemon, which stores clients' objects as opaque bytes.
 
+The checksum and the check of a stored object (header, lengths, checksum) are the C
+extension's (`native.pageio`: `xxh3_64`, `check_object`), the one implementation of each.
+This module holds the format and frames objects; `verify` checks and decodes them.
+
 This module knows bytes and buffers only: not what a layout means, not where objects live.
 An object may arrive as one buffer or as several parts whose concatenation is the object
 (a Redis hash of header and chunks, a header read apart from its payload); every reader here
@@ -44,9 +48,8 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import xxhash
-
-from . import native
+from .errors import BackendConfigError
+from .native import pageio
 
 MAGIC = b"HCKV"
 FORMAT_VERSION = 1
@@ -58,11 +61,11 @@ MAX_LAYOUT_BYTES = 0xFFFF
 MAX_PAYLOAD_BYTES = 1 << 30  # a payload larger than this is not a page: refused unread
 _LZ4_MAX_RATIO = 255  # an lz4 block never expands its input more than this (plus a little)
 
-_FIXED = struct.Struct("<4sHBBH6x16sQQQ")
-_CHECKSUM_OFFSET = 48
+FIXED_HEADER = struct.Struct("<4sHBBH6x16sQQQ")
+CHECKSUM_OFFSET = 48
 _CHECKSUM = struct.Struct("<Q")
 _PLAIN = struct.Struct("<4sHBBH6x16sQQ")  # the fixed header up to the checksum
-assert _FIXED.size == HEADER_FIXED_BYTES
+assert FIXED_HEADER.size == HEADER_FIXED_BYTES
 
 Buffer = bytes | bytearray | memoryview
 ObjectParts = Buffer | Sequence[Buffer]
@@ -84,7 +87,7 @@ class Compression(enum.IntEnum):
             raise ValueError(f"compression must be 'none' or 'lz4', got {name!r}") from None
 
 
-_CODECS = (Compression.NONE, Compression.LZ4)  # by header value
+CODECS = (Compression.NONE, Compression.LZ4)  # by header value
 
 
 class CorruptReason(str, enum.Enum):
@@ -169,6 +172,46 @@ def header_size(layout: str, *, signed: bool = False) -> int:
     return HEADER_FIXED_BYTES + len(layout_bytes(layout)) + (MAC_BYTES if signed else 0)
 
 
+def check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    """A batch's keys as a list, each 16 bytes (a bad one is named by its position)."""
+    keys = list(keys)
+    if all(type(key) is bytes and len(key) == KEY_BYTES for key in keys):
+        return keys  # the common case, without building a message per key
+    for i, key in enumerate(keys):
+        check_key(key, what=f"keys[{i}]")
+    return keys
+
+
+def writable_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    """Flat writable byte views of the caller's buffers; a bad one is named by its position
+    (the names are built only then: this runs for every read)."""
+    try:
+        return [byte_view(buf, writable=True) for buf in buffers]
+    except ValueError:
+        return [byte_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(buffers)]
+
+
+def check_same_length(name: str, keys: list[bytes], values: Sequence[object]) -> None:
+    if len(values) != len(keys):
+        raise ValueError(f"{name} has {len(values)} entries for {len(keys)} keys")
+
+
+def load_secret(path: str, name: str) -> MacKey | None:
+    """The MAC key of the secret in `path` (read once, when backend `name` is built); None
+    for no secret. The file holds the secret alone (surrounding whitespace is ignored)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(1 << 16).strip()
+    except OSError as exc:
+        raise BackendConfigError(f"{name}: secret_file {path!r}: {exc.strerror}") from None
+    try:
+        return mac_key_from_secret(secret)
+    except ValueError as exc:
+        raise BackendConfigError(f"{name}: secret_file {path!r}: {exc}") from None
+
+
 def mac_key_from_secret(secret: bytes) -> MacKey:
     """The MAC key of a tenant's secret (any length, at least 16 bytes), derived with
     HMAC-SHA256, so that the secret itself is never the key of anything stored."""
@@ -177,7 +220,7 @@ def mac_key_from_secret(secret: bytes) -> MacKey:
     return hmac.digest(secret, b"hicache tenant MAC key", hashlib.sha256)
 
 
-def _new_mac(mac_key: MacKey, plain: Buffer, layout: bytes) -> hmac.HMAC:
+def start_mac(mac_key: MacKey, plain: Buffer, layout: bytes) -> hmac.HMAC:
     """HMAC-SHA256 (SHA-256 runs on the CPU's SHA instructions where it has them, and
     without the GIL), fed with the label, the plain header and the layout; the payload next."""
     mac = hmac.new(mac_key, _MAC_LABEL, hashlib.sha256)
@@ -226,29 +269,29 @@ def frame_objects(
     mac_key: MacKey | None = None,
 ) -> list[FramedObject]:
     """`frame_object` for a batch, the layout and the codec checked once. Uncompressed pages
-    without a MAC are framed by the C extension where it is built, hashed on up to `threads`
-    threads (it knows no MAC: pages with one are framed here)."""
+    without a MAC are framed by the C extension in one call, hashed on up to `threads`
+    threads; lz4 and MACs are applied here page by page (the checksum still the C one)."""
     encoded = layout_bytes(layout)
     codec = Compression.parse(compression)
-    if codec is Compression.NONE and native.pageio is not None and mac_key is None:
-        return _frame_natively(keys, encoded, payloads, threads)
+    if codec is Compression.NONE and mac_key is None:
+        return _frame_plain(keys, encoded, payloads, threads)
     return [
         _frame(check_key(key), encoded, payload, codec, mac_key)
         for key, payload in zip(keys, payloads, strict=True)
     ]
 
 
-def _frame_natively(
+def _frame_plain(
     keys: Sequence[bytes], layout: bytes, payloads: Sequence[Buffer], threads: int
 ) -> list[FramedObject]:
-    """Uncompressed pages framed by the C extension (the same headers as `_frame`'s)."""
+    """Uncompressed version 1 pages framed by the C extension (`frame_headers`)."""
     pages = [byte_view(payload, what="page") for payload in payloads]
     joined = b"".join([check_key(key) for key in keys])
     if len(joined) != KEY_BYTES * len(pages):
         raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
     size = HEADER_FIXED_BYTES + len(layout)
     headers = bytearray(size * len(pages))
-    native.pageio.frame_headers(joined, plain_template(layout), layout, pages, headers, threads)
+    pageio.frame_headers(joined, plain_template(layout), layout, pages, headers, threads)
     view = memoryview(headers)
     return [
         FramedObject(bytes(view[size * i : size * (i + 1)]), page) for i, page in enumerate(pages)
@@ -256,9 +299,9 @@ def _frame_natively(
 
 
 def plain_template(layout: bytes) -> bytes:
-    """The first 48 bytes of the header of an uncompressed page of `layout`, with the key and
-    the lengths zero: what the C extension fills in per page (key at 16, lengths at 32 and
-    40), to frame pages and to check them."""
+    """The first 48 bytes of the header of an uncompressed version 1 page of `layout`, with
+    the key and the lengths zero: what the C extension fills in per page (key at 16, lengths
+    at 32 and 40) when it frames pages."""
     return _PLAIN.pack(MAGIC, FORMAT_VERSION, Compression.NONE, 0, len(layout), b"", 0, 0)
 
 
@@ -270,6 +313,8 @@ def _frame(
     mac_key: MacKey | None = None,
 ) -> FramedObject:
     raw = byte_view(payload, what="page")
+    if compression is not Compression.LZ4 and mac_key is None:
+        return _frame_plain([key], layout, [raw], 1)[0]
     stored: memoryview | bytes = raw
     if compression is Compression.LZ4 and len(raw) > 0:
         import lz4.block  # optional codec, imported when first used
@@ -298,12 +343,11 @@ def _header(
     prefix = _PLAIN.pack(MAGIC, version, compression, 0, len(layout), key, len(stored), raw_bytes)
     tail = layout
     if mac_key is not None:
-        mac = _new_mac(mac_key, prefix, layout)
+        mac = start_mac(mac_key, prefix, layout)
         mac.update(stored)
         tail = layout + mac.digest()
-    hasher = xxhash.xxh3_64(prefix + tail)
-    hasher.update(stored)
-    return prefix + _CHECKSUM.pack(hasher.intdigest()) + tail
+    checksum = pageio.xxh3_64(prefix + tail, stored)
+    return prefix + _CHECKSUM.pack(checksum) + tail
 
 
 # -- decoding --------------------------------------------------------------------------------
@@ -315,12 +359,14 @@ def parse_header(buf: Buffer) -> ObjectHeader | CorruptReason:
     if len(view) < HEADER_FIXED_BYTES:
         start = bytes(view[: len(MAGIC)])
         return CorruptReason.TRUNCATED if MAGIC.startswith(start) else CorruptReason.MAGIC
-    magic, version, codec, flags, layout_len, key, stored, raw, checksum = _FIXED.unpack_from(view)
+    magic, version, codec, flags, layout_len, key, stored, raw, checksum = FIXED_HEADER.unpack_from(
+        view
+    )
     if magic != MAGIC:
         return CorruptReason.MAGIC
     if version not in (FORMAT_VERSION, SIGNED_VERSION) or flags != 0:
         return CorruptReason.VERSION
-    if codec >= len(_CODECS):
+    if codec >= len(CODECS):
         return CorruptReason.COMPRESSION
     layout_end = HEADER_FIXED_BYTES + layout_len
     mac_bytes = MAC_BYTES if version == SIGNED_VERSION else 0
@@ -328,7 +374,7 @@ def parse_header(buf: Buffer) -> ObjectHeader | CorruptReason:
         return CorruptReason.TRUNCATED
     layout = bytes(view[HEADER_FIXED_BYTES:layout_end])
     mac = bytes(view[layout_end : layout_end + MAC_BYTES]) if mac_bytes else None
-    return ObjectHeader(key, layout, _CODECS[codec], stored, raw, checksum, mac)
+    return ObjectHeader(key, layout, CODECS[codec], stored, raw, checksum, mac)
 
 
 def peek_sizes(buf: Buffer) -> tuple[int, int] | None:
@@ -339,335 +385,11 @@ def peek_sizes(buf: Buffer) -> tuple[int, int] | None:
     view = byte_view(buf)
     if len(view) < HEADER_FIXED_BYTES:
         return None
-    magic, version, _, _, layout_len, _, stored, _, _ = _FIXED.unpack_from(view)
+    magic, version, _, _, layout_len, _, stored, _, _ = FIXED_HEADER.unpack_from(view)
     if magic != MAGIC:
         return None
     mac_bytes = MAC_BYTES if version == SIGNED_VERSION else 0
     return HEADER_FIXED_BYTES + layout_len + mac_bytes, stored
-
-
-def _as_parts(obj: ObjectParts) -> list[memoryview]:
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return [byte_view(obj)]
-    return [byte_view(part) for part in obj]
-
-
-def _check(
-    obj: ObjectParts,
-    expected_key: bytes,
-    expected_layout: bytes | None,
-    mac_key: MacKey | None = None,
-) -> tuple[ObjectHeader, list[memoryview]] | CorruptReason:
-    """Every check but the reader's expected size (the MAC too, given a `mac_key`). Returns
-    the header and the payload parts."""
-    parts = _as_parts(obj)
-    if not parts:
-        return CorruptReason.TRUNCATED
-    first = parts[0]
-    header = parse_header(first)
-    if header is CorruptReason.TRUNCATED and len(parts) > 1:
-        # The header straddles parts (no backend here splits it; tolerate it anyway).
-        first = memoryview(b"".join(parts))
-        parts = [first]
-        header = parse_header(first)
-    if isinstance(header, CorruptReason):
-        return header
-    payload = [first[header.header_bytes :], *parts[1:]]
-    stored = len(payload[0]) if len(payload) == 1 else sum(len(p) for p in payload)
-    reason = _check_fields(header, expected_key, expected_layout, stored)
-    if reason is not None:
-        return reason
-    hasher = _start_checksum(first, header)
-    for part in payload:
-        hasher.update(part)
-    if hasher.intdigest() != header.checksum:
-        return CorruptReason.CHECKSUM
-    if mac_key is not None:
-        if header.mac is None:
-            return CorruptReason.FORGED
-        mac = _new_mac(mac_key, first[:_CHECKSUM_OFFSET], header.layout)
-        for part in payload:
-            mac.update(part)
-        if not hmac.compare_digest(mac.digest(), header.mac):
-            return CorruptReason.FORGED
-    return header, payload
-
-
-def _check_fields(
-    header: ObjectHeader, expected_key: bytes, expected_layout: bytes | None, stored_present: int
-) -> CorruptReason | None:
-    """The checks of a parsed header against what the reader expects and what it holds."""
-    if header.key != expected_key:
-        return CorruptReason.KEY
-    if expected_layout is not None and header.layout != expected_layout:
-        return CorruptReason.LAYOUT
-    if stored_present < header.stored_bytes:
-        return CorruptReason.TRUNCATED
-    if stored_present > header.stored_bytes:
-        return CorruptReason.LENGTH
-    if header.compression is Compression.NONE and header.raw_bytes != header.stored_bytes:
-        return CorruptReason.LENGTH
-    if header.raw_bytes > min(MAX_PAYLOAD_BYTES, _LZ4_MAX_RATIO * header.stored_bytes + 64):
-        return CorruptReason.LENGTH  # (sizes a decompression buffer: bounded before use)
-    return None
-
-
-def _early_reject(
-    view: memoryview, expected_key: bytes, expected_layout: bytes | None, signed: bool
-) -> CorruptReason | None:
-    """What the fixed part alone can refuse, before reading a layout of unknown length
-    (`signed`: the reader has a MAC key, and so takes version 2 objects only)."""
-    if len(view) < HEADER_FIXED_BYTES:
-        return None  # parse_header names it
-    magic, version, _, flags, layout_len, key, *_ = _FIXED.unpack_from(view)
-    if magic != MAGIC:
-        return CorruptReason.MAGIC
-    if version not in (FORMAT_VERSION, SIGNED_VERSION) or flags != 0:
-        return CorruptReason.VERSION
-    if key != expected_key:
-        return CorruptReason.KEY
-    if expected_layout is not None and layout_len != len(expected_layout):
-        return CorruptReason.LAYOUT
-    if signed and version != SIGNED_VERSION:
-        return CorruptReason.FORGED
-    return None
-
-
-def _start_checksum(head: memoryview, header: ObjectHeader) -> xxhash.xxh3_64:
-    """The checksum over the header, every byte but the checksum itself."""
-    hasher = xxhash.xxh3_64(head[:_CHECKSUM_OFFSET])
-    hasher.update(head[HEADER_FIXED_BYTES : header.header_bytes])
-    return hasher
-
-
-class StreamingCheck:
-    """Verify an object read piece by piece: its header first, then the payload in order.
-
-    For readers that copy each piece onward as it arrives (the file backend reads a page in
-    cache-sized chunks): the header and the sizes are checked before the first piece, the
-    checksum after the last, so a caller that hands out data must wait for `finish()`.
-    """
-
-    def __init__(self, header: ObjectHeader, head: memoryview, mac_key: MacKey | None) -> None:
-        self.header = header
-        self._hasher = _start_checksum(head, header)
-        self._mac = None
-        if mac_key is not None:
-            self._mac = _new_mac(mac_key, head[:_CHECKSUM_OFFSET], header.layout)
-        self._seen = 0
-
-    @classmethod
-    def start(
-        cls,
-        head: Buffer,
-        expected_key: bytes,
-        expected_layout: bytes | None,
-        *,
-        object_bytes: int,
-        raw_bytes: int | None = None,
-        mac_key: MacKey | None = None,
-    ) -> StreamingCheck | CorruptReason:
-        """`head` holds at least the header; `object_bytes` is the whole object's stored size;
-        `raw_bytes` the payload size the reader expects, if it knows it; `mac_key` the
-        reader's, if it has a secret (then the MAC is checked as well, at `finish`)."""
-        view = byte_view(head)
-        early = _early_reject(view, expected_key, expected_layout, mac_key is not None)
-        if early is not None:
-            return early
-        header = parse_header(view)
-        if isinstance(header, CorruptReason):
-            return header
-        stored_present = object_bytes - header.header_bytes
-        reason = _check_fields(header, expected_key, expected_layout, stored_present)
-        if reason is None and raw_bytes is not None and header.raw_bytes != raw_bytes:
-            reason = CorruptReason.LENGTH
-        return reason if reason is not None else cls(header, view, mac_key)
-
-    def update(self, piece: Buffer) -> None:
-        self._hasher.update(piece)
-        if self._mac is not None:
-            self._mac.update(piece)
-        self._seen += len(piece)
-
-    def finish(self) -> CorruptReason | None:
-        """None if the pieces were exactly the payload and its checksum matches."""
-        if self._seen < self.header.stored_bytes:
-            return CorruptReason.TRUNCATED
-        if self._seen > self.header.stored_bytes:
-            return CorruptReason.LENGTH
-        if self._hasher.intdigest() != self.header.checksum:
-            return CorruptReason.CHECKSUM
-        if self._mac is not None and not hmac.compare_digest(self._mac.digest(), self.header.mac):
-            return CorruptReason.FORGED
-        return None
-
-
-def check_plain(head: Buffer, payload: Buffer, key: bytes, layout: bytes) -> bool:
-    """The fast check of an object read as `head` (its whole header) and `payload`: True if it
-    is exactly the uncompressed page `key` of `layout`, `len(payload)` long, checksum and all.
-
-    False for anything else, valid (an lz4 page) or not: the caller then runs the full check
-    (`StreamingCheck`, `decode_object_into`), which names the reason. One comparison covers
-    every header field, as the expected header is rebuilt around the computed checksum.
-    """
-    return head == _header(key, layout, payload, len(payload), Compression.NONE)
-
-
-def verify_object(
-    obj: ObjectParts, expected_key: bytes, *, mac_key: MacKey | None = None
-) -> CorruptReason | None:
-    """Check an object for `expected_key` without knowing its layout (the daemon's check:
-    without a `mac_key`, so objects with a MAC pass on their checksum alone).
-
-    None when it is intact. The layout descriptor is covered by the checksum but not compared:
-    the reader compares it when it decodes.
-    """
-    checked = _check(obj, expected_key, None, mac_key)
-    return checked if isinstance(checked, CorruptReason) else None
-
-
-def decode_object(
-    blob: Buffer, expected_key: bytes, expected_layout: str, *, mac_key: MacKey | None = None
-) -> memoryview | bytes | CorruptReason:
-    """The payload of a verified object, or why it was refused.
-
-    Uncompressed payloads come back as a memoryview into `blob` (no copy); lz4 payloads as the
-    decompressed `bytes`.
-    """
-    checked = _check(blob, expected_key, layout_bytes(expected_layout), mac_key)
-    if isinstance(checked, CorruptReason):
-        return checked
-    header, payload = checked
-    if header.compression is Compression.NONE:
-        return payload[0]
-    return _decompress(header, payload)
-
-
-def verify_payload(
-    obj: ObjectParts,
-    expected_key: bytes,
-    expected_layout: str | bytes,
-    raw_bytes: int,
-    *,
-    mac_key: MacKey | None = None,
-) -> list[memoryview] | CorruptReason:
-    """Verify an object and return its payload, `raw_bytes` long, as parts to copy out.
-
-    The parts are views into `obj` (or the decompressed bytes, for lz4): nothing is copied.
-    """
-    layout = (
-        expected_layout if isinstance(expected_layout, bytes) else layout_bytes(expected_layout)
-    )
-    checked = _check(obj, expected_key, layout, mac_key)
-    if isinstance(checked, CorruptReason):
-        return checked
-    header, payload = checked
-    if header.raw_bytes != raw_bytes:
-        return CorruptReason.LENGTH
-    if header.compression is Compression.LZ4:
-        raw = _decompress(header, payload)
-        if isinstance(raw, CorruptReason):
-            return raw
-        payload = [memoryview(raw)]
-    return payload
-
-
-def decode_object_into(
-    obj: ObjectParts,
-    expected_key: bytes,
-    expected_layout: str | bytes,
-    into: Buffer,
-    *,
-    mac_key: MacKey | None = None,
-) -> CorruptReason | None:
-    """Verify an object and copy its payload into `into` (exactly the raw payload's size).
-
-    Returns None on success. On any CorruptReason `into` is left untouched: the payload is
-    checked before a byte is copied.
-    """
-    target = byte_view(into, writable=True, what="destination buffer")
-    payload = verify_payload(obj, expected_key, expected_layout, len(target), mac_key=mac_key)
-    if isinstance(payload, CorruptReason):
-        return payload
-    offset = 0
-    for part in payload:
-        target[offset : offset + len(part)] = part
-        offset += len(part)
-    return None
-
-
-def decode_objects_into(
-    objs: Sequence[ObjectParts],
-    expected_keys: Sequence[bytes],
-    expected_layout: bytes,
-    intos: Sequence[memoryview],
-    *,
-    threads: int = 1,
-    mac_key: MacKey | None = None,
-) -> list[CorruptReason | None]:
-    """`decode_object_into` for a batch: one None (verified and copied) or reason per object.
-
-    Where the C extension is built, whole uncompressed objects (one buffer each, the common
-    reply of a network backend) are checked and copied by it on up to `threads` threads;
-    anything else, and anything it refused, goes through `decode_object_into`, which names the
-    reason. Either way a destination is written only once its object has checked out. With a
-    `mac_key` every object goes through `decode_object_into` (the C check knows no MAC).
-    """
-    results: list[CorruptReason | None | bool] = [False] * len(objs)  # False: not decoded yet
-    if native.pageio is not None and mac_key is None:
-        size = HEADER_FIXED_BYTES + len(expected_layout)
-        buffers = [_one_buffer(obj) for obj in objs]
-        whole = [
-            i
-            for i, buf in enumerate(buffers)
-            if buf is not None and len(buf) == size + len(intos[i])
-        ]
-        if whole:
-            verified = bytearray(len(whole))
-            native.pageio.check_copy(
-                [buffers[i] for i in whole],
-                [intos[i] for i in whole],
-                b"".join([expected_keys[i] for i in whole]),
-                plain_template(expected_layout),
-                expected_layout,
-                verified,
-                threads,
-            )
-            for i, ok in zip(whole, verified, strict=True):
-                if ok:
-                    results[i] = None
-    for i, result in enumerate(results):
-        if result is False:
-            results[i] = decode_object_into(
-                objs[i], expected_keys[i], expected_layout, intos[i], mac_key=mac_key
-            )
-    return results
-
-
-def _one_buffer(obj: ObjectParts) -> memoryview | None:
-    """The object as one flat byte view where it is one buffer (alone, or the only part)
-    that C can read as it is; else None."""
-    part = obj if isinstance(obj, (bytes, bytearray, memoryview)) else None
-    if part is None and len(obj) == 1:
-        part = obj[0]
-    if isinstance(part, (bytes, bytearray)):
-        return memoryview(part)
-    if isinstance(part, memoryview) and part.c_contiguous:
-        return part.cast("B") if part.format != "B" or part.ndim != 1 else part
-    return None
-
-
-def _decompress(header: ObjectHeader, payload: list[memoryview]) -> bytes | CorruptReason:
-    import lz4.block
-
-    packed = payload[0] if len(payload) == 1 else b"".join(payload)
-    try:
-        raw = lz4.block.decompress(packed, uncompressed_size=header.raw_bytes)
-    except lz4.block.LZ4BlockError:
-        return CorruptReason.COMPRESSION
-    if len(raw) != header.raw_bytes:
-        return CorruptReason.COMPRESSION
-    return raw
 
 
 def split_object(blob: Buffer) -> FramedObject | CorruptReason:
@@ -679,11 +401,18 @@ def split_object(blob: Buffer) -> FramedObject | CorruptReason:
     return FramedObject(view[: header.header_bytes], view[header.header_bytes :])
 
 
+def as_parts(obj: ObjectParts) -> list[memoryview]:
+    """An object's parts (one buffer, or several in order) as flat byte views."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return [byte_view(obj)]
+    return [byte_view(part) for part in obj]
+
+
 def join_parts(obj: ObjectParts) -> bytes:
     """The object as one `bytes`: free when it already is one, else one copy."""
     if isinstance(obj, bytes):
         return obj
-    parts = _as_parts(obj)
+    parts = as_parts(obj)
     if len(parts) == 1 and isinstance(parts[0].obj, bytes) and len(parts[0]) == len(parts[0].obj):
         return parts[0].obj
     return b"".join(parts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -75,3 +76,71 @@ class RateLimitedWarnings:
         self._last[kind] = now
         suffix = f" ({held} similar warnings suppressed)" if held else ""
         logger.warning("%s: %s%s", self._name, message, suffix)
+
+
+class Tally:
+    """A backend's counters and warnings: what its calls count, and how they say so.
+
+    `counts` holds the plain counters by name (those of `BackendStats`), `corrupt` the pages
+    refused by `CorruptReason` value; `page_error` is the latest error of a single page,
+    which the next rate-limited warning quotes.
+    """
+
+    def __init__(self, name: str, warn_interval_s: float) -> None:
+        self.counts: Counter[str] = Counter()
+        self.corrupt: Counter[str] = Counter()
+        self.warnings = RateLimitedWarnings(name, warn_interval_s)
+        self.page_error = ""
+
+    def warn_page_errors(self, op: str, num_pages: int) -> None:
+        detail = f" (latest: {self.page_error})" if self.page_error else ""
+        self.warnings.warn(f"page_error:{op}", f"{op}: {num_pages} pages failed{detail}")
+
+    def count_reads(self, found: list[bool], read_bytes: int, corrupt: Counter[str]) -> None:
+        hits = sum(found)
+        self.counts["hits"] += hits
+        self.counts["misses"] += len(found) - hits
+        self.counts["read_bytes"] += read_bytes
+        if corrupt:
+            self.count_refused(corrupt, "on read")
+
+    def count_refused(self, refused: Counter[str], when: str) -> None:
+        """Count objects refused by reason; forged ones (no valid MAC) on their own."""
+        forged = refused.pop("forged", 0)  # (CorruptReason.FORGED)
+        if forged:
+            self.counts["forged"] += forged
+            self.warnings.warn(
+                f"forged {when}",
+                f"refused {forged} pages {when} without a valid MAC for this tenant's secret "
+                "(written by someone without it)",
+            )
+        if refused:
+            self.corrupt.update(refused)
+            described = ", ".join(f"{n} {reason}" for reason, n in sorted(refused.items()))
+            self.warnings.warn(f"corrupt {when}", f"refused corrupt pages {when}: {described}")
+
+    def snapshot(self, name: str, usage: Usage, breaker) -> BackendStats:
+        """The counters as `BackendStats`, with the backend's `usage` and its `breaker`'s."""
+        c = self.counts
+        return BackendStats(
+            backend=name,
+            num_objects=usage.num_objects,
+            stored_bytes=usage.stored_bytes,
+            capacity_bytes=usage.capacity_bytes,
+            num_hits=c["hits"],
+            num_misses=c["misses"],
+            num_puts=c["puts"],
+            num_put_rejected=c["put_rejected"],
+            num_errors=c["errors"],
+            num_timeouts=c["timeouts"],
+            num_reconnects=c["reconnects"],
+            num_evictions=usage.num_evictions,
+            num_corrupt=types.MappingProxyType(dict(self.corrupt)),
+            num_forged=c["forged"],
+            read_bytes=c["read_bytes"],
+            written_bytes=c["written_bytes"],
+            num_abandoned=c["abandoned"],
+            num_short_circuited=c["short_circuited"],
+            num_breaker_trips=breaker.num_trips,
+            breaker_state=breaker.state.value,
+        )

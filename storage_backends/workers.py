@@ -13,8 +13,10 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class WorkerPool(concurrent.futures.Executor):
@@ -111,3 +113,47 @@ class WorkerPool(concurrent.futures.Executor):
             if item is not None and item[0].cancel():
                 self._num_pending -= 1
                 self._unfinished.discard(item[0])
+
+
+_DONE = object()
+
+
+def share(
+    pool: WorkerPool | None, tasks: Sequence[T], work: Callable[[T], None], threads: int
+) -> None:
+    """`work(task)` for every task, on this thread and up to `threads - 1` helpers from
+    `pool`; returns once every task is done (the first exception raised, once all are).
+
+    Each thread claims the next task in turn. A helper that has not started by the time this
+    thread runs out of tasks is cancelled, and one that starts late finds nothing to do, so a
+    busy pool never holds the work up (this thread then does it all), and a worker of `pool`
+    may call this itself without waiting on a queue its own work is behind.
+    """
+    if not tasks:
+        return
+    pending = iter(tasks)
+    lock = threading.Lock()
+
+    def claim_all() -> None:
+        while True:
+            with lock:
+                task = next(pending, _DONE)
+            if task is _DONE:
+                return
+            work(task)
+
+    helpers: list[concurrent.futures.Future] = []
+    for _ in range(min(threads, len(tasks)) - 1 if pool is not None else 0):
+        try:
+            helpers.append(pool.submit(claim_all))
+        except RuntimeError:  # shut down (the backend is closing): no helpers
+            break
+    try:
+        claim_all()
+    finally:
+        errors = [
+            helper.exception() for helper in helpers if not helper.cancel()
+        ]  # (a started helper finishes the task it claimed, then finds none left)
+    for error in errors:
+        if error is not None:
+            raise error

@@ -21,7 +21,8 @@ import redis
 import xxhash
 
 from storage_backends import open_backend
-from storage_backends.objects import decode_object, encode_object, verify_object
+from storage_backends.objects import encode_object
+from storage_backends.verify import decode_object, verify_object
 
 PAGE_BYTES = 5000
 _STORED_AT = 32  # the stored payload length in the fixed header (objects.py)

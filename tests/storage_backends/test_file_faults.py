@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from storage_backends import native, open_backend
+from storage_backends import open_backend
 from storage_backends.file_space import LEDGER_NAME, page_path
 
 from .test_file_store import ledger, on_disk
@@ -24,16 +24,6 @@ PAGE_BYTES = 4096
 
 def run(coro):
     return asyncio.run(coro)
-
-
-@pytest.fixture(params=["c", "python"])
-def pageio(request, monkeypatch):
-    """With the C extension framing and writing packs, and with the Python paths alone."""
-    if request.param == "python":
-        monkeypatch.setattr(native, "pageio", None)
-    elif native.pageio is None:
-        pytest.skip("storage_backends._pageio is not built here")
-    return request.param
 
 
 # -- a hung mount --------------------------------------------------------------------------------
@@ -94,7 +84,7 @@ def test_a_hung_open_costs_a_timeout_and_close_still_finishes(tmp_path, pages):
 # -- the directory removed ---------------------------------------------------------------------
 
 
-def test_a_removed_cache_directory_is_recreated_with_one_ledger(tmp_path, pages, pageio):
+def test_a_removed_cache_directory_is_recreated_with_one_ledger(tmp_path, pages):
     """`rm -rf` of the directory under a running store: its later puts are stored (the
     directory is made again), and a second store opened on the new directory shares one
     ledger with the first, so the disk stays within the capacity and the ledger matches."""
@@ -129,7 +119,7 @@ def test_a_removed_cache_directory_is_recreated_with_one_ledger(tmp_path, pages,
 # -- a directory at a page's name ------------------------------------------------------------------
 
 
-def test_a_directory_at_a_page_name_fails_that_page_alone(tmp_path, pages, pageio):
+def test_a_directory_at_a_page_name_fails_that_page_alone(tmp_path, pages):
     """A directory where a page's name should be used to fail the whole delete (and so
     every later delete of a batch holding that key): now that name alone fails, counted."""
     root = tmp_path / "kv"

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from storage_backends import file_read as file_read_module
 from storage_backends import file_space as file_space_module
-from storage_backends import file_store as file_store_module
-from storage_backends import native, open_backend
+from storage_backends import file_write as file_write_module
+from storage_backends import open_backend
 from storage_backends.file_pack import ENTRY_BYTES, entry_position, read_table, table_bytes
 from storage_backends.file_space import LEDGER_NAME, page_path, temp_path
-from storage_backends.objects import decode_object, encode_object, header_size
+from storage_backends.objects import encode_object, header_size
+from storage_backends.verify import decode_object
 
 WORKER = Path(__file__).with_name("file_worker.py")
 PAGE_BYTES = 4096
@@ -30,17 +32,6 @@ PAGE_BYTES = 4096
 
 def run(coro):
     return asyncio.run(coro)
-
-
-@pytest.fixture(autouse=True, params=["c", "python"])
-def pageio(request, monkeypatch):
-    """Every test runs twice: with the C extension reading and framing pages, and with the
-    Python paths alone (an install that could not build it)."""
-    if request.param == "python":
-        monkeypatch.setattr(native, "pageio", None)
-    elif native.pageio is None:
-        pytest.skip("storage_backends._pageio is not built here")
-    return request.param
 
 
 def page_files(root: Path) -> list[Path]:
@@ -302,25 +293,20 @@ def test_compressed_pages_in_a_pack_take_the_full_path(tmp_path, pages):
 
 @pytest.mark.parametrize("io_threads, cpus", [(1, 8), (4, 8), (4, 1)])
 def test_large_batches_read_with_helper_threads_or_without(
-    tmp_path, pages, monkeypatch, pageio, io_threads, cpus
+    tmp_path, pages, monkeypatch, io_threads, cpus
 ):
-    """A batch of 6 MiB shares its copies with other threads: with the C reader one per
-    512 KiB, in Python one per 2 MiB (so three); at most one per core and per worker, none
-    with one core or one worker."""
-    monkeypatch.setattr(file_store_module, "_CPUS", cpus)
+    """A batch of 6 MiB shares its page-cache copies with the C reader's threads, one per
+    512 KiB; at most one per core and per worker, none with one core or one worker."""
+    monkeypatch.setattr(file_read_module, "CPUS", cpus)
     asked = []
-    if pageio == "c":
-        real = native.pageio
+    real = file_read_module.pageio
 
-        class Spy:
-            frame_headers = real.frame_headers
-            write_packs = real.write_packs
+    class Spy:
+        def read_stretches(self, *args):
+            asked.append(args[-1])
+            return real.read_stretches(*args)
 
-            def read_stretches(self, *args):
-                asked.append(args[-1])
-                return real.read_stretches(*args)
-
-        monkeypatch.setattr(native, "pageio", Spy())
+    monkeypatch.setattr(file_read_module, "pageio", Spy())
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]
@@ -334,14 +320,12 @@ def test_large_batches_read_with_helper_threads_or_without(
             order = keys[6:] + [pages.key(99)] + keys[:6]  # two batches, a gap, out of order
             pool, views = pages.pool_views(len(order), page_bytes)
             expected = [True] * 18 + [False] + [True] * 6
-            for _ in range(3):  # the later ones take the page-cache path with helpers
+            for _ in range(3):
                 assert await store.batch_get(order, views) == expected
                 got = [bytes(v) for v, ok in zip(views, expected, strict=True) if ok]
                 assert got == data[6:] + data[:6]
-            threads = min(12 if pageio == "c" else 3, io_threads, cpus)
-            assert store._copy_threads(6 << 20) == threads
-            if pageio == "c":
-                assert asked and set(asked) == {threads}
+            threads = min(12, io_threads, cpus)
+            assert asked and set(asked) == {threads}
             assert store.stats().num_corrupt_total == 0
 
     run(body())
@@ -351,8 +335,8 @@ def test_helpers_that_never_start_do_not_hold_up_a_read(tmp_path, pages, monkeyp
     """With every other worker busy, the worker reading a batch copies all of it itself and
     returns without waiting for its queued helpers (were it to wait, the read would time out
     into misses)."""
-    monkeypatch.setattr(file_store_module, "_CPUS", 8)
-    monkeypatch.setattr(file_store_module, "_HELPER_BYTES", 64 << 10)
+    monkeypatch.setattr(file_read_module, "CPUS", 8)
+    monkeypatch.setattr(file_read_module, "_HELPER_BYTES", 64 << 10)
     page_bytes = 64 << 10
     keys = [pages.key(i) for i in range(16)]
     data = [pages.page(k, page_bytes) for k in keys]
@@ -551,18 +535,18 @@ def test_a_read_error_on_one_page_fails_that_page_only(tmp_path, pages):
 def test_a_timed_out_read_never_writes_into_the_callers_buffer(tmp_path, pages, monkeypatch):
     root = tmp_path / "kv"
     key = pages.key(0)
-    real_preadv_all = file_store_module._preadv_all
+    real_read = file_read_module._read_waiting
 
-    def slow_preadv_all(*args):
+    def slow_read(*args):
         time.sleep(0.6)  # a hung mount
-        return real_preadv_all(*args)
+        return real_read(*args)
 
     async def body():
         url = f"file://{root}?capacity=1MiB&timeout=200ms"
         async with open_backend(url, layout=pages.LAYOUT) as store:
             await store.batch_put([key], [pages.page(key, PAGE_BYTES)])
-            store._nowait = False  # as on NFS: every read may wait, none goes straight in
-            monkeypatch.setattr(file_store_module, "_preadv_all", slow_preadv_all)
+            store._reader.nowait = False  # as on NFS: every read may wait, none goes straight in
+            monkeypatch.setattr(file_read_module, "_read_waiting", slow_read)
             pool, views = pages.pool_views(1, PAGE_BYTES)
             started = time.monotonic()
             assert await store.batch_get([key], views) == [False]
@@ -570,7 +554,7 @@ def test_a_timed_out_read_never_writes_into_the_callers_buffer(tmp_path, pages, 
             await asyncio.sleep(0.8)  # the stuck read finishes now
             assert bytes(pool) == b"\xa5" * PAGE_BYTES
             assert store.stats().num_timeouts == 1
-            monkeypatch.setattr(file_store_module, "_preadv_all", real_preadv_all)
+            monkeypatch.setattr(file_read_module, "_read_waiting", real_read)
             assert await store.batch_get([key], views) == [True]  # recovered, same object
             assert bytes(pool) == pages.page(key, PAGE_BYTES)
 
@@ -603,10 +587,8 @@ def hook_fsyncs(monkeypatch, seen, *, failing) -> None:
             raise OSError(errno.EIO, "injected")
         return real_fsync(fd)
 
-    monkeypatch.setattr(file_store_module.os, "fsync", fsync)
-    if native.pageio is None:
-        return
-    real = native.pageio
+    monkeypatch.setattr(os, "fsync", fsync)
+    real = file_write_module.pageio
 
     class Hooked:
         def __getattr__(self, name):
@@ -618,7 +600,7 @@ def hook_fsyncs(monkeypatch, seen, *, failing) -> None:
                 seen(target)
             return [errno.EIO] * len(targets) if failing() else real.sync_all(targets, threads)
 
-    monkeypatch.setattr(native, "pageio", Hooked())
+    monkeypatch.setattr(file_write_module, "pageio", Hooked())
 
 
 def test_fsync_mode_syncs_every_pack_and_folder_before_answering(tmp_path, pages, monkeypatch):
@@ -676,13 +658,10 @@ def test_fsync_mode_makes_every_folder_durable_when_it_opens(tmp_path, pages, mo
     run(body())
 
 
-def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(
-    tmp_path, pages, monkeypatch, pageio
-):
+def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(tmp_path, pages, monkeypatch):
     """The disk refuses a flush (EIO, injected at the fsync calls): a put with fsync=true that
-    cannot be made durable is not acknowledged, all False; the store goes on. (The C path
-    syncs the batch after linking it: one fault. The Python path syncs each pack before: an
-    error per page, the pack never linked.)"""
+    cannot be made durable is not acknowledged, all False; the store goes on. (The batch is
+    synced in one round after it is linked: one fault, as on the C path before.)"""
     root = tmp_path / "kv"
     keys = [pages.key(i) for i in range(8)]
     failing = [False]
@@ -695,7 +674,7 @@ def test_a_failed_fsync_fails_the_batch_and_the_next_one_stores(
             failing[0] = True
             data = [pages.page(k, 64 << 10) for k in keys]
             assert await store.batch_put(keys[:4], data[:4]) == [False] * 4
-            assert store.stats().num_errors == (1 if pageio == "c" else 4)
+            assert store.stats().num_errors == 1
             failing[0] = False
             assert await store.batch_put(keys[4:], data[4:]) == [True] * 4
             assert await store.batch_put(keys[:4], data[:4]) == [True] * 4
@@ -758,9 +737,9 @@ def test_writes_that_stop_short_are_resumed(tmp_path, pages, monkeypatch):
     async def body():
         url = f"file://{tmp_path / 'kv'}?capacity=1MiB"
         async with open_backend(url, layout=pages.LAYOUT) as s:
-            monkeypatch.setattr(file_store_module.os, "writev", short_writev)
+            monkeypatch.setattr(os, "writev", short_writev)
             assert await s.batch_put(keys, data) == [True] * 3
-            monkeypatch.setattr(file_store_module.os, "writev", real_writev)
+            monkeypatch.setattr(os, "writev", real_writev)
             pool, views = pages.pool_views(3, 5000)
             assert await s.batch_get(keys, views) == [True] * 3
             assert bytes(pool) == b"".join(data)
@@ -817,28 +796,36 @@ def test_a_filesystem_without_hard_links_gets_a_file_per_page(tmp_path, pages, m
     run(body())
 
 
-def test_one_failed_pack_of_a_batch_fails_its_pages_alone(tmp_path, pages, monkeypatch, pageio):
-    """A pack whose write fails (a full disk) loses its pages only; the batch's other packs
-    are stored, no temporary file is left and the ledger matches the disk. (The Python
-    writer; the C writer's half-way failure is test_pageio's, with a real file size limit.)"""
-    if pageio == "c":
-        pytest.skip("the C writer does not call _write_all")
-    monkeypatch.setattr(file_store_module, "_CPUS", 8)
+def test_one_failed_pack_of_a_batch_fails_its_pages_alone(tmp_path, pages, monkeypatch):
+    """A pack whose write fails (a full disk: the C writer's answer for it, its temporary
+    file removed) loses its pages only; the batch's other packs are stored, no temporary
+    file is left and the ledger matches the disk. (The C writer's own half-way failure is
+    test_pageio's, with a real file size limit.)"""
+    monkeypatch.setattr(file_write_module, "CPUS", 8)
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]  # three packs of eight pages
     data = [pages.page(k, page_bytes) for k in keys]
-    write_all = file_store_module._write_all
+    real = file_write_module.pageio
 
-    def disk_full_for_the_middle_pack(fd, parts):
-        if keys[12] in bytes(parts[0]):  # the pack's table names its keys
-            raise OSError(errno.ENOSPC, "No space left on device")
-        write_all(fd, parts)
+    class DiskFullForTheMiddlePack:
+        def __getattr__(self, name):
+            return getattr(real, name)
 
-    monkeypatch.setattr(file_store_module, "_write_all", disk_full_for_the_middle_pack)
+        @staticmethod
+        def write_packs(work, *args):
+            errors = real.write_packs(work, *args)
+            for i, pack in enumerate(work):
+                if keys[12] in bytes(pack[1]):  # the pack's table names its keys
+                    os.unlink(pack[0])
+                    errors[i] = errno.ENOSPC
+            return errors
+
+    monkeypatch.setattr(file_write_module, "pageio", DiskFullForTheMiddlePack())
 
     async def body():
-        async with open_backend(f"file://{root}?capacity=1GiB", layout=pages.LAYOUT) as store:
+        url = f"file://{root}?capacity=1GiB&io_threads=3"
+        async with open_backend(url, layout=pages.LAYOUT) as store:
             assert await store.batch_put(keys, data) == [True] * 8 + [False] * 8 + [True] * 8
             assert store.stats().num_errors == 8
             assert temp_files(root) == []
@@ -852,7 +839,7 @@ def test_one_failed_pack_of_a_batch_fails_its_pages_alone(tmp_path, pages, monke
 def test_a_pack_whose_file_cannot_be_made_fails_its_pages_alone(tmp_path, pages, monkeypatch):
     """The middle pack's folder is a file: that pack cannot be created, and a page of another
     pack named in that folder cannot be linked; every other page is stored."""
-    monkeypatch.setattr(file_store_module, "_CPUS", 8)
+    monkeypatch.setattr(file_write_module, "CPUS", 8)
     root = tmp_path / "kv"
     keys = [pages.key(i) for i in range(24)]  # three packs of eight pages
     data = [pages.page(k, 256 << 10) for k in keys]
@@ -902,7 +889,7 @@ def test_writes_past_the_file_size_limit_fail_and_count_nothing(tmp_path, pages,
 
 def test_a_large_batch_is_framed_and_written_in_parallel_packs(tmp_path, pages, monkeypatch):
     """Each pack of a large batch is framed, written and linked by its own thread."""
-    monkeypatch.setattr(file_store_module, "_CPUS", 8)
+    monkeypatch.setattr(file_write_module, "CPUS", 8)
     root = tmp_path / "kv"
     page_bytes = 256 << 10
     keys = [pages.key(i) for i in range(24)]  # 6 MiB: three packs of about 2 MiB

@@ -10,15 +10,11 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 
-from storage_backends import native
 from storage_backends.objects import (
     HEADER_FIXED_BYTES,
     MAGIC,
     Compression,
     CorruptReason,
-    decode_object,
-    decode_object_into,
-    decode_objects_into,
     encode_object,
     frame_object,
     header_size,
@@ -26,8 +22,8 @@ from storage_backends.objects import (
     layout_bytes,
     parse_header,
     split_object,
-    verify_object,
 )
+from storage_backends.verify import decode_object, decode_object_into, verify_object
 
 KEY = bytes(range(16))
 LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"
@@ -116,15 +112,9 @@ def test_each_refusal_names_its_reason():
     assert decode_object(MAGIC + b"\x01", KEY, LAYOUT) is CorruptReason.TRUNCATED
 
 
-@pytest.mark.parametrize("path", ["c", "python"])
-@pytest.mark.parametrize("threads", [1, 3])
-def test_a_batch_decodes_as_each_object_alone(path, threads, monkeypatch):
-    """decode_objects_into: whole objects, one-part and two-part replies, lz4, and every kind
-    of damage, each with decode_object_into's outcome; a refused page is left untouched."""
-    if path == "python":
-        monkeypatch.setattr(native, "pageio", None)
-    elif native.pageio is None:
-        pytest.skip("storage_backends._pageio is not built here")
+def test_objects_of_every_shape_decode_or_name_their_damage():
+    """decode_object_into: whole objects, one-part and two-part replies, lz4, and every kind
+    of damage; a refused page is left untouched."""
     keys = [bytes([i]) * 16 for i in range(9)]
     payloads = [os.urandom(3000) for _ in keys]
     blobs = [encode_object(k, LAYOUT, p) for k, p in zip(keys, payloads, strict=True)]
@@ -144,7 +134,10 @@ def test_a_batch_decodes_as_each_object_alone(path, threads, monkeypatch):
     want += [CorruptReason.LAYOUT, CorruptReason.TRUNCATED, None]
     pool = bytearray(b"\xa5" * 3000 * len(keys))
     intos = [memoryview(pool)[3000 * i : 3000 * (i + 1)] for i in range(len(keys))]
-    got = decode_objects_into(objs, keys, layout_bytes(LAYOUT), intos, threads=threads)
+    got = [
+        decode_object_into(obj, key, layout_bytes(LAYOUT), into)
+        for obj, key, into in zip(objs, keys, intos, strict=True)
+    ]
     assert got == want
     expected = [*payloads[:3], b"z" * 3000, *[b"\xa5" * 3000] * 4, payloads[8]]
     assert [bytes(into) for into in intos] == expected

@@ -1,10 +1,13 @@
-"""The C extension `storage_backends._pageio` against the Python it stands in for: xxh3 against
-the `xxhash` package, framing against `objects._frame`, checks against `objects.check_plain`."""
+"""The C extension `storage_backends._pageio`, the one implementation of the page checksum,
+the object check, the framing and the file backend's batch I/O, against independent oracles:
+its XXH3 against the `xxhash` package, its framing against headers packed here with `struct`
+and hashed with `xxhash`, its check against every way to damage an object."""
 
 from __future__ import annotations
 
 import os
 import random
+import struct
 import subprocess
 import sys
 import textwrap
@@ -15,18 +18,17 @@ import xxhash
 from storage_backends import native
 from storage_backends.file_pack import pack_table
 from storage_backends.objects import (
-    Compression,
-    _frame,
-    check_plain,
+    CorruptReason,
     encode_object,
     frame_objects,
     header_size,
     layout_bytes,
     plain_template,
 )
+from storage_backends.verify import _REASONS
 
 pageio = native.pageio
-pytestmark = pytest.mark.skipif(pageio is None, reason="storage_backends._pageio is not built")
+CODE = {reason: code for code, reason in _REASONS.items()}  # the C check's numbers
 
 LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=bfloat16"
 
@@ -45,7 +47,7 @@ def instruction_sets() -> list[str]:
     return found
 
 
-@pytest.fixture(params=instruction_sets() if pageio is not None else ["none"])
+@pytest.fixture(params=instruction_sets())
 def simd(request):
     default = pageio.simd()
     pageio.simd(request.param)
@@ -68,8 +70,30 @@ def test_xxh3_matches_the_xxhash_package_at_every_length_and_split(simd):
     assert pageio.xxh3_64(data[:5000], data[5000:]) == xxhash.xxh3_64_intdigest(data)
 
 
+def test_xxh3_of_many_pieces_matches_the_xxhash_package(simd):
+    """The check hashes an object as pieces (header fields, layout, payload chunks): every
+    cut of an object into parts, stripes straddling any of them, hashes as the whole."""
+    rng = random.Random(9)
+    for length in (300, 1100, 5000, 70_000):
+        page = rng.randbytes(length)
+        key = rng.randbytes(16)
+        obj = encode_object(key, LAYOUT, page)
+        layout = layout_bytes(LAYOUT)
+        cuts = sorted({rng.randrange(header_size(LAYOUT), len(obj)) for _ in range(6)})
+        parts = [obj[a:b] for a, b in zip([0, *cuts], [*cuts, len(obj)], strict=True)]
+        assert pageio.check_object(parts, key, layout, length) == 1, (length, cuts)
+
+
+def oracle_header(key: bytes, layout: bytes, page: bytes) -> bytes:
+    """An uncompressed version 1 header, packed by the format's table and hashed by the
+    `xxhash` package: what the C framing must make."""
+    plain = struct.pack("<4sHBBH6x16sQQ", b"HCKV", 1, 0, 0, len(layout), key, len(page), len(page))
+    checksum = xxhash.xxh3_64_intdigest(plain + layout + page)
+    return plain + struct.pack("<Q", checksum) + layout
+
+
 @pytest.mark.parametrize("layout", [LAYOUT, "x" * 700, ""])
-def test_framing_matches_the_python_framing(simd, layout):
+def test_framing_matches_the_object_format(simd, layout):
     rng = random.Random(3)
     sizes = [0, 1, 17, 100, 200, 241, 4096, 65536 + 3]
     keys = [rng.randbytes(16) for _ in sizes]
@@ -77,9 +101,47 @@ def test_framing_matches_the_python_framing(simd, layout):
     framed = frame_objects(keys, layout, pages)
     encoded = layout_bytes(layout)
     for key, page, obj in zip(keys, pages, framed, strict=True):
-        assert obj.header == _frame(key, encoded, page, Compression.NONE).header
+        assert obj.header == oracle_header(key, encoded, page)
         assert bytes(obj.payload) == page
-        assert check_plain(obj.header, page, key, encoded)
+        assert pageio.check_object([obj.header, page], key, encoded, len(page)) == 1
+
+
+def test_the_check_names_the_first_thing_wrong(simd):
+    """Each damage of an object, as the C check numbers it (objects._REASONS names them)."""
+    key, page = os.urandom(16), os.urandom(5000)
+    layout = layout_bytes(LAYOUT)
+    good = bytearray(encode_object(key, LAYOUT, page))
+
+    def check(obj, *, want_key=key, want_layout=layout, raw=None):
+        raw = len(page) if raw is None else raw
+        return pageio.check_object([bytes(obj)], want_key, want_layout, raw)
+
+    def flipped(at, bit=0x40):
+        bad = bytearray(good)
+        bad[at] ^= bit
+        return bad
+
+    assert check(good) == 1
+    assert check(good, want_layout=None, raw=-1) == 1  # the daemon's check: any layout, size
+    assert check(b"HCK") == CODE[CorruptReason.TRUNCATED]
+    assert check(b"nope") == CODE[CorruptReason.MAGIC]
+    assert check(flipped(0)) == CODE[CorruptReason.MAGIC]
+    assert check(flipped(4)) == CODE[CorruptReason.VERSION]
+    assert check(flipped(7, 1)) == CODE[CorruptReason.VERSION]  # flags
+    assert check(flipped(6, 2)) == CODE[CorruptReason.COMPRESSION]
+    assert check(good[:70]) == CODE[CorruptReason.TRUNCATED]  # inside the layout
+    assert check(good, want_key=bytes(16)) == CODE[CorruptReason.KEY]
+    assert check(good, want_layout=layout[:-1]) == CODE[CorruptReason.LAYOUT]
+    assert check(flipped(60)) == CODE[CorruptReason.LAYOUT]
+    assert check(good[:-1]) == CODE[CorruptReason.TRUNCATED]
+    assert check(good + b"x") == CODE[CorruptReason.LENGTH]
+    assert check(flipped(40)) == CODE[CorruptReason.LENGTH]  # raw != stored, uncompressed
+    assert check(good, raw=len(page) - 1) == CODE[CorruptReason.LENGTH]
+    assert check(flipped(len(good) - 1)) == CODE[CorruptReason.CHECKSUM]
+    assert check(flipped(12)) == CODE[CorruptReason.CHECKSUM]  # a reserved byte
+    assert check(flipped(49)) == CODE[CorruptReason.CHECKSUM]
+    split = [bytes(good[:30]), bytes(good[30:])]  # a header across two parts
+    assert pageio.check_object(split, key, layout, len(page)) == 10
 
 
 def test_frame_headers_refuses_wrong_sizes():
@@ -87,6 +149,10 @@ def test_frame_headers_refuses_wrong_sizes():
     headers = bytearray(header_size(LAYOUT))
     with pytest.raises(ValueError, match="plain must be 48 bytes"):
         pageio.frame_headers(b"k" * 16, b"short", encoded, [b"page"], headers, 1)
+    with pytest.raises(ValueError, match="a key is 16 bytes"):
+        pageio.check_object([b"object"], b"k" * 15, encoded, -1)
+    with pytest.raises(ValueError, match="1 to 1024 parts"):
+        pageio.check_object([], b"k" * 16, encoded, -1)
     with pytest.raises(ValueError, match="keys 16"):
         pageio.frame_headers(b"k" * 15, plain_template(encoded), encoded, [b"p"], headers, 1)
     with pytest.raises(TypeError):
@@ -120,7 +186,7 @@ class Pack:
         return buffers, heads, views
 
     def read(self, stretches, threads=1, keys=None):
-        """Read [(first, end), ...] as stretches; (verified, got, views by page)."""
+        """Read [(first, end), ...] as stretches; (codes, got, views by page)."""
         keys = keys or self.keys
         verified = bytearray(len(keys))
         work, views = [], {}
@@ -128,9 +194,7 @@ class Pack:
             buffers, _, got_views = self.buffers(first, end)
             work.append((self.fd, self.offsets[first], buffers, first))
             views.update(zip(range(first, end), got_views, strict=True))
-        got = pageio.read_stretches(
-            work, b"".join(keys), plain_template(self.layout), self.layout, verified, threads
-        )
+        got = pageio.read_stretches(work, b"".join(keys), self.layout, verified, threads)
         return verified, got, views
 
     def close(self):
@@ -159,11 +223,18 @@ def test_read_stretches_reads_and_verifies_every_page(pack, threads, simd):
 
 
 @pytest.mark.parametrize(
-    "damage",
-    ["payload", "checksum", "magic", "length", "layout", "key"],
+    "damage, reason",
+    [
+        ("payload", CorruptReason.CHECKSUM),
+        ("checksum", CorruptReason.CHECKSUM),
+        ("magic", CorruptReason.MAGIC),
+        ("length", CorruptReason.TRUNCATED),  # the header says more than the page's buffer
+        ("layout", CorruptReason.LAYOUT),
+        ("key", CorruptReason.KEY),
+    ],
 )
-def test_a_damaged_page_is_not_verified_and_spares_its_neighbours(tmp_path, pack, damage):
-    """Each damage fails the check of page 5 only (the Python reader then names it)."""
+def test_a_damaged_page_is_not_verified_and_spares_its_neighbours(tmp_path, pack, damage, reason):
+    """Each damage fails the check of page 5 only, and names what is wrong."""
     size = header_size(LAYOUT)
     start = pack.offsets[5]
     at = {
@@ -179,7 +250,7 @@ def test_a_damaged_page_is_not_verified_and_spares_its_neighbours(tmp_path, pack
     else:
         os.pwrite(pack.fd, bytes([pack.blob[at[damage]] ^ 0x40]), at[damage])
     verified, _, views = pack.read([(0, 8)], threads=2, keys=keys)
-    assert list(verified[:8]) == [1] * 5 + [0] + [1] * 2
+    assert list(verified[:8]) == [1] * 5 + [CODE[reason]] + [1] * 2
     assert all(bytes(views[i]) == pack.pages[i] for i in range(8) if i != 5)
 
 
@@ -199,7 +270,6 @@ def test_a_read_error_is_minus_one_for_its_stretch_only(pack):
         got = pageio.read_stretches(
             [(bad_fd, 0, buffers, 0), (pack.fd, pack.offsets[2], other, 2)],
             b"".join(pack.keys),
-            plain_template(pack.layout),
             pack.layout,
             verified,
             2,
@@ -211,25 +281,25 @@ def test_a_read_error_is_minus_one_for_its_stretch_only(pack):
 
 
 def test_read_stretches_refuses_malformed_work(pack):
-    plain, layout = plain_template(pack.layout), pack.layout
+    layout = pack.layout
     keys = b"".join(pack.keys)
     buffers, _, _ = pack.buffers(0, 2)
     verified = bytearray(12)
     with pytest.raises(TypeError, match="fd, offset, buffers, first_page"):
-        pageio.read_stretches([(pack.fd, 0, buffers)], keys, plain, layout, verified, 1)
+        pageio.read_stretches([(pack.fd, 0, buffers)], keys, layout, verified, 1)
     with pytest.raises(ValueError, match="outside the batch"):
-        pageio.read_stretches([(pack.fd, 0, buffers, 11)], keys, plain, layout, verified, 1)
+        pageio.read_stretches([(pack.fd, 0, buffers, 11)], keys, layout, verified, 1)
     with pytest.raises(ValueError, match="header buffer"):
         short = [bytearray(10), buffers[1]]
-        pageio.read_stretches([(pack.fd, 0, short, 0)], keys, plain, layout, verified, 1)
+        pageio.read_stretches([(pack.fd, 0, short, 0)], keys, layout, verified, 1)
     with pytest.raises(TypeError, match="writable"):
         frozen = [bytes(buffers[0]), buffers[1]]
-        pageio.read_stretches([(pack.fd, 0, frozen, 0)], keys, plain, layout, verified, 1)
+        pageio.read_stretches([(pack.fd, 0, frozen, 0)], keys, layout, verified, 1)
     with pytest.raises(ValueError, match="pairs"):
-        pageio.read_stretches([(pack.fd, 0, buffers[:1], 0)], keys, plain, layout, verified, 1)
-    with pytest.raises(ValueError, match="verified one byte per key"):
-        pageio.read_stretches([], keys, plain, layout, bytearray(3), 1)
-    assert pageio.read_stretches([], keys, plain, layout, verified, 4) == []
+        pageio.read_stretches([(pack.fd, 0, buffers[:1], 0)], keys, layout, verified, 1)
+    with pytest.raises(ValueError, match="results one byte per key"):
+        pageio.read_stretches([], keys, layout, bytearray(3), 1)
+    assert pageio.read_stretches([], keys, layout, verified, 4) == []
 
 
 def test_concurrent_callers_share_the_pool_safely(pack):
@@ -263,7 +333,7 @@ def test_header_offsets_match_the_object_format():
     """The C side fills the key at 16 and the lengths at 32 and 40 of `plain_template`."""
     encoded = layout_bytes(LAYOUT)
     key, page = os.urandom(16), os.urandom(1000)
-    python = _frame(key, encoded, page, Compression.NONE).header
+    python = oracle_header(key, encoded, page)
     plain = plain_template(encoded)
     assert python[:16] == plain[:16]
     assert python[16:32] == key
@@ -324,18 +394,22 @@ def test_check_copy_copies_only_what_checks_out(simd, threads):
     objects[5] = encode_object(keys[0], LAYOUT, pages[5])  # another key's object
     into = [bytearray(b"\xa5" * len(p)) for p in pages]
     verified = bytearray(len(keys))
-    plain = plain_template(encoded)
-    pageio.check_copy(objects, into, b"".join(keys), plain, encoded, verified, threads)
-    assert list(verified) == [1, 1, 1, 0, 1, 0]
+    pageio.check_copy(objects, into, b"".join(keys), encoded, verified, threads)
+    checksum, key = CODE[CorruptReason.CHECKSUM], CODE[CorruptReason.KEY]
+    assert list(verified) == [1, 1, 1, checksum, 1, key]
     assert [bytes(b) for b in into] == [*pages[:3], b"\xa5" * 70_000, pages[4], b"\xa5" * 5000]
     short = [bytearray(len(pages[2]) - 1)]  # a destination of another size: not verified
     verified = bytearray(1)
-    pageio.check_copy([objects[2]], short, keys[2], plain, encoded, verified, threads)
-    assert verified == b"\0" and short == [bytearray(len(pages[2]) - 1)]
+    pageio.check_copy([objects[2]], short, keys[2], encoded, verified, threads)
+    assert verified[0] == CODE[CorruptReason.LENGTH] and short == [bytearray(len(pages[2]) - 1)]
+    packed_page = encode_object(keys[2], LAYOUT, bytes(4096), "lz4")  # intact, compressed
+    target = bytearray(b"\xa5" * 4096)
+    pageio.check_copy([packed_page], [target], keys[2], encoded, verified, threads)
+    assert verified == b"\0" and target == b"\xa5" * 4096  # left to the caller to decode
     with pytest.raises(ValueError, match="one destination"):
-        pageio.check_copy(objects, into[:1], b"".join(keys), plain, encoded, verified, 1)
+        pageio.check_copy(objects, into[:1], b"".join(keys), encoded, verified, 1)
     with pytest.raises(TypeError):
-        pageio.check_copy(objects[:1], [b"read-only"], keys[0], plain, encoded, verified, 1)
+        pageio.check_copy(objects[:1], [b"read-only"], keys[0], encoded, verified, 1)
 
 
 def write_work(root, keys, pages, layout=LAYOUT, *, serial=0):
@@ -347,17 +421,17 @@ def write_work(root, keys, pages, layout=LAYOUT, *, serial=0):
 
 
 def packed(work, layout=LAYOUT):
-    """The bytes a pack of `work` holds, framed by the Python framing."""
+    """The bytes a pack of `work` holds, framed as the object format says (`oracle_header`)."""
     _, table, keys, pages, _ = work
     encoded = layout_bytes(layout)
     blob = bytearray(table)
     for i, page in enumerate(pages):
-        blob += _frame(keys[16 * i : 16 * (i + 1)], encoded, page, Compression.NONE).header + page
+        blob += oracle_header(keys[16 * i : 16 * (i + 1)], encoded, page) + page
     return bytes(blob)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_write_packs_writes_what_the_python_framing_writes(tmp_path, simd, threads):
+def test_write_packs_writes_what_the_object_format_says(tmp_path, simd, threads):
     """Each pack framed and written (pages past 256 KiB take several write calls), the
     folders made where missing."""
     rng = random.Random(5)
@@ -376,7 +450,25 @@ def test_write_packs_writes_what_the_python_framing_writes(tmp_path, simd, threa
             assert f.read() == packed(item)
         for i, page in enumerate(pages):
             key = keys[16 * i : 16 * (i + 1)]
-            assert check_plain(headers[size * i : size * (i + 1)], page, key, encoded)
+            head = headers[size * i : size * (i + 1)]
+            assert pageio.check_object([head, page], key, encoded, len(page)) == 1
+
+
+def test_write_packs_writes_objects_framed_already_as_they_are(tmp_path):
+    """A pack of lz4 objects (framed in Python): keys and headers None, its parts written in
+    order after the table."""
+    rng = random.Random(6)
+    keys = [rng.randbytes(16) for _ in range(3)]
+    objects = frame_objects(keys, LAYOUT, [bytes(8192)] * 3, "lz4")
+    parts = [part for obj in objects for part in (obj.header, obj.payload)]
+    table = pack_table(keys, [obj.nbytes for obj in objects])
+    temp = str(tmp_path / "a" / "b" / "pack.tmp")
+    encoded = layout_bytes(LAYOUT)
+    assert pageio.write_packs(
+        [(temp, table, None, parts, None)], plain_template(encoded), encoded, 2
+    ) == [0]
+    with open(temp, "rb") as f:
+        assert f.read() == table + b"".join(bytes(part) for part in parts)
 
 
 def test_a_pack_that_cannot_be_written_is_removed_and_spares_the_others(tmp_path, file_size_limit):
@@ -447,7 +539,7 @@ _OVERSIZED_LAYOUT = textwrap.dedent(
         f.flush()
         buffers = [bytearray(56 + len(layout)), bytearray(len(page))]
         try:
-            pageio.read_stretches([(f.fileno(), 0, buffers, 0)], b"k" * 16, plain, layout,
+            pageio.read_stretches([(f.fileno(), 0, buffers, 0)], b"k" * 16, layout,
                                   bytearray(1), 1)
         except ValueError as exc:
             refused.append(str(exc))
@@ -457,9 +549,10 @@ _OVERSIZED_LAYOUT = textwrap.dedent(
 
 
 def test_a_layout_longer_than_a_header_can_hold_is_refused_not_copied_onto_the_stack():
-    """frame_headers and read_stretches hashed the layout through a fixed stack buffer of
-    48 + 65535 bytes without checking its length (an ASan build reported the overflow). Run
-    in a child: on a build with the bug, the child may crash rather than raise."""
+    """frame_headers and read_stretches once hashed the layout through a fixed stack buffer
+    of 48 + 65535 bytes without checking its length (an ASan build reported the overflow);
+    both refuse such a layout. Run in a child: on a build with the bug, the child may crash
+    rather than raise."""
     result = subprocess.run(
         [sys.executable, "-c", _OVERSIZED_LAYOUT], capture_output=True, text=True, timeout=60
     )

@@ -15,16 +15,15 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from storage_backends import BackendConfigError, native, open_backend
+from storage_backends import BackendConfigError, open_backend
 from storage_backends.objects import (
     MAC_BYTES,
     CorruptReason,
-    decode_object,
     encode_object,
     mac_key_from_secret,
     parse_header,
-    verify_object,
 )
+from storage_backends.verify import decode_object, verify_object
 
 from .conftest import BACKENDS
 
@@ -105,15 +104,11 @@ def secrets(tmp_path: Path) -> dict[str, str]:
     return paths
 
 
-@pytest.fixture(params=[b for b in BACKENDS if b != "memory"] + ["file_python"])
-def backend_url(request: pytest.FixtureRequest, monkeypatch):
+@pytest.fixture(params=[b for b in BACKENDS if b != "memory"])
+def backend_url(request: pytest.FixtureRequest):
     """Every shared backend (memory:// is one process's own: nobody else can write to it; the
     daemon's memory store is tested through grpc://)."""
-    name = request.param
-    if name == "file_python":  # the file backend without the C extension
-        monkeypatch.setattr(native, "pageio", None)
-        name = "file"
-    return request.getfixturevalue(BACKENDS[name])
+    return request.getfixturevalue(BACKENDS[request.param])
 
 
 def test_pages_forged_without_the_secret_are_misses_counted_as_forged(backend_url, pages, secrets):

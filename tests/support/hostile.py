@@ -25,7 +25,8 @@ from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyCo
 from hicache.controller import HiCache
 from hicache.ops import BackupOp, Executor, LoadOp, PrefetchOp, TransferOp, WriteL3Op
 from radix.keys import Namespace, page_keys
-from storage_backends.objects import CorruptReason, decode_object, encode_object
+from storage_backends.objects import CorruptReason, encode_object
+from storage_backends.verify import decode_object
 from tiers.layout import KVLayout
 
 URL_SCHEME = "hostile://"
