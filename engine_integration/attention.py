@@ -1,15 +1,17 @@
 """Attention over paged source KV (hicache's L1 pages) and over a late layer's window.
 
 Source layers: a request's KV pages are gathered into one contiguous tensor and attended
-with a causal mask. In batch-invariant mode (the CPU) queries are padded to runs of 4 rows
-aligned to absolute positions and cut at tiles of T = 8 * B positions (B: the block), also
-at absolute positions: the queries of tile i attend over exactly the keys [0, (i + 1) * T) in
-one call (`tiled_attention`). A query's shapes then depend on its position alone,
-whether it is part of a cold prefill, of an encoder replay after a hit, or a decode step:
-the other rows of the call only change the gemm's row count, which leaves a row's bits
-alone (rows.py), and keys past what has been written are zeros and masked out (a masked
-key adds exactly zero). Otherwise one call per request goes through torch's
-scaled_dot_product_attention (flash or memory-efficient kernels on CUDA).
+with a causal mask. In batch-invariant mode queries are padded to runs of 4 rows aligned to
+absolute positions, and every call a query takes part in has a key range fixed by its
+position alone, whether it is part of a cold prefill, of an encoder replay after a hit, or
+a decode step: the other rows of the call only change the gemm's row count, which leaves a
+row's bits alone (rows.py), and keys past what has been written are zeros and masked out
+(a masked key adds exactly zero). On the CPU the keys [0, p] of a query at p are split at
+nested tiles (1,024, 256 and 128 positions with 16-row blocks) and each part is one flash
+call shared by every query that sees it, merged by log-sum-exp (`nested_tile_attention`);
+elsewhere the queries of each 128-position tile attend over exactly the keys up to the
+tile's end in one masked call (`tiled_attention`). Otherwise one call per request goes
+through torch's scaled_dot_product_attention (flash or memory-efficient kernels on CUDA).
 
 Late layers, in batch-invariant mode, block by block over the window: for queries in block
 k, keys at positions [k * B - W, k * B + B), read from the ring plus the block's own new
@@ -51,6 +53,9 @@ def write_kv(flat_kv: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> No
 
 
 TILE_BLOCKS = 8  # blocks per tile of the batch-invariant source attention
+# The CPU's nested tiles, coarse to fine, in blocks (1,024, 256 and 128 positions with
+# 16-row blocks): see `nested_tile_attention`.
+TILE_LEVEL_BLOCKS = (64, 16, TILE_BLOCKS)
 # Queries are padded to runs of this many rows at positions that are multiples of it: the
 # smallest row count whose gemm gives a row its bits in any larger call (rows.py), so that a
 # decode step attends with 4 rows, not a whole block.
@@ -78,12 +83,33 @@ def source_attention(
     first = start // QUERY_ROWS * QUERY_ROWS
     padded = q.new_zeros((-(-end // QUERY_ROWS) * QUERY_ROWS - first, *q.shape[1:]))
     padded[start - first : end - first] = q
-    tile = TILE_BLOCKS * block_rows
-    keys, values = _key_tiles(
-        flat_kv, slots[:num_written], first + padded.shape[0], tile, q.shape[1]
-    )
-    out = tiled_attention(padded, first, keys, values, scale, tile=tile)
+    num_positions = first + padded.shape[0]
+    if q.device.type == "cpu":
+        tiles = tile_levels(block_rows)
+        keys, values = _kv_head_keys(flat_kv, slots[:num_written], num_positions, tiles[-1])
+        out = nested_tile_attention(padded, first, keys, values, scale, tiles=tiles)
+    else:
+        tile = TILE_BLOCKS * block_rows
+        keys, values = _key_tiles(flat_kv, slots[:num_written], num_positions, tile, q.shape[1])
+        out = tiled_attention(padded, first, keys, values, scale, tile=tile)
     return out[start - first : end - first]
+
+
+def tile_levels(block_rows: int) -> tuple[int, ...]:
+    """The nested query tiles of the CPU's source attention, in positions, coarse to fine:
+    each a multiple of the next, the finest (TILE_BLOCKS blocks) the masked one."""
+    return tuple(blocks * block_rows for blocks in TILE_LEVEL_BLOCKS)
+
+
+def _kv_head_keys(flat_kv, slots, num_positions, tile):
+    """Keys and values (H, L, D) of positions [0, len(slots)), one per KV head, zero past
+    them up to L = num_positions rounded up to whole tiles."""
+    kv = flat_kv.index_select(0, slots)  # (written, 2, H, D)
+    shape = (kv.shape[2], -(-num_positions // tile) * tile, kv.shape[3])
+    keys, values = kv.new_zeros(shape), kv.new_zeros(shape)
+    keys[:, : kv.shape[0]] = kv[:, 0].transpose(0, 1)
+    values[:, : kv.shape[0]] = kv[:, 1].transpose(0, 1)
+    return keys, values
 
 
 def _key_tiles(flat_kv, slots, num_positions, tile, num_heads):
@@ -98,6 +124,105 @@ def _key_tiles(flat_kv, slots, num_positions, tile, num_heads):
     return keys, values
 
 
+def nested_tile_attention(
+    q: torch.Tensor,
+    first: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    *,
+    tiles: tuple[int, ...],
+) -> torch.Tensor:
+    """Causal attention on the CPU of q (m, Hq, D) at positions [first, first + m), `first`
+    and m multiples of QUERY_ROWS, over keys and values (H, L, D) per KV head, L whole
+    tiles of `tiles[-1]`; `tiles` are nested tile sizes, coarse to fine, each a multiple of
+    the next (and of QUERY_ROWS).
+
+    A query at position p splits its keys [0, p] at the tile boundaries around it: for each
+    tile size S (its parent P, the next coarser, or none), the keys from the start of p's
+    P-tile to the start of its S-tile, which every query of that S-tile sees (no mask);
+    then the keys of its own finest tile under the causal mask (each over a whole tile:
+    keys past what is written are zeros, masked, and add exactly zero). Each part is one
+    call of torch's CPU flash kernel for all the step's queries that share it, and the
+    parts are merged by their log-sum-exp in a fixed order (the finest own tile first, then
+    coarse to fine). So every call a query takes part in has a key range fixed by its
+    position, whether it is part of a cold prefill, of a replay after a hit or a decode
+    step; the other queries of a call only change the gemms' row counts, which leaves a
+    row's bits alone (rows.py; `test_rows.py` checks this here, at the flash kernel's
+    query splits too). Coarse tiles let most keys be seen by calls of many rows, where the
+    kernel's query blocks are large: SmolLM2's 4,096 positions take 295 ms a layer on one
+    core, against 355 ms in 128-position tiles and 305 ms for transformers' causal call.
+
+    The query heads of a KV head are stacked as rows (position, then head: a position range
+    is a row range), so the keys are never repeated per query head and a call has `group`
+    times the rows. -> (m, Hq, D)."""
+    m, num_heads, dim = q.shape
+    num_kv_heads = keys.shape[0]
+    group = num_heads // num_kv_heads
+    end = first + m
+    # (1, H, m * group, D): row r is position first + r // group, query head of its group r % group
+    rows_q = q.view(m, num_kv_heads, group, dim).transpose(0, 1).reshape(1, num_kv_heads, -1, dim)
+    keys, values = keys[None], values[None]
+    out, top = _own_tiles(rows_q, keys, values, first, end, tiles[-1], group, scale)
+    total = None  # sum of the parts' weights relative to `top`, per row: None while 1
+    parent = None
+    for size in tiles:
+        for number in range(first // size, (end - 1) // size + 1):
+            key_start = 0 if parent is None else number * size // parent * parent
+            if key_start == number * size:
+                continue
+            lo, hi = max(first, number * size), min(end, (number + 1) * size)
+            rows = slice((lo - first) * group, (hi - first) * group)
+            part, part_lse = _FLASH(
+                rows_q[:, :, rows],
+                keys[:, :, key_start : number * size],
+                values[:, :, key_start : number * size],
+                scale=scale,
+            )
+            if total is None:
+                total = torch.ones_like(top)
+            _merge(out[:, :, rows], top[:, :, rows], total[:, :, rows], part, part_lse)
+        parent = size
+    if total is not None:
+        out = out / total[..., None]
+    return out[0].view(num_kv_heads, m, group, dim).transpose(0, 1).reshape(m, num_heads, dim)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _own_tiles(rows_q, keys, values, first, end, tile, group, scale):
+    """Every query over its own tile's keys under the causal mask, one call per tile.
+    -> out (1, H, rows, D) and its log-sum-exp (1, H, rows)."""
+    outs, lses = [], []
+    for number in range(first // tile, (end - 1) // tile + 1):
+        lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
+        base = number * tile
+        bias = _causal_bias(lo, hi, base, base + tile, rows_q.dtype, rows_q.device, group)
+        part, part_lse = _FLASH(
+            rows_q[:, :, (lo - first) * group : (hi - first) * group],
+            keys[:, :, base : base + tile],
+            values[:, :, base : base + tile],
+            attn_mask=bias,
+            scale=scale,
+        )
+        outs.append(part)
+        lses.append(part_lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _merge(out, top, total, part, part_lse) -> None:
+    """Fold one more part (its output, normalised, and log-sum-exp) into the running
+    output `out`, whose weights sum to `total` relative to the running maximum `top`; all
+    three updated in place. Only exactly rounded operations and `exp`, whose bits do not
+    depend on the tensor's length (`test_rows.py`)."""
+    new_top = torch.maximum(top, part_lse)
+    old_weight, part_weight = torch.exp(top - new_top), torch.exp(part_lse - new_top)
+    out.mul_(old_weight[..., None]).add_(part * part_weight[..., None])
+    total.mul_(old_weight).add_(part_weight)
+    top.copy_(new_top)
+
+
 def tiled_attention(
     q: torch.Tensor,
     first: int,
@@ -109,20 +234,17 @@ def tiled_attention(
 ) -> torch.Tensor:
     """Causal attention of q (m, Hq, D) at positions [first, first + m), `first` and m
     multiples of QUERY_ROWS (and `tile` one of them), over keys and values (Hq, L, D), L
-    whole tiles of `tile`.
+    whole tiles of `tile`, off the CPU (the CPU takes `nested_tile_attention`).
 
     The queries of tile i (positions [i * tile, (i + 1) * tile)) attend over exactly the
     keys [0, (i + 1) * tile), the keys past each query masked, in one call of torch's
-    scaled_dot_product_attention (on the CPU its flash kernel, one parallel region, whose
-    key blocks follow from the key count and whose gemms see only the row count change):
-    a query's arithmetic depends on its position alone, not on which of its tile's rows
-    share the call, how the prompt was split or how many keys exist past it (zeros,
-    masked: they add exactly zero). `test_rows.py` checks this. -> (m, Hq, D)."""
+    scaled_dot_product_attention: a query's arithmetic depends on its position alone, not
+    on which of its tile's rows share the call, how the prompt was split or how many keys
+    exist past it (zeros, masked: they add exactly zero). -> (m, Hq, D)."""
     end = first + q.shape[0]
     heads_first = q.transpose(0, 1).contiguous()[None]  # (1, Hq, m, D): tiles are views
-    attend = _tile_on_cpu if q.device.type == "cpu" else _tile_masked
     parts = [
-        attend(heads_first, keys, values, first, end, number, tile, scale)
+        _tile_masked(heads_first, keys, values, first, end, number, tile, scale)
         for number in range(first // tile, (end - 1) // tile + 1)
     ]
     return torch.cat(parts, dim=2)[0].transpose(0, 1)
@@ -141,34 +263,13 @@ def _tile_masked(heads_first, keys, values, first, end, number, tile, scale):
     )
 
 
-def _tile_on_cpu(heads_first, keys, values, first, end, number, tile, scale):
-    """The same on the CPU in two flash calls, merged by their log-sum-exp: the keys before
-    the tile, which every query sees (no mask: the masked kernel reads a mask element per
-    score and scaled badly at 2 threads), and the tile's own keys under the causal mask."""
-    lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
-    base = number * tile
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    rows = heads_first[:, :, lo - first : hi - first]
-    bias = _causal_bias(lo, hi, base, base + tile, rows.dtype, rows.device)
-    own, own_lse = flash(
-        rows, keys[None, :, base : base + tile], values[None, :, base : base + tile],
-        attn_mask=bias, scale=scale,
-    )  # fmt: skip
-    if number == 0:
-        return own
-    past, past_lse = flash(rows, keys[None, :, :base], values[None, :, :base], scale=scale)
-    top = torch.maximum(own_lse, past_lse)
-    own_weight, past_weight = torch.exp(own_lse - top), torch.exp(past_lse - top)
-    merged = past * past_weight[..., None] + own * own_weight[..., None]
-    return merged / (past_weight + own_weight)[..., None]
-
-
 @functools.lru_cache(maxsize=64)
-def _causal_bias(lo, hi, key_start, key_end, dtype, device) -> torch.Tensor:
+def _causal_bias(lo, hi, key_start, key_end, dtype, device, repeat=1) -> torch.Tensor:
     """The additive mask (hi - lo, key_end - key_start) of queries at positions [lo, hi) over
-    keys [key_start, key_end): 0 where a key is seen, -inf past the query. Cached: every
-    layer of a step asks for the same ones."""
-    positions = torch.arange(lo, hi, device=device)[:, None]
+    keys [key_start, key_end): 0 where a key is seen, -inf past the query; each query's row
+    `repeat` times (query heads stacked as rows). Cached: every layer of a step asks for
+    the same ones."""
+    positions = torch.arange(lo, hi, device=device).repeat_interleave(repeat)[:, None]
     hidden = torch.arange(key_start, key_end, device=device)[None, :] > positions
     return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
