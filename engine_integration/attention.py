@@ -184,7 +184,7 @@ def nested_tile_attention(
             _merge(out[:, :, rows], top[:, :, rows], total[:, :, rows], part, part_lse)
         parent = size
     if total is not None:
-        out = out / total[..., None]
+        out.div_(total[..., None])
     return out[0].view(num_kv_heads, m, group, dim).transpose(0, 1).reshape(m, num_heads, dim)
 
 

@@ -165,7 +165,7 @@ class Model:
         """Run one step; `source_kv(i)` is layer i of the L1 pool, (pages, page_size, 2, H, D).
         Returns logits (float32, one row per request with want_logits, in order)."""
         config = self.config
-        layout = RowLayout.build([(s.start, s.end) for s in seqs], self.block_rows, self.device)
+        layout = self._layout([(s.start, s.end) for s in seqs])
         rope = self.rope.lookup(layout.positions, layout.max_position)
         ids = as_index([t for s in seqs for t in s.token_ids], self.device)
         x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
@@ -204,7 +204,8 @@ class Model:
                     block_rows=self.block_rows,
                 )
             )
-        return self._finish_layer(weights, x, layout, torch.cat(outputs))
+        attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return self._finish_layer(weights, x, layout, attn)
 
     def _late_layers(self, hidden: torch.Tensor, seqs) -> torch.Tensor:
         """The late layers over each request's late rows; returns `hidden` with those rows
@@ -219,7 +220,7 @@ class Model:
         if not runs:
             return hidden
         rows_index = as_index(rows, self.device)
-        layout = RowLayout.build([(s, e) for _, s, e in runs], self.block_rows, self.device)
+        layout = self._layout([(s, e) for _, s, e in runs])
         rope = self.rope.lookup(layout.positions, layout.max_position)
         x = layout.pack(hidden.index_select(0, rows_index))
         first = self.config.num_source_layers
@@ -264,6 +265,12 @@ class Model:
         return layout.unpack(layout.linear(normed, self.weights.lm_head)).float()
 
     # ------------------------------------------------------------------ row-wise parts
+
+    def _layout(self, runs) -> RowLayout:
+        """The rows of a layer stack (the MLP's activation is the elementwise op)."""
+        return RowLayout.build(
+            runs, self.block_rows, self.device, pointwise_width=self.config.intermediate_size
+        )
 
     def _project(self, weights: LayerWeights, x, layout: RowLayout, rope):
         """Norm, q/k/v projection and RoPE.
