@@ -21,6 +21,7 @@ keys; a query at t sees the keys in (t - W, t] that exist.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -142,16 +143,17 @@ def nested_tile_attention(
     tile size S (its parent P, the next coarser, or none), the keys from the start of p's
     P-tile to the start of its S-tile, which every query of that S-tile sees (no mask);
     then the keys of its own finest tile under the causal mask (each over a whole tile:
-    keys past what is written are zeros, masked, and add exactly zero). Each part is one
-    call of torch's CPU flash kernel for all the step's queries that share it, and the
-    parts are merged by their log-sum-exp in a fixed order (the finest own tile first, then
-    coarse to fine). So every call a query takes part in has a key range fixed by its
-    position, whether it is part of a cold prefill, of a replay after a hit or a decode
-    step; the other queries of a call only change the gemms' row counts, which leaves a
-    row's bits alone (rows.py; `test_rows.py` checks this here, at the flash kernel's
-    query splits too). Coarse tiles let most keys be seen by calls of many rows, where the
-    kernel's query blocks are large: SmolLM2's 4,096 positions take 295 ms a layer on one
-    core, against 355 ms in 128-position tiles and 305 ms for transformers' causal call.
+    keys past what is written are zeros, masked, and add exactly zero). The queries that
+    share a part are one flash call (tiles whose parts have the same shape are one batched
+    call, `_batches`), and the parts are merged by their log-sum-exp in a fixed order (the
+    own tile first, then coarse to fine). So every call a query takes part in has a key
+    range fixed by its position, whether it is part of a cold prefill, of a replay after a
+    hit or a decode step; the other queries of a call only change the gemms' row counts,
+    which leaves a row's bits alone (rows.py; `test_rows.py` checks this here, at the flash
+    kernel's query splits too). Coarse tiles let most keys be seen by calls of many rows,
+    where the kernel's query blocks are large, and few calls keep the threads from waiting
+    on each other: SmolLM2's 4,096 positions take about 300 ms a layer on one core,
+    against 355 ms in 128-position tiles and about the same as transformers' causal call.
 
     The query heads of a KV head are stacked as rows (position, then head: a position range
     is a row range), so the keys are never repeated per query head and a call has `group`
@@ -162,26 +164,31 @@ def nested_tile_attention(
     end = first + m
     # (1, H, m * group, D): row r is position first + r // group, query head of its group r % group
     rows_q = q.view(m, num_kv_heads, group, dim).transpose(0, 1).reshape(1, num_kv_heads, -1, dim)
-    keys, values = keys[None], values[None]
-    out, top = _own_tiles(rows_q, keys, values, first, end, tiles[-1], group, scale)
+    keys, values = keys[None].contiguous(), values[None].contiguous()
+
+    def attend(batch: _TileBatch, bias=None):
+        rows = batch.row_view(rows_q, first, group)
+        return _FLASH(
+            rows, batch.key_view(keys), batch.key_view(values), attn_mask=bias, scale=scale
+        )
+
+    own = tiles[-1]
+    out, top = torch.empty_like(rows_q), rows_q.new_empty(rows_q.shape[:3])
+    for batch in _batches(first, end, own, lambda number: (number * own, own)):
+        offset = batch.first - batch.first // own * own  # of the tile's queries in the tile
+        bias = _causal_bias(offset, offset + batch.rows, 0, own, q.dtype, q.device, group)
+        part, part_lse = attend(batch, bias)
+        batch.row_view(out, first, group).copy_(part)
+        batch.row_view(top, first, group).copy_(part_lse)
     total = None  # sum of the parts' weights relative to `top`, per row: None while 1
     parent = None
     for size in tiles:
-        for number in range(first // size, (end - 1) // size + 1):
-            key_start = 0 if parent is None else number * size // parent * parent
-            if key_start == number * size:
-                continue
-            lo, hi = max(first, number * size), min(end, (number + 1) * size)
-            rows = slice((lo - first) * group, (hi - first) * group)
-            part, part_lse = _FLASH(
-                rows_q[:, :, rows],
-                keys[:, :, key_start : number * size],
-                values[:, :, key_start : number * size],
-                scale=scale,
-            )
+        for batch in _batches(first, end, size, _keys_before(size, parent)):
+            part, part_lse = attend(batch)
             if total is None:
                 total = torch.ones_like(top)
-            _merge(out[:, :, rows], top[:, :, rows], total[:, :, rows], part, part_lse)
+            views = (batch.row_view(t, first, group) for t in (out, top, total))
+            _merge(*views, part, part_lse)
         parent = size
     if total is not None:
         out.div_(total[..., None])
@@ -191,24 +198,92 @@ def nested_tile_attention(
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _own_tiles(rows_q, keys, values, first, end, tile, group, scale):
-    """Every query over its own tile's keys under the causal mask, one call per tile.
-    -> out (1, H, rows, D) and its log-sum-exp (1, H, rows)."""
-    outs, lses = [], []
-    for number in range(first // tile, (end - 1) // tile + 1):
-        lo, hi = max(first, number * tile), min(end, (number + 1) * tile)
-        base = number * tile
-        bias = _causal_bias(lo, hi, base, base + tile, rows_q.dtype, rows_q.device, group)
-        part, part_lse = _FLASH(
-            rows_q[:, :, (lo - first) * group : (hi - first) * group],
-            keys[:, :, base : base + tile],
-            values[:, :, base : base + tile],
-            attn_mask=bias,
-            scale=scale,
+@dataclass(frozen=True)
+class _TileBatch:
+    """`count` tiles of queries, `step` positions apart, each the `rows` positions from
+    `first` (for the first tile), over `key_length` keys from `key_start` (`key_step`
+    apart)."""
+
+    first: int
+    rows: int
+    count: int
+    step: int
+    key_start: int
+    key_length: int
+    key_step: int
+
+    def row_view(self, x: torch.Tensor, first: int, group: int) -> torch.Tensor:
+        """The batch's rows of x (1, H, m * group, ...) (positions from `first`), as
+        (count, H, rows * group, ...): a strided view, no copy."""
+        row = x.stride(2)
+        return torch.as_strided(
+            x,
+            (self.count, x.shape[1], self.rows * group, *x.shape[3:]),
+            (self.step * group * row, x.stride(1), *x.stride()[2:]),
+            x.storage_offset() + (self.first - first) * group * row,
         )
-        outs.append(part)
-        lses.append(part_lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+    def key_view(self, keys: torch.Tensor) -> torch.Tensor:
+        """The batch's keys of keys (1, H, L, D), contiguous, as (count, H, key_length, D):
+        a strided view, no copy."""
+        dim = keys.shape[3]
+        return torch.as_strided(
+            keys,
+            (self.count, keys.shape[1], self.key_length, dim),
+            (self.key_step * dim, keys.stride(1), dim, 1),
+            self.key_start * dim,
+        )
+
+
+def _keys_before(size: int, parent: int | None):
+    """The keys every query of tile `number` (of `size` positions) sees from the start of
+    its parent tile (from 0 for the coarsest): (start, length)."""
+
+    def keys(number: int) -> tuple[int, int]:
+        start = 0 if parent is None else number * size // parent * parent
+        return start, number * size - start
+
+    return keys
+
+
+def _batches(first: int, end: int, size: int, keys_of) -> list[_TileBatch]:
+    """The tiles of `size` positions that hold queries in [first, end), with their keys
+    `keys_of(number)` = (start, length), empty ones left out: whole tiles with the same
+    key count, evenly spaced, as one batch; a partial tile (the first or last) alone."""
+    whole: dict[int, list[tuple[int, int]]] = {}
+    batches = []
+    for number in range(first // size, (end - 1) // size + 1):
+        key_start, key_length = keys_of(number)
+        if key_length == 0:
+            continue
+        lo, hi = max(first, number * size), min(end, (number + 1) * size)
+        if hi - lo < size:
+            batches.append(_TileBatch(lo, hi - lo, 1, size, key_start, key_length, 0))
+        else:
+            whole.setdefault(key_length, []).append((number, key_start))
+    for key_length, members in whole.items():
+        batches.extend(_evenly_spaced(members, size, key_length))
+    return batches
+
+
+def _evenly_spaced(members, size, key_length) -> list[_TileBatch]:
+    """Whole tiles (number, key start) with `key_length` keys as batches of evenly spaced
+    tiles and keys."""
+    if len(members) == 1:
+        ((number, key_start),) = members
+        return [_TileBatch(number * size, size, 1, size, key_start, key_length, 0)]
+    (number, key_start), (second, second_start) = members[0], members[1]
+    tile_step, key_step = second - number, second_start - key_start
+    spaced = all(
+        later - number == i * tile_step and later_start - key_start == i * key_step
+        for i, (later, later_start) in enumerate(members)
+    )
+    if not spaced:
+        return [b for member in members for b in _evenly_spaced([member], size, key_length)]
+    return [
+        _TileBatch(number * size, size, len(members), tile_step * size, key_start, key_length,
+                   key_step)
+    ]  # fmt: skip
 
 
 def _merge(out, top, total, part, part_lse) -> None:
