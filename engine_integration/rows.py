@@ -8,7 +8,8 @@ Two things can break that:
 - a matmul's result for one row can depend on how many rows are multiplied with it. MKL's
   sgemm (torch's CPU BLAS) gives a row the same bits for any row count that is a multiple of
   4, at any offset and at 1 or 2 threads (measured for every multiple of 16 up to 8,192
-  rows); a call of 1 to 3 rows (or 5-7, 9-11 at 2 threads) gives some rows other bits.
+  rows, and every multiple of 4 up to 1,300 at SmolLM2's projection shapes); a call of 1
+  to 3 rows (or 5-7, 9-11 at 2 threads) gives some rows other bits.
   `tests/engine_integration/test_rows.py` checks this on the machine it runs on;
 - a vectorised elementwise op computes the elements of its scalar tail (past the last full
   vector of a thread's share) with another formula, e.g. `silu` through `std::exp`, so an
