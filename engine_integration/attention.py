@@ -21,6 +21,7 @@ keys; a query at t sees the keys in (t - W, t] that exist.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from engine_integration.window import LateWindow
+
+logger = logging.getLogger(__name__)
 
 # scaled_dot_product_attention(enable_gqa=...) exists from torch 2.5.
 _SDPA_GROUPS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -197,6 +200,47 @@ def nested_tile_attention(
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@functools.cache
+def _tiles_row_invariant(num_heads, num_kv_heads, head_dim, tiles, dtype, threads) -> bool:
+    generator = torch.Generator().manual_seed(num_heads * 131 + head_dim)
+    length = tiles[0] + tiles[-2] if len(tiles) > 1 else 2 * tiles[0]
+    q = torch.randn(length, num_heads, head_dim, generator=generator).to(dtype)
+    keys = torch.randn(num_kv_heads, length, head_dim, generator=generator).to(dtype)
+    values = torch.randn(num_kv_heads, length, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    full = nested_tile_attention(q, 0, keys, values, scale, tiles=tiles)
+    for start, end in ((length - 4, length), (tiles[0], length), (4, length - 8)):
+        k, v = keys.clone(), values.clone()
+        k[:, end:] = 0
+        v[:, end:] = 0
+        part = nested_tile_attention(q[start:end], start, k, v, scale, tiles=tiles)
+        if not torch.equal(part, full[start:end]):
+            return False
+    return True
+
+
+def check_tile_invariance(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_rows: int, dtype: torch.dtype
+) -> bool:
+    """Whether the CPU's nested tile attention gives a query the same bits whichever rows
+    share its calls (the flash kernel cuts a call's queries into blocks by the call's row
+    count), at the model's head shapes and the current thread count; once per shape. When
+    it does not, hits equal cold prefills only to rounding: said once, loudly."""
+    tiles = tile_levels(block_rows)
+    threads = torch.get_num_threads()
+    if _tiles_row_invariant(num_heads, num_kv_heads, head_dim, tiles, dtype, threads):
+        return True
+    logger.warning(
+        "this CPU's attention kernel gives a query different bits in calls of different "
+        "row counts (%d heads of %d, %d threads): cache hits will equal cold prefills only "
+        "to rounding, not bit for bit",
+        num_heads,
+        head_dim,
+        threads,
+    )
+    return False
 
 
 @dataclass(frozen=True)

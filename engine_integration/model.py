@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_integration.attention import (
+    check_tile_invariance,
     page_slots,
     source_attention,
     window_attention,
@@ -147,11 +148,15 @@ class Model:
         self.scale = config.head_dim**-0.5
         self.rope = RotaryTable(config, self.device, self.dtype)
         # Dense batches on CUDA replay the row-wise halves of each layer as CUDA graphs.
-        # Batch invariance rests on a measured property of the CPU's gemm (rows.py): checked
-        # at the model's projection shapes, once per process and shape.
+        # Batch invariance rests on measured properties of the CPU's gemm (rows.py) and of its
+        # attention kernel (attention.py): checked at the model's shapes, once per process.
         self.bitwise_invariant = block_rows is not None and check_gemm_invariance(
             _projection_shapes(config), self.dtype
         )
+        if self.bitwise_invariant and self.device.type == "cpu":
+            self.bitwise_invariant = check_tile_invariance(
+                config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
+            )
         dense_cuda = block_rows is None and self.device.type == "cuda"
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
 

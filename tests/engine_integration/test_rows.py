@@ -165,3 +165,23 @@ def test_a_cpu_whose_gemm_breaks_the_premise_is_named_at_model_load(monkeypatch,
         assert not rows.check_gemm_invariance([(64, 96)], torch.float32)
     assert "only to rounding" in caplog.text
     rows._gemm_rows_invariant.cache_clear()
+
+
+def test_a_cpu_whose_attention_breaks_the_premise_is_named_at_model_load(monkeypatch, caplog):
+    """The model also checks, at its head shapes, that the nested tile attention keeps a
+    query's bits across calls of different row counts; where it does not, one warning."""
+    from engine_integration import attention
+
+    assert attention.check_tile_invariance(4, 2, 16, 8, torch.float32)
+    real = attention._FLASH
+
+    def drifting(q, k, v, **kwargs):  # a kernel whose bits depend on the row count
+        out, lse = real(q, k, v, **kwargs)
+        return out + (q.shape[2] % 24) * 1e-7, lse
+
+    monkeypatch.setattr(attention, "_FLASH", drifting)
+    attention._tiles_row_invariant.cache_clear()
+    with caplog.at_level("WARNING", logger="engine_integration.attention"):
+        assert not attention.check_tile_invariance(4, 2, 16, 8, torch.float32)
+    assert "only to rounding" in caplog.text
+    attention._tiles_row_invariant.cache_clear()
