@@ -8,7 +8,7 @@ and rebuilds its sliding-window layers by encoder replay (DESIGN.md):
     weights.py      ModelWeights: random from a seed, or a safetensors checkpoint
     gguf_checkpoint.py  a GGUF file: its config and dequantized tensors (`gguf` package)
     tokenizer.py    byte-level, tokenizer.json, or a GGUF's metadata, through `tokenizers`
-    rows.py         RowLayout: fixed-shape row blocks (batch invariance on the CPU)
+    rows.py         RowLayout: rows in fixed groups by position (batch invariance on the CPU)
     attention.py    attention over paged source KV and over the late window
     window.py       LateWindow: the late layers' ring of W tokens per request
     model.py        Model: the forward pass of one engine step

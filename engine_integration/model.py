@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_integration.attention import (
+    check_tile_invariance,
     page_slots,
     source_attention,
     window_attention,
@@ -147,11 +148,15 @@ class Model:
         self.scale = config.head_dim**-0.5
         self.rope = RotaryTable(config, self.device, self.dtype)
         # Dense batches on CUDA replay the row-wise halves of each layer as CUDA graphs.
-        # Batch invariance rests on a measured property of the CPU's gemm (rows.py): checked
-        # at the model's projection shapes, once per process and shape.
+        # Batch invariance rests on measured properties of the CPU's gemm (rows.py) and of its
+        # attention kernel (attention.py): checked at the model's shapes, once per process.
         self.bitwise_invariant = block_rows is not None and check_gemm_invariance(
             _projection_shapes(config), self.dtype
         )
+        if self.bitwise_invariant and self.device.type == "cpu":
+            self.bitwise_invariant = check_tile_invariance(
+                config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
+            )
         dense_cuda = block_rows is None and self.device.type == "cuda"
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
 
@@ -165,7 +170,7 @@ class Model:
         """Run one step; `source_kv(i)` is layer i of the L1 pool, (pages, page_size, 2, H, D).
         Returns logits (float32, one row per request with want_logits, in order)."""
         config = self.config
-        layout = RowLayout.build([(s.start, s.end) for s in seqs], self.block_rows, self.device)
+        layout = self._layout([(s.start, s.end) for s in seqs])
         rope = self.rope.lookup(layout.positions, layout.max_position)
         ids = as_index([t for s in seqs for t in s.token_ids], self.device)
         x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
@@ -204,7 +209,8 @@ class Model:
                     block_rows=self.block_rows,
                 )
             )
-        return self._finish_layer(weights, x, layout, torch.cat(outputs))
+        attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return self._finish_layer(weights, x, layout, attn)
 
     def _late_layers(self, hidden: torch.Tensor, seqs) -> torch.Tensor:
         """The late layers over each request's late rows; returns `hidden` with those rows
@@ -219,7 +225,7 @@ class Model:
         if not runs:
             return hidden
         rows_index = as_index(rows, self.device)
-        layout = RowLayout.build([(s, e) for _, s, e in runs], self.block_rows, self.device)
+        layout = self._layout([(s, e) for _, s, e in runs])
         rope = self.rope.lookup(layout.positions, layout.max_position)
         x = layout.pack(hidden.index_select(0, rows_index))
         first = self.config.num_source_layers
@@ -264,6 +270,12 @@ class Model:
         return layout.unpack(layout.linear(normed, self.weights.lm_head)).float()
 
     # ------------------------------------------------------------------ row-wise parts
+
+    def _layout(self, runs) -> RowLayout:
+        """The rows of a layer stack (the MLP's activation is the elementwise op)."""
+        return RowLayout.build(
+            runs, self.block_rows, self.device, pointwise_width=self.config.intermediate_size
+        )
 
     def _project(self, weights: LayerWeights, x, layout: RowLayout, rope):
         """Norm, q/k/v projection and RoPE.

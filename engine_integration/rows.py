@@ -8,19 +8,22 @@ Two things can break that:
 - a matmul's result for one row can depend on how many rows are multiplied with it. MKL's
   sgemm (torch's CPU BLAS) gives a row the same bits for any row count that is a multiple of
   4, at any offset and at 1 or 2 threads (measured for every multiple of 16 up to 8,192
-  rows); a call of 1 to 3 rows (or 5-7, 9-11 at 2 threads) gives some rows other bits.
+  rows, and every multiple of 4 up to 1,300 at SmolLM2's projection shapes); a call of 1
+  to 3 rows (or 5-7, 9-11 at 2 threads) gives some rows other bits.
   `tests/engine_integration/test_rows.py` checks this on the machine it runs on;
 - a vectorised elementwise op computes the elements of its scalar tail (past the last full
   vector of a thread's share) with another formula, e.g. `silu` through `std::exp`, so an
   element's bits depend on where the tensor's tails fall.
 
-So in invariant mode a request's run of consecutive positions fills whole blocks of
-`block_rows` rows aligned to absolute positions (block k holds positions [k*B, k*B + B)),
-padding rows hold zeros, and the packed tensor always has a multiple of 4 rows. A projection
-is one gemm over all packed rows (`linear`). Row-wise work made of exactly rounded
-operations (norms, RoPE, residuals) runs once over the whole tensor (`rowwise`); an
-elementwise op with a transcendental function runs once where no thread's share of the
-tensor ends in a scalar tail, else block by block (`pointwise`).
+So in invariant mode a request's run of consecutive positions fills whole groups of 4 rows
+aligned to absolute positions (group k holds positions [4k, 4k + 4): a prompt of a multiple
+of 4 tokens needs no padding at all), padding rows hold zeros, and the packed tensor always
+has a multiple of 4 rows. A projection is one gemm over all packed rows (`linear`).
+Row-wise work made of exactly rounded operations (norms, RoPE, residuals) runs once over the
+whole tensor (`rowwise`); an elementwise op with a transcendental function runs once where
+no thread's share of the tensor ends in a scalar tail (`pointwise`); where it would, the
+runs fill whole blocks of `block_rows` rows instead (block k holds positions [k*B, k*B + B))
+and the op runs block by block, so that a row always falls at the same place of its call.
 Single tokens (decode steps) need no block: they go one after another in runs of 4 rows.
 Without invariance (CUDA), the rows are simply packed densely as one block.
 """
@@ -48,10 +51,21 @@ class RowLayout:
     block_rows: int | None  # None: one block (no padding)
     max_position: int  # the largest of `positions`, known without reading the device
     padded: bool = True  # False: the packed rows are the real rows, in order
+    aligned_rows: int | None = None  # runs fill whole groups of this many positions
 
     @classmethod
-    def build(cls, runs: Sequence[tuple[int, int]], block_rows: int | None, device) -> RowLayout:
-        """Lay out `runs` (position ranges [start, end), one per request, in row order)."""
+    def build(
+        cls,
+        runs: Sequence[tuple[int, int]],
+        block_rows: int | None,
+        device,
+        *,
+        pointwise_width: int | None = None,
+    ) -> RowLayout:
+        """Lay out `runs` (position ranges [start, end), one per request, in row order).
+        A run of several positions fills the groups of ALIGN_ROWS positions it touches
+        where an elementwise op over `pointwise_width` columns (`pointwise`) then runs in one
+        call with no scalar tail (or none is run), else the whole blocks it touches."""
         if block_rows is None:
             positions = [p for start, end in runs for p in range(start, end)]
             index = list(range(len(positions)))
@@ -63,27 +77,20 @@ class RowLayout:
                 max(positions, default=0),
                 padded=False,
             )
-        rows = block_rows
-        index: list[int] = []
-        positions: list[int] = []
-        singles: list[tuple[int, int]] = []  # (real row, position) of one-token runs
-        for start, end in runs:
-            if end - start == 1:
-                singles.append((len(index), start))
-                index.append(-1)
-                continue
-            first = start // rows
-            base = len(positions) - first * rows
-            index.extend(range(base + start, base + end))
-            positions.extend(range(first * rows, -(-end // rows) * rows))
-        _pack_singles(singles, index, positions)
+        index, positions = _aligned_rows(runs, ALIGN_ROWS)
+        aligned = ALIGN_ROWS
+        width = pointwise_width
+        if width is not None and not tail_free(len(positions) * width, width):
+            index, positions = _aligned_rows(runs, block_rows)
+            aligned = block_rows
         return cls(
             as_index(index, device),
             as_index(positions, device),
             len(positions),
-            rows,
+            block_rows,
             max(positions, default=0),
             padded=index != list(range(len(positions))),
+            aligned_rows=aligned,
         )
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +126,11 @@ class RowLayout:
         scalar tail, else block by block."""
         if self.block_rows is None or tail_free(self.num_packed * width, width):
             return fn(x)
+        if self.aligned_rows != self.block_rows:
+            raise ValueError(
+                f"a pointwise op over {width} columns needs a layout built with "
+                f"pointwise_width={width} (its runs in whole blocks)"
+            )
         return self.map_blocks(fn, x)
 
     def map_blocks(self, fn: Callable, *packed: torch.Tensor):
@@ -134,6 +146,29 @@ class RowLayout:
 
 
 SINGLE_ROWS = 4  # single tokens (decode steps) go in runs of this many rows
+# A run of positions fills whole groups of this many: the gemm's smallest row count that
+# gives a row its bits in any larger call (and a row stays at its position modulo 4).
+ALIGN_ROWS = 4
+
+
+def _aligned_rows(runs: Sequence[tuple[int, int]], rows: int) -> tuple[list[int], list[int]]:
+    """(index, positions) of `runs` whose runs of several positions fill the groups of
+    `rows` positions they touch (group k: positions [k * rows, k * rows + rows)); single
+    tokens after them (`_pack_singles`)."""
+    index: list[int] = []
+    positions: list[int] = []
+    singles: list[tuple[int, int]] = []  # (real row, position) of one-token runs
+    for start, end in runs:
+        if end - start == 1:
+            singles.append((len(index), start))
+            index.append(-1)
+            continue
+        first = start // rows
+        base = len(positions) - first * rows
+        index.extend(range(base + start, base + end))
+        positions.extend(range(first * rows, -(-end // rows) * rows))
+    _pack_singles(singles, index, positions)
+    return index, positions
 
 
 def _pack_singles(singles: list[tuple[int, int]], index: list[int], positions: list[int]) -> None:

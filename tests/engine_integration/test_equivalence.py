@@ -17,8 +17,8 @@ from tests.support.engines import ENGINE, GREEDY, cache_off, random_prompt, run_
 LONG = SamplingParams(max_new_tokens=20, return_logits=True)
 
 
-def _assert_same_as_cold(model, output):
-    baseline = run_one(cache_off(model), output.prompt_token_ids)
+def _assert_same_as_cold(model, output, params=GREEDY):
+    baseline = run_one(cache_off(model), output.prompt_token_ids, params)
     assert output.token_ids == baseline.token_ids
     assert torch.equal(output.logits, baseline.logits)
 
@@ -74,6 +74,21 @@ def test_hit_on_pages_written_by_decode_equals_cold_prefill(small_model, engines
     turn2 = run_one(engine, history + random_prompt(4, 12))
     assert turn2.metrics.hit_tokens["l1"] == 160  # ten full pages, the last two decoded
     _assert_same_as_cold(small_model, turn2)
+
+
+def test_long_hit_past_the_coarse_attention_tile_equals_cold_prefill(small_model, engines):
+    """A hit that ends past the attention's coarsest tile (512 positions with 8-row blocks),
+    and a next turn over the pages its decode wrote."""
+    engine = engines(small_model)
+    first = random_prompt(21, 700)
+    run_one(engine, first)
+    second = run_one(engine, first[:590] + random_prompt(22, 40), LONG)
+    assert second.metrics.hit_tokens["l1"] == 576
+    _assert_same_as_cold(small_model, second, LONG)
+    history = second.prompt_token_ids + second.token_ids
+    third = run_one(engine, history + random_prompt(23, 9))
+    assert third.metrics.hit_tokens["l1"] == 640  # 40 full pages, the last 10 tokens decoded
+    _assert_same_as_cold(small_model, third)
 
 
 def test_concurrent_requests_sharing_a_prefix(small_model, engines):

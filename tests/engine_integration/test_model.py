@@ -47,16 +47,33 @@ def test_source_only_model_matches_reference(source_only_model):
     _check_against_reference(source_only_model, output)
 
 
+@pytest.mark.parametrize("length", [150, 600])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_chunking_and_batching_never_change_a_bit(small_model, threads):
-    """Batch invariance: chunk size and batch neighbours leave every logit unchanged."""
+def test_chunking_and_batching_never_change_a_bit(small_model, threads, length):
+    """Batch invariance: chunk size and batch neighbours leave every logit unchanged (600
+    tokens: past the attention's coarsest tile, 512 positions with these 8-row blocks)."""
     torch.set_num_threads(threads)
-    tokens = random_prompt(11, 150)
-    alone = run_one(cache_off(small_model), tokens)
+    _assert_chunk_and_batch_invariant(small_model, random_prompt(11, length))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_mlp_width_with_scalar_tails_runs_in_whole_blocks(threads):
+    """An MLP of 100 columns, which `tail_free` cannot clear for one silu call over the
+    packed rows: the runs fill whole blocks and silu runs block by block, bit for bit."""
+    torch.set_num_threads(threads)
+    config = SMALL.replace(intermediate_size=100, model_id="test-mlp-100")
+    model, _ = load_model(None, ENGINE, seed=6, model_config=config)
+    layout = model._layout([(5, 19), (40, 41)])
+    assert layout.aligned_rows == 8 and layout.num_packed == 24 + 4
+    _assert_chunk_and_batch_invariant(model, random_prompt(12, 150))
+
+
+def _assert_chunk_and_batch_invariant(model, tokens):
+    alone = run_one(cache_off(model), tokens)
     for chunk in (8, 24, 1000):
         config = dataclasses.replace(ENGINE, prefill_chunk_tokens=chunk)
-        assert torch.equal(run_one(cache_off(small_model, config), tokens).logits, alone.logits)
-    crowded = cache_off(small_model)
+        assert torch.equal(run_one(cache_off(model, config), tokens).logits, alone.logits)
+    crowded = cache_off(model)
     others = [crowded.add_request(random_prompt(20 + i, 30 + 17 * i), GREEDY) for i in range(3)]
     mine = crowded.add_request(tokens, GREEDY)
     outputs = {output.request_id: output for output in crowded.run()}
@@ -75,14 +92,21 @@ def test_dense_path_is_the_same_model(small_model):
     torch.testing.assert_close(unblocked.logits, blocked.logits, rtol=1e-4, atol=1e-4)
 
 
-def test_row_layout_blocks_by_position():
-    layout = RowLayout.build([(5, 19), (40, 41), (43, 44), (48, 49)], 8, "cpu")
-    # run (5, 19): blocks 0..2 (positions 0..23); the single tokens follow, one after
-    # another, padded to 4 rows.
-    assert layout.num_packed == 24 + 4
-    assert layout.index[:14].tolist() == list(range(5, 19))
+def test_row_layout_groups_runs_by_position():
+    layout = RowLayout.build([(5, 19), (40, 41), (43, 44), (48, 49)], 8, "cpu", pointwise_width=128)
+    # run (5, 19): the groups of 4 positions it touches (positions 4..19); the single tokens
+    # follow, one after another, padded to 4 rows.
+    assert layout.num_packed == 16 + 4
+    assert layout.index[:14].tolist() == list(range(1, 15))
     assert layout.positions[layout.index].tolist() == [*range(5, 19), 40, 43, 48]
     assert len(set(layout.index.tolist())) == layout.index.numel()
+    # an MLP width whose silu would end in a scalar tail: whole blocks (positions 0..23)
+    blocked = RowLayout.build([(5, 19), (40, 41)], 8, "cpu", pointwise_width=100)
+    assert blocked.num_packed == 24 + 4 and blocked.index[:14].tolist() == list(range(5, 19))
+    with pytest.raises(ValueError, match="pointwise_width=100"):
+        RowLayout.build([(5, 19)], 8, "cpu").pointwise(torch.sin, torch.zeros(16, 100), width=100)
+    # a prompt of a multiple of 4 tokens from position 0 needs no padding
+    assert not RowLayout.build([(0, 700)], 16, "cpu", pointwise_width=1536).padded
     dense = RowLayout.build([(5, 19), (40, 41)], None, "cpu")
     assert dense.num_packed == 15 and dense.positions.tolist() == [*range(5, 19), 40]
 

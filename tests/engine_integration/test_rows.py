@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_integration.attention import tiled_attention
+from engine_integration.attention import nested_tile_attention, tiled_attention
 from engine_integration.rows import RowLayout, tail_free
 
 
@@ -51,6 +51,19 @@ def test_silu_in_one_call_only_where_no_scalar_tail(threads):
     assert not tail_free(100_003) and not tail_free(16 * 100, 100)
 
 
+def test_exp_gives_an_element_the_same_bits_at_any_length_and_offset(threads):
+    """The nested tile attention merges its parts with `torch.exp` over tensors whose
+    length follows the step's row count: exp must not compute a tail with another formula
+    (unlike silu, above, it is one vectorised map with a partial last vector)."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(150_000, generator=generator) * 20
+    whole = torch.exp(x)
+    for length in [*range(1, 70), 1000, 1001, 33_333, 65_537, 100_003]:
+        for offset in (0, 1, 3, 17, 36):
+            part = slice(offset, offset + length)
+            assert torch.equal(torch.exp(x[part]), whole[part]), (length, offset)
+
+
 def _dense_reference(q, first, keys, values, scale):
     """float64 causal attention of q (m, Hq, D) at positions [first, first + m)."""
     m, num_heads, _ = q.shape
@@ -89,6 +102,51 @@ def test_tiled_attention_is_causal_attention_and_row_invariant(threads):
         assert torch.equal(part, full[start:end]), (start, end)
 
 
+def _zero_past(keys, values, written):
+    """The keys as a request's pages hold them before positions >= written exist."""
+    keys, values = keys.clone(), values.clone()
+    keys[:, written:] = 0
+    values[:, written:] = 0
+    return keys, values
+
+
+def test_nested_tile_attention_is_causal_attention_and_row_invariant(threads):
+    """The CPU's attention (nested tiles of 64, 16 and 8 positions) against float64, and a
+    query's bits whichever rows share its calls (a decode step's 4 rows, a chunk, a replay
+    after a hit) and whatever lies in the keys past it."""
+    generator = torch.Generator().manual_seed(8)
+    tiles, length = (64, 16, 8), 200
+    q = torch.randn(length, 6, 16, generator=generator)
+    keys = torch.randn(2, length, 16, generator=generator)
+    values = torch.randn(2, length, 16, generator=generator)
+    scale = 16**-0.5
+    full = nested_tile_attention(q, 0, keys, values, scale, tiles=tiles)
+    expected = _dense_reference(q, 0, keys, values, scale)
+    torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5)
+    ranges = [(0, 4), (8, 16), (60, 68), (64, 68), (120, 200), (128, 132), (132, 200),
+              (196, 200), (4, 180), (76, 84), (0, 200)]  # fmt: skip
+    for start, end in ranges:
+        k, v = _zero_past(keys, values, end)
+        part = nested_tile_attention(q[start:end], start, k, v, scale, tiles=tiles)
+        assert torch.equal(part, full[start:end]), (start, end)
+
+
+def test_nested_tiles_keep_a_rows_bits_across_the_flash_kernels_query_splits(threads):
+    """At the engine's sizes (SmolLM2's 9 query and 3 KV heads of 64, tiles of 1,024, 256
+    and 128 positions) the CPU flash kernel cuts a call's queries into blocks of 32, 64 or
+    256 rows by how many rows the call has: a query's bits must not follow that cut."""
+    generator = torch.Generator().manual_seed(9)
+    tiles, length = (1024, 256, 128), 1280
+    q = torch.randn(length, 9, 64, generator=generator)
+    keys = torch.randn(3, length, 64, generator=generator)
+    values = torch.randn(3, length, 64, generator=generator)
+    full = nested_tile_attention(q, 0, keys, values, 0.125, tiles=tiles)
+    for start, end in [(1024, 1028), (1276, 1280), (1100, 1280), (700, 1160), (256, 1280)]:
+        k, v = _zero_past(keys, values, end)
+        part = nested_tile_attention(q[start:end], start, k, v, 0.125, tiles=tiles)
+        assert torch.equal(part, full[start:end]), (start, end)
+
+
 def test_a_cpu_whose_gemm_breaks_the_premise_is_named_at_model_load(monkeypatch, caplog):
     """The model checks the premise at its own projection shapes when it is built; where it
     fails, one warning says hits will equal cold prefills only to rounding."""
@@ -107,3 +165,23 @@ def test_a_cpu_whose_gemm_breaks_the_premise_is_named_at_model_load(monkeypatch,
         assert not rows.check_gemm_invariance([(64, 96)], torch.float32)
     assert "only to rounding" in caplog.text
     rows._gemm_rows_invariant.cache_clear()
+
+
+def test_a_cpu_whose_attention_breaks_the_premise_is_named_at_model_load(monkeypatch, caplog):
+    """The model also checks, at its head shapes, that the nested tile attention keeps a
+    query's bits across calls of different row counts; where it does not, one warning."""
+    from engine_integration import attention
+
+    assert attention.check_tile_invariance(4, 2, 16, 8, torch.float32)
+    real = attention._FLASH
+
+    def drifting(q, k, v, **kwargs):  # a kernel whose bits depend on the row count
+        out, lse = real(q, k, v, **kwargs)
+        return out + (q.shape[2] % 24) * 1e-7, lse
+
+    monkeypatch.setattr(attention, "_FLASH", drifting)
+    attention._tiles_row_invariant.cache_clear()
+    with caplog.at_level("WARNING", logger="engine_integration.attention"):
+        assert not attention.check_tile_invariance(4, 2, 16, 8, torch.float32)
+    assert "only to rounding" in caplog.text
+    attention._tiles_row_invariant.cache_clear()
