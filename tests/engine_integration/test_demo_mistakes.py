@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support.cli import run_hicache
 from tests.support.servers import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def demo(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hicache", "demo", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_hicache("demo", *argv)
 
 
 CASES = [

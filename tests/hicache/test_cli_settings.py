@@ -4,8 +4,6 @@ a wrong key or value is one line naming it and where it came from, exit code 2."
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +14,9 @@ from engine_integration.demo import DemoConfig
 from hicache.cli import main
 from hicache.config import HiCacheConfig
 from hicache.server.config import NamespaceSpec, ServerConfig
+from tests.support.cli import run_hicache
 from tiers.layout import KVLayout
 
-ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(
     kind="mha", num_layers=2, page_size=16, dtype="bfloat16", num_kv_heads=2, head_dim=8
 )
@@ -210,13 +208,7 @@ def test_a_missing_config_file_is_named(tmp_path, capsys):
 
 def test_a_config_mistake_in_a_real_process_has_no_traceback(tmp_path):
     path = toml(tmp_path, 'port = "x"\n')
-    done = subprocess.run(
-        [sys.executable, "-m", "hicache", "serve", "--config", path],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_hicache("serve", "--config", path, timeout=60)
     assert done.returncode == 2
     _one_line(done.stderr, "serve", r"port: expected an integer")
 

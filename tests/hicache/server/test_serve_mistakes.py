@@ -8,14 +8,12 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hicache.cli import main
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.cli import run_hicache
 
 
 @pytest.fixture
@@ -119,10 +117,4 @@ def test_debug_shows_the_traceback(listening):
 
 
 def _serve(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hicache", "serve", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_hicache("serve", *argv, timeout=60)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import gzip
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hicache.cli import main
+from tests.support.cli import run_hicache
 
-ROOT = Path(__file__).resolve().parents[3]
 SMALL = "conversations:sessions=2,turns=2"
 
 
@@ -91,13 +90,7 @@ def test_a_mistake_is_one_line_and_exit_code_2(case, tmp_path, capsys):
 
 
 def _simulate(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hicache", "simulate", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_hicache("simulate", *argv)
 
 
 def test_in_a_real_process_a_mistake_is_one_line(tmp_path):
