@@ -2,8 +2,9 @@
 from L1, from L2 and from L3 (file:// on local disk), for a ~1B-parameter hybrid model and a
 Llama-3.1-8B-shaped one, with the L3 read ceiling and the L2 link ceiling of the same run.
 
-Claims (issues 6, 21): a hit turns a long prefill into an encoder replay of the last
-K * (W - 1) + 1 positions (K stacked window layers) plus the uncached suffix; from L2 the KV
+Claims (issues 6, 21): a hit turns a long prefill into the uncached suffix plus an encoder
+replay of the last K * (W - 1) + 1 positions through the K window layers (from the boundary
+residual the pages store; the source layers compute the suffix only); from L2 the KV
 arrives layer by layer over the host link while earlier layers compute; from L3 it is read
 at the host's memory speed into pinned L2 pages, batch by batch, each batch loaded on into
 L1 while the next is read, and only as much of the run is fetched as beats recomputing it

@@ -59,7 +59,8 @@ class RopeScaling:
 class ModelConfig:
     """A decoder-only transformer: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
-    num_source_layers: the leading full-attention layers; hicache caches their KV.
+    num_source_layers: the leading full-attention layers; hicache caches their KV (and, with
+                       late layers, their output: `num_boundary_layers`).
     window_tokens:     the late layers' sliding window W (used only when there are late layers).
     model_id:          names the weights in page keys: a different id never shares pages.
     """
@@ -119,6 +120,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_boundary_layers(self) -> int:
+        """Page layers that hold the boundary residual of a hybrid model: the source layers'
+        output at each position (`hidden_size` values, padded to whole layers of 2 x
+        `kv_size`), which a hit feeds to the late layers instead of replaying the source
+        layers; 0 without late layers."""
+        if not self.num_late_layers:
+            return 0
+        return -(-self.hidden_size // (2 * self.kv_size))
 
     @property
     def num_parameters(self) -> int:

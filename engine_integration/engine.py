@@ -26,7 +26,7 @@ from engine_integration.model import Model
 from engine_integration.pages import CachedPages, PrivatePages
 from engine_integration.request import Request, RequestMetrics, RequestOutput, RequestState
 from engine_integration.sampling import SamplingParams, sample
-from engine_integration.scheduler import Scheduler, late_rows
+from engine_integration.scheduler import Scheduler
 from hicache.controller import HiCache
 from hicache.fetch_plan import attention_pairs
 from radix.keys import Namespace, encode_tokens
@@ -34,11 +34,12 @@ from tiers.layout import KVLayout
 
 
 def kv_layout_for(model: Model, page_size: int) -> KVLayout:
-    """The KV layout hicache holds for `model`: its source layers only."""
+    """The KV layout hicache holds for `model`: its source layers' KV, then (a hybrid model)
+    the boundary residual in `num_boundary_layers` more layers of the same shape."""
     config = model.config
     return KVLayout(
         kind="mha",
-        num_layers=config.num_source_layers,
+        num_layers=config.num_source_layers + config.num_boundary_layers,
         page_size=page_size,
         dtype=str(model.dtype).removeprefix("torch."),
         num_kv_heads=config.num_kv_heads,
@@ -75,12 +76,6 @@ class Engine:
             )
             pages = CachedPages(cache, self.namespace)
             num_pages = cache.executor.num_device_pages
-            # The last R prompt rows run through the model whatever the hit (window replay;
-            # the match covers all but the last prompt token): fetching them saves nothing.
-            shape = model.config
-            if shape.num_late_layers:
-                start, end = late_rows(1 << 40, shape.num_late_layers, shape.window_tokens)
-                cache.set_replay_tokens(end - start - 1)
         else:
             if not num_private_pages:
                 raise EngineError("an engine without a cache needs num_private_pages")

@@ -1,14 +1,16 @@
 """The transformer's forward pass over one engine step.
 
 A step is a list of `SeqRows`: for each request, the consecutive positions it computes
-now. Rows below `write_from` are *replay* rows (their source KV is already in cached pages:
-they are recomputed to obtain their hidden states, and write nothing); `late_runs` name the
-rows that continue through the late (sliding-window) layers; a request that wants logits
-gets them for its last row.
+now; `late_runs` name the positions that go through the late (sliding-window) layers; a
+request that wants logits gets them for its last row.
 
-    source layers   every row; new rows write K/V into the request's L1 pages, then each
-                    request attends over its pages (waiting for layer i's load first)
-    late layers     only the late rows, over the request's window ring
+    source layers   every row writes K/V into the request's L1 pages, then each request
+                    attends over its pages (waiting for layer i's load first)
+    boundary        (a hybrid model) every row writes its source output, the boundary
+                    residual, into the pages' boundary layers (`num_boundary_layers`)
+    late layers     only the late positions, over the request's window ring; positions
+                    before the step's rows (a hit's *replay*) read their input back from
+                    the boundary layers instead of running the source layers again
     head            final norm and LM head for the rows that want logits
 
 This module knows no cache, scheduler or sampling: it reads and writes pages through the
@@ -45,12 +47,11 @@ class SeqRows:
     token_ids: Sequence[int]  # the tokens at positions start .. end - 1
     start: int
     end: int
-    write_from: int  # rows at positions >= write_from write their source KV
     page_table: torch.Tensor  # (num_pages,) long: the request's L1 page ids, on the device
     window: LateWindow | None
-    late_runs: list[tuple[int, int]] = field(default_factory=list)  # within [start, end)
+    late_runs: list[tuple[int, int]] = field(default_factory=list)  # ascending, below end
     want_logits: bool = False
-    wait_layer: Callable[[int], None] | None = None  # before reading source layer i's pages
+    wait_layer: Callable[[int], None] | None = None  # before reading layer i of the hit's pages
 
     @property
     def num_rows(self) -> int:
@@ -77,6 +78,11 @@ class RotaryTable:
             self._cos = angles.cos().to(self._dtype).to(self._device)
             self._sin = angles.sin().to(self._dtype).to(self._device)
         return self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+
+
+def _flat(layer: torch.Tensor) -> torch.Tensor:
+    """A pool layer (pages, page_size, 2, H, D) as one row per slot (pages * page_size, 2, H, D)."""
+    return layer.view(-1, *layer.shape[2:])
 
 
 def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -166,21 +172,25 @@ class Model:
         return self._graphs.num_graphs if self._graphs is not None else 0
 
     @torch.inference_mode()
-    def forward(self, seqs: Sequence[SeqRows], source_kv: Callable[[int], torch.Tensor]):
-        """Run one step; `source_kv(i)` is layer i of the L1 pool, (pages, page_size, 2, H, D).
-        Returns logits (float32, one row per request with want_logits, in order)."""
+    def forward(self, seqs: Sequence[SeqRows], page_layer: Callable[[int], torch.Tensor]):
+        """Run one step; `page_layer(i)` is layer i of the L1 pool, (pages, page_size, 2, H,
+        D): the source layers, then the boundary layers. Returns logits (float32, one row
+        per request with want_logits, in order)."""
         config = self.config
         layout = self._layout([(s.start, s.end) for s in seqs])
         rope = self.rope.lookup(layout.positions, layout.max_position)
         ids = as_index([t for s in seqs for t in s.token_ids], self.device)
         x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
-        page_size = source_kv(0).shape[1]
+        page_size = page_layer(0).shape[1]
         slots = [page_slots(s.page_table, page_size, s.end) for s in seqs]
         for i in range(config.num_source_layers):
-            x = self._source_layer(i, x, layout, rope, seqs, slots, source_kv(i))
+            x = self._source_layer(i, x, layout, rope, seqs, slots, page_layer(i))
         hidden = layout.unpack(x)  # (rows, hidden)
         if config.num_late_layers:
-            hidden = self._late_layers(hidden, seqs)
+            first = config.num_source_layers
+            boundary = [_flat(page_layer(first + k)) for k in range(config.num_boundary_layers)]
+            self._store_boundary(hidden, seqs, slots, boundary)
+            hidden = self._late_layers(hidden, seqs, slots, boundary)
         return self._head(hidden, seqs)
 
     # ------------------------------------------------------------------ layers
@@ -188,14 +198,12 @@ class Model:
     def _source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer):
         weights = self.weights.layers[i]
         q, kv = self._project(weights, x, layout, rope)
-        flat_kv = kv_layer.view(-1, *kv_layer.shape[2:])  # (pages * page_size, 2, H, D)
+        flat_kv = _flat(kv_layer)
         outputs, row = [], 0
         for seq, seq_slots in zip(seqs, slots, strict=True):
             seq_q, seq_kv = q[row : row + seq.num_rows], kv[row : row + seq.num_rows]
             row += seq.num_rows
-            skip = max(0, seq.write_from - seq.start)  # replay rows: their KV is cached
-            if skip < seq.num_rows:
-                write_kv(flat_kv, seq_slots[seq.start + skip : seq.end], seq_kv[skip:])
+            write_kv(flat_kv, seq_slots[seq.start : seq.end], seq_kv)
             if seq.wait_layer is not None:
                 seq.wait_layer(i)
             outputs.append(
@@ -212,22 +220,51 @@ class Model:
         attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return self._finish_layer(weights, x, layout, attn)
 
-    def _late_layers(self, hidden: torch.Tensor, seqs) -> torch.Tensor:
-        """The late layers over each request's late rows; returns `hidden` with those rows
-        replaced (rows that skip the late layers keep their source output)."""
-        runs, rows = [], []
-        row = 0
-        for seq in seqs:
+    def _store_boundary(self, hidden: torch.Tensor, seqs, slots, boundary) -> None:
+        """Write every row's source output into its page slot of the boundary layers (in
+        `num_boundary_layers` pieces of one KV slot each, zero-padded)."""
+        width = boundary[0].shape[1:].numel()
+        padded = F.pad(hidden, (0, len(boundary) * width - hidden.shape[1]))
+        pieces = padded.view(hidden.shape[0], len(boundary), *boundary[0].shape[1:])
+        parts = [seq_slots[s.start : s.end] for s, seq_slots in zip(seqs, slots, strict=True)]
+        targets = parts[0] if len(parts) == 1 else torch.cat(parts)
+        for k, layer in enumerate(boundary):
+            write_kv(layer, targets, pieces[:, k])
+
+    def _stored_boundary(self, seq: SeqRows, slots: torch.Tensor, boundary) -> torch.Tensor:
+        """The source output of the positions at `slots`, read back from the boundary layers
+        (after their load into L1)."""
+        if seq.wait_layer is not None:
+            for k in range(len(boundary)):
+                seq.wait_layer(self.config.num_source_layers + k)
+        pieces = [layer.index_select(0, slots).flatten(1) for layer in boundary]
+        return torch.cat(pieces, dim=1)[:, : self.config.hidden_size]
+
+    def _late_layers(self, hidden: torch.Tensor, seqs, slots, boundary) -> torch.Tensor:
+        """The late layers over each request's late positions; returns `hidden` with the
+        step's late rows replaced (rows that skip the late layers keep their source output;
+        replayed positions before the step only rebuild the window)."""
+        runs, inputs, rows, kept = [], [], [], []
+        row = packed = 0
+        for seq, seq_slots in zip(seqs, slots, strict=True):
             for start, end in seq.late_runs:
                 runs.append((seq, start, end))
-                rows.extend(range(row + start - seq.start, row + end - seq.start))
+                if start < seq.start:  # a hit's replay: the input is stored in its pages
+                    replayed = min(end, seq.start)
+                    inputs.append(self._stored_boundary(seq, seq_slots[start:replayed], boundary))
+                    packed += replayed - start
+                    start = replayed
+                first, last = row + start - seq.start, row + end - seq.start
+                inputs.append(hidden[first:last])
+                rows.extend(range(first, last))
+                kept.extend(range(packed, packed + last - first))
+                packed += last - first
             row += seq.num_rows
         if not runs:
             return hidden
-        rows_index = as_index(rows, self.device)
         layout = self._layout([(s, e) for _, s, e in runs])
         rope = self.rope.lookup(layout.positions, layout.max_position)
-        x = layout.pack(hidden.index_select(0, rows_index))
+        x = layout.pack(inputs[0] if len(inputs) == 1 else torch.cat(inputs))
         first = self.config.num_source_layers
         for j in range(self.config.num_late_layers):
             weights = self.weights.layers[first + j]
@@ -248,8 +285,13 @@ class Model:
                 )
                 offset += n
             x = self._finish_layer(weights, x, layout, torch.cat(outputs))
+        if not rows:
+            return hidden
+        out = layout.unpack(x)
+        if len(kept) < out.shape[0]:
+            out = out.index_select(0, as_index(kept, self.device))
         hidden = hidden.clone()
-        hidden.index_copy_(0, rows_index, layout.unpack(x))
+        hidden.index_copy_(0, as_index(rows, self.device), out)
         return hidden
 
     def _head(self, hidden: torch.Tensor, seqs) -> torch.Tensor:

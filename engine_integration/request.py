@@ -81,7 +81,7 @@ class Request:
     window: LateWindow | None = None
     generator: torch.Generator | None = None
     cursor: int = 0  # next prompt position to run
-    write_from: int = 0  # positions below hold cached KV (replay rows write nothing)
+    hit_tokens: int = 0  # the prefix the cache supplied: its KV and boundary residual
     late_runs: list[tuple[int, int]] = field(default_factory=list)  # prompt rows for late layers
     loads_waited: bool = False
 
@@ -93,7 +93,7 @@ class Request:
     def lookup_tokens(self) -> bytes:
         """The prompt but its last token (whose logits are needed), encoded once for every
         lookup of the cache (prefetch, match)."""
-        return self.encoded_prompt[: -TOKEN_BYTES]
+        return self.encoded_prompt[:-TOKEN_BYTES]
 
     @property
     def tokens(self) -> list[int]:
@@ -111,14 +111,6 @@ class Request:
         if start >= prompt_len:
             return self.output[start - prompt_len : end - prompt_len]
         return self.prompt[start:] + self.output[: end - prompt_len]
-
-    @property
-    def num_kv_tokens(self) -> int:
-        """Positions whose source KV is in the request's pages (the last generated token
-        has not been run yet)."""
-        if self.state in (RequestState.WAITING, RequestState.PREFILL):
-            return max(self.cursor, self.write_from)
-        return len(self.prompt) + len(self.output) - 1
 
     def to_output(self) -> RequestOutput:
         logits = torch.stack(self.logits) if self.logits else None

@@ -18,8 +18,10 @@ that decoding reads (layer j's last W keys need layer j - 1's output at W + (K -
 (W - 1) positions). So the rows [max(0, L - R), L) go through the late layers, in a cold
 prefill and after a hit alike: the result is the checkpoint's own model, the unsplit prefill,
 whatever the boundary. After a hit of H tokens, the cached rows among them, [L - R, H), are
-*replayed*: run through the source layers again (attending over the cached KV, writing
-nothing) to give the late layers their input.
+*replayed* through the late layers only: their input, the source layers' output, is stored
+with the source KV in every page (the boundary residual, `ModelConfig.num_boundary_layers`),
+so a hit's source layers compute its uncached rows alone. The replay runs in the request's
+first step, before the step's own rows.
 """
 
 from __future__ import annotations
@@ -141,9 +143,8 @@ class Scheduler:
                 device=self.config.device,
             )
             metrics.late_tokens = late[1] - late[0]
-        request.write_from = hit
-        request.cursor = min([hit, *(s for s, _ in request.late_runs)])
-        metrics.replayed_tokens = hit - request.cursor
+        request.hit_tokens = request.cursor = hit
+        metrics.replayed_tokens = sum(max(0, min(e, hit) - s) for s, e in request.late_runs)
         metrics.computed_tokens = num_tokens - hit
         if request.match is not None:
             match = request.match
@@ -179,8 +180,8 @@ class Scheduler:
     def _rows(self, request: Request, start: int, end: int, want_logits: bool) -> SeqRows:
         if request.state == RequestState.DECODE:
             late = [(start, end)] if request.window is not None else []
-        else:
-            late = _clip(request.late_runs, start, end)
+        else:  # the first step also replays the cached late rows below its start
+            late = _clip(request.late_runs, 0 if start == request.hit_tokens else start, end)
         wait = None
         if request.match is not None and not request.loads_waited:
             wait = functools.partial(self.pages.wait_layer, request.match)
@@ -189,7 +190,6 @@ class Scheduler:
             token_ids=request.token_slice(start, end),
             start=start,
             end=end,
-            write_from=max(start, request.write_from),
             page_table=request.page_table,
             window=request.window,
             late_runs=late,
@@ -213,7 +213,7 @@ class Scheduler:
             self.waiting.remove(request)
         elif request in self.running:
             self.running.remove(request)
-            own = request.page_ids[request.write_from // self.page_size :]
+            own = request.page_ids[request.hit_tokens // self.page_size :]
             self.pages.abandon(own, request.match)
             request.match = None
         request.state = RequestState.FINISHED

@@ -3,8 +3,8 @@
 Position p lives in slot `p % W`. Each layer keeps, per slot, the position it holds (or
 none), so a reader can tell a slot's current token from an older one: a window read
 returns the slots for a range of positions and a `valid` flag per position. The window
-never leaves the engine: hicache holds only the source layers' KV, and a request that hits
-the cache rebuilds its window by encoder replay (DESIGN.md).
+never leaves the engine: hicache holds only the source layers' KV and output, and a request
+that hits the cache rebuilds its window by encoder replay (DESIGN.md) from that output.
 """
 
 from __future__ import annotations

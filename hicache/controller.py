@@ -129,7 +129,6 @@ class HiCache(PageMovement):
             l3_read_prior_bytes_per_s=config.policy.l3_read_prior_bytes_per_s,
             l2_load_prior_bytes_per_s=config.policy.l2_load_prior_bytes_per_s,
         )
-        self._replay_tokens = 0
         if config.l3.url:
             executor.attach_l3(config.l3.url)
             self._max_l3_pages = self._l3_index_limit()
@@ -219,14 +218,6 @@ class HiCache(PageMovement):
         load-or-recompute choice weighs L3 reads against is fitted to these."""
         with self._lock:
             self._rates.record_compute(num_rows, num_pairs, seconds)
-
-    def set_replay_tokens(self, num_tokens: int) -> None:
-        """The engine recomputes at least the last `num_tokens` tokens of every request
-        whatever its hit (a hybrid model's window replay): fetching those saves nothing."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        with self._lock:
-            self._replay_tokens = num_tokens
 
     def fetch_rates(self) -> FetchRatesSnapshot:
         """The rates this cache measured for its load-or-recompute choice."""
@@ -544,7 +535,6 @@ class HiCache(PageMovement):
             page_size=self.page_size,
             page_bytes=self.layout.bytes_per_page,
             total_tokens=len(data) // 4,
-            replay_tokens=self._replay_tokens,
             batch_pages=self.config.l3.pages_per_read(self.layout.bytes_per_page),
         )
         return self._rates.plan(run).num_pages

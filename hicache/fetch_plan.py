@@ -14,8 +14,8 @@ owns it, with a prior until measured:
                  cost of a long prefix grow with its square, as it does)
 
 `plan_fetch` then evaluates the time to first token of fetching the first n pages and
-recomputing the rest, for n at every read batch's end (plus the whole run, and the point
-past which the engine recomputes rows anyway, `replay_tokens`), and returns the fastest.
+recomputing the rest, for n at every read batch's end and the whole run, and returns the
+fastest.
 Until the compute rate has been measured, or before L3 has been read once, it fetches the
 whole run (what a cache without this choice does; a read measures the rate). A run it has
 declined many times in a row is probed with one read batch, so a store that got faster is
@@ -201,8 +201,6 @@ class RunToFetch:
     hit_tokens:    tokens of the prefix already in L1 or L2
     num_pages:     pages L3 holds right after them
     total_tokens:  the request's tokens (what the engine computes beyond the hit)
-    replay_tokens: the engine recomputes at least the last this many tokens whatever the
-                   hit (a hybrid model's window replay; 0: none)
     batch_pages:   pages per read batch (the pipeline's grain)
     """
 
@@ -211,7 +209,6 @@ class RunToFetch:
     page_size: int
     page_bytes: int
     total_tokens: int
-    replay_tokens: int = 0
     batch_pages: int = 1
 
 
@@ -227,13 +224,12 @@ def plan_fetch(
 
         io(n)      = latency + n * page_bytes / min(read, load)
                      + min(n, batch) * page_bytes / max(read, load)   (a two-stage pipeline)
-        compute(n) = one step over the rows [min(hit + n * page_size, total - replay), total)
+        compute(n) = one step over the rows [min(hit + n * page_size, total), total)
         T(n)       = io(n) + compute(n)          (io(0) = 0)
 
     Ties go to the larger n (the same time, and the GPU is left to other requests)."""
     slow = min(read_bytes_per_s, load_bytes_per_s)
     fast = max(read_bytes_per_s, load_bytes_per_s)
-    floor = max(0, run.total_tokens - run.replay_tokens)
     batch = max(1, run.batch_pages)
 
     def time_to_first_token(num_pages: int) -> float:
@@ -244,13 +240,11 @@ def plan_fetch(
                 + num_pages * run.page_bytes / slow
                 + min(num_pages, batch) * run.page_bytes / fast
             )
-        start = min(run.hit_tokens + num_pages * run.page_size, floor, run.total_tokens)
+        start = min(run.hit_tokens + num_pages * run.page_size, run.total_tokens)
         rows = run.total_tokens - start
         return io + compute.seconds(rows, attention_pairs(start, run.total_tokens))
 
     candidates = set(range(0, run.num_pages, batch)) | {run.num_pages}
-    if floor > run.hit_tokens:  # the last page that still saves compute
-        candidates.add(min(run.num_pages, -(-(floor - run.hit_tokens) // run.page_size)))
     best = max(candidates, key=lambda n: (-time_to_first_token(n), n))
     return FetchPlan(
         num_pages=best,

@@ -286,13 +286,15 @@ def test_tensor_parallel_ranks_answer_over_their_sockets(vllm_engines):
 
 
 def test_the_embedded_engine_kv_reaches_vllm_layout_bitwise(
-    small_model, engines, vllm_engines, tmp_path
+    source_only_model, engines, vllm_engines, tmp_path
 ):
     """A real model end to end: the embedded engine computes a prompt and writes its KV
     to L3; a vLLM engine (blocks of 8 tokens, block-outermost layout) on the same L3 loads
-    it through the connector; what its attention sees equals the engine's own KV."""
+    it through the connector; what its attention sees equals the engine's own KV. (A
+    full-attention model: a hybrid one's pages also hold the embedded engine's boundary
+    residual, which vLLM's layout has no place for.)"""
     url = f"file://{tmp_path / 'l3'}?capacity=64MiB"
-    engine = engines(small_model, l1_pages=64, l2_pages=64, l3_url=url)
+    engine = engines(source_only_model, l1_pages=64, l2_pages=64, l3_url=url)
     prompt = random_prompt(8, 5 * 16 + 4)
     run_one(engine, prompt)
     engine.cache.flush()
@@ -301,7 +303,7 @@ def test_the_embedded_engine_kv_reaches_vllm_layout_bitwise(
     pages = engine.cache.device_pool.kv[:, match.device_page_ids]  # (L, n, S, 2, H, D)
     engine.cache.release(match)
 
-    config = small_model.config
+    config = source_only_model.config
     shape = Shape(
         num_layers=config.num_source_layers,
         block_size=8,

@@ -31,14 +31,13 @@ NS = Namespace(model_id="fetch-plan", layout=LAYOUT.descriptor())
 PAGE = LAYOUT.page_size
 
 
-def run_of(num_pages: int, *, hit_pages: int = 0, replay_tokens: int = 0, batch: int = 4):
+def run_of(num_pages: int, *, hit_pages: int = 0, batch: int = 4):
     return RunToFetch(
         hit_tokens=hit_pages * PAGE,
         num_pages=num_pages,
         page_size=PAGE,
         page_bytes=LAYOUT.bytes_per_page,
         total_tokens=(hit_pages + num_pages) * PAGE + 8,
-        replay_tokens=replay_tokens,
         batch_pages=batch,
     )
 
@@ -77,15 +76,6 @@ def test_a_fast_read_fetches_the_whole_run_and_a_slow_one_none():
     slow = plan_fetch(run, compute, read_bytes_per_s=1e8, latency_s=1e-4, load_bytes_per_s=20e9)
     assert slow.num_pages == 0  # 168 ms of reading against 51 ms of compute
     assert slow.fetch_s == slow.recompute_s
-
-
-def test_past_the_replay_reach_nothing_is_saved_so_nothing_is_fetched():
-    compute = ComputeFit(per_step_s=0.0, per_row_s=1e-4, per_pair_s=0.0)
-    run = run_of(32, replay_tokens=200)  # the last 200 tokens run through the model anyway
-    plan = plan_fetch(run, compute, read_bytes_per_s=10e9, latency_s=0.0, load_bytes_per_s=20e9)
-    floor = run.total_tokens - 200
-    assert plan.num_pages == -(-floor // PAGE)  # the page holding the floor, and no more
-    assert 0 < plan.num_pages < 32
 
 
 def test_the_choice_waits_for_measurements_and_probes_a_store_it_declined():
@@ -177,15 +167,6 @@ def test_the_controller_recomputes_rather_than_read_a_slow_store(cache_with):
     assert second.num_pages == 0 and second.num_l3_pages == 0
     assert cache.fetch_rates().pages_declined == 32
     assert cache.stats().prefetches_issued == 1  # the second run was never read
-
-
-def test_the_controller_fetches_only_up_to_the_engines_replay_reach(cache_with):
-    cache, store = cache_with(read_bytes_per_s=10e9)
-    report_engine_steps(cache, seconds_per_row=1e-4)
-    cache.set_replay_tokens(5 * PAGE)  # the engine reruns the last 5 pages' rows anyway
-    l3_match(cache, store, seed=1)
-    assert l3_match(cache, store, seed=2).num_l3_pages == 32 - 5
-    cache.check_invariants()
 
 
 def test_always_fetches_whatever_the_rates_say(cache_with):
