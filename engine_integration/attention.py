@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from engine_integration.window import LateWindow
 
@@ -418,9 +418,12 @@ def window_attention(
     end = start + n
     width = window.window_tokens
     if block_rows is None:
-        mask, keys = _window_keys(kv, start, start, end, window, layer, start - width)
+        if window.holds_from(layer, start - width + 1):
+            mask, keys = _window_keys(kv, start, start, end, window, layer, start - width)
+        else:  # the ring holds no key these queries see (a prefill's first late rows)
+            mask, keys = _sliding_bias(n, width, q.dtype, q.device), kv
         out = _sdpa(q, keys, mask, scale)
-        window.write(layer, torch.arange(start, end, device=q.device), kv)
+        window.write(layer, start, kv)
         return out
     rows = block_rows
 
@@ -437,7 +440,7 @@ def window_attention(
             ~mask,
             scale,
         )
-        window.write(layer, torch.arange(lo, hi, device=q.device), new_kv)
+        window.write(layer, lo, new_kv)
         return out
 
     return _blockwise(q, start, rows, attend_block)
@@ -457,6 +460,19 @@ def _blockwise(q: torch.Tensor, start: int, rows: int, attend_block) -> torch.Te
         part = slice(number * rows, (number + 1) * rows)
         out[part] = attend_block(block, padded[part])
     return out[offset : offset + n]
+
+
+@functools.lru_cache(maxsize=8)
+def _sliding_bias(n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive mask of n consecutive queries over their own n keys, each seeing the
+    keys in (t - width, t]: built once per shape and reused by every late layer and step.
+    Its rows are padded to a multiple of 16 keys (the memory-efficient kernel's alignment:
+    it would pad a copy on every call otherwise)."""
+    query = torch.arange(n, device=device)[:, None]
+    key = torch.arange(n, device=device)[None, :]
+    hidden = (key > query) | (key <= query - width)
+    bias = torch.zeros(n, -(-n // 16) * 16, dtype=dtype, device=device)
+    return bias[:, :n].masked_fill_(hidden, float("-inf"))
 
 
 def _window_keys(new_kv, new_start, q_start, q_end, window, layer, key_start):
@@ -497,6 +513,13 @@ def _attend(q, keys, values, mask, scale, *, masked_from=0):
     return out.view(num_kv_heads, group, m, dim).permute(2, 0, 1, 3).reshape(m, num_heads, dim)
 
 
+def _per_query_head(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(H, L, D) -> (H * group, L, D), each KV head repeated for its query heads (by
+    expand: `repeat_interleave` with a count reads its output size back from the device)."""
+    heads, length, dim = x.shape
+    return x[:, None].expand(heads, group, length, dim).reshape(heads * group, length, dim)
+
+
 def _sdpa(q, kv, mask, scale):
     """q (n, Hq, D) over kv (L, 2, H, D) through scaled_dot_product_attention."""
     num_heads = q.shape[1]
@@ -504,11 +527,15 @@ def _sdpa(q, kv, mask, scale):
     keys = kv[:, 0].transpose(0, 1)  # (H, L, D)
     values = kv[:, 1].transpose(0, 1)
     grouped = {}
-    if group > 1 and _SDPA_GROUPS:
+    # CUDA's memory-efficient kernel, the one that takes a mask tensor (the late layers'
+    # window), does not map query heads onto KV heads: given both it falls back to the math
+    # kernel, which materialises every score. The window's few keys are copied per query
+    # head then. (A causal bias goes to the flash kernel, which maps them itself.)
+    masked_on_cuda = q.is_cuda and mask is not None and not isinstance(mask, CausalBias)
+    if group > 1 and _SDPA_GROUPS and not masked_on_cuda:
         grouped = {"enable_gqa": True}  # the kernel maps query heads onto KV heads
-    elif group > 1:  # torch < 2.5: a copy of every key and value per query head
-        keys = keys.repeat_interleave(group, dim=0)
-        values = values.repeat_interleave(group, dim=0)
+    elif group > 1:  # a copy of every key and value per query head (also torch < 2.5)
+        keys, values = _per_query_head(keys, group), _per_query_head(values, group)
     backends = sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
     with backends:
         out = F.scaled_dot_product_attention(

@@ -34,6 +34,13 @@ class LateWindow:
         self.positions = torch.full(
             (num_layers, window_tokens), _EMPTY, dtype=torch.long, device=device
         )
+        # Per layer, one past the last position written (0: none), kept on the host so a
+        # reader can tell without the device that the ring holds nothing it needs.
+        self._written_end = [0] * num_layers
+
+    def holds_from(self, layer: int, position: int) -> bool:
+        """Whether layer `layer`'s ring may hold a position >= `position`."""
+        return self._written_end[layer] > max(position, 0)
 
     def read(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """KV of positions [start, end) as (end - start, 2, H, D), and which of them the
@@ -45,9 +52,12 @@ class LateWindow:
         valid = (self.positions[layer].index_select(0, slots) == wanted) & (wanted >= 0)
         return kv, valid
 
-    def write(self, layer: int, positions: torch.Tensor, kv: torch.Tensor) -> None:
-        """Store `kv[i]` (2, H, D) as position `positions[i]` (ascending); of more than W
-        positions only the last W can stay."""
+    def write(self, layer: int, start: int, kv: torch.Tensor) -> None:
+        """Store `kv[i]` (2, H, D) as position `start + i`; of more than W positions only the
+        last W can stay."""
+        end = start + kv.shape[0]
+        self._written_end[layer] = max(self._written_end[layer], end)
+        positions = torch.arange(start, end, device=self.kv.device)
         if positions.numel() > self.window_tokens:
             positions = positions[-self.window_tokens :]
             kv = kv[-self.window_tokens :]

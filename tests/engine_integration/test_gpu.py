@@ -144,10 +144,11 @@ def test_warm_up_captures_the_graphs_a_first_request_would(gpu_model):
     assert model._graphs.num_graphs == captured
 
 
-def test_attention_never_runs_on_cudnn(gpu_model):
+def test_attention_never_runs_on_cudnn_or_the_math_fallback(gpu_model):
     """cuDNN's SDPA builds an execution plan for each new pair of lengths on its first call
     (50-1,100 ms on the H200) and every request brings new lengths: the engine's attention,
-    the late layers' masked window included, runs on the other backends."""
+    the late layers' masked window included, runs on the other backends, and never on the
+    math fallback (which materialises the scores: a masked call with GQA falls there)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = Engine(gpu_model, GPU, num_private_pages=64)
@@ -157,3 +158,31 @@ def test_attention_never_runs_on_cudnn(gpu_model):
     names = {event.key for event in prof.key_averages()}
     assert any("attention" in name for name in names)
     assert not any("cudnn_attention" in name for name in names), sorted(names)
+    assert not any("attention_math" in name for name in names), sorted(names)
+
+
+def test_a_hit_step_never_waits_for_the_device(gpu_model):
+    """The CPU queues a whole step (a hit with replay from the boundary residual, the window
+    layers' masked attention, the head) without one synchronisation, so it runs ahead of the
+    GPU instead of waiting for each kernel (`repeat_interleave` with a count, a pageable
+    copy or an `.item()` would each stop it)."""
+    cache = build_cache(gpu_model, GPU, CacheSizes(l1_pages=128, policy=POLICY))
+    try:
+        engine = Engine(gpu_model, GPU, cache=cache)
+        first = random_prompt(5, 400, GPU_MODEL.vocab_size)
+        run_one(engine, first, PARAMS)
+        run_one(engine, first[:380] + random_prompt(6, 20, GPU_MODEL.vocab_size), PARAMS)
+        engine.add_request(first[:350] + random_prompt(7, 20, GPU_MODEL.vocab_size), PARAMS)
+        plan = engine.scheduler.schedule()
+        assert plan[0][1].late_runs[0][0] < plan[0][1].start  # replayed rows
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = engine.model.forward([rows for _, rows in plan], engine.pages.layer)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(logits).all()
+        for request, _rows in plan:
+            engine.scheduler.abort(request)
+    finally:
+        cache.close()
