@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
@@ -41,6 +42,8 @@ _SDPA_GROUPS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= 
 # every request brings new lengths. On the H200: 50-1,100 ms for a shape's first call
 # against 0.3 ms after; the memory-efficient kernel takes 0.6 ms from the first call on.
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# The flash kernel itself (what SDPA calls for a causal bias), when this torch has it.
+_FLASH_OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
 
 
 def page_slots(page_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
@@ -90,6 +93,8 @@ def source_attention(
     end = start + n
     if block_rows is None:
         kv = gather_kv(flat_kv, slots, num_written)
+        if _flash_takes(q, kv):
+            return _flash_lower_right(q, kv, scale)
         return _sdpa(q, kv, causal_lower_right(n, end), scale)
     first = start // QUERY_ROWS * QUERY_ROWS
     padded = q.new_zeros((-(-end // QUERY_ROWS) * QUERY_ROWS - first, *q.shape[1:]))
@@ -511,6 +516,41 @@ def _attend(q, keys, values, mask, scale, *, masked_from=0):
     probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
     out = torch.bmm(probs.view(num_kv_heads, group * m, length), values)
     return out.view(num_kv_heads, group, m, dim).permute(2, 0, 1, 3).reshape(m, num_heads, dim)
+
+
+@functools.cache
+def _flash_ready(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int, dim: int):
+    """Whether torch's flash kernel takes causal attention of this shape here (asked once,
+    of torch's own check, on a small sample)."""
+    q = torch.zeros(1, num_heads, 8, dim, dtype=dtype, device=device)
+    kv = torch.zeros(1, kv_heads, 16, dim, dtype=dtype, device=device)
+    params = SDPAParams(q, kv, kv, None, 0.0, False, num_heads != kv_heads)
+    return bool(torch.backends.cuda.can_use_flash_attention(params, debug=False))
+
+
+def _flash_takes(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and _FLASH_OP is not None
+        and _flash_ready(q.device, q.dtype, q.shape[1], kv.shape[2], q.shape[2])
+    )
+
+
+def _flash_lower_right(q: torch.Tensor, kv: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of queries q (n, Hq, D), the last n positions, over kv (L, 2, H,
+    D), straight through torch's flash kernel (whose causal mask is aligned to the last
+    key, as `causal_lower_right` asks for): what SDPA given that bias runs, without the
+    Python it goes through on the way, once per layer of every step."""
+    out = _FLASH_OP(
+        q.transpose(0, 1)[None],
+        kv[:, 0].transpose(0, 1)[None],
+        kv[:, 1].transpose(0, 1)[None],
+        0.0,
+        True,
+        False,
+        scale=scale,
+    )[0]
+    return out[0].transpose(0, 1)
 
 
 def _per_query_head(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -9,7 +9,9 @@ bucket (a power of two from 16 to `MAX_ROWS`) and replayed: one launch instead o
 Attention, which reads the paged KV of each request, stays eager.
 
 Rows are independent in these parts, so a step of n rows runs in the bucket above n: rows
-past n compute on whatever the static input held and are never read. The static tensors of
+past n compute on whatever the static input held and are never read. Inputs every layer of a
+step shares (RoPE's cos and sin) sit in static tensors that all graphs of a bucket read, and
+are copied in once per step rather than once per layer. The static tensors of
 every graph come from one shared memory pool; graphs run one after another on one stream,
 and each one's inputs and outputs stay alive, so no graph's intermediates can land on
 another's live tensors. A graph's outputs are overwritten by its next replay: callers use
@@ -35,18 +37,19 @@ def bucket(rows: int) -> int | None:
 
 
 class _Graph:
-    """One captured call: static inputs, the graph, its static outputs."""
+    """One captured call: static inputs (its own, then the bucket's shared ones), the graph,
+    its static outputs."""
 
-    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], pool) -> None:
+    def __init__(self, fn, inputs: tuple[torch.Tensor, ...], shared, pool) -> None:
         self.inputs = tuple(t.clone() for t in inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: cuBLAS picks its kernels outside capture
-            fn(*self.inputs)
+            fn(*self.inputs, *shared)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = fn(*self.inputs)
+            self.outputs = fn(*self.inputs, *shared)
 
     def __call__(self, inputs: tuple[torch.Tensor, ...], rows: int):
         for static, value in zip(self.inputs, inputs, strict=True):
@@ -63,20 +66,40 @@ class RowwiseGraphs:
     def __init__(self) -> None:
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        # (bucket, shapes) -> the static tensors of shared inputs, and the values last
+        # copied into them (held, so that `is` tells a new value from the same one)
+        self._shared: dict[tuple, tuple[tuple[torch.Tensor, ...], tuple]] = {}
 
-    def run(self, key, fn, inputs: tuple[torch.Tensor, ...]):
-        """`fn(*inputs)` (each input (rows, ...), rows independent) through the graph of
-        `key` (the part and layer `fn` computes) for its bucket, or eagerly when the step is
-        too large or a capture is under way."""
+    def run(self, key, fn, inputs: tuple[torch.Tensor, ...], shared: tuple = ()):
+        """`fn(*inputs, *shared)` (each tensor (rows, ...), rows independent) through the
+        graph of `key` (the part and layer `fn` computes) for its bucket, or eagerly when
+        the step is too large or a capture is under way. `shared`: inputs that many calls of
+        a step pass as the very same tensors (copied in only when they change)."""
         rows = inputs[0].shape[0]
         size = bucket(rows)
         if size is None or torch.cuda.is_current_stream_capturing():
-            return fn(*inputs)
+            return fn(*inputs, *shared)
+        statics = self._shared_statics(size, rows, shared)
         graph = self._graphs.get((key, size))
         if graph is None:
             padded = tuple(_padded(t, size) for t in inputs)
-            graph = self._graphs[(key, size)] = _Graph(fn, padded, self._pool)
+            graph = self._graphs[(key, size)] = _Graph(fn, padded, statics, self._pool)
         return graph(inputs, rows)
+
+    def _shared_statics(self, size: int, rows: int, shared: tuple) -> tuple[torch.Tensor, ...]:
+        if not shared:
+            return ()
+        key = (size, tuple((t.shape[1:], t.dtype) for t in shared))
+        entry = self._shared.get(key)
+        if entry is None:
+            statics = tuple(_padded(t, size) for t in shared)
+        else:
+            statics, last = entry
+            if any(new is not old for new, old in zip(shared, last, strict=True)):
+                for static, value in zip(statics, shared, strict=True):
+                    static[:rows].copy_(value)
+        self._shared[key] = (statics, shared)
+        return statics
 
     @property
     def num_graphs(self) -> int:

@@ -326,7 +326,8 @@ class Model:
             return self._graphs.run(
                 ("project", id(weights)),
                 lambda x, cos, sin: self._project_rows(weights, x, layout, (cos, sin)),
-                (x, *rope),
+                (x,),
+                shared=rope,
             )
         return self._project_rows(weights, x, layout, rope)
 
