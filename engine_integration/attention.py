@@ -42,8 +42,11 @@ _SDPA_GROUPS = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= 
 # every request brings new lengths. On the H200: 50-1,100 ms for a shape's first call
 # against 0.3 ms after; the memory-efficient kernel takes 0.6 ms from the first call on.
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# The flash kernel itself (what SDPA calls for a causal bias), when this torch has it.
-_FLASH_OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+# The flash kernel itself (what SDPA calls for a causal bias), called directly from torch 2.5
+# on (where it maps query heads onto KV heads and its check takes `enable_gqa`).
+_FLASH_OP = (
+    getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None) if _SDPA_GROUPS else None
+)
 
 
 def page_slots(page_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:

@@ -11,10 +11,10 @@ Attention, which reads the paged KV of each request, stays eager.
 Rows are independent in these parts, so a step of n rows runs in the bucket above n: rows
 past n compute on whatever the static input held and are never read. Inputs every layer of a
 step shares (RoPE's cos and sin) sit in static tensors that all graphs of a bucket read, and
-are copied in once per step rather than once per layer. The static tensors of
-every graph come from one shared memory pool; graphs run one after another on one stream,
-and each one's inputs and outputs stay alive, so no graph's intermediates can land on
-another's live tensors. A graph's outputs are overwritten by its next replay: callers use
+are copied in once per step rather than once per layer. The static tensors of every graph
+come from one shared memory pool; graphs run one after another on one stream, and each
+one's inputs and outputs stay alive, so no graph's intermediates can land on another's live
+tensors. A graph's outputs are overwritten by its next replay: callers use
 them before the same layer runs again (the next step).
 
 Only for dense batches on CUDA (`Model(..., block_rows=None)` on a CUDA device); on the
