@@ -158,6 +158,9 @@ class Model:
                 config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
             )
         dense_cuda = block_rows is None and self.device.type == "cuda"
+        # The last layer computes only the rows whose output is read (`read_runs`); False:
+        # every row, the reference the tests compare it with.
+        self.skip_unread_rows = True
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
 
     @property
@@ -176,11 +179,18 @@ class Model:
         x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
         page_size = source_kv(0).shape[1]
         slots = [page_slots(s.page_table, page_size, s.end) for s in seqs]
-        for i in range(config.num_source_layers):
+        last = config.num_source_layers - 1
+        for i in range(last):
             x = self._source_layer(i, x, layout, rope, seqs, slots, source_kv(i))
-        hidden = layout.unpack(x)  # (rows, hidden)
+        if self.skip_unread_rows:
+            held = HeldRows([read_runs(s, config.num_late_layers > 0) for s in seqs])
+        else:
+            held = HeldRows([[(s.start, s.end)] for s in seqs])
+        hidden = self._last_source_layer(last, x, layout, rope, seqs, slots, source_kv(last), held)
         if config.num_late_layers:
-            hidden = self._late_layers(hidden, seqs)
+            hidden = self._late_layers(hidden, held, seqs)
+        else:
+            hidden = hidden.index_select(0, as_index(held.logit_rows(seqs), self.device))
         return self._head(hidden, seqs)
 
     # ------------------------------------------------------------------ layers
@@ -188,9 +198,29 @@ class Model:
     def _source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer):
         weights = self.weights.layers[i]
         q, kv = self._project(weights, x, layout, rope)
+        runs = [[(seq.start, seq.end)] for seq in seqs]
+        attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, runs)
+        return self._finish_layer(weights, x, layout, attn)
+
+    def _last_source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer, held):
+        """The last source layer: K/V of every new row (the cache holds them), the rest
+        only for the rows `held` names (those a late layer or the head reads).
+        -> (held rows, hidden)."""
+        weights = self.weights.layers[i]
+        q, kv = self._project(weights, x, layout, rope)
+        attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, held.runs)
+        if held.runs == [[(seq.start, seq.end)] for seq in seqs]:  # every row is read
+            return layout.unpack(self._finish_layer(weights, x, layout, attn))
+        index = as_index(held.step_rows(seqs), self.device)
+        runs = [run for seq_runs in held.runs for run in seq_runs]
+        return self._finish_some(weights, layout.unpack(x), index, runs, attn)
+
+    def _source_attention(self, i, q, kv, seqs, slots, kv_layer, runs) -> torch.Tensor:
+        """Write the new rows' K/V of source layer i, then attend the queries of `runs`
+        (per request, position ranges) over each request's pages. -> (rows of runs, Hq, D)."""
         flat_kv = kv_layer.view(-1, *kv_layer.shape[2:])  # (pages * page_size, 2, H, D)
         outputs, row = [], 0
-        for seq, seq_slots in zip(seqs, slots, strict=True):
+        for seq, seq_slots, seq_runs in zip(seqs, slots, runs, strict=True):
             seq_q, seq_kv = q[row : row + seq.num_rows], kv[row : row + seq.num_rows]
             row += seq.num_rows
             skip = max(0, seq.write_from - seq.start)  # replay rows: their KV is cached
@@ -198,42 +228,51 @@ class Model:
                 write_kv(flat_kv, seq_slots[seq.start + skip : seq.end], seq_kv[skip:])
             if seq.wait_layer is not None:
                 seq.wait_layer(i)
-            outputs.append(
-                source_attention(
-                    seq_q,
-                    seq.start,
-                    flat_kv,
-                    seq_slots,
-                    seq.end,
-                    scale=self.scale,
-                    block_rows=self.block_rows,
+            for start, end in seq_runs:  # queries at [start, end) see the keys [0, end)
+                outputs.append(
+                    source_attention(
+                        seq_q[start - seq.start : end - seq.start],
+                        start,
+                        flat_kv,
+                        seq_slots[:end],
+                        end,
+                        scale=self.scale,
+                        block_rows=self.block_rows,
+                    )
                 )
-            )
-        attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return self._finish_layer(weights, x, layout, attn)
+        if not outputs:
+            return q.new_empty((0, *q.shape[1:]))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _late_layers(self, hidden: torch.Tensor, seqs) -> torch.Tensor:
-        """The late layers over each request's late rows; returns `hidden` with those rows
-        replaced (rows that skip the late layers keep their source output)."""
-        runs, rows = [], []
-        row = 0
-        for seq in seqs:
-            for start, end in seq.late_runs:
-                runs.append((seq, start, end))
-                rows.extend(range(row + start - seq.start, row + end - seq.start))
-            row += seq.num_rows
+    def _finish_some(self, weights: LayerWeights, x, index, runs, attn) -> torch.Tensor:
+        """`_finish_layer` for some rows only: rows `index` of x (real rows), at the
+        positions `runs`, in order, whose attention output is attn. A row's result is the
+        one it gets among all the rows (rows.py: no row's bits depend on the others).
+        -> (len(index), hidden)."""
         if not runs:
-            return hidden
-        rows_index = as_index(rows, self.device)
-        layout = self._layout([(s, e) for _, s, e in runs])
+            return x.new_empty((0, x.shape[1]))
+        layout = self._layout(runs)
+        packed = layout.pack(x.index_select(0, index))
+        return layout.unpack(self._finish_layer(weights, packed, layout, attn))
+
+    def _late_layers(self, hidden: torch.Tensor, held: HeldRows, seqs) -> torch.Tensor:
+        """The late layers over each request's late rows of `hidden` (the rows `held`
+        names); the last one only for the rows that want logits. -> (logits rows, hidden):
+        their output of the late layers (of the source layers for a row in no late run)."""
+        runs = [(k, seq, start, end) for k, seq in enumerate(seqs) for start, end in seq.late_runs]
+        out = hidden.index_select(0, as_index(held.logit_rows(seqs), self.device))
+        if not runs:
+            return out
+        layout = self._layout([(start, end) for _, _, start, end in runs])
         rope = self.rope.lookup(layout.positions, layout.max_position)
-        x = layout.pack(hidden.index_select(0, rows_index))
-        first = self.config.num_source_layers
-        for j in range(self.config.num_late_layers):
+        late_rows = [r for k, _, start, end in runs for r in held.rows(k, start, end)]
+        x = layout.pack(hidden.index_select(0, as_index(late_rows, self.device)))
+        first, num_late = self.config.num_source_layers, self.config.num_late_layers
+        for j in range(num_late):
             weights = self.weights.layers[first + j]
             q, kv = self._project(weights, x, layout, rope)
             outputs, offset = [], 0
-            for seq, start, end in runs:
+            for _, seq, start, end in runs:
                 n = end - start
                 outputs.append(
                     window_attention(
@@ -247,22 +286,30 @@ class Model:
                     )
                 )
                 offset += n
-            x = self._finish_layer(weights, x, layout, torch.cat(outputs))
-        hidden = hidden.clone()
-        hidden.index_copy_(0, rows_index, layout.unpack(x))
-        return hidden
+            attn = torch.cat(outputs)
+            if j < num_late - 1 or not self.skip_unread_rows:
+                x = self._finish_layer(weights, x, layout, attn)
+        wanted = _late_logits(seqs, runs)  # (late row, logits row, position) of those read
+        if not wanted:
+            return out
+        index = as_index([row for row, _, _ in wanted], self.device)
+        if self.skip_unread_rows:  # the last layer's rest for them alone
+            runs_wanted = [(position, position + 1) for _, _, position in wanted]
+            finished = self._finish_some(
+                weights, layout.unpack(x), index, runs_wanted, attn.index_select(0, index)
+            )
+        else:
+            finished = layout.unpack(x).index_select(0, index)
+        out.index_copy_(0, as_index([n for _, n, _ in wanted], self.device), finished)
+        return out
 
-    def _head(self, hidden: torch.Tensor, seqs) -> torch.Tensor:
-        rows, runs, row = [], [], 0
-        for seq in seqs:
-            row += seq.num_rows
-            if seq.want_logits:
-                rows.append(row - 1)
-                runs.append((seq.end - 1, seq.end))
-        if not rows:
+    def _head(self, last: torch.Tensor, seqs) -> torch.Tensor:
+        """Final norm and LM head of `last` (the hidden state of each request's last row,
+        for those that want logits)."""
+        runs = [(seq.end - 1, seq.end) for seq in seqs if seq.want_logits]
+        if not runs:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         layout = RowLayout.build(runs, self.block_rows, self.device)
-        last = hidden.index_select(0, as_index(rows, self.device))
         eps = self.config.rms_norm_eps
         normed = layout.rowwise(
             lambda block: rms_norm(block, self.weights.final_norm, eps), layout.pack(last)
@@ -329,3 +376,66 @@ class Model:
 
         activated = layout.pointwise(swiglu, gate_up, width=self.config.intermediate_size)
         return x + layout.linear(activated, weights.down)
+
+
+def read_runs(seq: SeqRows, late: bool) -> list[tuple[int, int]]:
+    """The positions of `seq` whose output of the last source layer is read: its late runs
+    (when the model has late layers) and its last row when it wants logits; disjoint runs,
+    ascending. The other rows of the last source layer only write their K/V."""
+    wanted = list(seq.late_runs) if late else []
+    if seq.want_logits:
+        wanted.append((seq.end - 1, seq.end))
+    runs: list[tuple[int, int]] = []
+    for start, end in sorted(wanted):
+        if runs and start <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(end, runs[-1][1]))
+        else:
+            runs.append((start, end))
+    return runs
+
+
+class HeldRows:
+    """The rows a hidden tensor holds: for each request of the step, runs of its positions
+    (disjoint, ascending), one row per position, request after request."""
+
+    def __init__(self, runs: list[list[tuple[int, int]]]) -> None:
+        self.runs = runs
+        self._firsts: list[list[tuple[int, int, int]]] = []  # (start, end, row of start)
+        row = 0
+        for seq_runs in runs:
+            self._firsts.append([])
+            for start, end in seq_runs:
+                self._firsts[-1].append((start, end, row))
+                row += end - start
+
+    def rows(self, k: int, start: int, end: int) -> range:
+        """The rows of request k's positions [start, end), which lie in one run."""
+        for run_start, run_end, row in self._firsts[k]:
+            if run_start <= start and end <= run_end:
+                return range(row + start - run_start, row + end - run_start)
+        raise ValueError(f"positions [{start}, {end}) of request {k} are not held")
+
+    def logit_rows(self, seqs: Sequence[SeqRows]) -> list[int]:
+        """The row of the last position of each request that wants logits."""
+        return [self.rows(k, s.end - 1, s.end)[0] for k, s in enumerate(seqs) if s.want_logits]
+
+    def step_rows(self, seqs: Sequence[SeqRows]) -> list[int]:
+        """Where the held positions are among the step's rows (every row of each request)."""
+        rows, base = [], 0
+        for seq, seq_runs in zip(seqs, self.runs, strict=True):
+            rows.extend(base + p - seq.start for start, end in seq_runs for p in range(start, end))
+            base += seq.num_rows
+        return rows
+
+
+def _late_logits(seqs: Sequence[SeqRows], runs) -> list[tuple[int, int, int]]:
+    """For late `runs` (k, seq, start, end) of `seqs`, the late rows that want logits:
+    (row among the late rows, row among the logits rows, position)."""
+    logits_row = {k: n for n, k in enumerate(k for k, s in enumerate(seqs) if s.want_logits)}
+    wanted, offset = [], 0
+    for k, seq, start, end in runs:
+        last = seq.end - 1
+        if seq.want_logits and start <= last < end:
+            wanted.append((offset + last - start, logits_row[k], last))
+        offset += end - start
+    return wanted

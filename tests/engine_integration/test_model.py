@@ -9,7 +9,7 @@ import torch
 
 from engine_integration.config import EngineConfig, RopeScaling
 from engine_integration.embedded import load_model
-from engine_integration.model import _inverse_frequencies
+from engine_integration.model import Model, SeqRows, _inverse_frequencies, read_runs
 from engine_integration.rows import RowLayout
 from engine_integration.sampling import SamplingParams
 from tests.support.engines import ENGINE, GREEDY, SMALL, cache_off, random_prompt, run_one
@@ -79,6 +79,60 @@ def _assert_chunk_and_batch_invariant(model, tokens):
     outputs = {output.request_id: output for output in crowded.run()}
     assert len(outputs) == len(others) + 1
     assert torch.equal(outputs[mine.request_id].logits, alone.logits)
+
+
+@pytest.mark.parametrize("chunk", [24, 1000])
+@pytest.mark.parametrize("fixture", ["small_model", "source_only_model"])
+def test_the_last_layer_runs_only_the_rows_read_bit_for_bit(request, monkeypatch, fixture, chunk):
+    """The last layer's attention output, MLP and norm run only for the rows a late layer or
+    the head reads, while every new row still writes its K/V: logits (prefill and decode)
+    and every K/V of the pool equal those of the path that runs every row through every
+    layer, bit for bit, in a batch of three requests, whole and in chunks of 24."""
+    model = request.getfixturevalue(fixture)
+    config = dataclasses.replace(ENGINE, prefill_chunk_tokens=chunk)
+    prompts = [random_prompt(30 + i, length) for i, length in enumerate((150, 61, 9))]
+    finished_runs = []
+    finish_some = Model._finish_some
+
+    def spy(self, weights, x, index, runs, attn):
+        finished_runs.extend(runs)
+        return finish_some(self, weights, x, index, runs, attn)
+
+    def run():
+        engine = cache_off(model, config)
+        layers = [engine.pages.layer(i) for i in range(model.config.num_source_layers)]
+        for layer in layers:
+            layer.fill_(7.0)  # the same stale values under both runs
+        requests = [engine.add_request(tokens, GREEDY) for tokens in prompts]
+        outputs = {output.request_id: output for output in engine.run()}
+        return [outputs[r.request_id].logits for r in requests], [t.clone() for t in layers]
+
+    monkeypatch.setattr(Model, "_finish_some", spy)
+    skipped_logits, skipped_kv = run()
+    assert (149, 150) in finished_runs  # the restriction was at work
+    if model.config.num_late_layers:  # the late rows [150 - 63, 150) of the last source layer
+        assert any(start == 150 - 63 for start, _ in finished_runs)
+    finished_runs.clear()
+    monkeypatch.setattr(model, "skip_unread_rows", False)
+    every_logits, every_kv = run()
+    assert not finished_runs
+    for skipped, every in zip(skipped_logits, every_logits, strict=True):
+        assert skipped.shape == every.shape and torch.equal(skipped, every)
+    for skipped, every in zip(skipped_kv, every_kv, strict=True):
+        assert torch.equal(skipped, every)
+
+
+def test_read_runs_are_the_late_runs_and_the_logits_row():
+    def rows(late_runs, want_logits):
+        seq = SeqRows([0] * 100, 100, 200, 100, torch.zeros(0), None, late_runs, want_logits)
+        return read_runs(seq, late=True)
+
+    assert rows([], True) == [(199, 200)]
+    assert rows([(150, 200)], True) == [(150, 200)]
+    assert rows([(150, 190)], True) == [(150, 190), (199, 200)]
+    assert rows([(150, 199)], True) == [(150, 200)]
+    assert rows([(120, 140)], False) == [(120, 140)]
+    assert rows([], False) == []
 
 
 def test_dense_path_is_the_same_model(small_model):
