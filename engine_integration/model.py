@@ -59,7 +59,8 @@ class SeqRows:
 
 class RotaryTable:
     """cos/sin of every position, computed per position in float64 (so a value never
-    depends on how large the table is), grown by doubling."""
+    depends on how large the table is), grown by doubling; the two halves of a row are the
+    same frequencies, so hold the same values (`apply_rope` relies on it)."""
 
     def __init__(self, config: ModelConfig, device, dtype: torch.dtype) -> None:
         self._inv_freq = _inverse_frequencies(config)
@@ -117,9 +118,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: torch.Tensor):
+    """out = x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1] of the halves x1,
+    x2 of the last dim), bit for bit, in fewer passes over memory: cos and sin hold the
+    same values in both halves (`RotaryTable`), and -(a * b) == a * -b, a + -b == a - b
+    exactly, so the first half is x1 * c - x2 * s and the second x2 * c + x1 * s."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    sin_half = sin[..., :half]
+    torch.mul(x, cos, out=out)
+    out[..., :half].sub_(x2 * sin_half)
+    out[..., half:].add_(x1 * sin_half)
 
 
 class Model:
@@ -347,9 +356,12 @@ class Model:
             q = q.reshape(-1, config.num_heads, config.head_dim)
             k = k.reshape(-1, config.num_kv_heads, config.head_dim)
             v = v.reshape(-1, config.num_kv_heads, config.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            return q, torch.stack([k, v], dim=1)
+            rotated_q = q.new_empty(q.shape)
+            kv = k.new_empty((k.shape[0], 2, *k.shape[1:]))  # (rows, 2, H, D)
+            apply_rope(q, cos, sin, out=rotated_q)
+            apply_rope(k, cos, sin, out=kv[:, 0])
+            kv[:, 1] = v
+            return rotated_q, kv
 
         q, kv = layout.rowwise(rotate, qkv, *rope)
         return layout.unpack(q), layout.unpack(kv)

@@ -9,7 +9,14 @@ import torch
 
 from engine_integration.config import EngineConfig, RopeScaling
 from engine_integration.embedded import load_model
-from engine_integration.model import Model, SeqRows, _inverse_frequencies, read_runs
+from engine_integration.model import (
+    Model,
+    RotaryTable,
+    SeqRows,
+    _inverse_frequencies,
+    apply_rope,
+    read_runs,
+)
 from engine_integration.rows import RowLayout
 from engine_integration.sampling import SamplingParams
 from tests.support.engines import ENGINE, GREEDY, SMALL, cache_off, random_prompt, run_one
@@ -163,6 +170,21 @@ def test_row_layout_groups_runs_by_position():
     assert not RowLayout.build([(0, 700)], 16, "cpu", pointwise_width=1536).padded
     dense = RowLayout.build([(5, 19), (40, 41)], None, "cpu")
     assert dense.num_packed == 15 and dense.positions.tolist() == [*range(5, 19), 40]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_in_halves_is_the_textbook_formula_bit_for_bit(threads):
+    """apply_rope computes x * cos + rotate_half(x) * sin in fewer passes: the same bits."""
+    torch.set_num_threads(threads)
+    config = SMALL.replace(head_dim=64, rope_theta=100000.0)
+    positions = torch.arange(3000, 3700)
+    cos, sin = RotaryTable(config, "cpu", torch.float32).lookup(positions, 3699)
+    x = torch.randn(700, 15, 64, generator=torch.Generator().manual_seed(3))[:, 2:11]  # strided
+    half = x.shape[-1] // 2
+    textbook = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    out = torch.full_like(textbook, float("nan"))
+    apply_rope(x, cos, sin, out=out)
+    assert torch.equal(out, textbook)
 
 
 def test_llama3_rope_scaling_keeps_high_frequencies():
