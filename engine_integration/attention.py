@@ -100,8 +100,10 @@ def source_attention(
             return _flash_lower_right(q, kv, scale)
         return _sdpa(q, kv, causal_lower_right(n, end), scale)
     first = start // QUERY_ROWS * QUERY_ROWS
-    padded = q.new_zeros((-(-end // QUERY_ROWS) * QUERY_ROWS - first, *q.shape[1:]))
-    padded[start - first : end - first] = q
+    padded = q  # queries at [first, first + m), m a multiple of QUERY_ROWS
+    if start != first or end % QUERY_ROWS:
+        padded = q.new_zeros((-(-end // QUERY_ROWS) * QUERY_ROWS - first, *q.shape[1:]))
+        padded[start - first : end - first] = q
     num_positions = first + padded.shape[0]
     if q.device.type == "cpu":
         tiles = tile_levels(block_rows)
@@ -124,10 +126,12 @@ def _kv_head_keys(flat_kv, slots, num_positions, tile):
     """Keys and values (H, L, D) of positions [0, len(slots)), one per KV head, zero past
     them up to L = num_positions rounded up to whole tiles."""
     kv = flat_kv.index_select(0, slots)  # (written, 2, H, D)
+    num_written = kv.shape[0]
     shape = (kv.shape[2], -(-num_positions // tile) * tile, kv.shape[3])
-    keys, values = kv.new_zeros(shape), kv.new_zeros(shape)
-    keys[:, : kv.shape[0]] = kv[:, 0].transpose(0, 1)
-    values[:, : kv.shape[0]] = kv[:, 1].transpose(0, 1)
+    keys, values = kv.new_empty(shape), kv.new_empty(shape)
+    for part, tensor in enumerate((keys, values)):
+        tensor[:, :num_written] = kv[:, part].transpose(0, 1)
+        tensor[:, num_written:] = 0
     return keys, values
 
 

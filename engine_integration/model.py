@@ -60,7 +60,8 @@ class SeqRows:
 
 class RotaryTable:
     """cos/sin of every position, computed per position in float64 (so a value never
-    depends on how large the table is), grown by doubling."""
+    depends on how large the table is), grown by doubling; the two halves of a row are the
+    same frequencies, so hold the same values (`apply_rope` relies on it)."""
 
     def __init__(self, config: ModelConfig, device, dtype: torch.dtype) -> None:
         self._inv_freq = _inverse_frequencies(config)
@@ -123,9 +124,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: torch.Tensor):
+    """out = x * cos + rotate_half(x) * sin (rotate_half(x) = [-x2, x1] of the halves x1,
+    x2 of the last dim), bit for bit, in fewer passes over memory: cos and sin hold the
+    same values in both halves (`RotaryTable`), and -(a * b) == a * -b, a + -b == a - b
+    exactly, so the first half is x1 * c - x2 * s and the second x2 * c + x1 * s."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    sin_half = sin[..., :half]
+    torch.mul(x, cos, out=out)
+    out[..., :half].sub_(x2 * sin_half)
+    out[..., half:].add_(x1 * sin_half)
 
 
 class Model:
@@ -164,6 +173,9 @@ class Model:
                 config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
             )
         dense_cuda = block_rows is None and self.device.type == "cuda"
+        # The last layer computes only the rows whose output is read (`logits_runs`); False:
+        # every row, the reference the tests compare it with.
+        self.skip_unread_rows = True
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
 
     @property
@@ -183,14 +195,22 @@ class Model:
         x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
         page_size = page_layer(0).shape[1]
         slots = [page_slots(s.page_table, page_size, s.end) for s in seqs]
-        for i in range(config.num_source_layers):
+        last = config.num_source_layers - 1
+        for i in range(last):
             x = self._source_layer(i, x, layout, rope, seqs, slots, page_layer(i))
-        hidden = layout.unpack(x)  # (rows, hidden)
-        if config.num_late_layers:
-            first = config.num_source_layers
-            boundary = [_flat(page_layer(first + k)) for k in range(config.num_boundary_layers)]
-            self._store_boundary(hidden, seqs, slots, boundary)
-            hidden = self._late_layers(hidden, seqs, slots, boundary)
+        # A hybrid model stores every row's source output (the boundary residual): its last
+        # source layer computes every row; otherwise only the rows that want logits.
+        if self.skip_unread_rows and not config.num_late_layers:
+            held = HeldRows([logits_runs(s) for s in seqs])
+        else:
+            held = HeldRows([[(s.start, s.end)] for s in seqs])
+        hidden = self._last_source_layer(last, x, layout, rope, seqs, slots, page_layer(last), held)
+        if not config.num_late_layers:
+            return self._head(hidden.index_select(0, self._rows(held.logit_rows(seqs))), seqs)
+        first = config.num_source_layers
+        boundary = [_flat(page_layer(first + k)) for k in range(config.num_boundary_layers)]
+        self._store_boundary(hidden, seqs, slots, boundary)
+        return self._head(self._late_layers(hidden, held, seqs, slots, boundary), seqs)
         return self._head(hidden, seqs)
 
     # ------------------------------------------------------------------ layers
@@ -198,27 +218,60 @@ class Model:
     def _source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer):
         weights = self.weights.layers[i]
         q, kv = self._project(weights, x, layout, rope)
+        runs = [[(seq.start, seq.end)] for seq in seqs]
+        attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, runs)
+        return self._finish_layer(weights, x, layout, attn)
+
+    def _last_source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer, held):
+        """The last source layer: K/V of every new row (the cache holds them), the rest
+        only for the rows `held` names (those a late layer or the head reads).
+        -> (held rows, hidden)."""
+        weights = self.weights.layers[i]
+        q, kv = self._project(weights, x, layout, rope)
+        attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, held.runs)
+        if held.runs == [[(seq.start, seq.end)] for seq in seqs]:  # every row is read
+            return layout.unpack(self._finish_layer(weights, x, layout, attn))
+        index = self._rows(held.step_rows(seqs))
+        runs = [run for seq_runs in held.runs for run in seq_runs]
+        return self._finish_some(weights, layout.unpack(x), index, runs, attn)
+
+    def _source_attention(self, i, q, kv, seqs, slots, kv_layer, runs) -> torch.Tensor:
+        """Write the step's K/V of source layer i, then attend the queries of `runs`
+        (per request, position ranges) over each request's pages. -> (rows of runs, Hq, D)."""
         flat_kv = _flat(kv_layer)
         outputs, row = [], 0
-        for seq, seq_slots in zip(seqs, slots, strict=True):
+        for seq, seq_slots, seq_runs in zip(seqs, slots, runs, strict=True):
             seq_q, seq_kv = q[row : row + seq.num_rows], kv[row : row + seq.num_rows]
             row += seq.num_rows
             write_kv(flat_kv, seq_slots[seq.start : seq.end], seq_kv)
             if seq.wait_layer is not None:
                 seq.wait_layer(i)
-            outputs.append(
-                source_attention(
-                    seq_q,
-                    seq.start,
-                    flat_kv,
-                    seq_slots,
-                    seq.end,
-                    scale=self.scale,
-                    block_rows=self.block_rows,
+            for start, end in seq_runs:  # queries at [start, end) see the keys [0, end)
+                outputs.append(
+                    source_attention(
+                        seq_q[start - seq.start : end - seq.start],
+                        start,
+                        flat_kv,
+                        seq_slots[:end],
+                        end,
+                        scale=self.scale,
+                        block_rows=self.block_rows,
+                    )
                 )
-            )
-        attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-        return self._finish_layer(weights, x, layout, attn)
+        if not outputs:
+            return q.new_empty((0, *q.shape[1:]))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _finish_some(self, weights: LayerWeights, x, index, runs, attn) -> torch.Tensor:
+        """`_finish_layer` for some rows only: rows `index` of x (real rows), at the
+        positions `runs`, in order, whose attention output is attn. A row's result is the
+        one it gets among all the rows (rows.py: no row's bits depend on the others).
+        -> (len(index), hidden)."""
+        if not runs:
+            return x.new_empty((0, x.shape[1]))
+        layout = self._layout(runs)
+        packed = layout.pack(x.index_select(0, index))
+        return layout.unpack(self._finish_layer(weights, packed, layout, attn))
 
     def _store_boundary(self, hidden: torch.Tensor, seqs, slots, boundary) -> None:
         """Write every row's source output into its page slot of the boundary layers (in
@@ -240,37 +293,34 @@ class Model:
         pieces = [layer.index_select(0, slots).flatten(1) for layer in boundary]
         return torch.cat(pieces, dim=1)[:, : self.config.hidden_size]
 
-    def _late_layers(self, hidden: torch.Tensor, seqs, slots, boundary) -> torch.Tensor:
-        """The late layers over each request's late positions; returns `hidden` with the
-        step's late rows replaced (rows that skip the late layers keep their source output;
-        replayed positions before the step only rebuild the window)."""
-        runs, inputs, rows, kept = [], [], [], []
-        row = packed = 0
-        for seq, seq_slots in zip(seqs, slots, strict=True):
-            for start, end in seq.late_runs:
-                runs.append((seq, start, end))
-                if start < seq.start:  # a hit's replay: the input is stored in its pages
-                    replayed = min(end, seq.start)
-                    inputs.append(self._stored_boundary(seq, seq_slots[start:replayed], boundary))
-                    packed += replayed - start
-                    start = replayed
-                first, last = row + start - seq.start, row + end - seq.start
-                inputs.append(hidden[first:last])
-                rows.extend(range(first, last))
-                kept.extend(range(packed, packed + last - first))
-                packed += last - first
-            row += seq.num_rows
+    def _late_layers(self, hidden: torch.Tensor, held: HeldRows, seqs, slots, boundary):
+        """The late layers over each request's late positions: those of the step from
+        `hidden` (every row of the step), those before it (a hit's replay) from the stored
+        boundary residual; the last layer only for the rows that want logits.
+        -> (logits rows, hidden): their output of the late layers (of the source layers for
+        a row in no late run)."""
+        runs = [(k, seq, start, end) for k, seq in enumerate(seqs) for start, end in seq.late_runs]
+        out = hidden.index_select(0, self._rows(held.logit_rows(seqs)))
         if not runs:
-            return hidden
-        layout = self._layout([(s, e) for _, s, e in runs])
+            return out
+        inputs = []
+        for k, seq, start, end in runs:
+            if start < seq.start:  # a hit's replay: the input is stored in its pages
+                replayed = min(end, seq.start)
+                inputs.append(self._stored_boundary(seq, slots[k][start:replayed], boundary))
+                start = replayed
+            if start < end:
+                rows = held.rows(k, start, end)
+                inputs.append(hidden[rows.start : rows.stop])
+        layout = self._layout([(start, end) for _, _, start, end in runs])
         rope = self.rope.lookup(layout.positions, layout.max_position)
         x = layout.pack(inputs[0] if len(inputs) == 1 else torch.cat(inputs))
-        first = self.config.num_source_layers
-        for j in range(self.config.num_late_layers):
+        first, num_late = self.config.num_source_layers, self.config.num_late_layers
+        for j in range(num_late):
             weights = self.weights.layers[first + j]
             q, kv = self._project(weights, x, layout, rope)
             outputs, offset = [], 0
-            for seq, start, end in runs:
+            for _, seq, start, end in runs:
                 n = end - start
                 outputs.append(
                     window_attention(
@@ -284,27 +334,33 @@ class Model:
                     )
                 )
                 offset += n
-            x = self._finish_layer(weights, x, layout, torch.cat(outputs))
-        if not rows:
-            return hidden
-        out = layout.unpack(x)
-        if len(kept) < out.shape[0]:
-            out = out.index_select(0, as_index(kept, self.device))
-        hidden = hidden.clone()
-        hidden.index_copy_(0, as_index(rows, self.device), out)
-        return hidden
+            attn = torch.cat(outputs)
+            if j < num_late - 1 or not self.skip_unread_rows:
+                x = self._finish_layer(weights, x, layout, attn)
+        wanted = _late_logits(seqs, runs)  # (late row, logits row, position) of those read
+        if not wanted:
+            return out
+        index = self._rows([row for row, _, _ in wanted])
+        if self.skip_unread_rows:  # the last layer's rest for them alone
+            runs_wanted = [(position, position + 1) for _, _, position in wanted]
+            finished = self._finish_some(
+                weights, layout.unpack(x), index, runs_wanted, attn.index_select(0, index)
+            )
+        else:
+            finished = layout.unpack(x).index_select(0, index)
+        out.index_copy_(0, self._rows([n for _, n, _ in wanted]), finished)
+        return out
 
-    def _head(self, hidden: torch.Tensor, seqs) -> torch.Tensor:
-        rows, runs, row = [], [], 0
-        for seq in seqs:
-            row += seq.num_rows
-            if seq.want_logits:
-                rows.append(row - 1)
-                runs.append((seq.end - 1, seq.end))
-        if not rows:
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return as_index(rows, self.device)
+
+    def _head(self, last: torch.Tensor, seqs) -> torch.Tensor:
+        """Final norm and LM head of `last` (the hidden state of each request's last row,
+        for those that want logits)."""
+        runs = [(seq.end - 1, seq.end) for seq in seqs if seq.want_logits]
+        if not runs:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         layout = RowLayout.build(runs, self.block_rows, self.device)
-        last = hidden.index_select(0, as_index(rows, self.device))
         eps = self.config.rms_norm_eps
         normed = layout.rowwise(
             lambda block: rms_norm(block, self.weights.final_norm, eps), layout.pack(last)
@@ -343,9 +399,12 @@ class Model:
             q = q.reshape(-1, config.num_heads, config.head_dim)
             k = k.reshape(-1, config.num_kv_heads, config.head_dim)
             v = v.reshape(-1, config.num_kv_heads, config.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            return q, torch.stack([k, v], dim=1)
+            rotated_q = q.new_empty(q.shape)
+            kv = k.new_empty((k.shape[0], 2, *k.shape[1:]))  # (rows, 2, H, D)
+            apply_rope(q, cos, sin, out=rotated_q)
+            apply_rope(k, cos, sin, out=kv[:, 0])
+            kv[:, 1] = v
+            return rotated_q, kv
 
         q, kv = layout.rowwise(rotate, qkv, *rope)
         return layout.unpack(q), layout.unpack(kv)
@@ -372,3 +431,57 @@ class Model:
 
         activated = layout.pointwise(swiglu, gate_up, width=self.config.intermediate_size)
         return x + layout.linear(activated, weights.down)
+
+
+def logits_runs(seq: SeqRows) -> list[tuple[int, int]]:
+    """The positions of `seq` whose output of a full-attention model's last layer is read:
+    its last row when it wants logits. The other rows of the last layer only write their
+    K/V."""
+    return [(seq.end - 1, seq.end)] if seq.want_logits else []
+
+
+class HeldRows:
+    """The rows a hidden tensor holds: for each request of the step, runs of its positions
+    (disjoint, ascending), one row per position, request after request."""
+
+    def __init__(self, runs: list[list[tuple[int, int]]]) -> None:
+        self.runs = runs
+        self._firsts: list[list[tuple[int, int, int]]] = []  # (start, end, row of start)
+        row = 0
+        for seq_runs in runs:
+            self._firsts.append([])
+            for start, end in seq_runs:
+                self._firsts[-1].append((start, end, row))
+                row += end - start
+
+    def rows(self, k: int, start: int, end: int) -> range:
+        """The rows of request k's positions [start, end), which lie in one run."""
+        for run_start, run_end, row in self._firsts[k]:
+            if run_start <= start and end <= run_end:
+                return range(row + start - run_start, row + end - run_start)
+        raise ValueError(f"positions [{start}, {end}) of request {k} are not held")
+
+    def logit_rows(self, seqs: Sequence[SeqRows]) -> list[int]:
+        """The row of the last position of each request that wants logits."""
+        return [self.rows(k, s.end - 1, s.end)[0] for k, s in enumerate(seqs) if s.want_logits]
+
+    def step_rows(self, seqs: Sequence[SeqRows]) -> list[int]:
+        """Where the held positions are among the step's rows (every row of each request)."""
+        rows, base = [], 0
+        for seq, seq_runs in zip(seqs, self.runs, strict=True):
+            rows.extend(base + p - seq.start for start, end in seq_runs for p in range(start, end))
+            base += seq.num_rows
+        return rows
+
+
+def _late_logits(seqs: Sequence[SeqRows], runs) -> list[tuple[int, int, int]]:
+    """For late `runs` (k, seq, start, end) of `seqs`, the late rows that want logits:
+    (row among the late rows, row among the logits rows, position)."""
+    logits_row = {k: n for n, k in enumerate(k for k, s in enumerate(seqs) if s.want_logits)}
+    wanted, offset = [], 0
+    for k, seq, start, end in runs:
+        last = seq.end - 1
+        if seq.want_logits and start <= last < end:
+            wanted.append((offset + last - start, logits_row[k], last))
+        offset += end - start
+    return wanted

@@ -9,7 +9,12 @@ import torch
 
 from engine_integration.config import EngineConfig, RopeScaling
 from engine_integration.embedded import load_model
-from engine_integration.model import _inverse_frequencies
+from engine_integration.model import (
+    Model,
+    RotaryTable,
+    _inverse_frequencies,
+    apply_rope,
+)
 from engine_integration.rows import RowLayout
 from engine_integration.sampling import SamplingParams
 from tests.support.engines import ENGINE, GREEDY, SMALL, cache_off, random_prompt, run_one
@@ -81,6 +86,51 @@ def _assert_chunk_and_batch_invariant(model, tokens):
     assert torch.equal(outputs[mine.request_id].logits, alone.logits)
 
 
+@pytest.mark.parametrize("chunk", [24, 1000])
+@pytest.mark.parametrize("fixture", ["small_model", "source_only_model"])
+def test_the_last_layer_runs_only_the_rows_read_bit_for_bit(request, monkeypatch, fixture, chunk):
+    """The last layer's attention output, MLP and norm run only for the rows the head reads
+    (a hybrid model's last late layer; a full-attention model's last layer), while every new
+    row still writes its K/V: logits (prefill and decode) and every K/V (and boundary
+    residual) of the pool equal those of the path that runs every row through every layer,
+    bit for bit, in a batch of three requests, whole and in chunks of 24."""
+    model = request.getfixturevalue(fixture)
+    config = dataclasses.replace(ENGINE, prefill_chunk_tokens=chunk)
+    prompts = [random_prompt(30 + i, length) for i, length in enumerate((150, 61, 9))]
+    finished_runs = []
+    finish_some = Model._finish_some
+
+    def spy(self, weights, x, index, runs, attn):
+        finished_runs.extend(runs)
+        return finish_some(self, weights, x, index, runs, attn)
+
+    def run():
+        engine = cache_off(model, config)
+        shape = model.config  # the source layers' K/V and the boundary residual
+        num_layers = shape.num_source_layers + shape.num_boundary_layers
+        layers = [engine.pages.layer(i) for i in range(num_layers)]
+        for layer in layers:
+            layer.fill_(7.0)  # the same stale values under both runs
+        requests = [engine.add_request(tokens, GREEDY) for tokens in prompts]
+        outputs = {output.request_id: output for output in engine.run()}
+        return [outputs[r.request_id].logits for r in requests], [t.clone() for t in layers]
+
+    monkeypatch.setattr(Model, "_finish_some", spy)
+    skipped_logits, skipped_kv = run()
+    assert (149, 150) in finished_runs  # the restriction was at work
+    if model.config.num_late_layers:  # only in the last late layer: the last source layer's
+        # output of every row is stored (the boundary residual)
+        assert all(end == start + 1 for start, end in finished_runs)
+    finished_runs.clear()
+    monkeypatch.setattr(model, "skip_unread_rows", False)
+    every_logits, every_kv = run()
+    assert not finished_runs
+    for skipped, every in zip(skipped_logits, every_logits, strict=True):
+        assert skipped.shape == every.shape and torch.equal(skipped, every)
+    for skipped, every in zip(skipped_kv, every_kv, strict=True):
+        assert torch.equal(skipped, every)
+
+
 def test_dense_path_is_the_same_model(small_model):
     """Without invariance (the CUDA path, here on the CPU) results agree to float error."""
     config = dataclasses.replace(ENGINE, batch_invariant=False)
@@ -109,6 +159,21 @@ def test_row_layout_groups_runs_by_position():
     assert not RowLayout.build([(0, 700)], 16, "cpu", pointwise_width=1536).padded
     dense = RowLayout.build([(5, 19), (40, 41)], None, "cpu")
     assert dense.num_packed == 15 and dense.positions.tolist() == [*range(5, 19), 40]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_in_halves_is_the_textbook_formula_bit_for_bit(threads):
+    """apply_rope computes x * cos + rotate_half(x) * sin in fewer passes: the same bits."""
+    torch.set_num_threads(threads)
+    config = SMALL.replace(head_dim=64, rope_theta=100000.0)
+    positions = torch.arange(3000, 3700)
+    cos, sin = RotaryTable(config, "cpu", torch.float32).lookup(positions, 3699)
+    x = torch.randn(700, 15, 64, generator=torch.Generator().manual_seed(3))[:, 2:11]  # strided
+    half = x.shape[-1] // 2
+    textbook = x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    out = torch.full_like(textbook, float("nan"))
+    apply_rope(x, cos, sin, out=out)
+    assert torch.equal(out, textbook)
 
 
 def test_llama3_rope_scaling_keeps_high_frequencies():
