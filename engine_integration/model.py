@@ -425,9 +425,9 @@ class Model:
         normed = layout.rowwise(lambda block: rms_norm(block, weights.post_norm, eps), x)
         gate_up = layout.linear(normed, weights.gate_up)
 
-        def swiglu(block):
+        def swiglu(block):  # in place: the gate half of `block` becomes the activation
             gate, up = block.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return F.silu(gate, inplace=True).mul_(up)
 
         activated = layout.pointwise(swiglu, gate_up, width=self.config.intermediate_size)
         return x + layout.linear(activated, weights.down)

@@ -8,8 +8,10 @@ Two things can break that:
 - a matmul's result for one row can depend on how many rows are multiplied with it. MKL's
   sgemm (torch's CPU BLAS) gives a row the same bits for any row count that is a multiple of
   4, at any offset and at 1 or 2 threads (measured for every multiple of 16 up to 8,192
-  rows, and every multiple of 4 up to 1,300 at SmolLM2's projection shapes); a call of 1
-  to 3 rows (or 5-7, 9-11 at 2 threads) gives some rows other bits.
+  rows, and every multiple of 4 up to 1,300 at SmolLM2's projection shapes), whether the
+  rows are contiguous or a strided view (the MLP's activation is computed in place in the
+  gate half of the gate/up output); a call of 1 to 3 rows (or 5-7, 9-11 at 2 threads)
+  gives some rows other bits.
   `tests/engine_integration/test_rows.py` checks this on the machine it runs on;
 - a vectorised elementwise op computes the elements of its scalar tail (past the last full
   vector of a thread's share) with another formula, e.g. `silu` through `std::exp`, so an
@@ -214,9 +216,12 @@ def _gemm_rows_invariant(num_in: int, num_out: int, dtype: torch.dtype, threads:
     weight = torch.randn(num_out, num_in, generator=generator).to(dtype)
     x = torch.randn(160, num_in, generator=generator).to(dtype)
     full = F.linear(x, weight)
+    strided = torch.cat([x, x], dim=1)[:, :num_in]  # rows 2 * num_in apart (the MLP's gate)
     for num_rows, offset in ((4, 0), (4, 8), (12, 36), (20, 140), (64, 96), (100, 4)):
-        if not torch.equal(F.linear(x[offset : offset + num_rows], weight),
-                           full[offset : offset + num_rows]):  # fmt: skip
+        rows = slice(offset, offset + num_rows)
+        if not torch.equal(F.linear(x[rows], weight), full[rows]):
+            return False
+        if not torch.equal(F.linear(strided[rows], weight), full[rows]):
             return False
     return True
 

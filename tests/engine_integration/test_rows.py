@@ -27,10 +27,12 @@ def test_gemm_gives_a_row_the_same_bits_for_any_multiple_of_four_rows(threads, n
     weight = torch.randn(num_out, num_in, generator=generator)
     x = torch.randn(1024, num_in, generator=generator)
     full = F.linear(x, weight)
+    strided = torch.cat([x, x], dim=1)[:, :num_in]  # the same rows, 2 * num_in apart
     for num_rows in (4, 8, 12, 16, 20, 48, 100, 256, 1000):
         for offset in (0, 4, 1024 - num_rows):
-            part = F.linear(x[offset : offset + num_rows], weight)
-            assert torch.equal(part, full[offset : offset + num_rows]), (num_rows, offset)
+            rows = slice(offset, offset + num_rows)
+            assert torch.equal(F.linear(x[rows], weight), full[rows]), (num_rows, offset)
+            assert torch.equal(F.linear(strided[rows], weight), full[rows]), (num_rows, offset)
 
 
 def test_silu_in_one_call_only_where_no_scalar_tail(threads):
@@ -49,6 +51,22 @@ def test_silu_in_one_call_only_where_no_scalar_tail(threads):
     whole = layout.pointwise(swiglu, x, width=1536)
     assert torch.equal(whole, layout.map_blocks(swiglu, x))
     assert not tail_free(100_003) and not tail_free(16 * 100, 100)
+
+
+def test_swiglu_in_place_in_the_gate_half_keeps_every_bit(threads):
+    """The model computes silu(gate) * up in place in the gate half of the gate/up output:
+    the same bits as out of place, in one call and block by block."""
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(44 * 16, 2 * 1536, generator=generator) * 4
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    in_place = x.clone()
+    gate, up = in_place.chunk(2, dim=-1)
+    assert torch.equal(F.silu(gate, inplace=True).mul_(up), expected)
+    for number, block in enumerate(x.clone().split(16)):
+        gate, up = block.chunk(2, dim=-1)
+        part = expected[number * 16 : (number + 1) * 16]
+        assert torch.equal(F.silu(gate, inplace=True).mul_(up), part)
 
 
 def test_exp_gives_an_element_the_same_bits_at_any_length_and_offset(threads):
