@@ -195,41 +195,42 @@ class Model:
         x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
         page_size = page_layer(0).shape[1]
         slots = [page_slots(s.page_table, page_size, s.end) for s in seqs]
+        every_row = [[(s.start, s.end)] for s in seqs]
         last = config.num_source_layers - 1
         for i in range(last):
-            x = self._source_layer(i, x, layout, rope, seqs, slots, page_layer(i))
+            x = self._source_layer(i, x, layout, rope, seqs, slots, page_layer(i), every_row)
         # A hybrid model stores every row's source output (the boundary residual): its last
         # source layer computes every row; otherwise only the rows that want logits.
         if self.skip_unread_rows and not config.num_late_layers:
             held = HeldRows([logits_runs(s) for s in seqs])
         else:
-            held = HeldRows([[(s.start, s.end)] for s in seqs])
-        hidden = self._last_source_layer(last, x, layout, rope, seqs, slots, page_layer(last), held)
+            held = HeldRows(every_row)
+        hidden = self._last_source_layer(
+            last, x, layout, rope, seqs, slots, page_layer(last), held, every_row
+        )
         if not config.num_late_layers:
             return self._head(hidden.index_select(0, self._rows(held.logit_rows(seqs))), seqs)
         first = config.num_source_layers
         boundary = [_flat(page_layer(first + k)) for k in range(config.num_boundary_layers)]
         self._store_boundary(hidden, seqs, slots, boundary)
         return self._head(self._late_layers(hidden, held, seqs, slots, boundary), seqs)
-        return self._head(hidden, seqs)
 
     # ------------------------------------------------------------------ layers
 
-    def _source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer):
+    def _source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer, every_row):
         weights = self.weights.layers[i]
         q, kv = self._project(weights, x, layout, rope)
-        runs = [[(seq.start, seq.end)] for seq in seqs]
-        attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, runs)
+        attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, every_row)
         return self._finish_layer(weights, x, layout, attn)
 
-    def _last_source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer, held):
+    def _last_source_layer(self, i, x, layout, rope, seqs, slots, kv_layer, held, every_row):
         """The last source layer: K/V of every new row (the cache holds them), the rest
         only for the rows `held` names (those a late layer or the head reads).
         -> (held rows, hidden)."""
         weights = self.weights.layers[i]
         q, kv = self._project(weights, x, layout, rope)
         attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, held.runs)
-        if held.runs == [[(seq.start, seq.end)] for seq in seqs]:  # every row is read
+        if held.runs == every_row:
             return layout.unpack(self._finish_layer(weights, x, layout, attn))
         index = self._rows(held.step_rows(seqs))
         runs = [run for seq_runs in held.runs for run in seq_runs]
