@@ -35,7 +35,7 @@ from engine_integration.attention import (
 )
 from engine_integration.config import ModelConfig
 from engine_integration.graphs import RowwiseGraphs
-from engine_integration.rows import RowLayout, as_index, check_gemm_invariance
+from engine_integration.rows import RowLayout, Workspace, as_index, check_gemm_invariance
 from engine_integration.weights import LayerWeights, ModelWeights
 from engine_integration.window import LateWindow
 
@@ -177,6 +177,8 @@ class Model:
         # every row, the reference the tests compare it with.
         self.skip_unread_rows = True
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
+        # The CPU reuses its per-layer gemm outputs (rows.Workspace); None: fresh tensors.
+        self.workspace = Workspace() if self.device.type == "cpu" else None
 
     @property
     def num_graphs(self) -> int:
@@ -393,7 +395,9 @@ class Model:
         eps = config.rms_norm_eps
         sizes = [config.q_size, config.kv_size, config.kv_size]
         normed = layout.rowwise(lambda block: rms_norm(block, weights.input_norm, eps), x)
-        qkv = layout.linear(normed, weights.qkv, weights.qkv_bias)
+        qkv = layout.linear(
+            normed, weights.qkv, weights.qkv_bias, out=self._buffer("qkv", normed, weights.qkv)
+        )
 
         def rotate(block, cos, sin):
             q, k, v = block.split(sizes, dim=-1)
@@ -420,18 +424,31 @@ class Model:
             )
         return self._finish_rows(weights, x, layout, attn)
 
+    def _buffer(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """The workspace's buffer for the gemm of x by weight (None without a workspace)."""
+        if self.workspace is None:
+            return None
+        return self.workspace.take(name, x.shape[0], weight.shape[0], x)
+
     def _finish_rows(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
         eps = self.config.rms_norm_eps
-        x = x + layout.linear(layout.pack(attn.flatten(1)), weights.o, weights.o_bias)
+        attn = layout.pack(attn.flatten(1))
+        x = x + layout.linear(
+            attn, weights.o, weights.o_bias, out=self._buffer("o", attn, weights.o)
+        )
         normed = layout.rowwise(lambda block: rms_norm(block, weights.post_norm, eps), x)
-        gate_up = layout.linear(normed, weights.gate_up)
+        gate_up = layout.linear(
+            normed, weights.gate_up, out=self._buffer("gate_up", normed, weights.gate_up)
+        )
 
         def swiglu(block):  # in place: the gate half of `block` becomes the activation
             gate, up = block.chunk(2, dim=-1)
             return F.silu(gate, inplace=True).mul_(up)
 
         activated = layout.pointwise(swiglu, gate_up, width=self.config.intermediate_size)
-        return x + layout.linear(activated, weights.down)
+        return x + layout.linear(
+            activated, weights.down, out=self._buffer("down", activated, weights.down)
+        )
 
 
 def logits_runs(seq: SeqRows) -> list[tuple[int, int]]:

@@ -105,15 +105,7 @@ def test_the_last_layer_runs_only_the_rows_read_bit_for_bit(request, monkeypatch
         return finish_some(self, weights, x, index, runs, attn)
 
     def run():
-        engine = cache_off(model, config)
-        shape = model.config  # the source layers' K/V and the boundary residual
-        num_layers = shape.num_source_layers + shape.num_boundary_layers
-        layers = [engine.pages.layer(i) for i in range(num_layers)]
-        for layer in layers:
-            layer.fill_(7.0)  # the same stale values under both runs
-        requests = [engine.add_request(tokens, GREEDY) for tokens in prompts]
-        outputs = {output.request_id: output for output in engine.run()}
-        return [outputs[r.request_id].logits for r in requests], [t.clone() for t in layers]
+        return _logits_and_pool(model, config, prompts)
 
     monkeypatch.setattr(Model, "_finish_some", spy)
     skipped_logits, skipped_kv = run()
@@ -129,6 +121,54 @@ def test_the_last_layer_runs_only_the_rows_read_bit_for_bit(request, monkeypatch
         assert skipped.shape == every.shape and torch.equal(skipped, every)
     for skipped, every in zip(skipped_kv, every_kv, strict=True):
         assert torch.equal(skipped, every)
+
+
+def _logits_and_pool(model, config, prompts):
+    """Run `prompts` as one batch: each request's logits, and a copy of every K/V (and
+    boundary residual) layer of the pool, over pages filled with the same stale values."""
+    engine = cache_off(model, config)
+    shape = model.config  # the source layers' K/V and the boundary residual
+    num_layers = shape.num_source_layers + shape.num_boundary_layers
+    layers = [engine.pages.layer(i) for i in range(num_layers)]
+    for layer in layers:
+        layer.fill_(7.0)
+    requests = [engine.add_request(tokens, GREEDY) for tokens in prompts]
+    outputs = {output.request_id: output for output in engine.run()}
+    return [outputs[r.request_id].logits for r in requests], [t.clone() for t in layers]
+
+
+@pytest.mark.parametrize("fixture", ["small_model", "source_only_model"])
+def test_the_cpu_workspace_changes_no_bit_and_is_reused(request, monkeypatch, fixture):
+    """The CPU forward writes its four projections' gemms into the model's reused buffers:
+    logits (prefill in chunks of 24, then decode) and every K/V of the pool equal those of
+    fresh tensors, bit for bit, in a batch of three; the buffers stay the same memory
+    over the run's steps, grown once to its largest."""
+    model = request.getfixturevalue(fixture)
+    config = dataclasses.replace(ENGINE, prefill_chunk_tokens=24)
+    prompts = [random_prompt(40 + i, length) for i, length in enumerate((90, 33, 7))]
+    workspace = model.workspace
+    assert workspace is not None
+    taken = []
+    take = type(workspace).take
+
+    def spy(self, name, rows, width, like):
+        buffer = take(self, name, rows, width, like)
+        taken.append((name, buffer.data_ptr()))
+        return buffer
+
+    monkeypatch.setattr(type(workspace), "take", spy)
+    reused_logits, reused_kv = _logits_and_pool(model, config, prompts)
+    names = {name for name, _ in taken}
+    assert names == {"qkv", "o", "gate_up", "down"}
+    for name in names:  # one buffer for every layer and step after the largest
+        addresses = [address for n, address in taken if n == name]
+        assert len(addresses) >= 20 and len(set(addresses[len(addresses) // 2 :])) == 1
+    monkeypatch.setattr(model, "workspace", None)
+    fresh_logits, fresh_kv = _logits_and_pool(model, config, prompts)
+    for reused, fresh in zip(reused_logits, fresh_logits, strict=True):
+        assert reused.shape == fresh.shape and torch.equal(reused, fresh)
+    for reused, fresh in zip(reused_kv, fresh_kv, strict=True):
+        assert torch.equal(reused, fresh)
 
 
 def test_dense_path_is_the_same_model(small_model):
