@@ -474,12 +474,25 @@ def _blockwise(q: torch.Tensor, start: int, rows: int, attend_block) -> torch.Te
     return out[offset : offset + n]
 
 
+def fresh_window_attention(q: torch.Tensor, kv: torch.Tensor, width: int, *, scale: float):
+    """`window_attention` of rows whose ring holds no key they see (a prefill's first late
+    rows): queries q (n, Hq, D) over their own keys kv (n, 2, H, D), each seeing the keys
+    of the last `width` positions up to its own; dense batches only. The mask is built here,
+    not cached: inside a CUDA graph it is part of the graph, so nothing outside it must stay
+    alive for the replays. -> (n, Hq, D)."""
+    return _sdpa(q, kv, _sliding_bias_of(q.shape[0], width, q.dtype, q.device), scale)
+
+
 @functools.lru_cache(maxsize=8)
 def _sliding_bias(n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """`_sliding_bias_of`, built once per shape and reused by every late layer and step."""
+    return _sliding_bias_of(n, width, dtype, device)
+
+
+def _sliding_bias_of(n: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
     """The additive mask of n consecutive queries over their own n keys, each seeing the
-    keys in (t - width, t]: built once per shape and reused by every late layer and step.
-    Its rows are padded to a multiple of 16 keys (the memory-efficient kernel's alignment:
-    it would pad a copy on every call otherwise)."""
+    keys in (t - width, t]. Its rows are padded to a multiple of 16 keys (the
+    memory-efficient kernel's alignment: it would pad a copy on every call otherwise)."""
     query = torch.arange(n, device=device)[:, None]
     key = torch.arange(n, device=device)[None, :]
     hidden = (key > query) | (key <= query - width)

@@ -155,6 +155,7 @@ def warm_up(model: Model, engine_config: EngineConfig, max_rows: int | None = No
         lengths = [bucket(1)]
         while lengths[-1] * 2 <= top:
             lengths.append(lengths[-1] * 2)
+        lengths += _crossing_lengths(model.config, engine_config.prefill_chunk_tokens, lengths)
     else:
         lengths = [100]
     page_size = engine_config.page_size
@@ -162,3 +163,15 @@ def warm_up(model: Model, engine_config: EngineConfig, max_rows: int | None = No
     vocab = model.config.vocab_size
     for length in lengths:
         engine.generate([[i % vocab for i in range(length)]], SamplingParams(max_new_tokens=2))
+
+
+def _crossing_lengths(config: ModelConfig, chunk: int, buckets: list[int]) -> list[int]:
+    """Prompt lengths whose late rows cross a chunk boundary, `rows` of them (one per
+    bucket) in the later chunk: a prefill's first late rows run each late layer whole
+    (`Model._fresh_window`); the later chunk's, which see the ring, run the layer-by-layer
+    graphs of their bucket, which the other warm-up prompts never reach."""
+    if not config.num_late_layers:
+        return []
+    reach = config.num_late_layers * (config.window_tokens - 1) + 1
+    rows = sorted({min(size, reach - 1, chunk) for size in buckets})
+    return [chunk + n for n in rows if n > 0]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from engine_integration.attention import (
     check_tile_invariance,
+    fresh_window_attention,
     page_slots,
     source_attention,
     window_attention,
@@ -321,6 +322,13 @@ class Model:
         first, num_late = self.config.num_source_layers, self.config.num_late_layers
         for j in range(num_late):
             weights = self.weights.layers[first + j]
+            finish = j < num_late - 1 or not self.skip_unread_rows
+            if self._fresh_window(runs, j):
+                _, seq, start, _ = runs[0]
+                result, kv = self._fresh_window_layer(weights, x, layout, rope, finish)
+                seq.window.write(j, start, kv)
+                x, attn = (result, None) if finish else (x, result)
+                continue
             q, kv = self._project(weights, x, layout, rope)
             outputs, offset = [], 0
             for _, seq, start, end in runs:
@@ -338,7 +346,7 @@ class Model:
                 )
                 offset += n
             attn = torch.cat(outputs)
-            if j < num_late - 1 or not self.skip_unread_rows:
+            if finish:
                 x = self._finish_layer(weights, x, layout, attn)
         wanted = _late_logits(seqs, runs)  # (late row, logits row, position) of those read
         if not wanted:
@@ -353,6 +361,32 @@ class Model:
             finished = layout.unpack(x).index_select(0, index)
         out.index_copy_(0, self._rows([n for _, n, _ in wanted]), finished)
         return out
+
+    def _fresh_window(self, runs, layer: int) -> bool:
+        """Whether late layer `layer` runs whole (`_fresh_window_layer`) this step: dense
+        batches, one request's late rows (a prefill's first: a hit's replay with its new
+        rows, or a cold prompt's last rows), whose ring holds no key they see."""
+        if self.block_rows is not None or len(runs) != 1:
+            return False
+        _, seq, start, _ = runs[0]
+        return not seq.window.holds_from(layer, start - self.config.window_tokens + 1)
+
+    def _fresh_window_layer(self, weights: LayerWeights, x, layout: RowLayout, rope, finish):
+        """A late layer whose window attention sees only the step's own rows (`_fresh_window`)
+        as one call, on CUDA one graph replay: projection, attention, and (`finish`) the
+        rest of the layer. -> (the layer's output, or its attention output when not
+        `finish`; the rows' K/V, which the caller writes into the ring)."""
+        width = self.config.window_tokens
+
+        def layer(x, cos, sin):
+            q, kv = self._project_rows(weights, x, layout, (cos, sin))
+            attn = fresh_window_attention(q, kv, width, scale=self.scale)
+            return (self._finish_rows(weights, x, layout, attn) if finish else attn), kv
+
+        if self._graphs is None:
+            return layer(x, *rope)
+        key = ("fresh window", id(weights), finish)
+        return self._graphs.run(key, layer, (x,), shared=rope)
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return as_index(rows, self.device)

@@ -129,3 +129,37 @@ def test_source_only_dense_path_hit_is_close_to_cold(engines):
     cold = run_one(cache_off(model, config), second)
     assert hit.token_ids == cold.token_ids
     torch.testing.assert_close(hit.logits, cold.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_late_layer_over_a_fresh_window_runs_whole_with_the_same_bits(engines, monkeypatch):
+    """Dense batches run a late layer whose ring holds nothing its rows see (a prefill's
+    first late rows: a cold prompt's, a hit's replay with its new rows) as one call, on CUDA
+    one graph (`Model._fresh_window_layer`): here on the CPU, cold and on a hit, logits
+    bit for bit those of the layer-by-layer path, and each late layer took it."""
+    from engine_integration.embedded import load_model
+    from engine_integration.model import Model
+    from tests.support.engines import SMALL
+
+    config = dataclasses.replace(ENGINE, batch_invariant=False, prefill_chunk_tokens=512)
+    model, _ = load_model(None, config, seed=2, model_config=SMALL)
+    first, second = _first_then_second()
+    whole = Model._fresh_window_layer
+    ran = []
+
+    def spy(self, weights, x, layout, rope, finish):
+        ran.append(finish)
+        return whole(self, weights, x, layout, rope, finish)
+
+    def run():
+        engine = engines(model, config=config)
+        return run_one(engine, first), run_one(engine, second)
+
+    monkeypatch.setattr(Model, "_fresh_window_layer", spy)
+    fused = run()
+    assert fused[1].metrics.total_hit_tokens == 96 and fused[1].metrics.replayed_tokens > 0
+    assert ran == [True, False] * 2  # both late layers, cold then the hit (the last unfinished)
+    monkeypatch.setattr(Model, "_fresh_window", lambda self, runs, layer: False)
+    layered = run()
+    for whole_out, layer_out in zip(fused, layered, strict=True):
+        assert whole_out.token_ids == layer_out.token_ids
+        assert torch.equal(whole_out.logits, layer_out.logits)

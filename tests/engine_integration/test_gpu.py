@@ -128,6 +128,41 @@ def test_cuda_graphs_compute_what_the_eager_kernels_compute(gpu_model):
     assert graphed._graphs.num_graphs == captured
 
 
+def test_a_late_layer_over_a_fresh_window_runs_as_one_graph(gpu_model):
+    """A late layer whose ring holds nothing its rows see (a prefill's first late rows: a
+    cold prompt's, a hit's replay with its new rows) replays one graph (projection, window
+    attention, the rest of the layer): the logits of the eager kernels to bf16 rounding and
+    the same greedy tokens, cold and on a hit, and a later prompt of the same buckets
+    captures nothing."""
+    from engine_integration.model import Model
+
+    config = dataclasses.replace(GPU, prefill_chunk_tokens=512)
+    vocab = GPU_MODEL.vocab_size
+    first = random_prompt(11, 300, vocab)
+    prompts = [first, first[:260] + random_prompt(12, 30, vocab)]  # cold, then a hit
+    eager = Model(GPU_MODEL, gpu_model.weights, block_rows=None, cuda_graphs=False)
+    graphed = Model(GPU_MODEL, gpu_model.weights, block_rows=None)
+    outputs = {}
+    for name, model in (("eager", eager), ("graphed", graphed)):
+        cache = build_cache(model, config, CacheSizes(l1_pages=128, policy=POLICY))
+        try:
+            engine = Engine(model, config, cache=cache)
+            outputs[name] = [run_one(engine, prompt, PARAMS) for prompt in prompts]
+            if name == "graphed":
+                fused = {key for key, _size in graphed._graphs._graphs if key[0] == "fresh window"}
+                captured = graphed._graphs.num_graphs
+                run_one(engine, random_prompt(13, 290, vocab), PARAMS)  # the cold one's buckets
+                assert graphed._graphs.num_graphs == captured
+        finally:
+            cache.close()
+    assert len(fused) == GPU_MODEL.num_late_layers  # the last one without its finish
+    hit = outputs["graphed"][1].metrics
+    assert hit.hit_tokens["l1"] == 256 and hit.replayed_tokens > 0
+    for eager_out, graphed_out in zip(outputs["eager"], outputs["graphed"], strict=True):
+        assert graphed_out.token_ids == eager_out.token_ids
+        assert _relative_error(graphed_out.logits, eager_out.logits) < 1e-2
+
+
 def test_warm_up_captures_the_graphs_a_first_request_would(gpu_model):
     """After `warm_up` (what the demo runs at start), requests whose steps fit the warmed
     buckets capture nothing: their first call costs nothing extra."""
