@@ -150,19 +150,26 @@ def warm_up(model: Model, engine_config: EngineConfig, max_rows: int | None = No
     CUDA-graph row bucket up to `max_rows` (default: a prefill chunk, at most
     `graphs.MAX_ROWS`), which captures that bucket's graphs and has cuBLAS and the
     attention kernels pick theirs; on the CPU one short request."""
-    if engine_config.on_cuda:
-        top = min(max_rows or engine_config.prefill_chunk_tokens, MAX_ROWS)
-        lengths = [bucket(1)]
-        while lengths[-1] * 2 <= top:
-            lengths.append(lengths[-1] * 2)
-        lengths += _crossing_lengths(model.config, engine_config.prefill_chunk_tokens, lengths)
-    else:
-        lengths = [100]
+    lengths = (
+        warm_up_lengths(model.config, engine_config, max_rows) if engine_config.on_cuda else [100]
+    )
     page_size = engine_config.page_size
     engine = Engine(model, engine_config, num_private_pages=-(-max(lengths) // page_size) + 4)
     vocab = model.config.vocab_size
     for length in lengths:
         engine.generate([[i % vocab for i in range(length)]], SamplingParams(max_new_tokens=2))
+
+
+def warm_up_lengths(
+    config: ModelConfig, engine_config: EngineConfig, max_rows: int | None = None
+) -> list[int]:
+    """The prompt lengths `warm_up` runs on CUDA: one of each row bucket up to `max_rows`,
+    and those whose late rows cross a chunk boundary (`_crossing_lengths`)."""
+    top = min(max_rows or engine_config.prefill_chunk_tokens, MAX_ROWS)
+    lengths = [bucket(1)]
+    while lengths[-1] * 2 <= top:
+        lengths.append(lengths[-1] * 2)
+    return lengths + _crossing_lengths(config, engine_config.prefill_chunk_tokens, lengths)
 
 
 def _crossing_lengths(config: ModelConfig, chunk: int, buckets: list[int]) -> list[int]:

@@ -163,3 +163,39 @@ def test_a_late_layer_over_a_fresh_window_runs_whole_with_the_same_bits(engines,
     for whole_out, layer_out in zip(fused, layered, strict=True):
         assert whole_out.token_ids == layer_out.token_ids
         assert torch.equal(whole_out.logits, layer_out.logits)
+
+
+def test_the_cuda_warm_up_reaches_every_graph_a_request_would(engines, monkeypatch):
+    """What `warm_up` runs on CUDA (`warm_up_lengths`), traced here on the CPU's dense path:
+    every (part, layer, row bucket) that requests of other lengths reach (each a CUDA graph
+    there: a layer's row-wise halves, a late layer run whole) was reached by the warm-up
+    prompts, late rows that cross a chunk boundary included: a first request captures
+    nothing."""
+    from engine_integration.embedded import load_model, warm_up_lengths
+    from engine_integration.graphs import bucket
+    from engine_integration.model import Model
+    from tests.support.engines import SMALL
+
+    config = dataclasses.replace(ENGINE, batch_invariant=False, prefill_chunk_tokens=64)
+    model, _ = load_model(None, config, seed=2, model_config=SMALL)
+    reached: set = set()
+    for part in ("_project", "_finish_layer", "_fresh_window_layer"):
+        original = getattr(Model, part)
+
+        def spy(self, weights, x, *args, _part=part, _original=original):
+            reached.add((_part, id(weights), bucket(x.shape[0])))
+            return _original(self, weights, x, *args)
+
+        monkeypatch.setattr(Model, part, spy)
+
+    def run(lengths, max_new_tokens):
+        engine = cache_off(model, config)
+        for seed, length in enumerate(lengths):
+            params = SamplingParams(max_new_tokens=max_new_tokens)
+            run_one(engine, random_prompt(seed, length), params)
+
+    run(warm_up_lengths(model.config, config, max_rows=256), 2)
+    warmed = set(reached)
+    reached.clear()
+    run([20, 90, 250, 131, 70], 4)
+    assert reached and reached <= warmed, sorted(reached - warmed)
