@@ -165,7 +165,7 @@ def test_a_late_layer_over_a_fresh_window_runs_whole_with_the_same_bits(engines,
         assert torch.equal(whole_out.logits, layer_out.logits)
 
 
-def test_the_cuda_warm_up_reaches_every_graph_a_request_would(engines, monkeypatch):
+def test_the_cuda_warm_up_reaches_every_graph_a_request_would(monkeypatch):
     """What `warm_up` runs on CUDA (`warm_up_lengths`), traced here on the CPU's dense path:
     every (part, layer, row bucket) that requests of other lengths reach (each a CUDA graph
     there: a layer's row-wise halves, a late layer run whole) was reached by the warm-up
