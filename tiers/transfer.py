@@ -160,8 +160,11 @@ class TransferEngine:
         if host_ids.numel() == 0:
             return LoadHandle(num_layers, None)
         if not self.on_cuda:
-            for layer in range(num_layers):
-                self._load_layer(layer, host_ids, dev_ids)
+            if self.load_kernel == "reference":
+                _copy_in_host_memory(self.device_pool.kv, self.host_pool.kv, dev_ids, host_ids)
+            else:  # the Triton kernels, interpreted (their CPU tests)
+                for layer in range(num_layers):
+                    self._load_layer(layer, host_ids, dev_ids)
             return LoadHandle(num_layers, None)
         self._wait_for_caller()
         with torch.cuda.stream(self.copy_stream):
@@ -190,7 +193,12 @@ class TransferEngine:
         if dev_ids.numel() == 0:
             return BackupHandle(None)
         if not self.on_cuda:
-            self._backup(dev_ids, host_ids)
+            if self.backup_kernel == "reference":
+                _copy_in_host_memory(
+                    self.device_pool.kv, self.host_pool.kv, dev_ids, host_ids, backup=True
+                )
+            else:
+                self._backup(dev_ids, host_ids)
             return BackupHandle(None)
         self._wait_for_caller()
         with torch.cuda.stream(self.copy_stream):
@@ -322,3 +330,22 @@ class TransferEngine:
             dev_ids.numpy(),
             host_ids.numpy(),
         )
+
+
+def _copy_in_host_memory(
+    device_kv: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_ids: torch.Tensor,
+    host_ids: torch.Tensor,
+    *,
+    backup: bool = False,
+) -> None:
+    """A load (host page -> device page) or a backup (the other way) of checked ids between
+    two pools that are both in host memory, the CPU's L1 and L2: one strided copy a page,
+    every layer at once. (The reference kernels gather and scatter a layer at a time, each
+    checking the ids again: 8x slower for three SmolLM2 pages.)"""
+    for device_page, host_page in zip(device_ids.tolist(), host_ids.tolist(), strict=True):
+        if backup:
+            host_kv[host_page].copy_(device_kv[:, device_page])
+        else:
+            device_kv[:, device_page].copy_(host_kv[host_page])
