@@ -28,6 +28,7 @@ from engine_integration.engine import Engine
 from engine_integration.model import Model
 from engine_integration.request import RequestOutput
 from engine_integration.sampling import SamplingParams
+from engine_integration.scheduler import replay_reach
 from engine_integration.workload import ChatHistory, make_conversations
 from hicache.config import PolicyConfig
 
@@ -209,9 +210,10 @@ def _with_window_layers(model: Model, config: DemoConfig, checkpoint: bool) -> M
 
 def _print_header(config: DemoConfig, model: Model, sizes: CacheSizes) -> None:
     c = model.config
+    reach = replay_reach(c.num_late_layers, c.window_tokens)
     plan = (
         f"{c.num_source_layers} full-attention layers + {c.num_late_layers} on a "
-        f"{c.window_tokens}-token window (replay {c.num_late_layers * (c.window_tokens - 1) + 1})"
+        f"{c.window_tokens}-token window (replay {reach})"
         if c.num_late_layers
         else f"{c.num_layers} full-attention layers"
     )

@@ -21,6 +21,7 @@ from engine_integration.engine import Engine, kv_layout_for
 from engine_integration.errors import CheckpointError
 from engine_integration.graphs import MAX_ROWS, bucket
 from engine_integration.model import Model
+from engine_integration.scheduler import replay_reach
 from engine_integration.sampling import SamplingParams
 from engine_integration.tokenizer import HFTokenizer, Tokenizer, gguf_tokenizer, load_tokenizer
 from engine_integration.weights import load_weights, random_weights, read_model_config
@@ -179,6 +180,6 @@ def _crossing_lengths(config: ModelConfig, chunk: int, buckets: list[int]) -> li
     graphs of their bucket, which the other warm-up prompts never reach."""
     if not config.num_late_layers:
         return []
-    reach = config.num_late_layers * (config.window_tokens - 1) + 1
+    reach = replay_reach(config.num_late_layers, config.window_tokens)
     rows = sorted({min(size, reach - 1, chunk) for size in buckets})
     return [chunk + n for n in rows if n > 0]

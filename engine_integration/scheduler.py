@@ -45,10 +45,14 @@ from tiers.errors import PoolExhaustedError
 logger = logging.getLogger(__name__)
 
 
+def replay_reach(num_late_layers: int, window_tokens: int) -> int:
+    """R = K * (W - 1) + 1: the last positions of a prompt the late layers run (see above)."""
+    return num_late_layers * (window_tokens - 1) + 1
+
+
 def late_rows(num_tokens: int, num_late_layers: int, window_tokens: int) -> tuple[int, int]:
     """The prompt rows [start, num_tokens) that go through the late layers (see above)."""
-    reach = num_late_layers * (window_tokens - 1) + 1
-    return max(0, num_tokens - reach), num_tokens
+    return max(0, num_tokens - replay_reach(num_late_layers, window_tokens)), num_tokens
 
 
 def _clip(runs: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:

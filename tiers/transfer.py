@@ -148,7 +148,8 @@ class TransferEngine:
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
 
     def load_async(self, host_page_ids: PageIds, device_page_ids: PageIds) -> LoadHandle:
-        """Copy every layer of `host_page_ids[i]` into `device_page_ids[i]`, layer by layer.
+        """Copy every layer of `host_page_ids[i]` into `device_page_ids[i]`: on a GPU layer
+        by layer, an event each; on the CPU at once, a page at a time.
 
         Raises `PageIdError` (issuing nothing) for ids out of range, lists of different
         lengths, or a device page listed twice.
