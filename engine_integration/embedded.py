@@ -21,8 +21,8 @@ from engine_integration.engine import Engine, kv_layout_for
 from engine_integration.errors import CheckpointError
 from engine_integration.graphs import MAX_ROWS, bucket
 from engine_integration.model import Model
-from engine_integration.scheduler import replay_reach
 from engine_integration.sampling import SamplingParams
+from engine_integration.scheduler import replay_reach
 from engine_integration.tokenizer import HFTokenizer, Tokenizer, gguf_tokenizer, load_tokenizer
 from engine_integration.weights import load_weights, random_weights, read_model_config
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
