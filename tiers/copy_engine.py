@@ -16,6 +16,11 @@ a run's layer is one strided copy, `copy_2d` (`cuMemcpy2DAsync`: a row per page,
 pool's page stride apart), so a load costs the driver a call per run and layer instead of a
 copy per page and layer. `page_runs` finds the runs.
 
+The driver calls only enqueue (microseconds), so they keep the GIL (`ctypes.PyDLL`): with
+ctypes' default, each call let the GIL go and waited to take it back, and while an L3 read's
+threads ran Python (bench_engine's 32K L3 hit on the H200) a load's 14 calls took 10-22 ms of
+wall time for 2-3 ms of CPU time.
+
 The entry points are found in libcuda at run time through ctypes: CUDA 13's
 `cuMemcpyBatchAsync_v2`, else 12.8's `cuMemcpyBatchAsync` (which also reports a failing
 index), and `cuMemcpy2DAsync_v2`. Where the batch call does not exist (an older driver, no
@@ -107,7 +112,7 @@ class BatchCopier:
     def _from_driver(cls) -> BatchCopier | None:
         name = ctypes.util.find_library("cuda") or "libcuda.so.1"
         try:
-            driver = ctypes.CDLL(name)
+            driver = ctypes.PyDLL(name)  # (the GIL is kept: see the module docstring)
         except OSError:
             return None
         for symbol, reports_fail_index in (
