@@ -76,6 +76,8 @@ class Engine:
             )
             pages = CachedPages(cache, self.namespace)
             num_pages = cache.executor.num_device_pages
+            for cost in model.step_costs:  # what this model's steps cost so far (warm-up)
+                cache.record_compute(*cost)
         else:
             if not num_private_pages:
                 raise EngineError("an engine without a cache needs num_private_pages")
@@ -155,15 +157,16 @@ class Engine:
 
     def _report_compute(self, plan, seconds: float) -> None:
         """Tell the cache what a step cost (its load-or-recompute choice weighs L3 reads
-        against it); a step that waited for a load says nothing about compute."""
-        if self.cache is None:
-            return
+        against it), and the model (`Model.step_costs`: a cache of a later engine starts
+        from them); a step that waited for a load says nothing about compute."""
         for request, rows in plan:
             if rows.wait_layer is not None and request.match.has_loads:
                 return
         num_rows = sum(rows.num_rows for _, rows in plan)
         num_pairs = sum(attention_pairs(rows.start, rows.end) for _, rows in plan)
-        self.cache.record_compute(num_rows, num_pairs, seconds)
+        self.model.step_costs.append((num_rows, num_pairs, seconds))
+        if self.cache is not None:
+            self.cache.record_compute(num_rows, num_pairs, seconds)
 
     def _append_token(self, request: Request, logits: torch.Tensor) -> None:
         params = request.params

@@ -20,6 +20,7 @@ This module knows no cache, scheduler or sampling: it reads and writes pages thr
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,8 @@ from engine_integration.graphs import RowwiseGraphs
 from engine_integration.rows import RowLayout, Workspace, as_index, check_gemm_invariance
 from engine_integration.weights import LayerWeights, ModelWeights
 from engine_integration.window import LateWindow
+
+STEP_COSTS_KEPT = 64  # the compute fit's window (hicache.fetch_plan)
 
 
 @dataclass
@@ -180,6 +183,9 @@ class Model:
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
         # The CPU reuses its per-layer gemm outputs (rows.Workspace); None: fresh tensors.
         self.workspace = Workspace() if self.device.type == "cpu" else None
+        # (rows, attention pairs, seconds) of the latest steps engines ran on this model,
+        # newest last (`Engine`): a cache attached later starts from this compute rate.
+        self.step_costs: deque[tuple[int, int, float]] = deque(maxlen=STEP_COSTS_KEPT)
 
     @property
     def num_graphs(self) -> int:

@@ -158,9 +158,12 @@ class PolicyConfig:
     # How much of an L3 run a match fetches: "measured" fetches the leading part whose
     # estimated time to first token (L3 read + L2->L1, by the rates this cache measured)
     # beats recomputing it (by the compute rate the engine reports: `record_compute`);
-    # "always" fetches the whole run. Until both rates are measured, "measured" fetches all.
+    # "always" fetches the whole run. Until the compute rate is reported, "measured" fetches
+    # all; until L3 has been read, it declines only what even a store at no cost would not
+    # make worth fetching (`fetch_plan`).
     l3_fetch_policy: str = "measured"
-    # Priors of the rates until measured (bytes/s): an L3 read, an L2 -> L1 load.
+    # Priors of the rates until measured (bytes/s): an L3 read (reported until the first
+    # read; no choice rests on it), an L2 -> L1 load (a GPU's cache times one when built).
     l3_read_prior_bytes_per_s: float = 2e9
     l2_load_prior_bytes_per_s: float = 10e9
 

@@ -129,6 +129,9 @@ class HiCache(PageMovement):
             l3_read_prior_bytes_per_s=config.policy.l3_read_prior_bytes_per_s,
             l2_load_prior_bytes_per_s=config.policy.l2_load_prior_bytes_per_s,
         )
+        link = executor.link_sample()
+        if link is not None:
+            self._rates.record_load(*link)
         if config.l3.url:
             executor.attach_l3(config.l3.url)
             self._max_l3_pages = self._l3_index_limit()

@@ -70,6 +70,7 @@ class RealExecutor(Executor):
             )
         self.host_pool: HostPool | None = None
         self.transfer: TransferEngine | None = None
+        self._link_sample: tuple[int, float] | None = None
         if config.l2.budget_bytes:
             self.host_pool = HostPool.from_budget(
                 layout,
@@ -78,7 +79,7 @@ class RealExecutor(Executor):
                 pin=config.l2.pin_memory,
             )
             self.transfer = TransferEngine(self.device_pool, self.host_pool)
-            self.transfer.warm_up()  # (no page is in use yet)
+            self._link_sample = self.transfer.warm_up()  # (no page is in use yet)
         # (op, handle, the load's link timer), in submit order
         self._gpu_ops: list[tuple[TransferOp, object, _LinkTimer | None]] = []
         self._done: collections.deque[TransferOp] = collections.deque()
@@ -163,6 +164,9 @@ class RealExecutor(Executor):
                 handle.wait_layer(layer)
                 return
         # Not in the list: it finished and was polled, so every layer is in L1.
+
+    def link_sample(self) -> tuple[int, float] | None:
+        return self._link_sample
 
     def l3_exists(self, keys: list[bytes], timeout_s: float) -> int:
         if self._backend is None or not keys:

@@ -16,16 +16,22 @@ owns it, with a prior until measured:
 `plan_fetch` then evaluates the time to first token of fetching the first n pages and
 recomputing the rest, for n at every read batch's end and the whole run, and returns the
 fastest.
-Until the compute rate has been measured, or before L3 has been read once, it fetches the
-whole run (what a cache without this choice does; a read measures the rate). A run it has
-declined many times in a row is probed with one read batch, so a store that got faster is
-seen again.
+Until the compute rate has been measured it fetches the whole run (what a cache without this
+choice does). Before L3 has been read once it plans as if the store cost nothing, neither
+latency nor bandwidth, so that only the L2 -> L1 link stands between the pages and the
+engine: a run not worth fetching even then is declined (a small model, whose step costs the
+same whatever its rows: on an H200, SmolLM2-135M's first L3 hit of a new cache took 0.5-0.6x
+of recomputing), and the rest fetch what that bound says is worth it (a read measures the
+store). A run it has declined many times in a row is probed with one read batch, so a store
+that got faster is seen again.
 
 Torch-free, clock-free: every time is given in seconds by the caller.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -97,7 +103,7 @@ class FetchPlan:
     num_pages: int
     fetch_s: float  # estimated time to first token fetching those pages
     recompute_s: float  # ... fetching none (recomputing the whole run)
-    measured: bool  # False: rates not measured yet, the whole run is fetched
+    measured: bool  # False: a rate not measured yet (the whole run, or the bound's share)
 
 
 @dataclass(frozen=True)
@@ -173,15 +179,18 @@ class FetchRates:
     def plan(self, run: RunToFetch) -> FetchPlan:
         """How much of `run` to fetch (the leading part that is fastest in all)."""
         compute = self.compute
-        if compute is None or not self.l3_read.num_samples or run.num_pages == 0:
+        if compute is None or run.num_pages == 0:
             return FetchPlan(run.num_pages, 0.0, 0.0, measured=False)
+        read = self.l3_read.num_samples > 0  # else: a store at no cost (the bound above)
         plan = plan_fetch(
             run,
             compute,
-            read_bytes_per_s=self.l3_read.value,
-            latency_s=self.l3_latency.value,
+            read_bytes_per_s=self.l3_read.value if read else math.inf,
+            latency_s=self.l3_latency.value if read else 0.0,
             load_bytes_per_s=self.l2_load.value,
         )
+        if not read:
+            plan = dataclasses.replace(plan, measured=False)
         if plan.num_pages == 0:
             self._declined_in_a_row += 1
             if self._declined_in_a_row >= _PROBE_EVERY:  # look at the store again

@@ -127,6 +127,11 @@ class Executor(abc.ABC):
         """How many pages the attached L3 can hold at most, where it says (else None)."""
         return None
 
+    def link_sample(self) -> tuple[int, float] | None:
+        """(bytes, seconds) of an L2 -> L1 load timed when the executor was built, where it
+        timed one (else None): the link's rate before any request has measured it."""
+        return None
+
     @property
     @abc.abstractmethod
     def num_device_pages(self) -> int:

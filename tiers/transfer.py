@@ -37,6 +37,10 @@ from tiers.kernels import DEFAULT_COPY_CONFIG, CopyConfig, PageIds
 logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "copy_engine", "triton", "reference")
+# `warm_up` times a load of this many bytes: enough that the link's rate, not its latency,
+# sets the time (16 pages of a small model's 24 KiB pages gave 0.6 GB/s on an H200's
+# 55 GB/s link).
+LINK_SAMPLE_BYTES = 16 << 20
 
 
 class LoadHandle:
@@ -209,19 +213,36 @@ class TransferEngine:
             event.record(self.copy_stream)
         return BackupHandle(event, keep_alive=(dev_ids, host_ids, *pointer_arrays))
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> tuple[int, float] | None:
         """Copy a few pages each way once and wait, so that what a first copy costs (the
         Triton kernels' compilation for 1, 2 and 16 pages, which it specialises for, the
         driver's first batched copy) is paid here, not by the first request that moves a
-        page. For pools nothing holds pages in yet: their first 16 pages are overwritten.
-        A no-op on the CPU, where nothing is compiled."""
+        page; then time a load of `LINK_SAMPLE_BYTES` of pages (the second of two: the
+        first pays for its page count). For pools nothing holds pages in yet: their first
+        pages are overwritten. Returns (bytes, seconds) of the timed load, the link's rate
+        before any request has measured it; None on the CPU, where nothing is compiled,
+        and where the pools hold too few bytes for a load to time more than its latency."""
         if not self.on_cuda:
-            return
-        most = min(16, self.device_pool.num_pages, self.host_pool.num_pages)
+            return None
+        pool_pages = min(self.device_pool.num_pages, self.host_pool.num_pages)
+        most = min(16, pool_pages)
         for count in sorted({1, min(2, most), most}):
             ids = list(range(count))
             self.backup_async(ids, ids).wait()
             self.load_async(ids, ids).wait()
+        page_bytes = self.device_pool.layout.bytes_per_page
+        count = min(pool_pages, -(-LINK_SAMPLE_BYTES // page_bytes))
+        if count * page_bytes < LINK_SAMPLE_BYTES // 2:
+            return None
+        ids = list(range(count))
+        self.load_async(ids, ids).wait()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self.copy_stream)
+        handle = self.load_async(ids, ids)
+        end.record(self.copy_stream)
+        handle.wait()
+        end.synchronize()
+        return count * page_bytes, start.elapsed_time(end) / 1e3
 
     def _wait_for_caller(self) -> None:
         """Order the copy stream after the work queued so far on the caller's stream.

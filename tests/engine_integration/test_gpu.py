@@ -76,6 +76,23 @@ def test_hits_from_l1_l2_and_l3_compute_the_same_logits(gpu_model, tmp_path):
         assert torch.equal(other.logits, from_l1.logits)
 
 
+def test_a_new_cache_starts_from_its_links_rate_and_the_models_compute(gpu_model):
+    """A cache built after the model ran (warm-up) weighs its first L3 run by measured
+    rates: the link's, timed when its transfer engine warmed up, and the model's steps."""
+    Engine(gpu_model, GPU, num_private_pages=64).generate(
+        [random_prompt(9, n, GPU_MODEL.vocab_size) for n in (40, 100, 200)], PARAMS
+    )
+    sizes = CacheSizes(l1_pages=1024, l2_pages=1024, policy=POLICY)  # 24 MiB of pages each
+    cache = build_cache(gpu_model, GPU, sizes)
+    try:
+        Engine(gpu_model, GPU, cache=cache)
+        rates = cache.fetch_rates()
+        assert rates.num_load_samples == 1 and rates.l2_load_bytes_per_s > 1e9
+        assert rates.num_compute_samples == len(gpu_model.step_costs) > 0
+    finally:
+        cache.close()
+
+
 def test_hit_is_close_to_the_cache_off_prefill(gpu_model):
     cache = build_cache(gpu_model, GPU, CacheSizes(l1_pages=128, policy=POLICY))
     try:

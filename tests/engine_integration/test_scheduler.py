@@ -11,6 +11,7 @@ import torch
 from engine_integration.errors import RequestTooLargeError
 from engine_integration.sampling import SamplingParams
 from hicache.config import PolicyConfig
+from hicache.fetch_plan import attention_pairs
 from tests.support.engines import ENGINE, GREEDY, cache_off, random_prompt, run_one
 
 
@@ -83,6 +84,43 @@ def test_bad_requests_are_refused(small_model, engines):
             engine.add_request(bad, GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def test_a_new_cache_weighs_its_first_l3_run_by_the_models_earlier_steps(
+    small_model, engines, tmp_path
+):
+    """What the model's steps cost before a cache was attached (a server's warm-up, an
+    engine before it) seeds that cache's load-or-recompute choice. Its first L3 run, never
+    read yet, is declined where not even a store at no cost would beat recomputing it (steps
+    that cost 10 ms whatever their rows, as a launch-bound model's do on a GPU), and fetched
+    where its tokens cost more than their pages' trip over the link."""
+    url = f"file://{tmp_path}/l3?capacity=64MiB"
+    tokens = random_prompt(6, 120)
+    writer = engines(small_model, l2_pages=64, l3_url=url)
+    expected = run_one(writer, tokens)
+    writer.cache.flush()
+    writer.cache.close()
+    earlier = list(small_model.step_costs)
+
+    def first_l3_hit(per_step_s: float, per_row_s: float):
+        small_model.step_costs.clear()
+        for rows in (1, 8, 64, 128):
+            small_model.step_costs.append(
+                (rows, attention_pairs(0, rows), per_step_s + rows * per_row_s)
+            )
+        reader = engines(small_model, l2_pages=64, l3_url=url)
+        assert reader.cache.fetch_rates().num_compute_samples == 4
+        output = run_one(reader, tokens)
+        assert output.token_ids == expected.token_ids
+        return output.metrics.hit_tokens["l3"], reader.cache.fetch_rates().pages_declined > 0
+
+    try:
+        # 7 pages, 84 KiB: 8.6 us on the link (the prior 10 GB/s) against 11 ns of compute
+        assert first_l3_hit(0.010, 1e-10) == (0, True)
+        assert first_l3_hit(0.001, 1e-4) == (112, False)  # ... against 11 ms
+    finally:
+        small_model.step_costs.clear()
+        small_model.step_costs.extend(earlier)
 
 
 def test_best_effort_uses_what_the_queue_time_prefetch_brought(small_model, engines, tmp_path):

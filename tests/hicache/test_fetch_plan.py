@@ -83,13 +83,38 @@ def test_the_choice_waits_for_measurements_and_probes_a_store_it_declined():
     run = run_of(32)
     assert rates.plan(run).num_pages == 32  # nothing measured: fetch all (and measure)
     for rows in (64, 128, 256):
-        rates.record_compute(rows, 0, rows * 1e-6)  # very cheap compute
-    assert rates.plan(run).num_pages == 32  # L3 never read yet: still fetch all
+        rates.record_compute(rows, 0, rows * 1e-4)  # 51 ms for the run's 512 tokens
+    plan = rates.plan(run)  # L3 never read yet (the prior, 1 kB/s, is not believed)...
+    assert plan.num_pages == 32 and not plan.measured  # ... 17 ms on the link: fetch all
     rates.record_read(16 * MiB, 2.0)  # 8 MB/s
     assert rates.plan(run).num_pages == 0
     declined = [rates.plan(run).num_pages for _ in range(40)]
     assert declined.count(4) == 1 and set(declined) == {0, 4}  # one batch, once in a while
     assert rates.snapshot().pages_declined >= 32 * 40
+
+
+def test_before_any_read_a_run_no_store_could_make_worth_fetching_is_declined():
+    """A model whose step costs the same whatever its rows (launch-bound: SmolLM2-135M on an
+    H200, ~9.4 ms a step) saves nothing by fetching: not even a store with no latency and no
+    bandwidth limit, only the L2 -> L1 link, would pay, so the run is declined unread."""
+    rates = FetchRates(l3_read_prior_bytes_per_s=1e15, l2_load_prior_bytes_per_s=50e9)
+    for rows in (1, 64, 512, 2048):
+        rates.record_compute(rows, attention_pairs(0, rows), 0.0094 + rows * 1e-8)
+    run = run_of(32)  # 16 MiB: 0.34 ms on the link against 5 us of compute saved
+    plan = rates.plan(run)
+    assert plan.num_pages == 0 and not plan.measured
+    assert plan.fetch_s == plan.recompute_s
+    assert rates.snapshot().pages_declined == 32
+    # The bound weighs the link: a model at 5 ms per 512 tokens declines the run over a
+    # 1 GB/s link (16.8 ms) and fetches it, unread, over a 20 GB/s one (0.8 ms).
+    costly = FetchRates(l3_read_prior_bytes_per_s=1e15, l2_load_prior_bytes_per_s=1e9)
+    for rows in (64, 128, 256):
+        costly.record_compute(rows, 0, rows * 1e-5)  # 5 ms for 512 tokens; 16.8 ms of link
+    assert costly.plan(run).num_pages == 0
+    cheap_link = FetchRates(l3_read_prior_bytes_per_s=1e15, l2_load_prior_bytes_per_s=20e9)
+    for rows in (64, 128, 256):
+        cheap_link.record_compute(rows, 0, rows * 1e-5)  # the same 5 ms; 0.8 ms of link
+    assert cheap_link.plan(run).num_pages == 32
 
 
 @pytest.fixture

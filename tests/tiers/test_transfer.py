@@ -11,7 +11,7 @@ from tiers.device_pool import DevicePool
 from tiers.errors import KVTensorError, PageIdError
 from tiers.host_pool import HostPool, UnpinnedHostMemoryWarning
 from tiers.layout import KVLayout
-from tiers.transfer import TransferEngine
+from tiers.transfer import LINK_SAMPLE_BYTES, TransferEngine
 
 MHA = KVLayout("mha", num_layers=4, page_size=16, dtype="bfloat16", num_kv_heads=2, head_dim=8)
 MLA = KVLayout("mla", num_layers=3, page_size=4, dtype="float16", kv_lora_rank=20, rope_dim=4)
@@ -269,3 +269,22 @@ def test_gpu_copy_engine_moves_runs_and_stray_pages_alike(cuda_device, kvh):
         assert kvh.same_bytes(device_pool.kv[:, d], host_pool.kv[h])
     untouched = sorted(set(range(48)) - set(dev_ids))
     assert bool((device_pool.kv[:, untouched].view(-1).view(torch.uint8) == kvh.POISON_BYTE).all())
+
+
+def test_cpu_warm_up_times_nothing():
+    device_pool, host_pool = pools(MHA)
+    assert TransferEngine(device_pool, host_pool).warm_up() is None
+
+
+@pytest.mark.gpu
+def test_gpu_warm_up_times_a_load_large_enough_to_show_the_link(cuda_device):
+    """warm_up times a load of LINK_SAMPLE_BYTES on the copy stream: the link's rate for a
+    new cache's load-or-recompute choice (hicache.fetch_plan), before any request has
+    measured it. Pools too small for a load that size time nothing."""
+    pages = -(-LINK_SAMPLE_BYTES // MHA.bytes_per_page)
+    device_pool, host_pool = pools(MHA, pages + 3, pages, device=cuda_device)
+    num_bytes, seconds = TransferEngine(device_pool, host_pool).warm_up()
+    assert num_bytes == pages * MHA.bytes_per_page >= LINK_SAMPLE_BYTES
+    assert num_bytes / seconds > 1e9  # a few GB/s at the least over any PCIe or NVLink
+    device_pool, host_pool = pools(MHA, 20, 24, device=cuda_device)
+    assert TransferEngine(device_pool, host_pool).warm_up() is None
