@@ -223,44 +223,49 @@ def check_page_ids(
     Raises `PageIdError` when the lists differ in length, an id is out of its pool's range,
     or a destination id is listed twice. A source id may repeat. Ids given as CUDA tensors are
     copied to the host to be checked (a synchronization): pass lists or CPU tensors.
+
+    The checks run in numpy, which keeps the GIL for arrays this small: every torch call
+    lets it go and waits to take it back, and a load issued while an L3 read's threads run
+    Python paid for each of those waits (tiers.copy_engine's docstring has the figures).
     """
-    src = _as_id_tensor(src_page_ids, "source")
-    dst = _as_id_tensor(dst_page_ids, "destination")
-    if src.numel() != dst.numel():
-        raise PageIdError(f"{src.numel()} source page ids but {dst.numel()} destination page ids")
+    src = _as_id_array(src_page_ids, "source")
+    dst = _as_id_array(dst_page_ids, "destination")
+    if src.size != dst.size:
+        raise PageIdError(f"{src.size} source page ids but {dst.size} destination page ids")
     for what, ids, num_pages in (
         ("source", src, num_src_pages),
         ("destination", dst, num_dst_pages),
     ):
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
-            bad = ids[(ids < 0) | (ids >= num_pages)][0].item()
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+            bad = int(ids[(ids < 0) | (ids >= num_pages)][0])
             raise PageIdError(f"{what} page id {bad} out of range [0, {num_pages})")
-    if dst.numel() > 1:
-        ordered = torch.sort(dst).values
+    if dst.size > 1:
+        ordered = np.sort(dst)
         repeats = ordered[1:][ordered[1:] == ordered[:-1]]
-        if repeats.numel():
+        if repeats.size:
             raise PageIdError(
-                f"destination page id {repeats[0].item()} listed twice; each destination page "
+                f"destination page id {int(repeats[0])} listed twice; each destination page "
                 "may be written once per copy"
             )
-    return src, dst
+    return torch.from_numpy(src), torch.from_numpy(dst)
 
 
-def _as_id_tensor(page_ids: PageIds, what: str) -> torch.Tensor:
+def _as_id_array(page_ids: PageIds, what: str) -> np.ndarray:
+    """`page_ids` as a contiguous int64 numpy array of its own (the caller may change its
+    list or tensor afterwards)."""
     if isinstance(page_ids, torch.Tensor):
-        ids = page_ids
-    else:
-        try:
-            ids = torch.as_tensor(np.asarray(page_ids))
-        except (TypeError, ValueError) as exc:
-            raise PageIdError(f"{what} page ids are not a list of integers: {exc}") from None
-        if ids.numel() == 0:
-            ids = ids.to(torch.int64)
-    if ids.dim() != 1:
-        raise PageIdError(f"{what} page ids must be one-dimensional, got shape {tuple(ids.shape)}")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        page_ids = page_ids.detach().cpu().numpy()
+    try:
+        ids = np.asarray(page_ids)
+    except (TypeError, ValueError) as exc:
+        raise PageIdError(f"{what} page ids are not a list of integers: {exc}") from None
+    if ids.size == 0:
+        ids = ids.astype(np.int64).reshape(-1)
+    if ids.ndim != 1:
+        raise PageIdError(f"{what} page ids must be one-dimensional, got shape {ids.shape}")
+    if ids.dtype.kind not in "iu":
         raise PageIdError(f"{what} page ids must be integers, got {ids.dtype}")
-    return ids.to(device="cpu", dtype=torch.int64).contiguous()
+    return np.array(ids, dtype=np.int64, order="C", copy=True)
 
 
 # -- launchers ------------------------------------------------------------------------------

@@ -307,9 +307,9 @@ class TransferEngine:
         cost is per copy)."""
         if not self._copier.has_2d:
             return [], host_ids, dev_ids
-        runs, rest = page_runs(host_ids.numpy(), dev_ids.numpy())
-        rest = torch.from_numpy(rest)
-        return runs, host_ids[rest], dev_ids[rest]
+        host, dev = host_ids.numpy(), dev_ids.numpy()
+        runs, rest = page_runs(host, dev)  # (in numpy: see kernels.check_page_ids on the GIL)
+        return runs, torch.from_numpy(host[rest]), torch.from_numpy(dev[rest])
 
     def _load_layer_on_engines(self, layer: int, runs, host_ids, dev_ids) -> list:
         """A strided copy per run, one batch for the pages left over."""
