@@ -5,8 +5,8 @@ pipelined batch by batch) takes less time than the engine would spend computing 
 tokens. `FetchRates` holds what that choice needs, each measured online by the cache that
 owns it, with a prior until measured:
 
-    L3 read      bytes/s of finished prefetches, net of the L3 round trip (`l3_latency_s`,
-                 timed on the existence lookups)
+    L3 read      bytes/s of finished prefetches (the first excepted: its one-time costs),
+                 net of the L3 round trip (`l3_latency_s`, timed on the existence lookups)
     L2 -> L1     bytes/s of finished loads, as the executor timed them on the link
     compute      seconds of an engine step = per_step + per_row * rows + per_pair * pairs,
                  fitted by least squares to the steps the engine reports (`pairs`: the
@@ -129,6 +129,7 @@ class FetchRates:
         self._fit: ComputeFit | None = None
         self._fit_stale = False
         self._declined_in_a_row = 0
+        self._first_read_seen = False
         self.pages_declined = 0
 
     # ------------------------------------------------------------------ measurements
@@ -139,10 +140,19 @@ class FetchRates:
             self.l3_latency.add(seconds)
 
     def record_read(self, num_bytes: int, seconds: float) -> None:
-        """A finished prefetch: the bytes that arrived, submit to done."""
-        if num_bytes >= _MIN_READ_BYTES:
-            net = seconds - self.l3_latency.value
-            self.l3_read.add(num_bytes / max(net, seconds / 4, 1e-9))
+        """A finished prefetch: the bytes that arrived, submit to done. The first one is no
+        sample: it pays what a backend's first read costs once (its reader's threads
+        starting, the packs' tables read), and one low sample would have every later run
+        declined until a probe (bench_engine on the H200, in two runs of five: the 4K-token
+        L3 hit recomputed, 1.0x, after its cache's first read timed 7 GB/s; where that read
+        timed 21-25 GB/s, it fetched, 1.7-2.0x)."""
+        if num_bytes < _MIN_READ_BYTES:
+            return
+        if not self._first_read_seen:
+            self._first_read_seen = True
+            return
+        net = seconds - self.l3_latency.value
+        self.l3_read.add(num_bytes / max(net, seconds / 4, 1e-9))
 
     def record_load(self, num_bytes: int, seconds: float) -> None:
         """A finished L2 -> L1 load, timed on the link."""

@@ -86,7 +86,9 @@ def test_the_choice_waits_for_measurements_and_probes_a_store_it_declined():
         rates.record_compute(rows, 0, rows * 1e-4)  # 51 ms for the run's 512 tokens
     plan = rates.plan(run)  # L3 never read yet (the prior, 1 kB/s, is not believed)...
     assert plan.num_pages == 32 and not plan.measured  # ... 17 ms on the link: fetch all
-    rates.record_read(16 * MiB, 2.0)  # 8 MB/s
+    rates.record_read(16 * MiB, 2.0)  # 8 MB/s, but a first read: no sample (one-time costs)
+    assert rates.plan(run).num_pages == 32 and rates.snapshot().num_read_samples == 0
+    rates.record_read(16 * MiB, 2.0)
     assert rates.plan(run).num_pages == 0
     declined = [rates.plan(run).num_pages for _ in range(40)]
     assert declined.count(4) == 1 and set(declined) == {0, 4}  # one batch, once in a while
@@ -175,23 +177,26 @@ def l3_match(cache: HiCache, store: SimulatedL3, seed: int):
 def test_the_controller_fetches_a_run_from_a_fast_store(cache_with):
     cache, store = cache_with(read_bytes_per_s=10e9)
     report_engine_steps(cache, seconds_per_row=1e-4)
-    assert l3_match(cache, store, seed=1).num_l3_pages == 32  # the read that measures L3
+    assert l3_match(cache, store, seed=1).num_l3_pages == 32  # a first read: no sample
+    assert cache.fetch_rates().num_read_samples == 0
+    assert l3_match(cache, store, seed=2).num_l3_pages == 32  # the read that measures L3
     rates = cache.fetch_rates()
     assert rates.l3_read_bytes_per_s == pytest.approx(10e9, rel=0.05)  # the given bandwidth
     assert rates.l3_latency_s == pytest.approx(1e-4)
-    assert l3_match(cache, store, seed=2).num_l3_pages == 32
+    assert l3_match(cache, store, seed=3).num_l3_pages == 32
     assert cache.fetch_rates().pages_declined == 0
 
 
 def test_the_controller_recomputes_rather_than_read_a_slow_store(cache_with):
     cache, store = cache_with(read_bytes_per_s=50e6)  # 16 MiB: 0.34 s of reading
     report_engine_steps(cache, seconds_per_row=1e-5)  # 512 tokens: 5 ms of compute
-    assert l3_match(cache, store, seed=1).num_l3_pages == 32  # measured once
+    for seed in (1, 2):  # a first read (no sample), then the one that measures L3
+        assert l3_match(cache, store, seed=seed).num_l3_pages == 32
     assert cache.fetch_rates().l3_read_bytes_per_s == pytest.approx(50e6, rel=0.05)
-    second = l3_match(cache, store, seed=2)
-    assert second.num_pages == 0 and second.num_l3_pages == 0
+    third = l3_match(cache, store, seed=3)
+    assert third.num_pages == 0 and third.num_l3_pages == 0
     assert cache.fetch_rates().pages_declined == 32
-    assert cache.stats().prefetches_issued == 1  # the second run was never read
+    assert cache.stats().prefetches_issued == 2  # the third run was never read
 
 
 def test_always_fetches_whatever_the_rates_say(cache_with):
