@@ -260,7 +260,7 @@ def _as_id_array(page_ids: PageIds, what: str) -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise PageIdError(f"{what} page ids are not a list of integers: {exc}") from None
     if ids.size == 0:
-        ids = ids.astype(np.int64).reshape(-1)
+        ids = ids.astype(np.int64)  # ([] is float64 to numpy)
     if ids.ndim != 1:
         raise PageIdError(f"{what} page ids must be one-dimensional, got shape {ids.shape}")
     if ids.dtype.kind not in "iu":
