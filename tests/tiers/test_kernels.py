@@ -166,6 +166,7 @@ def test_a_source_may_be_listed_twice(kvh):
         ([0, 1], [0], "2 source page ids but 1 destination"),
         ([0.0], [1], "integers"),
         ([[0]], [[1]], "one-dimensional"),
+        ([[]], [[]], "one-dimensional"),
         (["a"], [1], "page ids"),
     ],
 )
