@@ -255,6 +255,7 @@ def _as_id_array(page_ids: PageIds, what: str) -> np.ndarray:
     list or tensor afterwards)."""
     if isinstance(page_ids, torch.Tensor):
         page_ids = page_ids.detach().cpu().numpy()
+    shared = isinstance(page_ids, np.ndarray)  # else np.asarray makes an array of its own
     try:
         ids = np.asarray(page_ids)
     except (TypeError, ValueError) as exc:
@@ -265,7 +266,7 @@ def _as_id_array(page_ids: PageIds, what: str) -> np.ndarray:
         raise PageIdError(f"{what} page ids must be one-dimensional, got shape {ids.shape}")
     if ids.dtype.kind not in "iu":
         raise PageIdError(f"{what} page ids must be integers, got {ids.dtype}")
-    return np.array(ids, dtype=np.int64, order="C", copy=True)
+    return ids.astype(np.int64, order="C", copy=shared)
 
 
 # -- launchers ------------------------------------------------------------------------------
