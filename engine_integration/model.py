@@ -40,8 +40,7 @@ from engine_integration.graphs import RowwiseGraphs
 from engine_integration.rows import RowLayout, Workspace, as_index, check_gemm_invariance
 from engine_integration.weights import LayerWeights, ModelWeights
 from engine_integration.window import LateWindow
-
-STEP_COSTS_KEPT = 64  # the compute fit's window (hicache.fetch_plan)
+from hicache.fetch_plan import COMPUTE_SAMPLES
 
 
 @dataclass
@@ -184,8 +183,9 @@ class Model:
         # The CPU reuses its per-layer gemm outputs (rows.Workspace); None: fresh tensors.
         self.workspace = Workspace() if self.device.type == "cpu" else None
         # (rows, attention pairs, seconds) of the latest steps engines ran on this model,
-        # newest last (`Engine`): a cache attached later starts from this compute rate.
-        self.step_costs: deque[tuple[int, int, float]] = deque(maxlen=STEP_COSTS_KEPT)
+        # newest last (`Engine`): a cache attached later starts from this compute rate. As
+        # many as its compute fit uses.
+        self.step_costs: deque[tuple[int, int, float]] = deque(maxlen=COMPUTE_SAMPLES)
 
     @property
     def num_graphs(self) -> int:

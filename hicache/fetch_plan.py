@@ -39,7 +39,7 @@ import numpy as np
 
 _ALPHA = 0.3  # weight of a new sample in a rate's moving average
 _MIN_READ_BYTES = 1 << 20  # smaller prefetches are all latency: no bandwidth sample
-_COMPUTE_SAMPLES = 64  # engine steps the compute fit uses (the latest)
+COMPUTE_SAMPLES = 64  # engine steps the compute fit uses (the latest)
 _MIN_COMPUTE_SAMPLES = 3
 _PROBE_EVERY = 32  # fully declined fetches before one read batch is fetched anyway
 
@@ -125,7 +125,7 @@ class FetchRates:
         self.l3_read = _Average(l3_read_prior_bytes_per_s)
         self.l3_latency = _Average(0.0)
         self.l2_load = _Average(l2_load_prior_bytes_per_s)
-        self._steps: deque[tuple[int, int, float]] = deque(maxlen=_COMPUTE_SAMPLES)
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=COMPUTE_SAMPLES)
         self._fit: ComputeFit | None = None
         self._fit_stale = False
         self._declined_in_a_row = 0
