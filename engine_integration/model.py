@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine_integration import fused
 from engine_integration.attention import (
     check_tile_invariance,
     fresh_window_attention,
@@ -180,6 +181,9 @@ class Model:
         # every row, the reference the tests compare it with.
         self.skip_unread_rows = True
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
+        # Dense batches on CUDA norm and rotate in one kernel each (`fused`); elsewhere the
+        # torch ops, whose bits the CPU's batch invariance rests on.
+        self.fused_kernels = dense_cuda
         # The CPU reuses its per-layer gemm outputs (rows.Workspace); None: fresh tensors.
         self.workspace = Workspace() if self.device.type == "cpu" else None
         # (rows, attention pairs, seconds) of the latest steps engines ran on this model,
@@ -206,19 +210,20 @@ class Model:
         slots = [page_slots(s.page_table, page_size, s.end) for s in seqs]
         every_row = [[(s.start, s.end)] for s in seqs]
         last = config.num_source_layers - 1
+        q, kv = self._project(self.weights.layers[0], x, layout, rope)
         for i in range(last):
-            x = self._source_layer(i, x, layout, rope, seqs, slots, page_layer(i), every_row)
+            attn = self._source_attention(i, q, kv, seqs, slots, page_layer(i), every_row)
+            x, q, kv = self._finish_and_project(i, x, layout, attn, rope)
         # A hybrid model stores every row's source output (the boundary residual): its last
         # source layer computes every row; otherwise only the rows that want logits.
         if self.skip_unread_rows and not config.num_late_layers:
             held = HeldRows([logits_runs(s) for s in seqs])
         else:
             held = HeldRows(every_row)
-        hidden = self._last_source_layer(
-            last, x, layout, rope, seqs, slots, page_layer(last), held, every_row
-        )
+        attn = self._source_attention(last, q, kv, seqs, slots, page_layer(last), held.runs)
+        hidden = self._last_source_layer(last, x, layout, seqs, attn, held, every_row)
         if not config.num_late_layers:
-            return self._head(hidden.index_select(0, self._rows(held.logit_rows(seqs))), seqs)
+            return self._head(self._pick(hidden, held.logit_rows(seqs)), seqs)
         first = config.num_source_layers
         boundary = [_flat(page_layer(first + k)) for k in range(config.num_boundary_layers)]
         self._store_boundary(hidden, seqs, slots, boundary)
@@ -226,24 +231,28 @@ class Model:
 
     # ------------------------------------------------------------------ layers
 
-    def _source_layer(self, i, x, layout: RowLayout, rope, seqs, slots, kv_layer, every_row):
-        weights = self.weights.layers[i]
-        q, kv = self._project(weights, x, layout, rope)
-        attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, every_row)
-        return self._finish_layer(weights, x, layout, attn)
+    def _finish_and_project(self, i, x, layout: RowLayout, attn, rope):
+        """Source layer i's rest after attention, then layer i + 1's norm, q/k/v projection
+        and RoPE: on CUDA one graph replay, not two. -> (layer i's output; q and kv of
+        layer i + 1, as `_project` gives them)."""
+        weights, following = self.weights.layers[i], self.weights.layers[i + 1]
 
-    def _last_source_layer(self, i, x, layout, rope, seqs, slots, kv_layer, held, every_row):
-        """The last source layer: K/V of every new row (the cache holds them), the rest
-        only for the rows `held` names (those a late layer or the head reads).
-        -> (held rows, hidden)."""
+        def layer(x, attn, cos, sin):
+            out = self._finish_rows(weights, x, layout, attn)
+            return (out, *self._project_rows(following, out, layout, (cos, sin)))
+
+        if self._graphs is None:
+            return layer(x, attn, *rope)
+        return self._graphs.run(("finish, project", id(weights)), layer, (x, attn), shared=rope)
+
+    def _last_source_layer(self, i, x, layout, seqs, attn, held, every_row):
+        """The last source layer's rest after attention (`attn`, of the rows `held` names:
+        those a late layer or the head reads), for those rows. -> hidden (held rows)."""
         weights = self.weights.layers[i]
-        q, kv = self._project(weights, x, layout, rope)
-        attn = self._source_attention(i, q, kv, seqs, slots, kv_layer, held.runs)
         if held.runs == every_row:
             return layout.unpack(self._finish_layer(weights, x, layout, attn))
-        index = self._rows(held.step_rows(seqs))
         runs = [run for seq_runs in held.runs for run in seq_runs]
-        return self._finish_some(weights, layout.unpack(x), index, runs, attn)
+        return self._finish_some(weights, layout.unpack(x), held.step_rows(seqs), runs, attn)
 
     def _source_attention(self, i, q, kv, seqs, slots, kv_layer, runs) -> torch.Tensor:
         """Write the step's K/V of source layer i, then attend the queries of `runs`
@@ -272,15 +281,15 @@ class Model:
             return q.new_empty((0, *q.shape[1:]))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _finish_some(self, weights: LayerWeights, x, index, runs, attn) -> torch.Tensor:
-        """`_finish_layer` for some rows only: rows `index` of x (real rows), at the
-        positions `runs`, in order, whose attention output is attn. A row's result is the
-        one it gets among all the rows (rows.py: no row's bits depend on the others).
-        -> (len(index), hidden)."""
+    def _finish_some(self, weights: LayerWeights, x, rows: list[int], runs, attn) -> torch.Tensor:
+        """`_finish_layer` for some rows only: `rows` of x (real rows), at the positions
+        `runs`, in order, whose attention output is attn. A row's result is the one it gets
+        among all the rows (rows.py: no row's bits depend on the others).
+        -> (len(rows), hidden)."""
         if not runs:
             return x.new_empty((0, x.shape[1]))
         layout = self._layout(runs)
-        packed = layout.pack(x.index_select(0, index))
+        packed = layout.pack(self._pick(x, rows))
         return layout.unpack(self._finish_layer(weights, packed, layout, attn))
 
     def _store_boundary(self, hidden: torch.Tensor, seqs, slots, boundary) -> None:
@@ -310,7 +319,7 @@ class Model:
         -> (logits rows, hidden): their output of the late layers (of the source layers for
         a row in no late run)."""
         runs = [(k, seq, start, end) for k, seq in enumerate(seqs) for start, end in seq.late_runs]
-        out = hidden.index_select(0, self._rows(held.logit_rows(seqs)))
+        out = self._pick(hidden, held.logit_rows(seqs), own=True)
         if not runs:
             return out
         inputs = []
@@ -357,15 +366,19 @@ class Model:
         wanted = _late_logits(seqs, runs)  # (late row, logits row, position) of those read
         if not wanted:
             return out
-        index = self._rows([row for row, _, _ in wanted])
+        rows = [row for row, _, _ in wanted]
         if self.skip_unread_rows:  # the last layer's rest for them alone
             runs_wanted = [(position, position + 1) for _, _, position in wanted]
             finished = self._finish_some(
-                weights, layout.unpack(x), index, runs_wanted, attn.index_select(0, index)
+                weights, layout.unpack(x), rows, runs_wanted, self._pick(attn, rows)
             )
         else:
-            finished = layout.unpack(x).index_select(0, index)
-        out.index_copy_(0, self._rows([n for _, n, _ in wanted]), finished)
+            finished = self._pick(layout.unpack(x), rows)
+        logits_rows = [n for _, n, _ in wanted]
+        if _consecutive(logits_rows):
+            out[logits_rows[0] : logits_rows[0] + len(logits_rows)] = finished
+        else:
+            out.index_copy_(0, self._rows(logits_rows), finished)
         return out
 
     def _fresh_window(self, runs, layer: int) -> bool:
@@ -397,6 +410,15 @@ class Model:
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return as_index(rows, self.device)
 
+    def _pick(self, x: torch.Tensor, rows: list[int], *, own: bool = False) -> torch.Tensor:
+        """Rows `rows` of x: consecutive ones as a slice (a view; a copy with `own`, for a
+        caller that writes into the result), no index sent to the device; others through an
+        index (a new tensor)."""
+        if _consecutive(rows):
+            part = x[rows[0] : rows[0] + len(rows)]
+            return part.clone() if own else part
+        return x.index_select(0, self._rows(rows))
+
     def _head(self, last: torch.Tensor, seqs) -> torch.Tensor:
         """Final norm and LM head of `last` (the hidden state of each request's last row,
         for those that want logits)."""
@@ -404,10 +426,7 @@ class Model:
         if not runs:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         layout = RowLayout.build(runs, self.block_rows, self.device)
-        eps = self.config.rms_norm_eps
-        normed = layout.rowwise(
-            lambda block: rms_norm(block, self.weights.final_norm, eps), layout.pack(last)
-        )
+        normed = self._norm(layout, layout.pack(last), self.weights.final_norm)
         return layout.unpack(layout.linear(normed, self.weights.lm_head)).float()
 
     # ------------------------------------------------------------------ row-wise parts
@@ -430,14 +449,21 @@ class Model:
             )
         return self._project_rows(weights, x, layout, rope)
 
+    def _norm(self, layout: RowLayout, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if self.fused_kernels:
+            return fused.rms_norm(x, weight, eps)
+        return layout.rowwise(lambda block: rms_norm(block, weight, eps), x)
+
     def _project_rows(self, weights: LayerWeights, x, layout: RowLayout, rope):
         config = self.config
-        eps = config.rms_norm_eps
         sizes = [config.q_size, config.kv_size, config.kv_size]
-        normed = layout.rowwise(lambda block: rms_norm(block, weights.input_norm, eps), x)
+        normed = self._norm(layout, x, weights.input_norm)
         qkv = layout.linear(
             normed, weights.qkv, weights.qkv_bias, out=self._buffer("qkv", normed, weights.qkv)
         )
+        if self.fused_kernels:
+            return fused.rope_qkv(qkv, *rope, config.num_heads, config.num_kv_heads)
 
         def rotate(block, cos, sin):
             q, k, v = block.split(sizes, dim=-1)
@@ -471,12 +497,11 @@ class Model:
         return self.workspace.take(name, x.shape[0], weight.shape[0], x)
 
     def _finish_rows(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
-        eps = self.config.rms_norm_eps
         attn = layout.pack(attn.flatten(1))
         x = x + layout.linear(
             attn, weights.o, weights.o_bias, out=self._buffer("o", attn, weights.o)
         )
-        normed = layout.rowwise(lambda block: rms_norm(block, weights.post_norm, eps), x)
+        normed = self._norm(layout, x, weights.post_norm)
         gate_up = layout.linear(
             normed, weights.gate_up, out=self._buffer("gate_up", normed, weights.gate_up)
         )
@@ -530,6 +555,15 @@ class HeldRows:
             rows.extend(base + p - seq.start for start, end in seq_runs for p in range(start, end))
             base += seq.num_rows
         return rows
+
+
+def _consecutive(rows: list[int]) -> bool:
+    """Whether `rows` (not empty) are n, n + 1, ... in order."""
+    return (
+        bool(rows)
+        and rows[-1] - rows[0] == len(rows) - 1
+        and rows == list(range(rows[0], rows[0] + len(rows)))
+    )
 
 
 def _late_logits(seqs: Sequence[SeqRows], runs) -> list[tuple[int, int, int]]:

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 class RowLayout:
     """The packed tensor's rows: `index[i]` is where real row i lives."""
 
-    index: torch.Tensor  # (num_real,) long, packed row of each real row
+    index: torch.Tensor | None  # (num_real,) long, packed row of each real row (None: dense)
     positions: torch.Tensor  # (num_packed,) long, the position of every packed row (RoPE)
     num_packed: int
     block_rows: int | None  # None: one block (no padding)
@@ -68,15 +68,13 @@ class RowLayout:
         A run of several positions fills the groups of ALIGN_ROWS positions it touches
         where an elementwise op over `pointwise_width` columns (`pointwise`) then runs in one
         call with no scalar tail (or none is run), else the whole blocks it touches."""
-        if block_rows is None:
-            positions = [p for start, end in runs for p in range(start, end)]
-            index = list(range(len(positions)))
+        if block_rows is None:  # the real rows themselves: no index to pack by
             return cls(
-                as_index(index, device),
-                as_index(positions, device),
-                len(positions),
                 None,
-                max(positions, default=0),
+                run_positions(runs, device),
+                sum(end - start for start, end in runs),
+                None,
+                max((end - 1 for start, end in runs if end > start), default=0),
                 padded=False,
             )
         index, positions = _aligned_rows(runs, ALIGN_ROWS)
@@ -225,6 +223,16 @@ def _pack_singles(singles: list[tuple[int, int]], index: list[int], positions: l
         index[real_row] = base + number
         positions.append(position)
     positions.extend([0] * (-len(singles) % SINGLE_ROWS))  # padding rows: any position
+
+
+def run_positions(runs: Sequence[tuple[int, int]], device) -> torch.Tensor:
+    """The positions of `runs` (ranges [start, end)) one after another, a long tensor on
+    `device`: one run, the most common step (a prefill chunk, one request's hit), is an
+    arange made on the device, with no host copy."""
+    if len(runs) == 1:
+        start, end = runs[0]
+        return torch.arange(start, end, device=device)
+    return as_index([p for start, end in runs for p in range(start, end)], device)
 
 
 def as_index(values: list[int], device) -> torch.Tensor:
