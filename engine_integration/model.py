@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine_integration import fused
+from engine_integration import fused, paged_attention
 from engine_integration.attention import (
     check_tile_invariance,
     fresh_window_attention,
@@ -184,6 +184,9 @@ class Model:
         # Dense batches on CUDA norm and rotate in one kernel each (`fused`); elsewhere the
         # torch ops, whose bits the CPU's batch invariance rests on.
         self.fused_kernels = dense_cuda
+        # ... and attend a few queries (a hit's step, a decode step) straight over the pages
+        # (`paged_attention`), not through a gathered copy of them.
+        self.attend_pages = dense_cuda
         # The CPU reuses its per-layer gemm outputs (rows.Workspace); None: fresh tensors.
         self.workspace = Workspace() if self.device.type == "cpu" else None
         # (rows, attention pairs, seconds) of the latest steps engines ran on this model,
@@ -266,9 +269,14 @@ class Model:
             if seq.wait_layer is not None:
                 seq.wait_layer(i)
             for start, end in seq_runs:  # queries at [start, end) see the keys [0, end)
-                outputs.append(
-                    source_attention(
-                        seq_q[start - seq.start : end - seq.start],
+                run_q = seq_q[start - seq.start : end - seq.start]
+                if self.attend_pages and paged_attention.takes(run_q, kv_layer):
+                    out = paged_attention.paged_attention(
+                        run_q, start, kv_layer, seq.page_table, scale=self.scale
+                    )
+                else:
+                    out = source_attention(
+                        run_q,
                         start,
                         flat_kv,
                         seq_slots[:end],
@@ -276,7 +284,7 @@ class Model:
                         scale=self.scale,
                         block_rows=self.block_rows,
                     )
-                )
+                outputs.append(out)
         if not outputs:
             return q.new_empty((0, *q.shape[1:]))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
