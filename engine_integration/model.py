@@ -38,6 +38,7 @@ from engine_integration.attention import (
 )
 from engine_integration.config import ModelConfig
 from engine_integration.graphs import RowwiseGraphs
+from engine_integration.paged_attention import DeviceStep
 from engine_integration.rows import RowLayout, Workspace, as_index, check_gemm_invariance
 from engine_integration.weights import LayerWeights, ModelWeights
 from engine_integration.window import LateWindow
@@ -187,6 +188,10 @@ class Model:
         # ... and attend a few queries (a hit's step, a decode step) straight over the pages
         # (`paged_attention`), not through a gathered copy of them.
         self.attend_pages = dense_cuda
+        # ... and a one-request step of few rows runs each source layer as one graph, which
+        # reads the step's position, rows and pages from the device (`DeviceStep`).
+        self.layer_steps = dense_cuda
+        self._step: DeviceStep | None = None
         # The CPU reuses its per-layer gemm outputs (rows.Workspace); None: fresh tensors.
         self.workspace = Workspace() if self.device.type == "cpu" else None
         # (rows, attention pairs, seconds) of the latest steps engines ran on this model,
@@ -214,7 +219,11 @@ class Model:
         every_row = [[(s.start, s.end)] for s in seqs]
         last = config.num_source_layers - 1
         q, kv = self._project(self.weights.layers[0], x, layout, rope)
-        for i in range(last):
+        step = self._device_step(seqs, page_layer)
+        if step is not None:  # one graph replay a layer; every K/V is in the pool after it
+            x, q = self._source_layers_on_device(x, q, kv, layout, rope, seqs[0], page_layer, step)
+            kv = None
+        for i in range(last if step is None else 0):
             attn = self._source_attention(i, q, kv, seqs, slots, page_layer(i), every_row)
             x, q, kv = self._finish_and_project(i, x, layout, attn, rope)
         # A hybrid model stores every row's source output (the boundary residual): its last
@@ -248,6 +257,48 @@ class Model:
             return layer(x, attn, *rope)
         return self._graphs.run(("finish, project", id(weights)), layer, (x, attn), shared=rope)
 
+    def _device_step(self, seqs, page_layer) -> DeviceStep | None:
+        """The step, set where the kernels read it, when its source layers run as one graph
+        replay each (`_source_layers_on_device`): one request of few rows (a hit's step, a
+        decode step) on the dense CUDA path. None: layer by layer."""
+        if not self.layer_steps or len(seqs) != 1 or self.config.num_source_layers < 2:
+            return None
+        seq, pool = seqs[0], page_layer(0)
+        if not paged_attention.takes(seq.num_rows, self.config.num_heads, pool):
+            return None
+        if self._step is None:
+            self._step = DeviceStep(self.config.num_source_layers, pool.dtype, self.device)
+        layers = [page_layer(i) for i in range(self.config.num_source_layers)]
+        self._step.set(seq.start, seq.num_rows, seq.page_table, layers)
+        return self._step
+
+    def _source_layers_on_device(self, x, q, kv, layout, rope, seq, page_layer, step):
+        """Layer 0's K/V into the pool, then every source layer but the last as one call
+        (on CUDA one graph replay, whatever the request's length): attention over the
+        pages, the rest of the layer, the next layer's projection and its K/V into the pool,
+        all reading the step from `step` on the device. -> (x, q) of the last source layer."""
+        pool = page_layer(0)  # (for the layers' shape and dtype: `step` names each layer)
+        paged_attention.write_step_kv(kv, pool, 0, step)
+        for i in range(self.config.num_source_layers - 1):
+            if seq.wait_layer is not None:
+                seq.wait_layer(i)
+            weights, following = self.weights.layers[i], self.weights.layers[i + 1]
+
+            def layer(x, q, cos, sin, i=i, weights=weights, following=following):
+                attn = paged_attention.paged_attention_on_device(q, pool, i, step, scale=self.scale)
+                out = self._finish_rows(weights, x, layout, attn)
+                q, kv = self._project_rows(following, out, layout, (cos, sin))
+                paged_attention.write_step_kv(kv, pool, i + 1, step)
+                return out, q
+
+            if self._graphs is None:
+                x, q = layer(x, q, *rope)
+            else:
+                x, q = self._graphs.run(
+                    ("layer on device", id(weights)), layer, (x, q), shared=rope
+                )
+        return x, q
+
     def _last_source_layer(self, i, x, layout, seqs, attn, held, every_row):
         """The last source layer's rest after attention (`attn`, of the rows `held` names:
         those a late layer or the head reads), for those rows. -> hidden (held rows)."""
@@ -258,19 +309,21 @@ class Model:
         return self._finish_some(weights, layout.unpack(x), held.step_rows(seqs), runs, attn)
 
     def _source_attention(self, i, q, kv, seqs, slots, kv_layer, runs) -> torch.Tensor:
-        """Write the step's K/V of source layer i, then attend the queries of `runs`
-        (per request, position ranges) over each request's pages. -> (rows of runs, Hq, D)."""
+        """Write the step's K/V of source layer i (kv; None: in the pool already), then
+        attend the queries of `runs` (per request, position ranges) over each request's
+        pages. -> (rows of runs, Hq, D)."""
         flat_kv = _flat(kv_layer)
         outputs, row = [], 0
         for seq, seq_slots, seq_runs in zip(seqs, slots, runs, strict=True):
-            seq_q, seq_kv = q[row : row + seq.num_rows], kv[row : row + seq.num_rows]
+            seq_q = q[row : row + seq.num_rows]
+            if kv is not None:  # (None: written already)
+                write_kv(flat_kv, seq_slots[seq.start : seq.end], kv[row : row + seq.num_rows])
             row += seq.num_rows
-            write_kv(flat_kv, seq_slots[seq.start : seq.end], seq_kv)
             if seq.wait_layer is not None:
                 seq.wait_layer(i)
             for start, end in seq_runs:  # queries at [start, end) see the keys [0, end)
                 run_q = seq_q[start - seq.start : end - seq.start]
-                if self.attend_pages and paged_attention.takes(run_q, kv_layer):
+                if self.attend_pages and paged_attention.takes(len(run_q), q.shape[1], kv_layer):
                     out = paged_attention.paged_attention(
                         run_q, start, kv_layer, seq.page_table, scale=self.scale
                     )

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_integration.rows import as_index
+
 # Steps of more queries than this a request go through the flash kernel: at 509 queries
 # over 8K keys it was as fast (0.9-1.1x of this kernel's time, on the H200).
 MAX_ROWS = 256
@@ -53,19 +55,21 @@ class Tuning:
 
 TUNING = Tuning()
 _LOG2E = 1.4426950408889634
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@triton.jit(do_not_specialize=["start", "end", "num_rows", "tiles_per_split"])
+@triton.jit(do_not_specialize=["start", "num_rows", "capacity", "layer"])
 def _split_kernel(
     q_ptr,
     kv_ptr,
     table_ptr,
     part_ptr,
     lse_ptr,
+    step_ptr,
     start,
-    end,
     num_rows,
-    tiles_per_split,
+    capacity,
+    layer,
     scale_log2,
     NUM_HEADS: tl.constexpr,
     NUM_KV: tl.constexpr,
@@ -74,7 +78,16 @@ def _split_kernel(
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    KV_UNIT: tl.constexpr,
+    ON_DEVICE: tl.constexpr,
 ):
+    if ON_DEVICE:  # the step, and where the page table and the pool layer are (`DeviceStep`)
+        start = tl.load(step_ptr).to(tl.int32)
+        num_rows = tl.load(step_ptr + 1).to(tl.int32)
+        table_ptr += tl.load(step_ptr + 2) * 2  # (16-byte steps from the anchors: so the
+        kv_ptr += tl.load(step_ptr + 3 + layer) * KV_UNIT  # compiler knows the alignment)
+    end = start + num_rows
+    tiles_per_split = tl.cdiv(tl.cdiv(end, BLOCK_N), tl.num_programs(1))
     block = tl.program_id(0)
     split = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -121,42 +134,86 @@ def _split_kernel(
     seen_any = total > 0
     out = acc / tl.where(seen_any, total, 1.0)[:, None]
     lse = tl.where(seen_any, top + tl.log2(tl.where(seen_any, total, 1.0)), float("-inf"))
-    part_rows = (split * num_rows + query.to(tl.int64)) * NUM_HEADS + head
+    part_rows = (split * capacity + query.to(tl.int64)) * NUM_HEADS + head
     tl.store(part_ptr + part_rows[:, None] * DIM + dim[None, :], out, mask=live[:, None])
     tl.store(lse_ptr + part_rows, lse, mask=live)
 
 
-@triton.jit(do_not_specialize=["num_splits", "split_rows"])
+@triton.jit(do_not_specialize=["num_rows", "capacity"])
 def _combine_kernel(
-    part_ptr, lse_ptr, out_ptr, num_splits, split_rows, DIM: tl.constexpr, SPLITS: tl.constexpr
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    step_ptr,
+    num_rows,
+    capacity,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    ON_DEVICE: tl.constexpr,
 ):
+    if ON_DEVICE:
+        num_rows = tl.load(step_ptr + 1).to(tl.int32)
     row = tl.program_id(0).to(tl.int64)  # (query, head)
     split = tl.arange(0, SPLITS)
-    live = split < num_splits
     dim = tl.arange(0, DIM)
+    live_row = (dim * 0 + row) < num_rows * NUM_HEADS  # (as a vector: a mask's shape)
+    live = (split < num_splits) & ((split * 0 + row) < num_rows * NUM_HEADS)
+    split_rows = capacity * NUM_HEADS
     lse = tl.load(lse_ptr + split * split_rows + row, mask=live, other=float("-inf"))
-    top = tl.max(lse, 0)  # finite: every query sees at least its own key
+    top = tl.max(lse, 0)  # finite for a live row: every query sees at least its own key
+    top = tl.where(top == float("-inf"), 0.0, top)
     weights = tl.where(live, tl.exp2(lse - top), 0.0)
     parts = tl.load(
         part_ptr + (split[:, None] * split_rows + row) * DIM + dim[None, :],
         mask=live[:, None],
         other=0.0,
     )
-    out = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
-    tl.store(out_ptr + row * DIM + dim, out.to(out_ptr.dtype.element_ty))
+    out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
+    tl.store(out_ptr + row * DIM + dim, out.to(out_ptr.dtype.element_ty), mask=live_row)
 
 
-def takes(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    """Whether `paged_attention` runs queries q (n, Hq, D) over pool layer kv_layer (pages,
-    page_size, 2, H, D): few enough rows, a power-of-two D of at least 16 (a tile's), query
-    heads in whole groups, a contiguous pool."""
+@triton.jit(do_not_specialize=["layer"])
+def _write_kernel(
+    kv_ptr,
+    pool_ptr,
+    table_ptr,
+    step_ptr,
+    layer,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAGE: tl.constexpr,
+    KV_UNIT: tl.constexpr,
+):
+    # row r of the step's K/V (2, H, D) into its slot of pool layer `layer`, if r is one of
+    # the step's rows (`DeviceStep`)
+    row = tl.program_id(0)
+    element = tl.arange(0, BLOCK)
+    start = tl.load(step_ptr)
+    num_rows = tl.load(step_ptr + 1)
+    live = (element * 0 + row) < num_rows  # (as a vector: a mask's shape)
+    table_ptr += tl.load(step_ptr + 2) * 2  # (from the anchors, as in the split kernel)
+    pool_ptr += tl.load(step_ptr + 3 + layer) * KV_UNIT
+    position = start + tl.minimum(row, num_rows - 1)  # (a row past them: a slot in the table)
+    page = tl.load(table_ptr + position // PAGE).to(tl.int64)
+    mask = (element < ROW) & live
+    values = tl.load(kv_ptr + row.to(tl.int64) * ROW + element, mask=mask)
+    tl.store(pool_ptr + (page * PAGE + position % PAGE) * ROW + element, values, mask=mask)
+
+
+def takes(num_rows: int, num_heads: int, kv_layer: torch.Tensor) -> bool:
+    """Whether `paged_attention` runs `num_rows` queries of `num_heads` heads over pool
+    layer kv_layer (pages, page_size, 2, H, D): few enough rows, a power-of-two D of at
+    least 16 (a tile's), query heads in whole groups, a contiguous pool."""
     dim = kv_layer.shape[-1]
     return (
-        q.shape[0] <= MAX_ROWS
+        num_rows <= MAX_ROWS
         and dim >= 16
         and dim & (dim - 1) == 0
         and kv_layer.is_contiguous()
-        and q.shape[1] % kv_layer.shape[3] == 0
+        and num_heads % kv_layer.shape[3] == 0
+        and kv_layer.dtype in _TRITON_DTYPES
     )
 
 
@@ -172,36 +229,108 @@ def paged_attention(
     keys [0, start + n) that `page_table` (the request's page ids, on the device) holds in
     pool layer kv_layer (pages, page_size, 2, H, D), the step's own K/V written there
     already. -> (n, Hq, D), q's dtype."""
-    num_rows, num_heads, dim = q.shape
+    end = start + q.shape[0]
+    num_tiles = -(-end // TUNING.block_n)
+    return _attend(q, kv_layer, page_table, None, start, q.shape[0], num_tiles, scale=scale)
+
+
+class DeviceStep:
+    """One request's step where the kernels read it from the device, so that a CUDA graph
+    captured once serves every step of its row bucket, over any pool: `scalars` holds the
+    first position, the number of rows, and where the request's page table and each pool
+    layer are, in 16-byte steps from two anchors of this object's (a graph's kernels take
+    the anchors as their pointers: the compiler keeps their alignment, and with it
+    vectorised loads, which an address read from memory would lose: 140 scalar loads in
+    the split kernel's PTX against 24). `set` before each step (one copy, no wait)."""
+
+    def __init__(self, num_layers: int, dtype: torch.dtype, device) -> None:
+        self.scalars = torch.zeros(3 + num_layers, dtype=torch.long, device=device)
+        self.kv_anchor = torch.zeros(16, dtype=dtype, device=device)
+        self.table_anchor = torch.zeros(2, dtype=torch.long, device=device)
+        self._held: tuple = ()
+
+    def set(self, start: int, num_rows: int, page_table: torch.Tensor, layers) -> None:
+        """`page_table`: the request's page ids (long, on the device); `layers`: the pool
+        layers (pages, page_size, 2, H, D) the kernels name by index."""
+        values = [start, num_rows, _steps(page_table, self.table_anchor)]
+        values += [_steps(layer, self.kv_anchor) for layer in layers]
+        self.scalars.copy_(as_index(values, self.scalars.device))
+        self._held = (page_table, *layers)  # alive while the step's kernels may read them
+
+
+def _steps(tensor: torch.Tensor, anchor: torch.Tensor) -> int:
+    """Where `tensor` starts, in 16-byte steps from `anchor`."""
+    offset = tensor.data_ptr() - anchor.data_ptr()
+    if offset % 16 or tensor.dtype != anchor.dtype:
+        raise ValueError(
+            f"a {tensor.dtype} tensor {offset} bytes from the anchor: not 16-byte steps"
+        )
+    return offset // 16
+
+
+def paged_attention_on_device(
+    q: torch.Tensor, kv_layer: torch.Tensor, layer: int, step: DeviceStep, *, scale: float
+) -> torch.Tensor:
+    """`paged_attention` of the first rows of q (capacity, Hq, D) over pool layer `layer`,
+    the step's position, rows, page table and layer read from `step` on the device (kv_layer:
+    a layer of the same shape, for its shape only); rows past the step's are left undefined.
+    Launches that a graph can capture once for any step of at most `capacity` rows."""
+    return _attend(q, kv_layer, None, step, 0, q.shape[0], None, layer=layer, scale=scale)
+
+
+def write_step_kv(kv: torch.Tensor, kv_layer: torch.Tensor, layer: int, step: DeviceStep) -> None:
+    """The step's rows of kv (capacity, 2, H, D) into their slots of pool layer `layer` (of
+    kv_layer's shape), by the page table `step` names: rows past the step's write nothing."""
+    row = kv[0].numel()
+    _write_kernel[(kv.shape[0],)](
+        kv.contiguous(),
+        step.kv_anchor,
+        step.table_anchor,
+        step.scalars,
+        layer,
+        ROW=row,
+        BLOCK=triton.next_power_of_2(row),
+        PAGE=kv_layer.shape[1],
+        KV_UNIT=16 // kv_layer.element_size(),
+        num_warps=4,
+    )
+
+
+def _attend(q, kv_layer, table, step, start, num_rows, num_tiles, *, scale: float, layer: int = 0):
+    """Launch the split and combine kernels for `num_rows` queries from `start` (or, with
+    `step`, as many as it says, `num_rows` the capacity), over `num_tiles` key tiles at most
+    (None: unknown until the device reads the step)."""
+    capacity, num_heads, dim = q.shape
     page_size, num_kv = kv_layer.shape[1], kv_layer.shape[3]
     group = num_heads // num_kv
-    end = start + num_rows
     q = q.contiguous()
     tuning = TUNING
     # rows of a tile: the step's (query, head) pairs of one KV head, 16 to BLOCK_M of them
     block_m = max(
         16,
-        min(tuning.block_m, triton.next_power_of_2(num_rows * group)),
+        min(tuning.block_m, triton.next_power_of_2(capacity * group)),
         triton.next_power_of_2(group),
     )
-    block_n = min(tuning.block_n, max(16, triton.next_power_of_2(end)))
-    num_blocks = -(-num_rows // (block_m // group))
-    num_tiles = -(-end // block_n)
-    wanted = -(-tuning.waves * _processors(q.device) // (num_kv * num_blocks))
-    tiles_per_split = -(-num_tiles // max(1, min(wanted, num_tiles)))
-    num_splits = -(-num_tiles // tiles_per_split)
-    part = torch.empty((num_splits, num_rows, num_heads, dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((num_splits, num_rows, num_heads), dtype=torch.float32, device=q.device)
+    num_blocks = -(-capacity // (block_m // group))
+    num_splits = -(-tuning.waves * _processors(q.device) // (num_kv * num_blocks))
+    if num_tiles is not None:  # no more splits than tiles
+        num_splits = max(1, min(num_splits, num_tiles))
+        num_splits = -(-num_tiles // -(-num_tiles // num_splits))
+    part = torch.empty((num_splits, capacity, num_heads, dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_splits, capacity, num_heads), dtype=torch.float32, device=q.device)
+    on_device = step is not None
+    scalars = step.scalars if on_device else table
     _split_kernel[(num_blocks, num_splits, num_kv)](
         q,
-        kv_layer,
-        page_table,
+        step.kv_anchor if on_device else kv_layer,
+        step.table_anchor if on_device else table,
         part,
         lse,
+        scalars,
         start,
-        end,
         num_rows,
-        tiles_per_split,
+        capacity,
+        layer,
         scale * _LOG2E,
         NUM_HEADS=num_heads,
         NUM_KV=num_kv,
@@ -209,19 +338,25 @@ def paged_attention(
         DIM=dim,
         PAGE=page_size,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_N=tuning.block_n,
+        KV_UNIT=16 // kv_layer.element_size(),
+        ON_DEVICE=on_device,
         num_warps=tuning.warps,
         num_stages=tuning.stages,
     )
     out = torch.empty_like(q)
-    _combine_kernel[(num_rows * num_heads,)](
+    _combine_kernel[(capacity * num_heads,)](
         part,
         lse,
         out,
+        scalars,
+        num_rows,
+        capacity,
         num_splits,
-        num_rows * num_heads,
+        NUM_HEADS=num_heads,
         DIM=dim,
         SPLITS=triton.next_power_of_2(num_splits),
+        ON_DEVICE=on_device,
         num_warps=1,
     )
     return out

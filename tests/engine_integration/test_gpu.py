@@ -180,6 +180,41 @@ def test_a_late_layer_over_a_fresh_window_runs_as_one_graph(gpu_model):
         assert _relative_error(graphed_out.logits, eager_out.logits) < 1e-2
 
 
+def test_a_one_request_step_runs_each_source_layer_as_one_graph(gpu_model):
+    """A step of one request and few rows (a cold prompt's, a hit's, a decode step) replays
+    one graph a source layer, which reads the step's position, rows, page table and pool
+    layers from the device: the logits of the layer-by-layer path to bf16 rounding, the same
+    greedy tokens, and a later prompt of the same buckets, over another pool, captures
+    nothing."""
+    from engine_integration.model import Model
+
+    vocab = GPU_MODEL.vocab_size
+    first = random_prompt(21, 200, vocab)
+    prompts = [first, first[:160] + random_prompt(22, 30, vocab)]  # cold, then a hit
+    by_layer = Model(GPU_MODEL, gpu_model.weights, block_rows=None)
+    by_layer.layer_steps = False
+    on_device = Model(GPU_MODEL, gpu_model.weights, block_rows=None)
+    outputs = {}
+    for name, model in (("by layer", by_layer), ("on device", on_device)):
+        cache = build_cache(model, GPU, CacheSizes(l1_pages=128, policy=POLICY))
+        try:
+            engine = Engine(model, GPU, cache=cache)
+            outputs[name] = [run_one(engine, prompt, PARAMS) for prompt in prompts]
+        finally:
+            cache.close()
+    keys = {key for key, _size in on_device._graphs._graphs if key[0] == "layer on device"}
+    assert len(keys) == GPU_MODEL.num_source_layers - 1
+    assert outputs["on device"][1].metrics.hit_tokens["l1"] == 160
+    for by_layer_out, on_device_out in zip(outputs["by layer"], outputs["on device"], strict=True):
+        assert on_device_out.token_ids == by_layer_out.token_ids
+        assert _relative_error(on_device_out.logits, by_layer_out.logits) < 1e-2
+    captured = on_device._graphs.num_graphs
+    engine = Engine(on_device, GPU, num_private_pages=64)  # another pool
+    again = run_one(engine, prompts[0], PARAMS)
+    assert on_device._graphs.num_graphs == captured
+    assert again.token_ids == outputs["on device"][0].token_ids
+
+
 def test_warm_up_captures_the_graphs_a_first_request_would(gpu_model):
     """After `warm_up` (what the demo runs at start), requests whose steps fit the warmed
     buckets capture nothing: their first call costs nothing extra."""
