@@ -10,6 +10,9 @@ and rebuilds its sliding-window layers by encoder replay (DESIGN.md):
     tokenizer.py    byte-level, tokenizer.json, or a GGUF's metadata, through `tokenizers`
     rows.py         RowLayout: rows in fixed groups by position (batch invariance on the CPU)
     attention.py    attention over paged source KV and over the late window
+    paged_attention.py  CUDA: a few queries straight over a request's pages (Triton)
+    fused.py        CUDA: RMS norm, and RoPE with the K/V rows, one Triton kernel each
+    graphs.py       CUDA graphs of a layer's parts (or of a whole source layer), per row bucket
     window.py       LateWindow: the late layers' ring of W tokens per request
     model.py        Model: the forward pass of one engine step
     pages.py        PageSource: hicache (CachedPages) or a private pool (cache off)

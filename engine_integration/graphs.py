@@ -6,9 +6,12 @@ layer to issue what the GPU runs in ~0.3 ms, and the step waits on the CPU. Most
 launches are the row-wise parts: norm, q/k/v projection and RoPE before attention; output
 projection, residual, norm and MLP after it. Each is captured once per layer and per row
 bucket (a power of two from 16 to `MAX_ROWS`) and replayed: one launch instead of ~35.
-Attention, which reads the paged KV of each request, stays eager; but a late layer whose
-window sees only the step's own rows (a prefill's first late rows, one request) has no
-paged KV to read, and is captured whole, attention included (`Model._fresh_window_layer`).
+Attention, which reads the paged KV of each request, stays eager in a step of several
+requests; a step of one request and few rows (a hit's, a decode step) runs each source layer
+whole as one graph, attention over the pages included, the step's position, rows and pages
+read from the device (`Model._source_layers_on_device`, `paged_attention.DeviceStep`); and a
+late layer whose window sees only the step's own rows (a prefill's first late rows, one
+request) has no paged KV to read, and is captured whole (`Model._fresh_window_layer`).
 
 Rows are independent in these parts, so a step of n rows runs in the bucket above n: rows
 past n compute on whatever the static input held and are never read. Inputs every layer of a
