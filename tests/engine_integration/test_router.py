@@ -104,9 +104,11 @@ def test_prefix_routing_keeps_each_conversation_on_its_replica_and_the_load_even
     assert sorted(prefix_load.values()) == [8, 8, 8], prefix_load
     assert sorted(turn_load.values()) == [8, 8, 8], turn_load
     # Round robin's share is luck: the users' requests arrive concurrently, so a turn lands on
-    # its previous turn's replica about one time in three (0.35-0.43 of the prompt tokens
-    # from L1 in runs here); prefix routing's is 0.63 every run.
-    assert l1_hit_rate(prefix_answers) >= 1.25 * l1_hit_rate(turn_answers), (
+    # its previous turn's replica about one time in three (0.30-0.53 of the prompt tokens
+    # from L1 in runs here: a margin of 1.25x over it failed one run in four); prefix
+    # routing's is 0.63 every run (each later turn goes where its history is, above), which
+    # round robin reaches only if every turn happens to land where its last one did.
+    assert l1_hit_rate(prefix_answers) > l1_hit_rate(turn_answers), (
         l1_hit_rate(prefix_answers),
         l1_hit_rate(turn_answers),
     )
