@@ -223,9 +223,10 @@ class Model:
         if step is not None:  # one graph replay a layer; every K/V is in the pool after it
             x, q = self._source_layers_on_device(x, q, kv, layout, rope, seqs[0], page_layer, step)
             kv = None
-        for i in range(last if step is None else 0):
-            attn = self._source_attention(i, q, kv, seqs, slots, page_layer(i), every_row)
-            x, q, kv = self._finish_and_project(i, x, layout, attn, rope)
+        else:
+            for i in range(last):
+                attn = self._source_attention(i, q, kv, seqs, slots, page_layer(i), every_row)
+                x, q, kv = self._finish_and_project(i, x, layout, attn, rope)
         # A hybrid model stores every row's source output (the boundary residual): its last
         # source layer computes every row; otherwise only the rows that want logits.
         if self.skip_unread_rows and not config.num_late_layers:
