@@ -41,10 +41,12 @@ MAX_ROWS = 256
 
 @dataclass
 class Tuning:
-    """Tile sizes and launch shape of the split kernel. Swept on the H200 (2 x 2 x 2 x 2 x 2
-    settings; six shapes of the benchmark models, 1 to 509 queries over 1K to 32K keys): this
-    one took 0.77 of gather + flash's time in geometric mean, 0.78 at 64 queries over 32K
-    keys (the 1.1B model's hit), 0.59-0.87 elsewhere."""
+    """Tile sizes and launch shape of the split kernel. Swept twice on the H200 (32 and 24
+    settings of these five; five or six shapes of the benchmark models, 1 to 509 queries
+    over 1K to 32K keys): this one had the best geometric mean of its time over gather +
+    flash's both times (0.77, 0.87), 0.78-0.89 at 64 queries over 32K keys (the 1.1B model's
+    hit); at SmolLM2's 64 queries over 1K keys it measured 0.61 in one sweep, 1.51 in the
+    other (short calls: launch-bound, noisy)."""
 
     block_m: int = 128  # rows of a tile at most
     block_n: int = 64  # keys of a tile
