@@ -141,7 +141,7 @@ def _split_kernel(
     tl.store(lse_ptr + part_rows, lse, mask=live)
 
 
-@triton.jit(do_not_specialize=["num_rows", "capacity"])
+@triton.jit(do_not_specialize=["num_rows", "capacity", "num_splits"])
 def _combine_kernel(
     part_ptr,
     lse_ptr,
@@ -307,12 +307,12 @@ def _attend(q, kv_layer, table, step, start, num_rows, num_tiles, *, scale: floa
     group = num_heads // num_kv
     q = q.contiguous()
     tuning = TUNING
-    # rows of a tile: the step's (query, head) pairs of one KV head, 16 to BLOCK_M of them
-    block_m = max(
-        16,
-        min(tuning.block_m, triton.next_power_of_2(capacity * group)),
-        triton.next_power_of_2(group),
-    )
+    # Rows of a tile: the step's (query, head) pairs of one KV head; a decode step's few in
+    # a small tile, the rest in full ones. Two sizes only, and the merge's split count
+    # padded to one size (`_max_splits`): every compiled variant of the kernels is one that
+    # a warm-up's requests reach, so no later request waits for Triton to compile one.
+    small = max(16, triton.next_power_of_2(group))
+    block_m = small if capacity * group <= small else max(tuning.block_m, small)
     num_blocks = -(-capacity // (block_m // group))
     num_splits = -(-tuning.waves * _processors(q.device) // (num_kv * num_blocks))
     if num_tiles is not None:  # no more splits than tiles
@@ -357,11 +357,16 @@ def _attend(q, kv_layer, table, step, start, num_rows, num_tiles, *, scale: floa
         num_splits,
         NUM_HEADS=num_heads,
         DIM=dim,
-        SPLITS=triton.next_power_of_2(num_splits),
+        SPLITS=_max_splits(q.device, num_kv),
         ON_DEVICE=on_device,
         num_warps=1,
     )
     return out
+
+
+def _max_splits(device: torch.device, num_kv: int) -> int:
+    """The most splits a call makes here (one query block), as a power of two."""
+    return triton.next_power_of_2(-(-TUNING.waves * _processors(device) // num_kv))
 
 
 @functools.cache

@@ -231,6 +231,46 @@ def test_warm_up_captures_the_graphs_a_first_request_would(gpu_model):
     assert model._graphs.num_graphs == captured
 
 
+def _compiled_kernels() -> int:
+    """Variants of the engine's Triton kernels compiled so far in this process."""
+    from engine_integration import fused, paged_attention
+
+    kernels = [
+        fused._rms_norm_kernel,
+        fused._rope_kernel,
+        paged_attention._split_kernel,
+        paged_attention._combine_kernel,
+        paged_attention._write_kernel,
+    ]
+    return sum(len(entry[0]) for kernel in kernels for entry in kernel.device_caches.values())
+
+
+def test_after_warm_up_no_request_waits_for_a_kernel_to_compile(gpu_model):
+    """Triton compiles a kernel for each new set of its compile-time values (seconds each);
+    after `warm_up` none is left for a request to meet: hits with 3 and 5 new rows, a long
+    context (more key splits), two requests decoding together."""
+    from engine_integration.embedded import warm_up
+    from engine_integration.model import Model
+
+    model = Model(GPU_MODEL, gpu_model.weights, block_rows=None)
+    warm_up(model, GPU, max_rows=256)
+    compiled = _compiled_kernels()
+    assert compiled > 0
+    vocab = GPU_MODEL.vocab_size
+    cache = build_cache(model, GPU, CacheSizes(l1_pages=128, policy=POLICY))
+    try:
+        engine = Engine(model, GPU, cache=cache)
+        long = random_prompt(31, 1500, vocab)
+        run_one(engine, long, PARAMS)
+        run_one(engine, long[:1488] + random_prompt(32, 3, vocab), PARAMS)  # 3 rows
+        run_one(engine, long[:1488] + random_prompt(33, 5, vocab), PARAMS)  # 5 rows
+        both = [random_prompt(34, 40, vocab), random_prompt(35, 70, vocab)]
+        engine.generate(both, SamplingParams(max_new_tokens=4))
+    finally:
+        cache.close()
+    assert _compiled_kernels() == compiled
+
+
 def test_attention_never_runs_on_cudnn_or_the_math_fallback(gpu_model):
     """cuDNN's SDPA builds an execution plan for each new pair of lengths on its first call
     (50-1,100 ms on the H200) and every request brings new lengths: the engine's attention,
