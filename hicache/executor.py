@@ -25,8 +25,6 @@ import threading
 import time
 from urllib.parse import urlencode
 
-import torch
-
 from hicache.config import HiCacheConfig
 from hicache.ops import (
     BackupOp,
@@ -42,7 +40,7 @@ from storage_backends.objects import header_size
 from storage_backends.registry import open_backend
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
-from tiers.transfer import TransferEngine
+from tiers.transfer import LinkTimer, TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +79,7 @@ class RealExecutor(Executor):
             self.transfer = TransferEngine(self.device_pool, self.host_pool)
             self._link_sample = self.transfer.warm_up()  # (no page is in use yet)
         # (op, handle, the load's link timer), in submit order
-        self._gpu_ops: list[tuple[TransferOp, object, _LinkTimer | None]] = []
+        self._gpu_ops: list[tuple[TransferOp, object, LinkTimer | None]] = []
         self._done: collections.deque[TransferOp] = collections.deque()
         self._events: dict[int, threading.Event] = {}
         self._backend = None
@@ -106,7 +104,7 @@ class RealExecutor(Executor):
 
     def submit(self, op: TransferOp) -> None:
         if isinstance(op, LoadOp):
-            timer = _LinkTimer(self.transfer)
+            timer = LinkTimer(self.transfer)
             handle = self.transfer.load_async(op.host_page_ids, op.device_page_ids)
             timer.stop()
             self._gpu_ops.append((op, handle, timer))
@@ -292,38 +290,6 @@ class RealExecutor(Executor):
     def _finish(self, op: TransferOp) -> None:
         op.finished_s = self.now()
         op.done = True
-
-
-class _LinkTimer:
-    """Times one copy on the link: CUDA events around it on the copy stream (read once the
-    copy is done), or the wall time of a synchronous copy on the CPU."""
-
-    def __init__(self, transfer: TransferEngine) -> None:
-        self._stream = transfer.copy_stream
-        self._began = time.perf_counter()
-        self._seconds = 0.0
-        self._events = None
-        if self._stream is not None:
-            start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            # (after the caller's queued work, as the copy itself: time the copy, not the wait)
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-            start.record(self._stream)
-            self._events = (start, self._end)
-
-    def stop(self) -> None:
-        """Right after the copy is issued (on the CPU: done)."""
-        if self._events is None:
-            self._seconds = time.perf_counter() - self._began
-        else:
-            self._end.record(self._stream)
-
-    def seconds(self) -> float:
-        """The copy's time; on a GPU, only once the copy is done."""
-        if self._events is None:
-            return self._seconds
-        start, end = self._events
-        end.synchronize()  # (recorded right after the copy's last event: microseconds)
-        return start.elapsed_time(end) / 1e3
 
 
 def _cpus() -> int:

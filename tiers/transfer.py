@@ -23,6 +23,7 @@ On the CPU the same API runs synchronously: every handle is done when it is retu
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -236,13 +237,11 @@ class TransferEngine:
             return None
         ids = list(range(count))
         self.load_async(ids, ids).wait()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(self.copy_stream)
+        timer = LinkTimer(self)
         handle = self.load_async(ids, ids)
-        end.record(self.copy_stream)
+        timer.stop()
         handle.wait()
-        end.synchronize()
-        return count * page_bytes, start.elapsed_time(end) / 1e3
+        return count * page_bytes, timer.seconds()
 
     def _wait_for_caller(self) -> None:
         """Order the copy stream after the work queued so far on the caller's stream.
@@ -371,3 +370,35 @@ def _copy_in_host_memory(
             host_kv[host_page].copy_(device_kv[:, device_page])
         else:
             device_kv[:, device_page].copy_(host_kv[host_page])
+
+
+class LinkTimer:
+    """Times one copy on the link: CUDA events around it on the copy stream (read once the
+    copy is done), or the wall time of a synchronous copy on the CPU."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._stream = transfer.copy_stream
+        self._began = time.perf_counter()
+        self._seconds = 0.0
+        self._events = None
+        if self._stream is not None:
+            start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            # (after the caller's queued work, as the copy itself: time the copy, not the wait)
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            start.record(self._stream)
+            self._events = (start, self._end)
+
+    def stop(self) -> None:
+        """Right after the copy is issued (on the CPU: done)."""
+        if self._events is None:
+            self._seconds = time.perf_counter() - self._began
+        else:
+            self._end.record(self._stream)
+
+    def seconds(self) -> float:
+        """The copy's time; on a GPU, only once the copy is done."""
+        if self._events is None:
+            return self._seconds
+        start, end = self._events
+        end.synchronize()  # (recorded right after the copy's last event: microseconds)
+        return start.elapsed_time(end) / 1e3
