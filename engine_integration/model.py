@@ -620,12 +620,8 @@ class HeldRows:
 
 
 def _consecutive(rows: list[int]) -> bool:
-    """Whether `rows` (not empty) are n, n + 1, ... in order."""
-    return (
-        bool(rows)
-        and rows[-1] - rows[0] == len(rows) - 1
-        and rows == list(range(rows[0], rows[0] + len(rows)))
-    )
+    """Whether `rows` are n, n + 1, ... in order (an empty list is not)."""
+    return bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
 
 
 def _late_logits(seqs: Sequence[SeqRows], runs) -> list[tuple[int, int, int]]:

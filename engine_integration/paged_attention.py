@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_integration.rows import as_index
-
 # Steps of more queries than this a request go through the flash kernel: at 509 queries
 # over 8K keys it was as fast (0.9-1.1x of this kernel's time, on the H200).
 MAX_ROWS = 256
@@ -57,7 +55,7 @@ class Tuning:
 
 TUNING = Tuning()
 _LOG2E = 1.4426950408889634
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["start", "num_rows", "capacity", "layer"])
@@ -215,7 +213,7 @@ def takes(num_rows: int, num_heads: int, kv_layer: torch.Tensor) -> bool:
         and dim & (dim - 1) == 0
         and kv_layer.is_contiguous()
         and num_heads % kv_layer.shape[3] == 0
-        and kv_layer.dtype in _TRITON_DTYPES
+        and kv_layer.dtype in _KV_DTYPES
     )
 
 
@@ -256,7 +254,10 @@ class DeviceStep:
         layers (pages, page_size, 2, H, D) the kernels name by index."""
         values = [start, num_rows, _steps(page_table, self.table_anchor)]
         values += [_steps(layer, self.kv_anchor) for layer in layers]
-        self.scalars.copy_(as_index(values, self.scalars.device))
+        host = torch.tensor(values, dtype=torch.long)
+        if self.scalars.is_cuda:  # (pinned: the copy does not wait for the device)
+            host = host.pin_memory()
+        self.scalars.copy_(host, non_blocking=True)
         self._held = (page_table, *layers)  # alive while the step's kernels may read them
 
 
