@@ -59,6 +59,7 @@
 
 #define PLAIN_BYTES 48    /* magic .. raw length: what the checksum covers before the layout */
 #define FIXED_BYTES 56    /* + the checksum */
+#define UNHASHED_BYTES (FIXED_BYTES - PLAIN_BYTES) /* the checksum does not cover itself */
 #define KEY_OFFSET 16
 #define KEY_BYTES 16
 #define STORED_OFFSET 32  /* stored payload length, then the raw length at 40 */
@@ -307,34 +308,73 @@ static void take_bytes(cursor_t *at, uint8_t *out, size_t n) {
     }
 }
 
-/* The long hash (more than 240 bytes): the stripes that lie inside one piece are read where
- * they lie (a payload's, nearly all of them); one that straddles pieces is joined first. */
-static uint64_t hash_long(const struct iovec *pieces, int count, size_t len) {
-    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
-    size_t stripes = (len - 1) / STRIPE; /* every stripe before the last, partial, one */
+/* XXH3-64 of an input taken in as its bytes become ready (a reader hashes each window of a
+ * page while the window is still in the core's cache), or all at once (hash_pieces). The
+ * stripes that lie inside one piece are read where they lie (a payload's, nearly all of
+ * them); one that straddles pieces is joined first. An input of at most 240 bytes takes the
+ * short hash, at the end. */
+typedef struct {
+    uint64_t acc[8];
+    const struct iovec *pieces;
+    int count;
+    size_t len;     /* the whole input's bytes */
+    size_t stripes; /* every stripe before the last, partial, one (0 for a short input) */
+    size_t index;   /* stripes taken in so far */
+    cursor_t at;    /* where stripe `index` starts */
+} stream_t;
+
+static void stream_start(stream_t *st, const struct iovec *pieces, int count, size_t len) {
+    static const uint64_t first_acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+    memcpy(st->acc, first_acc, sizeof first_acc);
+    st->pieces = pieces;
+    st->count = count;
+    st->len = len;
+    st->stripes = len > 240 ? (len - 1) / STRIPE : 0;
+    st->index = 0;
+    st->at = (cursor_t){pieces, pieces + count, 0};
+}
+
+/* Take in every stripe not taken yet that lies wholly in the input's first `ready` bytes. */
+static void stream_take(stream_t *st, size_t ready) {
+    size_t stripes = ready / STRIPE < st->stripes ? ready / STRIPE : st->stripes;
+    cursor_t *at = &st->at;
     uint8_t joined[STRIPE];
-    cursor_t at = {pieces, pieces + count, 0};
-    size_t index = 0;
-    while (index < stripes) {
-        size_t left = at.piece->iov_len - at.offset;
+    while (st->index < stripes) {
+        size_t left = at->piece->iov_len - at->offset;
         if (left == 0) {
-            at.piece++;
-            at.offset = 0;
+            at->piece++;
+            at->offset = 0;
             continue;
         }
         if (left >= STRIPE) {
             size_t run = left / STRIPE;
-            if (run > stripes - index)
-                run = stripes - index;
-            take_stripes(acc, (const uint8_t *)at.piece->iov_base + at.offset, index, run);
-            index += run;
-            at.offset += run * STRIPE;
+            if (run > stripes - st->index)
+                run = stripes - st->index;
+            take_stripes(st->acc, (const uint8_t *)at->piece->iov_base + at->offset, st->index,
+                         run);
+            st->index += run;
+            at->offset += run * STRIPE;
         } else {
-            take_bytes(&at, joined, STRIPE);
-            take_stripes(acc, joined, index, 1);
-            index++;
+            take_bytes(at, joined, STRIPE);
+            take_stripes(st->acc, joined, st->index, 1);
+            st->index++;
         }
     }
+}
+
+/* The hash, once every byte of the input is in place. */
+static uint64_t stream_end(stream_t *st) {
+    const struct iovec *pieces = st->pieces;
+    int count = st->count;
+    size_t len = st->len;
+    uint8_t joined[240];
+    if (len <= 240) {
+        cursor_t at = {pieces, pieces + count, 0};
+        if (len)
+            take_bytes(&at, joined, len);
+        return hash_short(joined, len);
+    }
+    stream_take(st, len);
     /* the last 64 bytes of the input, whatever stripe they fall in, with their own key */
     const struct iovec *last = pieces + count - 1;
     while (last > pieces && last->iov_len == 0)
@@ -354,6 +394,7 @@ static uint64_t hash_long(const struct iovec *pieces, int count, size_t len) {
         take_bytes(&from, joined, STRIPE);
         tail = joined;
     }
+    uint64_t *acc = st->acc;
     stripe_scalar(acc, tail, LAST_STRIPE_KEY);
     uint64_t result = len * P64_1;
     for (int i = 0; i < 4; i++)
@@ -367,13 +408,9 @@ static uint64_t hash_pieces(const struct iovec *pieces, int count) {
     size_t len = 0;
     for (int i = 0; i < count; i++)
         len += pieces[i].iov_len;
-    if (len > 240)
-        return hash_long(pieces, count, len);
-    uint8_t joined[240];
-    cursor_t at = {pieces, pieces + count, 0};
-    if (len)
-        take_bytes(&at, joined, len);
-    return hash_short(joined, len);
+    stream_t st;
+    stream_start(&st, pieces, count, len);
+    return stream_end(&st);
 }
 
 /* -- the object check ------------------------------------------------------------------------- */
@@ -393,6 +430,7 @@ enum {
     BAD_CHECKSUM,
     BAD_COMPRESSION,
     SPLIT_HEADER,
+    HEAD_OK, /* (check_head's answer: all but the checksum holds; never a result) */
 };
 
 #define MAGIC "HCKV"
@@ -420,14 +458,14 @@ static inline uint16_t load16(const uint8_t *p) {
     return v;
 }
 
-/* The one check of a stored object, `count` parts (at most MAX_PARTS) whose concatenation is
- * the object: magic, version and flags, codec, key, layout, every length (against the header,
- * the bytes present and the size expected), then the checksum over every byte but its own.
- * In this order, so that the reason named is the first thing wrong. The MAC of a version 2
- * object is the caller's (objects.check_object: HMAC-SHA256 under the tenant's key).
- * (Past 60 lines on purpose: the checks read best in the order they are applied.) */
-static int check_parts(const struct iovec *parts, int count, const expect_t *want,
-                       found_t *found) {
+/* check_parts' checks before the checksum, in the order they are applied, so that the reason
+ * named is the first thing wrong: magic, version and flags, codec, key, layout, every length
+ * (against the header, the bytes of the parts and the size expected). HEAD_OK when they all
+ * hold, with `found` filled in. The parts' lengths count, not their bytes past the header: a
+ * reader may check a header before its payload has arrived.
+ * (Past 40 lines on purpose: the checks read best in the order they are applied.) */
+static int check_head(const struct iovec *parts, int count, const expect_t *want,
+                      found_t *found) {
     const uint8_t *head = parts[0].iov_base;
     size_t first = parts[0].iov_len, total = 0;
     for (int i = 0; i < count; i++)
@@ -466,17 +504,38 @@ static int check_parts(const struct iovec *parts, int count, const expect_t *wan
         return BAD_LENGTH;
     if (want->raw_bytes >= 0 && raw != (uint64_t)want->raw_bytes)
         return BAD_LENGTH;
-    struct iovec pieces[MAX_PARTS + 2];
-    pieces[0] = (struct iovec){(void *)head, PLAIN_BYTES};
-    pieces[1] = (struct iovec){(void *)(head + FIXED_BYTES), header_bytes - FIXED_BYTES};
-    pieces[2] = (struct iovec){(void *)(head + header_bytes), first - header_bytes};
-    for (int i = 1; i < count; i++)
-        pieces[2 + i] = parts[i];
-    if (hash_pieces(pieces, count + 2) != load64(head + PLAIN_BYTES))
-        return BAD_CHECKSUM;
     found->header_bytes = header_bytes;
     found->compression = codec;
-    return VERIFIED;
+    return HEAD_OK;
+}
+
+/* What the checksum of an object in `parts` (its header checked: `header_bytes`) covers, as
+ * pieces in order: every header byte but the checksum's, then the rest of the parts. Returns
+ * the number of pieces, count + 2; `pieces` has room for MAX_PARTS + 2. */
+static int hashed_pieces(const struct iovec *parts, int count, size_t header_bytes,
+                         struct iovec *pieces) {
+    const uint8_t *head = parts[0].iov_base;
+    pieces[0] = (struct iovec){(void *)head, PLAIN_BYTES};
+    pieces[1] = (struct iovec){(void *)(head + FIXED_BYTES), header_bytes - FIXED_BYTES};
+    pieces[2] = (struct iovec){(void *)(head + header_bytes), parts[0].iov_len - header_bytes};
+    for (int i = 1; i < count; i++)
+        pieces[2 + i] = parts[i];
+    return count + 2;
+}
+
+/* The one check of a stored object, `count` parts (at most MAX_PARTS) whose concatenation is
+ * the object: its header (check_head), then the checksum over every byte but its own. The MAC
+ * of a version 2 object is the caller's (objects.check_object: HMAC-SHA256 under the
+ * tenant's key). */
+static int check_parts(const struct iovec *parts, int count, const expect_t *want,
+                       found_t *found) {
+    int code = check_head(parts, count, want, found);
+    if (code != HEAD_OK)
+        return code;
+    struct iovec pieces[MAX_PARTS + 2];
+    int num = hashed_pieces(parts, count, found->header_bytes, pieces);
+    const uint8_t *head = parts[0].iov_base;
+    return hash_pieces(pieces, num) == load64(head + PLAIN_BYTES) ? VERIFIED : BAD_CHECKSUM;
 }
 
 /* -- a small pool of threads that every batch in flight shares ------------------------------- */
@@ -681,50 +740,129 @@ typedef struct {
     const uint8_t *keys; /* KEY_BYTES per page of the batch */
     const uint8_t *layout;
     size_t layout_len;
-    char *results; /* one byte per page of the batch: what check_parts said (0: unchecked) */
+    char *results;      /* one byte per page of the batch: what check_parts said (0: unchecked) */
+    size_t window_bytes; /* what one preadv2 reads */
 } reads_t;
 
-/* Check page `page` of a batch, its header and its payload in two buffers. */
-static int check_page(const reads_t *reads, Py_ssize_t page, const struct iovec *head_payload) {
-    expect_t want = {reads->keys + KEY_BYTES * page, reads->layout, reads->layout_len,
-                     (long long)head_payload[1].iov_len};
-    found_t found;
-    return check_parts(head_payload, 2, &want, &found);
+/* The page of a stretch whose bytes are arriving: its header is checked once it is whole,
+ * then its checksum takes in each window's share of it. */
+typedef struct {
+    int page;             /* in the stretch */
+    long long start;      /* its first byte's offset in the stretch */
+    int hashing;          /* its header checked out: `stream` takes in its bytes */
+    struct iovec pieces[4];
+    stream_t stream;
+} arriving_t;
+
+/* Move `a` over what the stretch's first `done` bytes complete: each page's header checked
+ * when whole (a page whose header fails gets that reason at once), its checksum's input taken
+ * in up to `done`, and a page read whole settled in reads->results. */
+static void take_arrived(const reads_t *reads, const stretch_t *s, arriving_t *a,
+                         long long done) {
+    while (a->page < s->num_pages) {
+        const struct iovec *parts = &s->iov[2 * a->page];
+        Py_ssize_t page = s->first_page + a->page;
+        long long size = (long long)(parts[0].iov_len + parts[1].iov_len);
+        long long arrived = done - a->start;
+        int code = UNCHECKED;
+        if (!a->hashing) {
+            if (arrived < (long long)parts[0].iov_len)
+                return;
+            expect_t want = {reads->keys + KEY_BYTES * page, reads->layout, reads->layout_len,
+                             (long long)parts[1].iov_len};
+            found_t found;
+            code = check_head(parts, 2, &want, &found);
+            if (code == SPLIT_HEADER)
+                code = UNCHECKED; /* longer than its buffer: the page by page read joins it */
+            if (code == HEAD_OK) {
+                int num = hashed_pieces(parts, 2, found.header_bytes, a->pieces);
+                stream_start(&a->stream, a->pieces, num, (size_t)size - UNHASHED_BYTES);
+                a->hashing = 1;
+            }
+        }
+        if (a->hashing) {
+            if (arrived < size) {
+                stream_take(&a->stream, (size_t)arrived - UNHASHED_BYTES);
+                return;
+            }
+            const uint8_t *head = parts[0].iov_base;
+            code = stream_end(&a->stream) == load64(head + PLAIN_BYTES) ? VERIFIED : BAD_CHECKSUM;
+        }
+        reads->results[page] = (char)code;
+        a->page++;
+        a->start += size;
+        a->hashing = 0;
+    }
 }
 
+/* Up to `limit` bytes of the stretch's buffers from `skip` bytes on, as iovecs in `out` (room
+ * for all of the stretch's); returns how many, and their bytes in *bytes. */
+static int window_of(const stretch_t *s, long long skip, size_t limit, struct iovec *out,
+                     size_t *bytes) {
+    int n = 0;
+    size_t taken = 0;
+    for (int i = 0; i < 2 * s->num_pages && taken < limit; i++) {
+        size_t len = s->iov[i].iov_len;
+        if (skip >= (long long)len) {
+            skip -= (long long)len;
+            continue;
+        }
+        size_t take = len - (size_t)skip;
+        if (take > limit - taken)
+            take = limit - taken;
+        out[n++] = (struct iovec){(uint8_t *)s->iov[i].iov_base + skip, take};
+        taken += take;
+        skip = 0;
+    }
+    *bytes = taken;
+    return n;
+}
+
+/* Read one stretch window by window with reads that never wait, checking each page as its
+ * bytes arrive: the checksum reads each window while it is still in this core's cache (a page
+ * of 1.75 MiB read whole and then hashed was read from memory twice). A window the page cache
+ * cannot give whole ends the stretch: its pages not settled are read another way. */
 static void read_one_stretch(batch_t *batch, size_t unit) {
     reads_t *reads = batch->data;
     stretch_t *s = &reads->stretches[unit];
-    int iovcnt = 2 * s->num_pages;
-    ssize_t got = preadv2(s->fd, s->iov, iovcnt, s->offset, RWF_NOWAIT);
-    if (got < 0) {
-        s->err = errno;
-        if (errno == EAGAIN)
-            s->got = 0;
-        else if (errno == EOPNOTSUPP || errno == EINVAL || errno == ENOSYS)
-            s->got = -2;
-        else
-            s->got = -1;
-        return;
+    struct iovec window[MAX_IOV];
+    arriving_t arriving = {0};
+    long long done = 0;
+    while (done < s->total) {
+        size_t want;
+        int n = window_of(s, done, reads->window_bytes, window, &want);
+        ssize_t got = preadv2(s->fd, window, n, s->offset + done, RWF_NOWAIT);
+        if (got < 0 && done == 0) {
+            s->err = errno;
+            if (errno == EAGAIN)
+                s->got = 0;
+            else if (errno == EOPNOTSUPP || errno == EINVAL || errno == ENOSYS)
+                s->got = -2;
+            else
+                s->got = -1;
+            return;
+        }
+        if (got <= 0)
+            break; /* past a window the page cache gave: partly cached (or an error) */
+        done += got;
+        take_arrived(reads, s, &arriving, done);
+        if ((size_t)got < want)
+            break;
     }
-    s->got = got;
-    if (got != s->total)
-        return; /* partly cached: the caller reads these pages another way */
-    for (int j = 0; j < s->num_pages; j++)
-        reads->results[s->first_page + j] = (char)check_page(reads, s->first_page + j,
-                                                             &s->iov[2 * j]);
+    s->got = done;
 }
 
 PyDoc_STRVAR(read_stretches_doc,
-"read_stretches(stretches, keys, layout, results, threads) -> list[int]\n\n"
+"read_stretches(stretches, keys, layout, results, threads, window_bytes) -> list[int]\n\n"
 "Read each stretch (fd, offset, buffers, first_page) - `buffers` alternating a page's header\n"
 "buffer (all of one size) and its payload buffer, the pages of the batch from `first_page`\n"
-"on - with one preadv2(RWF_NOWAIT) each, and check every page of a stretch read whole, as\n"
-"check_object does, against its key (16 bytes each, joined in `keys`), `layout` and its\n"
-"payload buffer's size: results[page] = 1 when it checked out, else the reason's number\n"
-"(0 where the stretch was not read whole). Returns, per stretch, the bytes read: 0 when\n"
-"the page cache had none, -1 on an error, -2 when the filesystem refuses RWF_NOWAIT. Runs\n"
-"without the GIL, on up to `threads` threads.");
+"on - with preadv2(RWF_NOWAIT) calls of `window_bytes` each, and check every page as check_object\n"
+"does, against its key (16 bytes each, joined in `keys`), `layout` and its payload buffer's\n"
+"size, each window hashed as it lands: results[page] = 1 when it checked out, else the\n"
+"reason's number (0 where the page was not read whole; a stretch not read whole may have\n"
+"results for its first pages). Returns, per stretch, the bytes read: 0 when the page cache had\n"
+"none, -1 on an error, -2 when the filesystem refuses RWF_NOWAIT. Runs without the GIL, on\n"
+"up to `threads` threads.");
 
 /* Take one stretch's buffers into held and `iov`; 0 with an exception. */
 static int hold_stretch(held_t *held, PyObject *item, stretch_t *s, struct iovec *iov,
@@ -785,8 +923,9 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
     PyObject *list;
     Py_buffer keys, layout, results;
     int threads;
-    if (!PyArg_ParseTuple(args, "O!y*y*w*i", &PyList_Type, &list, &keys, &layout, &results,
-                          &threads))
+    Py_ssize_t window_bytes;
+    if (!PyArg_ParseTuple(args, "O!y*y*w*in", &PyList_Type, &list, &keys, &layout, &results,
+                          &threads, &window_bytes))
         return NULL;
     Py_ssize_t num = PyList_GET_SIZE(list);
     Py_ssize_t num_pages = keys.len / KEY_BYTES;
@@ -794,9 +933,11 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
     held_t held = {NULL, 0};
     stretch_t *stretches = NULL;
     struct iovec *iovs = NULL;
-    if (keys.len % KEY_BYTES || results.len < num_pages || layout.len > MAX_LAYOUT_BYTES) {
+    if (keys.len % KEY_BYTES || results.len < num_pages || layout.len > MAX_LAYOUT_BYTES ||
+        window_bytes < 1) {
         PyErr_SetString(PyExc_ValueError, "read_stretches: keys must be 16 bytes each, results "
-                                          "one byte per key, the layout at most 65535 bytes");
+                                          "one byte per key, the layout at most 65535 bytes, "
+                                          "window_bytes at least 1");
         goto done;
     }
     Py_ssize_t num_buffers = count_stretch_buffers(list);
@@ -815,7 +956,8 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
             goto done;
         iov += 2 * stretches[i].num_pages;
     }
-    reads_t reads = {stretches, keys.buf, layout.buf, (size_t)layout.len, results.buf};
+    reads_t reads = {stretches,   keys.buf, layout.buf, (size_t)layout.len, results.buf,
+                     (size_t)window_bytes};
     batch_t batch = {.num_units = (size_t)num, .run = read_one_stretch, .data = &reads};
     run_without_gil(&batch, threads);
     result = PyList_New(num);

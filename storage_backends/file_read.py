@@ -7,8 +7,9 @@ a hung mount):
    usually comes from a few packs written together), else opened through the key's own name;
 2. the page cache's share: pages that lie next to each other in a pack, at the size this
    backend writes, form stretches of up to `_STRETCH_BYTES`; the C reader
-   (`pageio.read_stretches`, one call, its own threads, no GIL) reads each with one `preadv`
-   that never waits (RWF_NOWAIT), headers and pages straight into place, and checks them;
+   (`pageio.read_stretches`, one call, its own threads, no GIL) reads each with `preadv`s
+   that never wait (RWF_NOWAIT), headers and pages straight into place, a window of
+   `_WINDOW_BYTES` at a time, and checks each page, hashing each window as it lands;
 3. what the page cache lacked (or the filesystem cannot promise, NFS): page by page, through
    this thread's chunk buffer, from as many workers as there are such pages (they wait on a
    disk or a server, so they overlap).
@@ -51,6 +52,10 @@ _CHUNK_BYTES = 256 << 10  # a read that may wait lands in this much of the threa
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
 _STRETCH_PAGES = 64  # ... and at most this many pages
+# What one of the C reader's reads takes in. It hashes each window right after the kernel
+# copied it, while it is still in the core's cache: a 1.75 MiB page read whole and then
+# hashed was read from memory twice, and memory is what a host's parallel reads run out of.
+_WINDOW_BYTES = 256 << 10
 # A batch's page-cache copies take a C pool thread per this much (they never take the GIL,
 # and wake in microseconds).
 _HELPER_BYTES = 512 << 10
@@ -224,7 +229,12 @@ class BatchRead:
             return
         try:
             got = pageio.read_stretches(
-                work, b"".join(self.keys), self.reader.layout, codes, min(threads, len(runs))
+                work,
+                b"".join(self.keys),
+                self.reader.layout,
+                codes,
+                min(threads, len(runs)),
+                _WINDOW_BYTES,
             )
         finally:
             self.guard.leave()
@@ -233,14 +243,15 @@ class BatchRead:
 
     def _settle_stretch(self, first: int, end: int, read: int, codes: bytearray) -> None:
         """The outcomes of one stretch the C reader read (`read` bytes; -1: an error, -2: no
-        RWF_NOWAIT here) and checked (`codes`). A stretch not read whole is left `_PENDING`,
-        to be read page by page."""
+        RWF_NOWAIT here) and checked (`codes`). A page it did not read whole (code 0: the
+        page cache lacked it, or an error, which the page by page read reports) is left
+        `_PENDING`, to be read page by page."""
         table = self.packs[first]
         if read == _UNSUPPORTED:
             self.reader.nowait = False  # e.g. NFS: every read through the chunk buffer
-        if not all(codes[first:end]):
-            return  # not all cached (or an error, which the page by page read reports)
         for j in range(first, end):
+            if not codes[j]:
+                continue
             reason = reason_of(codes[j])
             if reason is None and self.reader.mac_key is not None:
                 reason = self._forged(j)

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import xxhash
 
-from storage_backends import native
+from storage_backends import file_read, native
 from storage_backends.file_pack import pack_table
 from storage_backends.objects import (
     CorruptReason,
@@ -31,6 +31,10 @@ pageio = native.pageio
 CODE = {reason: code for code, reason in _REASONS.items()}  # the C check's numbers
 
 LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=bfloat16"
+READ_WINDOW = file_read._WINDOW_BYTES  # the file backend's
+# Windows that cut the pack's objects everywhere: inside the fixed header and the layout, at
+# and beside a 64-byte stripe, inside a short object and across several pages at once.
+WINDOWS = [1, 50, 63, 64, 65, 100, 1000, 4096, 4097, 9000, READ_WINDOW]
 
 
 def instruction_sets() -> list[str]:
@@ -185,8 +189,9 @@ class Pack:
         buffers = [b for pair in zip(heads, views, strict=True) for b in pair]
         return buffers, heads, views
 
-    def read(self, stretches, threads=1, keys=None):
-        """Read [(first, end), ...] as stretches; (codes, got, views by page)."""
+    def read(self, stretches, threads=1, keys=None, window=READ_WINDOW):
+        """Read [(first, end), ...] as stretches, `window` bytes a read; (codes, got, views by
+        page)."""
         keys = keys or self.keys
         verified = bytearray(len(keys))
         work, views = [], {}
@@ -194,7 +199,7 @@ class Pack:
             buffers, _, got_views = self.buffers(first, end)
             work.append((self.fd, self.offsets[first], buffers, first))
             views.update(zip(range(first, end), got_views, strict=True))
-        got = pageio.read_stretches(work, b"".join(keys), self.layout, verified, threads)
+        got = pageio.read_stretches(work, b"".join(keys), self.layout, verified, threads, window)
         return verified, got, views
 
     def close(self):
@@ -212,9 +217,12 @@ def pack(tmp_path):
 
 
 @pytest.mark.parametrize("threads", [1, 3, 8])
-def test_read_stretches_reads_and_verifies_every_page(pack, threads, simd):
+@pytest.mark.parametrize("window", WINDOWS)
+def test_read_stretches_reads_and_verifies_every_page(pack, threads, simd, window):
+    """Whatever the window, each page's checksum takes in every byte once, in order: the
+    pack's pages are of 100 to 65,536 bytes (some hashed by XXH3's short path)."""
     spans = [(0, 4), (4, 8), (8, 10), (10, 12)]
-    verified, got, views = pack.read(spans, threads)
+    verified, got, views = pack.read(spans, threads, window=window)
     assert list(verified) == [1] * 12
     for (first, end), n in zip(spans, got, strict=True):
         sizes = [header_size(LAYOUT) + len(pack.pages[i]) for i in range(first, end)]
@@ -233,7 +241,10 @@ def test_read_stretches_reads_and_verifies_every_page(pack, threads, simd):
         ("key", CorruptReason.KEY),
     ],
 )
-def test_a_damaged_page_is_not_verified_and_spares_its_neighbours(tmp_path, pack, damage, reason):
+@pytest.mark.parametrize("window", [64, 4097, READ_WINDOW])
+def test_a_damaged_page_is_not_verified_and_spares_its_neighbours(
+    tmp_path, pack, damage, reason, window
+):
     """Each damage fails the check of page 5 only, and names what is wrong."""
     size = header_size(LAYOUT)
     start = pack.offsets[5]
@@ -249,16 +260,30 @@ def test_a_damaged_page_is_not_verified_and_spares_its_neighbours(tmp_path, pack
         keys[5] = b"\x01" * 16  # asked for under another key
     else:
         os.pwrite(pack.fd, bytes([pack.blob[at[damage]] ^ 0x40]), at[damage])
-    verified, _, views = pack.read([(0, 8)], threads=2, keys=keys)
+    verified, _, views = pack.read([(0, 8)], threads=2, keys=keys, window=window)
     assert list(verified[:8]) == [1] * 5 + [CODE[reason]] + [1] * 2
     assert all(bytes(views[i]) == pack.pages[i] for i in range(8) if i != 5)
 
 
-def test_a_short_pack_is_read_short_and_not_verified(tmp_path, pack):
+@pytest.mark.parametrize("window", [100, 4097, READ_WINDOW])
+def test_a_short_pack_is_read_short_and_only_its_whole_pages_verified(tmp_path, pack, window):
+    """The pages read whole before the cut are checked; the cut one is left to the closer
+    look (0), as is every page after it."""
     os.ftruncate(pack.fd, pack.offsets[3] + 100)
-    verified, got, _ = pack.read([(0, 4)])
+    verified, got, views = pack.read([(0, 5)], window=window)
     assert got[0] == pack.offsets[3] + 100 - pack.offsets[0]
-    assert list(verified[:4]) == [0] * 4  # a stretch read short: all left to the closer look
+    assert list(verified[:5]) == [1, 1, 1, 0, 0]
+    assert all(bytes(views[i]) == pack.pages[i] for i in range(3))
+
+
+def test_a_header_longer_than_its_buffer_is_left_to_the_closer_look(tmp_path, pack):
+    """A layout length that says more than the header buffer holds (one flipped bit of it)
+    makes the header straddle header and payload: left unchecked (0) for the page by page
+    read, which joins the two (the C check's 'split header' is no reason of its own)."""
+    at = pack.offsets[5] + 9  # the high byte of the layout length
+    os.pwrite(pack.fd, bytes([pack.blob[at] ^ 0x01]), at)  # 256 bytes longer
+    verified, _, _ = pack.read([(0, 8)], window=100)
+    assert list(verified[:8]) == [1] * 5 + [0] + [1] * 2
 
 
 def test_a_read_error_is_minus_one_for_its_stretch_only(pack):
@@ -273,6 +298,7 @@ def test_a_read_error_is_minus_one_for_its_stretch_only(pack):
             pack.layout,
             verified,
             2,
+            READ_WINDOW,
         )
     finally:
         os.close(bad_fd)
@@ -286,20 +312,24 @@ def test_read_stretches_refuses_malformed_work(pack):
     buffers, _, _ = pack.buffers(0, 2)
     verified = bytearray(12)
     with pytest.raises(TypeError, match="fd, offset, buffers, first_page"):
-        pageio.read_stretches([(pack.fd, 0, buffers)], keys, layout, verified, 1)
+        pageio.read_stretches([(pack.fd, 0, buffers)], keys, layout, verified, 1, READ_WINDOW)
     with pytest.raises(ValueError, match="outside the batch"):
-        pageio.read_stretches([(pack.fd, 0, buffers, 11)], keys, layout, verified, 1)
+        pageio.read_stretches([(pack.fd, 0, buffers, 11)], keys, layout, verified, 1, READ_WINDOW)
     with pytest.raises(ValueError, match="header buffer"):
         short = [bytearray(10), buffers[1]]
-        pageio.read_stretches([(pack.fd, 0, short, 0)], keys, layout, verified, 1)
+        pageio.read_stretches([(pack.fd, 0, short, 0)], keys, layout, verified, 1, READ_WINDOW)
     with pytest.raises(TypeError, match="writable"):
         frozen = [bytes(buffers[0]), buffers[1]]
-        pageio.read_stretches([(pack.fd, 0, frozen, 0)], keys, layout, verified, 1)
+        pageio.read_stretches([(pack.fd, 0, frozen, 0)], keys, layout, verified, 1, READ_WINDOW)
     with pytest.raises(ValueError, match="pairs"):
-        pageio.read_stretches([(pack.fd, 0, buffers[:1], 0)], keys, layout, verified, 1)
+        pageio.read_stretches(
+            [(pack.fd, 0, buffers[:1], 0)], keys, layout, verified, 1, READ_WINDOW
+        )
     with pytest.raises(ValueError, match="results one byte per key"):
-        pageio.read_stretches([], keys, layout, bytearray(3), 1)
-    assert pageio.read_stretches([], keys, layout, verified, 4) == []
+        pageio.read_stretches([], keys, layout, bytearray(3), 1, READ_WINDOW)
+    with pytest.raises(ValueError, match="window_bytes at least 1"):
+        pageio.read_stretches([(pack.fd, 0, buffers, 0)], keys, layout, verified, 1, 0)
+    assert pageio.read_stretches([], keys, layout, verified, 4, READ_WINDOW) == []
 
 
 def test_concurrent_callers_share_the_pool_safely(pack):
@@ -540,7 +570,7 @@ _OVERSIZED_LAYOUT = textwrap.dedent(
         buffers = [bytearray(56 + len(layout)), bytearray(len(page))]
         try:
             pageio.read_stretches([(f.fileno(), 0, buffers, 0)], b"k" * 16, layout,
-                                  bytearray(1), 1)
+                                  bytearray(1), 1, 1 << 18)
         except ValueError as exc:
             refused.append(str(exc))
     print(len(refused), "|".join(refused))
