@@ -70,6 +70,7 @@ from engine_integration.engine import Engine, kv_layout_for  # noqa: E402
 from engine_integration.sampling import SamplingParams  # noqa: E402
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig  # noqa: E402
 from hicache.controller import HiCache  # noqa: E402
+from storage_backends import file_read  # noqa: E402
 from storage_backends.options import parse_size  # noqa: E402
 
 MODEL_1B = ModelConfig(
@@ -139,6 +140,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--read-chunk", default="48MiB", help="L3 read batch size (L3Config.read_chunk_bytes)"
     )
+    parser.add_argument(
+        "--read-window",
+        default=None,
+        help="the file reader's window (its _WINDOW_BYTES; 0: a stretch in one read, then "
+        "hashed, as before issue 21's fused check), for A/B runs",
+    )
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -153,6 +160,8 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.read_chunk = parse_size(args.read_chunk)
+    if args.read_window is not None:
+        file_read._WINDOW_BYTES = parse_size(args.read_window) or 1 << 40
     return args
 
 
@@ -209,6 +218,7 @@ def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dic
         "io_threads": args.io_threads,
         "read_batches": args.read_batches,
         "read_chunk_bytes": args.read_chunk,
+        "read_window_bytes": file_read._WINDOW_BYTES,
         "cpus": CPUS,
     }
     bench = _Bench(model, config, url, l1_pages, args, ceiling_file)
@@ -438,7 +448,7 @@ def _print_table(rows: list[dict], args) -> None:
     print(
         f"hicache engine TTFT, medians of {args.repeats} ({args.device}; L3 file:// "
         f"io_threads={args.io_threads}, read_batches={args.read_batches or 'auto'}, "
-        f"read_chunk={args.read_chunk >> 20}MiB)"
+        f"read_chunk={args.read_chunk >> 20}MiB, read_window={file_read._WINDOW_BYTES >> 10}KiB)"
     )
     cases = ("cold", "l1", "l2", "l3", "l3_new")
     header = [
