@@ -146,12 +146,6 @@ def parse_args() -> argparse.Namespace:
         help="the file reader's window (its _WINDOW_BYTES; 0: a stretch in one read, then "
         "hashed, as before issue 21's fused check), for A/B runs",
     )
-    parser.add_argument(
-        "--gil-switch-ms",
-        type=float,
-        default=EngineConfig().gil_switch_interval_s * 1e3,
-        help="EngineConfig.gil_switch_interval_s in ms (0: leave Python's 5 ms), for A/B runs",
-    )
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -201,12 +195,7 @@ def main() -> None:
 
 
 def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dict]:
-    config = EngineConfig(
-        device=args.device,
-        page_size=64,
-        prefill_chunk_tokens=args.chunk,
-        gil_switch_interval_s=args.gil_switch_ms / 1e3 or None,
-    )
+    config = EngineConfig(device=args.device, page_size=64, prefill_chunk_tokens=args.chunk)
     model = _load(name, config, args.seed)
     model_config = model.config
     page_size = config.page_size
@@ -230,7 +219,6 @@ def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dic
         "read_batches": args.read_batches,
         "read_chunk_bytes": args.read_chunk,
         "read_window_bytes": file_read._WINDOW_BYTES,
-        "gil_switch_ms": args.gil_switch_ms or sys.getswitchinterval() * 1e3,
         "cpus": CPUS,
     }
     bench = _Bench(model, config, url, l1_pages, args, ceiling_file)
@@ -460,8 +448,7 @@ def _print_table(rows: list[dict], args) -> None:
     print(
         f"hicache engine TTFT, medians of {args.repeats} ({args.device}; L3 file:// "
         f"io_threads={args.io_threads}, read_batches={args.read_batches or 'auto'}, "
-        f"read_chunk={args.read_chunk >> 20}MiB, read_window={file_read._WINDOW_BYTES >> 10}KiB, "
-        f"gil_switch={sys.getswitchinterval() * 1e3:g}ms)"
+        f"read_chunk={args.read_chunk >> 20}MiB, read_window={file_read._WINDOW_BYTES >> 10}KiB)"
     )
     cases = ("cold", "l1", "l2", "l3", "l3_new")
     header = [

@@ -193,14 +193,6 @@ class EngineConfig:
                           (bitwise-equal hits on the CPU). None: on for the CPU, off on CUDA.
     block_tokens:         rows per block in batch-invariant mode; must divide page_size.
     dtype:                None: float32 on the CPU, bfloat16 on CUDA.
-    gil_switch_interval_s: the interpreter's GIL switch interval (`sys.setswitchinterval`,
-                          process-wide) that an engine with a cache sets: the cache's I/O
-                          threads and the engine's thread take turns on the GIL, and at
-                          Python's 5 ms a thread that wants it (a read batch about to start,
-                          a load about to be issued) can wait that long. 1 ms took the
-                          median 32K-token L3 hit of the 1.1B model on the H200 from 32.5 to
-                          31.5 ms (12 read threads) and from 38.2 to 34.5 ms (10), 9 runs
-                          each in one call. None leaves the interval as it is.
     """
 
     device: str = "cpu"
@@ -210,14 +202,8 @@ class EngineConfig:
     batch_invariant: bool | None = None
     block_tokens: int = 16
     dtype: str | None = None
-    gil_switch_interval_s: float | None = 0.001
 
     def __post_init__(self) -> None:
-        _require(
-            self.gil_switch_interval_s is None or 1e-5 <= self.gil_switch_interval_s <= 0.1,
-            "EngineConfig.gil_switch_interval_s must be None or in [1e-05, 0.1] seconds, got "
-            f"{self.gil_switch_interval_s!r}",
-        )
         _require(
             self.device == "cpu" or self.device.startswith("cuda"),
             f"EngineConfig.device must be {DEVICES_HELP}, got {self.device!r}",

@@ -14,7 +14,6 @@ which rows are computed, never the model.
 from __future__ import annotations
 
 import itertools
-import sys
 import time
 from collections.abc import Sequence
 
@@ -79,8 +78,6 @@ class Engine:
             num_pages = cache.executor.num_device_pages
             for cost in model.step_costs:  # what this model's steps cost so far (warm-up)
                 cache.record_compute(*cost)
-            if config.gil_switch_interval_s is not None:  # (EngineConfig says why)
-                sys.setswitchinterval(config.gil_switch_interval_s)
         else:
             if not num_private_pages:
                 raise EngineError("an engine without a cache needs num_private_pages")

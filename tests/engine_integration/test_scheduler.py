@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 
 import pytest
 import torch
 
-from engine_integration.engine import Engine
 from engine_integration.errors import RequestTooLargeError
 from engine_integration.sampling import SamplingParams
 from hicache.config import PolicyConfig
@@ -86,28 +84,6 @@ def test_bad_requests_are_refused(small_model, engines):
             engine.add_request(bad, GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
-
-
-def test_an_engine_with_a_cache_sets_the_gil_switch_interval_it_is_configured_with(
-    small_model, engines
-):
-    """The cache's I/O threads and the engine's take turns on the GIL: an engine with a
-    cache sets the interpreter's switch interval (EngineConfig.gil_switch_interval_s);
-    one without a cache, or configured with None, leaves it."""
-    before = sys.getswitchinterval()
-    try:
-        sys.setswitchinterval(0.005)
-        Engine(small_model, ENGINE, num_private_pages=8)
-        assert sys.getswitchinterval() == pytest.approx(0.005)
-        engines(small_model, config=dataclasses.replace(ENGINE, gil_switch_interval_s=None))
-        assert sys.getswitchinterval() == pytest.approx(0.005)
-        engines(small_model)
-        assert sys.getswitchinterval() == pytest.approx(ENGINE.gil_switch_interval_s)
-        assert ENGINE.gil_switch_interval_s < 0.005
-        with pytest.raises(ValueError, match="EngineConfig.gil_switch_interval_s"):
-            dataclasses.replace(ENGINE, gil_switch_interval_s=0.0)
-    finally:
-        sys.setswitchinterval(before)
 
 
 def test_a_new_cache_weighs_its_first_l3_run_by_the_models_earlier_steps(
