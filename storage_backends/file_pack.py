@@ -35,8 +35,8 @@ _ENTRY = struct.Struct(f"<{KEY_BYTES}sQQ")
 HEAD_BYTES = _HEAD.size
 ENTRY_BYTES = _ENTRY.size
 MAX_PAGES = 1 << 20  # a table larger than this is damage, not a pack
-_DELETED = bytes(KEY_BYTES)
-_FIRST_READ = 4096  # the head and the first 127 entries  # the key of a deleted page's entry
+_DELETED = bytes(KEY_BYTES)  # the key of a deleted page's entry
+_FIRST_READ = 4096  # the head and the first 127 entries
 
 
 def table_bytes(num_pages: int) -> int:
