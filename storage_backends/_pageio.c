@@ -8,8 +8,9 @@
  *   - check_object(): the one check of a stored object (check_parts below: header, lengths,
  *     checksum), answering 1 or the number of the reason; objects.check_object names it;
  *   - read_stretches(): read runs of neighbouring pages of packs with reads that never wait
- *     (RWF_NOWAIT: page-cache hits only) straight into the caller's buffers, and check each
- *     page (check_parts), on this thread and up to `threads - 1` pool threads;
+ *     (RWF_NOWAIT: page-cache hits only) straight into the caller's buffers, a window at a
+ *     time, and check each page as it lands (check_head, then its checksum a window at a
+ *     time), on this thread and up to `threads - 1` pool threads;
  *   - check_copy(): check whole objects held in memory (a network backend's replies) and copy
  *     each payload into its page, several at once;
  *   - frame_headers(): build the object headers (checksum included) of a batch of pages;
@@ -856,13 +857,13 @@ PyDoc_STRVAR(read_stretches_doc,
 "read_stretches(stretches, keys, layout, results, threads, window_bytes) -> list[int]\n\n"
 "Read each stretch (fd, offset, buffers, first_page) - `buffers` alternating a page's header\n"
 "buffer (all of one size) and its payload buffer, the pages of the batch from `first_page`\n"
-"on - with preadv2(RWF_NOWAIT) calls of `window_bytes` each, and check every page as check_object\n"
-"does, against its key (16 bytes each, joined in `keys`), `layout` and its payload buffer's\n"
-"size, each window hashed as it lands: results[page] = 1 when it checked out, else the\n"
-"reason's number (0 where the page was not read whole; a stretch not read whole may have\n"
-"results for its first pages). Returns, per stretch, the bytes read: 0 when the page cache had\n"
-"none, -1 on an error, -2 when the filesystem refuses RWF_NOWAIT. Runs without the GIL, on\n"
-"up to `threads` threads.");
+"on - with preadv2(RWF_NOWAIT) calls of `window_bytes` each, and check every page as\n"
+"check_object does, against its key (16 bytes each, joined in `keys`), `layout` and its\n"
+"payload buffer's size, hashing each window as it lands: results[page] = 1 when it checked\n"
+"out, else the reason's number (0 where the page was not read whole; a stretch not read\n"
+"whole may have results for its first pages). Returns, per stretch, the bytes read: 0 when\n"
+"the page cache had none, -1 on an error, -2 when the filesystem refuses RWF_NOWAIT. Runs\n"
+"without the GIL, on up to `threads` threads.");
 
 /* Take one stretch's buffers into held and `iov`; 0 with an exception. */
 static int hold_stretch(held_t *held, PyObject *item, stretch_t *s, struct iovec *iov,
@@ -956,7 +957,7 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
             goto done;
         iov += 2 * stretches[i].num_pages;
     }
-    reads_t reads = {stretches,   keys.buf, layout.buf, (size_t)layout.len, results.buf,
+    reads_t reads = {stretches, keys.buf, layout.buf, (size_t)layout.len, results.buf,
                      (size_t)window_bytes};
     batch_t batch = {.num_units = (size_t)num, .run = read_one_stretch, .data = &reads};
     run_without_gil(&batch, threads);
