@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.common import device_name, emit  # noqa: E402
+from benchmarks.common import device_name, emit, parallel_read_s, write_random_file  # noqa: E402
 from engine_integration.config import EngineConfig, ModelConfig, tiny_model_config  # noqa: E402
 from engine_integration.embedded import load_model, smollm2_path  # noqa: E402
 from engine_integration.engine import Engine, kv_layout_for  # noqa: E402
@@ -375,36 +375,15 @@ def _moved(before, after, direction: str) -> tuple[int, float]:
 
 def _read_ceiling(path: Path, num_bytes: int, pinned: bool) -> float:
     """Seconds (median of 5, after a warm-up) to read one file of `num_bytes` from the page
-    cache into one buffer, a thread per core, each its own contiguous share in 4 MiB reads
-    (os.preadv lets the GIL go): what the host can do, with no format, checks or pages."""
+    cache into one buffer, a thread per core (`common.parallel_read_s`)."""
     num_bytes = max(num_bytes, 1 << 20)
-    with open(path, "wb") as out:
-        block = os.urandom(1 << 20)
-        for _ in range(-(-num_bytes // len(block))):
-            out.write(block)
+    write_random_file(path, num_bytes)
     buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
     view = memoryview(buffer.numpy())
-    shares = [(i * num_bytes // CPUS, (i + 1) * num_bytes // CPUS) for i in range(CPUS)]
-    fd = os.open(path, os.O_RDONLY)
-
-    def read(share: tuple[int, int]) -> None:
-        start, end = share
-        while start < end:
-            step = min(4 << 20, end - start)
-            got = os.preadv(fd, [view[start : start + step]], start)
-            if got <= 0:
-                raise OSError(f"short read of {path} at {start}")
-            start += got
-
     try:
         with concurrent.futures.ThreadPoolExecutor(CPUS) as pool:
-            times = []
-            for _ in range(6):
-                began = time.perf_counter()
-                list(pool.map(read, shares))
-                times.append(time.perf_counter() - began)
+            times = [parallel_read_s(path, view, pool, CPUS) for _ in range(6)]
     finally:
-        os.close(fd)
         path.unlink()
     return statistics.median(times[1:])
 

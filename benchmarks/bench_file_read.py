@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, parallel_read_s, write_random_file  # noqa: E402
 from storage_backends import file_read, open_backend  # noqa: E402
 from storage_backends.options import parse_size  # noqa: E402
 
@@ -112,28 +112,6 @@ class Reader:
         return time.perf_counter() - began
 
 
-def ceiling_s(path: Path, buffer: memoryview, pool: concurrent.futures.Executor) -> float:
-    """One parallel plain read of `path` (as large as `buffer`) into `buffer`."""
-    num_bytes = len(buffer)
-    shares = [(i * num_bytes // CPUS, (i + 1) * num_bytes // CPUS) for i in range(CPUS)]
-    fd = os.open(path, os.O_RDONLY)
-
-    def read(share: tuple[int, int]) -> None:
-        start, end = share
-        while start < end:
-            got = os.preadv(fd, [buffer[start : min(end, start + (4 << 20))]], start)
-            if got <= 0:
-                raise OSError(f"short read of {path} at {start}")
-            start += got
-
-    try:
-        began = time.perf_counter()
-        list(pool.map(read, shares))
-        return time.perf_counter() - began
-    finally:
-        os.close(fd)
-
-
 async def measure(args, directory: Path) -> dict[int, list[float]]:
     num_pages = max(1, args.total_bytes // args.page_bytes)
     total = num_pages * args.page_bytes
@@ -143,9 +121,7 @@ async def measure(args, directory: Path) -> dict[int, list[float]]:
     views = [memory[i * args.page_bytes : (i + 1) * args.page_bytes] for i in range(num_pages)]
     url = f"file://{directory / 'l3'}?capacity={2 * total}&io_threads={args.io_threads}"
     flat = directory / "ceiling.bin"
-    with open(flat, "wb") as out:
-        for _ in range(-(-total // (1 << 20))):
-            out.write(os.urandom(1 << 20))
+    write_random_file(flat, total)
     times: dict[int, list[float]] = {w: [] for w in [*args.windows, -1]}  # -1: the ceiling
     async with open_backend(url, layout=LAYOUT) as store:
         per_put = max(1, args.batch_bytes // args.page_bytes)
@@ -161,7 +137,7 @@ async def measure(args, directory: Path) -> dict[int, list[float]]:
                 for window in order:
                     file_read._WINDOW_BYTES = window or (1 << 40)
                     seconds = await reader.read_all()
-                    ceiling = ceiling_s(flat, memory, pool)
+                    ceiling = parallel_read_s(flat, memory, pool, CPUS)
                     if round_index:
                         times[window].append(seconds)
                         times[-1].append(ceiling)

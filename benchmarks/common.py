@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,3 +36,40 @@ def device_name(device: str = "cpu") -> str:
 def emit(result: dict) -> None:
     """Print one JSON line of results, stamped with the revision."""
     print(json.dumps({"git": git_revision(), **result}), flush=True)
+
+
+def write_random_file(path: Path, num_bytes: int) -> None:
+    """`path` with at least `num_bytes` of random bytes (whole MiB), in the page cache now."""
+    block = os.urandom(1 << 20)
+    with open(path, "wb") as out:
+        for _ in range(-(-num_bytes // len(block))):
+            out.write(block)
+
+
+def parallel_read_s(
+    path: Path, buffer: memoryview, pool: concurrent.futures.Executor, num_threads: int
+) -> float:
+    """Seconds for one plain read of `path` into `buffer` (as many bytes as it holds), in
+    `num_threads` contiguous shares on `pool`, 4 MiB a preadv (it lets the GIL go): what the
+    host reads from the page cache with no format, checks or pages."""
+    num_bytes = len(buffer)
+    shares = [
+        (i * num_bytes // num_threads, (i + 1) * num_bytes // num_threads)
+        for i in range(num_threads)
+    ]
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(share: tuple[int, int]) -> None:
+        start, end = share
+        while start < end:
+            got = os.preadv(fd, [buffer[start : min(end, start + (4 << 20))]], start)
+            if got <= 0:
+                raise OSError(f"short read of {path} at {start}")
+            start += got
+
+    try:
+        began = time.perf_counter()
+        list(pool.map(read, shares))
+        return time.perf_counter() - began
+    finally:
+        os.close(fd)
