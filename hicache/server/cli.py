@@ -30,6 +30,10 @@ def _namespace(text: str) -> NamespaceSpec:
     return NamespaceSpec(name, _size(quota) if sep else None)
 
 
+# The one line `hicache --help` shows for this subcommand.
+HELP = "run the cache-server daemon: an L3 that many engine instances share over gRPC"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     parser.add_argument("--host", default=d.host, help="listen address (default: %(default)s)")

@@ -66,6 +66,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# The one line `hicache --help` shows for this subcommand.
+HELP = "plan KV cache capacity: replay a trace through hicache's policies in virtual time"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = _HelpFormatter
     work = parser.add_argument_group("workload")

@@ -54,9 +54,7 @@ def test_a_daemon_that_is_down_misses_only_its_own_keys(start_daemon):
 
 
 @pytest.mark.parametrize("query, tuned", [("", False), ("&tune_malloc=true", True)])
-def test_first_use_sets_the_malloc_policy_only_when_asked(
-    start_daemon, monkeypatch, query, tuned
-):
+def test_first_use_sets_the_malloc_policy_only_when_asked(start_daemon, monkeypatch, query, tuned):
     daemon = start_daemon("--capacity", "8MiB")
     calls = []
     monkeypatch.setattr(grpc_store, "tune_for_large_messages", lambda: calls.append(1))
