@@ -40,10 +40,11 @@ from engine_integration.engine.model.config import ModelConfig
 from engine_integration.engine.model.graphs import RowwiseGraphs
 from engine_integration.engine.model.paged_attention import DeviceStep
 from engine_integration.engine.model.rows import (
+    ALIGN_ROWS,
     RowLayout,
     Workspace,
     as_index,
-    check_gemm_invariance,
+    gemm_row_group,
 )
 from engine_integration.engine.model.weights import LayerWeights, ModelWeights
 from engine_integration.engine.model.window import LateWindow
@@ -175,9 +176,12 @@ class Model:
         # Dense batches on CUDA replay the row-wise halves of each layer as CUDA graphs.
         # Batch invariance rests on measured properties of the CPU's gemm (rows.py) and of its
         # attention kernel (attention.py): checked at the model's shapes, once per process.
-        self.bitwise_invariant = block_rows is not None and check_gemm_invariance(
-            _projection_shapes(config), self.dtype
-        )
+        row_group = None
+        if block_rows is not None:
+            row_group = gemm_row_group(_projection_shapes(config), self.dtype, block_rows)
+        # Rows are laid out in groups of the measured G (rows.py), or of the default.
+        self.align_rows = row_group or ALIGN_ROWS
+        self.bitwise_invariant = row_group is not None
         if self.bitwise_invariant and self.device.type == "cpu":
             self.bitwise_invariant = check_tile_invariance(
                 config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
@@ -492,7 +496,7 @@ class Model:
         runs = [(seq.end - 1, seq.end) for seq in seqs if seq.want_logits]
         if not runs:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        layout = RowLayout.build(runs, self.block_rows, self.device)
+        layout = RowLayout.build(runs, self.block_rows, self.device, align_rows=self.align_rows)
         normed = self._norm(layout, layout.pack(last), self.weights.final_norm)
         return layout.unpack(layout.linear(normed, self.weights.lm_head)).float()
 
@@ -501,7 +505,11 @@ class Model:
     def _layout(self, runs) -> RowLayout:
         """The rows of a layer stack (the MLP's activation is the elementwise op)."""
         return RowLayout.build(
-            runs, self.block_rows, self.device, pointwise_width=self.config.intermediate_size
+            runs,
+            self.block_rows,
+            self.device,
+            pointwise_width=self.config.intermediate_size,
+            align_rows=self.align_rows,
         )
 
     def _project(self, weights: LayerWeights, x, layout: RowLayout, rope):

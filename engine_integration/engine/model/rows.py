@@ -6,27 +6,29 @@ from the same page computed in another batch, and a hit would not equal a cold p
 Two things can break that:
 
 - a matmul's result for one row can depend on how many rows are multiplied with it. MKL's
-  sgemm (torch's CPU BLAS) gives a row the same bits for any row count that is a multiple of
-  4, at any offset and at 1 or 2 threads (measured for every multiple of 16 up to 8,192
-  rows, and every multiple of 4 up to 1,300 at SmolLM2's projection shapes), whether the
-  rows are contiguous or a strided view (the MLP's activation is computed in place in the
-  gate half of the gate/up output); a call of 1 to 3 rows (or 5-7, 9-11 at 2 threads)
-  gives some rows other bits.
-  `tests/engine_integration/test_rows.py` checks this on the machine it runs on;
+  sgemm (torch's CPU BLAS) gives a row the same bits in any call whose row count is a
+  multiple of some small group G, at any offset, whether the rows are contiguous or a
+  strided view (the MLP's activation is computed in place in the gate half of the gate/up
+  output); calls of fewer rows give some rows other bits. G depends on the CPU and the
+  shape (MKL picks its kernels by both): 4 on some AVX-512 machines, 16 on others. So G is
+  measured, not assumed: `gemm_row_group` finds the smallest G of `ROW_GROUPS` that holds at
+  every projection shape of the model, once per process, and the model lays its rows out in
+  groups of G. `tests/engine_integration/engine/test_rows.py` checks the premise on the
+  machine it runs on;
 - a vectorised elementwise op computes the elements of its scalar tail (past the last full
   vector of a thread's share) with another formula, e.g. `silu` through `std::exp`, so an
   element's bits depend on where the tensor's tails fall.
 
-So in invariant mode a request's run of consecutive positions fills whole groups of 4 rows
-aligned to absolute positions (group k holds positions [4k, 4k + 4): a prompt of a multiple
-of 4 tokens needs no padding at all), padding rows hold zeros, and the packed tensor always
-has a multiple of 4 rows. A projection is one gemm over all packed rows (`linear`).
+So in invariant mode a request's run of consecutive positions fills whole groups of G rows
+aligned to absolute positions (group k holds positions [Gk, Gk + G): a prompt of a multiple
+of G tokens needs no padding at all), padding rows hold zeros, and the packed tensor always
+has a multiple of G rows. A projection is one gemm over all packed rows (`linear`).
 Row-wise work made of exactly rounded operations (norms, RoPE, residuals) runs once over the
 whole tensor (`rowwise`); an elementwise op with a transcendental function runs once where
 no thread's share of the tensor ends in a scalar tail (`pointwise`); where it would, the
 runs fill whole blocks of `block_rows` rows instead (block k holds positions [k*B, k*B + B))
 and the op runs block by block, so that a row always falls at the same place of its call.
-Single tokens (decode steps) need no block: they go one after another in runs of 4 rows.
+Single tokens (decode steps) need no block: they go one after another in runs of G rows.
 Without invariance (CUDA), the rows are simply packed densely as one block.
 """
 
@@ -41,6 +43,13 @@ import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
+
+
+# The row groups tried, smallest first (each divides the next, and the block sizes).
+ROW_GROUPS = (4, 8, 16)
+# A run of positions fills whole groups of G rows, the gemm's smallest row count that gives a
+# row its bits in any larger call (`gemm_row_group`); this G where none was measured.
+ALIGN_ROWS = 4
 
 
 @dataclass
@@ -63,9 +72,10 @@ class RowLayout:
         device,
         *,
         pointwise_width: int | None = None,
+        align_rows: int = ALIGN_ROWS,
     ) -> RowLayout:
         """Lay out `runs` (position ranges [start, end), one per request, in row order).
-        A run of several positions fills the groups of ALIGN_ROWS positions it touches
+        A run of several positions fills the groups of `align_rows` positions it touches
         where an elementwise op over `pointwise_width` columns (`pointwise`) then runs in one
         call with no scalar tail (or none is run), else the whole blocks it touches."""
         if block_rows is None:  # the real rows themselves: no index to pack by
@@ -77,11 +87,11 @@ class RowLayout:
                 max((end - 1 for start, end in runs if end > start), default=0),
                 padded=False,
             )
-        index, positions = _aligned_rows(runs, ALIGN_ROWS)
-        aligned = ALIGN_ROWS
+        index, positions = _aligned_rows(runs, align_rows)
+        aligned = align_rows
         width = pointwise_width
         if width is not None and not tail_free(len(positions) * width, width):
-            index, positions = _aligned_rows(runs, block_rows)
+            index, positions = _aligned_rows(runs, block_rows, align_rows)
             aligned = block_rows
         return cls(
             as_index(index, device),
@@ -188,16 +198,12 @@ class Workspace:
         return buffer[:rows]
 
 
-SINGLE_ROWS = 4  # single tokens (decode steps) go in runs of this many rows
-# A run of positions fills whole groups of this many: the gemm's smallest row count that
-# gives a row its bits in any larger call (and a row stays at its position modulo 4).
-ALIGN_ROWS = 4
-
-
-def _aligned_rows(runs: Sequence[tuple[int, int]], rows: int) -> tuple[list[int], list[int]]:
+def _aligned_rows(
+    runs: Sequence[tuple[int, int]], rows: int, single_rows: int | None = None
+) -> tuple[list[int], list[int]]:
     """(index, positions) of `runs` whose runs of several positions fill the groups of
     `rows` positions they touch (group k: positions [k * rows, k * rows + rows)); single
-    tokens after them (`_pack_singles`)."""
+    tokens after them, in runs of `single_rows` (default `rows`; `_pack_singles`)."""
     index: list[int] = []
     positions: list[int] = []
     singles: list[tuple[int, int]] = []  # (real row, position) of one-token runs
@@ -210,19 +216,21 @@ def _aligned_rows(runs: Sequence[tuple[int, int]], rows: int) -> tuple[list[int]
         base = len(positions) - first * rows
         index.extend(range(base + start, base + end))
         positions.extend(range(first * rows, -(-end // rows) * rows))
-    _pack_singles(singles, index, positions)
+    _pack_singles(singles, index, positions, single_rows or rows)
     return index, positions
 
 
-def _pack_singles(singles: list[tuple[int, int]], index: list[int], positions: list[int]) -> None:
-    """Single tokens one after another, padded to a multiple of SINGLE_ROWS rows: the
-    smallest row count whose gemm gives each row the bits it gets in any larger call (the
-    module docstring), so that a decode step costs 4 rows, not a block of 16."""
+def _pack_singles(
+    singles: list[tuple[int, int]], index: list[int], positions: list[int], group: int
+) -> None:
+    """Single tokens one after another, padded to a multiple of `group` rows: the smallest
+    row count whose gemm gives each row the bits it gets in any larger call (the module
+    docstring), so that a decode step costs G rows, not a whole block."""
     base = len(positions)
     for number, (real_row, position) in enumerate(singles):
         index[real_row] = base + number
         positions.append(position)
-    positions.extend([0] * (-len(singles) % SINGLE_ROWS))  # padding rows: any position
+    positions.extend([0] * (-len(singles) % group))  # padding rows: any position
 
 
 def run_positions(runs: Sequence[tuple[int, int]], device) -> torch.Tensor:
@@ -262,14 +270,21 @@ def tail_free(num_elements: int, row_elements: int | None = None) -> bool:
 
 
 @functools.cache
-def _gemm_rows_invariant(num_in: int, num_out: int, dtype: torch.dtype, threads: int) -> bool:
+def _gemm_rows_invariant(
+    num_in: int, num_out: int, dtype: torch.dtype, threads: int, group: int = ALIGN_ROWS
+) -> bool:
+    """Whether calls of several multiples of `group` rows, at several offsets, give each row
+    the bits one large call gives it, contiguous and strided."""
+    calls = ((1, 0), (1, 8), (3, 36), (5, 140), (16, 96), (25, 4))  # (multiple, offset)
+    num_rows = max(multiple * group + offset for multiple, offset in calls)
+    num_rows += -num_rows % group  # the large call is a multiple of the group too
     generator = torch.Generator().manual_seed(num_in * 31 + num_out)
     weight = torch.randn(num_out, num_in, generator=generator).to(dtype)
-    x = torch.randn(160, num_in, generator=generator).to(dtype)
+    x = torch.randn(num_rows, num_in, generator=generator).to(dtype)
     full = F.linear(x, weight)
     strided = torch.cat([x, x], dim=1)[:, :num_in]  # rows 2 * num_in apart (the MLP's gate)
-    for num_rows, offset in ((4, 0), (4, 8), (12, 36), (20, 140), (64, 96), (100, 4)):
-        rows = slice(offset, offset + num_rows)
+    for multiple, offset in calls:
+        rows = slice(offset, offset + multiple * group)
         if not torch.equal(F.linear(x[rows], weight), full[rows]):
             return False
         if not torch.equal(F.linear(strided[rows], weight), full[rows]):
@@ -277,19 +292,27 @@ def _gemm_rows_invariant(num_in: int, num_out: int, dtype: torch.dtype, threads:
     return True
 
 
-def check_gemm_invariance(shapes: Sequence[tuple[int, int]], dtype: torch.dtype) -> bool:
-    """Whether this CPU's gemm gives a row the same bits for any multiple-of-4 row count at
-    the given (in, out) projection shapes (the premise above), at the current thread count;
-    once per shape. When it does not, a cached page can differ from a cold prefill's in its
-    last bits: that is said once, loudly, rather than left for a hit to show."""
+def gemm_row_group(
+    shapes: Sequence[tuple[int, int]], dtype: torch.dtype, block_rows: int
+) -> int | None:
+    """The smallest group G of `ROW_GROUPS` (dividing `block_rows`) for which this CPU's gemm
+    gives a row the same bits in any call of a multiple of G rows, at every (in, out)
+    projection shape given, at the current thread count (the premise above); once per
+    shape and group. None where no group does: then a cached page can differ from a cold
+    prefill's in its last bits, and that is said once, loudly, rather than left for a hit
+    to show."""
     threads = torch.get_num_threads()
-    broken = [s for s in shapes if not _gemm_rows_invariant(*s, dtype, threads)]
-    if broken:
-        logger.warning(
-            "this CPU's matmul gives a row different bits in calls of different row counts "
-            "(projections %s, %d threads): cache hits will equal cold prefills only to "
-            "rounding, not bit for bit",
-            broken,
-            threads,
-        )
-    return not broken
+    for group in ROW_GROUPS:
+        if block_rows % group == 0 and all(
+            _gemm_rows_invariant(*shape, dtype, threads, group) for shape in shapes
+        ):
+            return group
+    logger.warning(
+        "this CPU's matmul gives a row different bits in calls of different row counts "
+        "(projections %s, %d threads, row groups up to %d): cache hits will equal cold "
+        "prefills only to rounding, not bit for bit",
+        list(shapes),
+        threads,
+        max(g for g in ROW_GROUPS if block_rows % g == 0),
+    )
+    return None
