@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from engine_integration.sglang_storage import HiCacheSGLangStorage  # noqa: E402
 from storage_backends import BackendConfigError, BackendUnavailableError  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
-from tests.support.deadline import WITHIN_S, within_deadline
+from tests.support.deadline import WITHIN_S, within_deadline  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
 from tests.support.sglang_pools import HostPool  # noqa: E402
 
