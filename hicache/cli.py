@@ -22,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "simulate": (
         "hicache.simulate.cli",
-        "plan KV cache capacity: replay a trace through hicache's policies in virtual time",
+        "plan KV cache capacity: play a trace through hicache's policies in virtual time",
     ),
     "serve": (
         "hicache.server.cli",

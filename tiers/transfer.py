@@ -143,7 +143,7 @@ class TransferEngine:
             if self.on_cuda and host_pool.pinned:
                 # Loads of large chunks run at the link's rate on the copy engines, and leave
                 # the SMs to the forward pass they overlap; backups stay on the kernels, which
-                # beat the engines device-to-host (bench_copy_engine.py: 91 % against 87 %).
+                # beat the engines device-to-host (bench_copy_engine.py; docs/performance.md).
                 large = device_pool.layout.bytes_per_page_per_layer >= MIN_CHUNK_BYTES
                 self.backup_kernel = "triton"
                 self.load_kernel = "copy_engine" if large and self._copier else "triton"

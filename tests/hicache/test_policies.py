@@ -115,7 +115,7 @@ def test_timeout_returns_what_arrived_within_the_budget(cache_factory, slow_l3):
         prefetch_timeout_per_1k_tokens_s=0.0,
     )
     # (the budget itself, 0.3 s, is held to on the simulator's virtual clock:
-    # tests/hicache/simulate/test_replay.py::test_a_timeout_prefetch_is_cut_short_on_a_slow_l3)
+    # tests/hicache/simulate/test_player.py::test_a_timeout_prefetch_is_cut_short_on_a_slow_l3)
     match = within_deadline(cache.match, tokens, NS)
     assert 0 < match.num_l3_pages < 40  # a chunk or two, not all five
     assert match.num_l3_pages % 8 == 0
