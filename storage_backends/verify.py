@@ -208,9 +208,9 @@ def decode_objects_into(
     """`decode_object_into` for a batch: one None (verified and copied) or reason per object.
 
     Objects held as one buffer each (the common reply of a network backend, what memory://
-    holds) are checked and copied by the C extension in one call (`check_copy`, the same
-    check as `check_object`'s) on up to `threads` threads; objects in parts, intact lz4 ones
-    and, with a `mac_key`, all of them (the C check knows no MAC) go through
+    holds) are checked and copied in one call (`checks.check_copy`, the same check as
+    `check_object`'s: with the C extension, on up to `threads` threads); objects in parts,
+    intact lz4 ones and, with a `mac_key`, all of them (that check knows no MAC) go through
     `decode_object_into`. Either way a destination is written only once its object checked
     out.
     """
