@@ -49,7 +49,7 @@ import xxhash  # noqa: E402
 
 from benchmarks.common import device_name, emit  # noqa: E402
 from storage_backends import open_backend  # noqa: E402
-from storage_backends.native import pageio  # noqa: E402
+from storage_backends.native import checks  # noqa: E402
 from storage_backends.objects import header_size  # noqa: E402
 
 LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"  # an opaque label here
@@ -262,7 +262,7 @@ def per_file_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
 
 def bare_pack_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
     """A file per batch read as the file backend reads a pack (one preadv of headers and pages
-    per 512 KiB, the C extension's xxh3 over every page, one thread) with bare os calls and
+    per 512 KiB, hicache's xxh3 (native.checks) over every page, one thread) with bare os calls and
     nothing else: the floor of a verified read through packs on this machine (context, not a
     ceiling)."""
     header = bytes(header_size(LAYOUT))
@@ -285,7 +285,7 @@ def bare_pack_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
                 pages = range(start, min(start + per_stretch, len(work.into)))
                 os.preadv(fd, [x for i in pages for x in (heads[i], work.into[i])], start * record)
                 for i in pages:
-                    pageio.xxh3_64(heads[i], work.into[i])  # the page checksum hicache uses
+                    checks.xxh3_64(heads[i], work.into[i])  # the page checksum hicache uses
             os.close(fd)
 
     return put, get

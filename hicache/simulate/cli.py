@@ -36,8 +36,8 @@ from hicache.simulate.hardware import PRESETS as HARDWARE_PRESETS
 from hicache.simulate.hardware import load_hardware
 from hicache.simulate.models import PRESETS as MODEL_PRESETS
 from hicache.simulate.models import canonical_dtype, load_model
+from hicache.simulate.player import TracePlayer
 from hicache.simulate.progress import ProgressBar
-from hicache.simulate.replay import Replay
 from hicache.simulate.report import (
     best_sweep_point,
     format_header,
@@ -67,7 +67,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # The one line `hicache --help` shows for this subcommand.
-HELP = "plan KV cache capacity: replay a trace through hicache's policies in virtual time"
+HELP = "plan KV cache capacity: play a trace through hicache's policies in virtual time"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Mooncake JSONL trace, or 'conversations[:sessions=N,turns=T,seed=S,...]' "
         "for the built-in conversation generator",
     )
-    work.add_argument("--limit", type=int, help="replay only the first N requests")
+    work.add_argument("--limit", type=int, help="play only the first N requests")
     work.add_argument(
         "--page-size",
         type=int,
@@ -299,7 +299,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--sweep at most twice (one or two capacities)")
     sweep_configs = grid(config, axes) if axes else []
     bar = ProgressBar("simulate", enabled=args.progress)
-    base = Replay(config, trace, progress=None if sweep_configs else bar).run()
+    base = TracePlayer(config, trace, progress=None if sweep_configs else bar).run()
     probes = {} if args.no_verdict else plan_probes(config, trace)
     probe_names = [name for name, probe in probes.items() if probe.config is not None]
     extra = sweep_configs + [probes[name].config for name in probe_names]

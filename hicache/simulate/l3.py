@@ -5,7 +5,7 @@ used pages (by bytes; every page of one model has the same size, so by pages) an
 makes a page recent; an existence check does not. Unlike it, it keeps no bytes, and a page
 becomes visible only when its write completes.
 
-Serving instances share one store but each has a clock of its own. The replay hands
+Serving instances share one store but each has a clock of its own. The player hands
 instances their events in timestamp order, so writes are applied lazily, in completion
 order, when someone looks at a time at or after their completion; each key also keeps the
 time it became visible, so an instance whose clock is a little behind still does not see a

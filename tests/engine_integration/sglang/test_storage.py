@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from engine_integration.sglang.storage import HiCacheSGLangStorage  # noqa: E402
 from storage_backends import BackendConfigError, BackendUnavailableError  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.deadline import WITHIN_S, within_deadline  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
 from tests.support.sglang_pools import HostPool  # noqa: E402
 
@@ -330,12 +331,6 @@ def test_a_damaged_or_foreign_page_is_a_miss(how, store_kind, file_url, request)
 # -- a slow or dead store --------------------------------------------------------------------
 
 
-def _timed(call: Callable[[], object]) -> tuple[object, float]:
-    start = time.monotonic()
-    result = call()
-    return result, time.monotonic() - start
-
-
 def test_a_stalled_then_killed_redis_gives_misses_within_the_timeout(tmp_path):
     server = RedisProcess(tmp_path / "redis", free_port()).start()
     try:
@@ -346,17 +341,15 @@ def test_a_stalled_then_killed_redis_gives_misses_within_the_timeout(tmp_path):
         assert backend.batch_set_v1(keys, indices(0, 1, 2, 3)) == [True] * 4
         server.proc.send_signal(signal.SIGSTOP)  # alive, answering nothing: the worst case
         try:
-            found, elapsed = _timed(lambda: backend.batch_get_v1(keys, indices(4, 5, 6, 7)))
-            assert found == [False] * 4 and elapsed < 2.0
-            exists, elapsed = _timed(lambda: backend.batch_exists(keys))
-            assert exists == 0 and elapsed < 2.0
-            stored, elapsed = _timed(lambda: backend.batch_set_v1(keys_of(1), indices(0)))
-            assert stored == [False] and elapsed < 2.0
+            # (answering nothing, the server leaves only the calls' own timeouts to end them)
+            found = within_deadline(backend.batch_get_v1, keys, indices(4, 5, 6, 7))
+            assert found == [False] * 4
+            assert within_deadline(backend.batch_exists, keys) == 0
+            assert within_deadline(backend.batch_set_v1, keys_of(1), indices(0)) == [False]
         finally:
             server.proc.send_signal(signal.SIGCONT)
         server.kill()
-        found, elapsed = _timed(lambda: backend.batch_get_v1(keys, indices(4, 5, 6, 7)))
-        assert found == [False] * 4 and elapsed < 2.0
+        assert within_deadline(backend.batch_get_v1, keys, indices(4, 5, 6, 7)) == [False] * 4
         assert backend.backend_stats().num_timeouts >= 3
         backend.close()
     finally:
@@ -370,12 +363,12 @@ def test_a_daemon_killed_mid_batch_gives_misses_within_the_timeout():
         backend = attach(f"grpc://{server.address}?timeout=500ms", pool)
         keys = keys_of(*range(6))
         assert backend.batch_set_v1(keys, indices(*range(6))) == [True] * 6
-        outcomes: list[tuple[list[bool], float]] = []
+        outcomes: list[list[bool]] = []
         stop = threading.Event()
 
         def prefetch_io() -> None:  # SGLang's prefetch-I/O thread, reading on and on
             while not stop.is_set():
-                outcomes.append(_timed(lambda: backend.batch_get_v1(keys[:2], indices(6, 7))))
+                outcomes.append(backend.batch_get_v1(keys[:2], indices(6, 7)))
 
         reader = threading.Thread(target=prefetch_io)
         reader.start()
@@ -383,11 +376,10 @@ def test_a_daemon_killed_mid_batch_gives_misses_within_the_timeout():
         server.kill()
         time.sleep(1.5)
         stop.set()
-        reader.join(10)
-        assert not reader.is_alive()
-        assert outcomes[0][0] == [True, True]
-        assert outcomes[-1][0] == [False, False]
-        assert max(elapsed for _, elapsed in outcomes) < 2.0
+        reader.join(WITHIN_S)
+        assert not reader.is_alive()  # no call hung (each ends by its own timeout)
+        assert outcomes[0] == [True, True]
+        assert outcomes[-1] == [False, False]
         backend.close()
     finally:
         server.stop()

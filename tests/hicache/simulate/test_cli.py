@@ -166,13 +166,13 @@ def test_the_saved_figure_says_what_it_is_computed_from_and_adds_up(capsys):
 def test_a_saving_above_the_gpu_bill_is_explained(capsys):
     from hicache.cli import build_parser
     from hicache.simulate.cli import build_config
-    from hicache.simulate.replay import Replay
+    from hicache.simulate.player import TracePlayer
     from hicache.simulate.report import savings_basis
     from hicache.simulate.trace import load_trace
 
     trace = load_trace(SMALL)
     config = build_config(build_parser().parse_args(["simulate", "--l1", "5", "--l2", "20"]), trace)
-    result = Replay(config, trace).run()
+    result = TracePlayer(config, trace).run()
     assert "could not keep up" not in savings_basis(result, config)
     # The same saving over a span so short that uncached prefill needs more GPUs than exist.
     squeezed = dataclasses.replace(result, duration_s=result.duration_s / 1000)
