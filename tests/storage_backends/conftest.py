@@ -28,7 +28,13 @@ from urllib.parse import urlencode
 import pytest
 
 from tests.support.daemon import DaemonProcess
-from tests.support.servers import RedisProcess, free_port, require_binary
+from tests.support.servers import (
+    MooncakeHolder,
+    MooncakeMaster,
+    RedisProcess,
+    free_port,
+    require_binary,
+)
 
 LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=bfloat16"
 OTHER_LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=float16"
@@ -40,6 +46,7 @@ BACKENDS = {
     "redis_cluster": "redis_cluster_url",
     "grpc": "grpc_url",
     "grpc_two_servers": "grpc_two_servers_url",
+    "mooncake": "mooncake_url",
 }
 
 UrlFactory = Callable[..., str]
@@ -84,6 +91,33 @@ def redis_cluster_url(redis_cluster: list[RedisProcess]) -> UrlFactory:
     def make(**options: object) -> str:
         defaults = {"prefix": f"t{uuid.uuid4().hex[:12]}:", "timeout": "5s"}
         return _with_query(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", defaults, options)
+
+    return make
+
+
+# -- Mooncake Store ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A `mooncake_master` and one `mooncake_client` lending it 256 MiB, on loopback ports;
+    the backends under test lend nothing (segment=0), as an engine's client would."""
+    master = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
+    holder = None
+    try:
+        holder = MooncakeHolder(master, 256 << 20).start()
+        yield master
+    finally:
+        if holder is not None:
+            holder.stop()
+        master.stop()
+
+
+@pytest.fixture
+def mooncake_url(mooncake_store: MooncakeMaster) -> UrlFactory:
+    def make(**options: object) -> str:
+        defaults = {"prefix": f"t{uuid.uuid4().hex[:12]}:", "buffer": "16MiB", "timeout": "10s"}
+        return _with_query(f"mooncake://{mooncake_store.address}", defaults, options)
 
     return make
 
