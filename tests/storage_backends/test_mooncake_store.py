@@ -144,7 +144,7 @@ def test_batches_larger_than_the_buffer_move_in_rounds(mooncake_url, pages):
             assert await store.batch_get(keys, views) == [True] * 40
             assert bytes(pool) == b"".join(data)
             assert await store.batch_get_objects(keys[:3]) == [
-                encode_object(k, pages.LAYOUT, d) for k, d in zip(keys[:3], data[:3])
+                encode_object(k, pages.LAYOUT, d) for k, d in zip(keys[:3], data[:3], strict=True)
             ]
             # A page larger than a round cannot be staged: refused, not an error.
             assert await store.batch_put([pages.key(99)], [bytes(600 << 10)]) == [False]
