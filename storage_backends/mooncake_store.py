@@ -56,6 +56,7 @@ from .workers import WorkerPool
 
 _DEFAULT_PORT = 50051
 _PROTOCOLS = ("tcp", "rdma")
+_MIN_SEGMENT_BYTES = 16 << 20
 _SLACK_BYTES = MAC_BYTES + 64  # room past the expected object: a signed or longer one still fits
 _INSTALL = (
     "mooncake:// needs the Mooncake client: pip install mooncake-transfer-engine-non-cuda "
@@ -104,7 +105,10 @@ class MooncakeOptions(BackendOptions):
             raise BackendConfigError(f"protocol must be tcp or rdma, got {self.protocol!r}")
         if self.device and self.protocol != "rdma":
             raise BackendConfigError("device names RDMA devices: it needs protocol=rdma")
-        check_range("segment", self.segment_bytes, low=0)
+        if self.segment_bytes and self.segment_bytes < _MIN_SEGMENT_BYTES:
+            raise BackendConfigError(
+                f"segment must be 0 or at least 16MiB (Mooncake's least), got {self.segment_bytes}"
+            )
         check_range("buffer", self.buffer_bytes, low=1 << 20, high=1 << 40)
         check_range("replicas", self.replicas, low=1, high=64)
         check_range("soft_pin", self.soft_pin_s, low=0.0, high=365 * 86400.0)

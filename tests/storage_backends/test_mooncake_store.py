@@ -300,6 +300,7 @@ def test_a_hung_holder_costs_one_timeout_and_no_late_write(own_store, pages):
         ("mooncake://h:1?protocol=udp", "protocol must be tcp or rdma"),
         ("mooncake://h:1?device=mlx5_0", "device names RDMA devices"),
         ("mooncake://h:1?segment=4G", "segment: '4G' is not a size"),
+        ("mooncake://h:1?segment=1MiB", "segment must be 0 or at least 16MiB"),
         ("mooncake://h:1?buffer=1KiB", "buffer must be in"),
         ("mooncake://h:1?replicas=0", "replicas must be in"),
         ("mooncake://h:1?lease=10s", "unknown option 'lease'"),

@@ -207,7 +207,14 @@ class MooncakeHolder:
         log = open(self.master.workdir / f"{self.name}.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        self.master.wait_capacity(before + self.segment_bytes)
+        deadline = time.monotonic() + 30
+        while (
+            self.master.metric("master_total_capacity_bytes") or 0
+        ) < before + self.segment_bytes:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = self.master.workdir / f"{self.name}.log"
+                raise RuntimeError(f"mooncake_client did not lend its segment; see {log}")
+            time.sleep(0.05)
         return self
 
     def kill(self) -> None:
