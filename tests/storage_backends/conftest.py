@@ -29,7 +29,6 @@ import pytest
 
 from tests.support.daemon import DaemonProcess
 from tests.support.servers import (
-    MooncakeHolder,
     MooncakeMaster,
     RedisProcess,
     free_port,
@@ -95,22 +94,7 @@ def redis_cluster_url(redis_cluster: list[RedisProcess]) -> UrlFactory:
     return make
 
 
-# -- Mooncake Store ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
-    """A `mooncake_master` and one `mooncake_client` lending it 256 MiB, on loopback ports;
-    the backends under test lend nothing (segment=0), as an engine's client would."""
-    master = MooncakeMaster(tmp_path_factory.mktemp("mooncake")).start()
-    holder = None
-    try:
-        holder = MooncakeHolder(master, 256 << 20).start()
-        yield master
-    finally:
-        if holder is not None:
-            holder.stop()
-        master.stop()
+# -- Mooncake Store (the master and holder: `mooncake_store`, tests/conftest.py) --------------
 
 
 @pytest.fixture
