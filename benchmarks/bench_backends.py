@@ -407,6 +407,42 @@ def raw_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]
     return put, get, close
 
 
+async def mooncake_latency(url: str, address: str, work: Workload, num: int = 50) -> dict:
+    """Median seconds of a one-page `batch_get` through the backend and of the raw client's
+    `batch_get_into` of the same page: the per-request latency `hicache simulate` models."""
+    from mooncake.store import MooncakeDistributedStore
+
+    key, page, view = work.batches[0][0], work.pages[0], work.into[0]
+    backend = open_backend(url, layout=LAYOUT)
+    raw = MooncakeDistributedStore()
+    try:
+        await backend.connect()
+        assert await backend.batch_put([key], [page]) == [True]
+        if raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
+            raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
+        target = np.frombuffer(work.pool, dtype=np.uint8)
+        raw.register_buffer(target.ctypes.data, target.nbytes)
+        name = "latency:" + key.hex()
+        raw.batch_put_from([name], [np.frombuffer(page, np.uint8).ctypes.data], [len(page)])
+        ours, theirs = [], []
+        for _ in range(num):
+            started = time.perf_counter()
+            assert await backend.batch_get([key], [view]) == [True]
+            ours.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            assert raw.batch_get_into([name], [target.ctypes.data], [len(page)]) == [len(page)]
+            theirs.append(time.perf_counter() - started)
+        raw.batch_remove([name], True)
+        await backend.delete([key])
+    finally:
+        await backend.close()
+        raw.close()
+    return {
+        "one_page_get_us": _sig(statistics.median(ours) * 1e6),
+        "raw_one_page_get_us": _sig(statistics.median(theirs) * 1e6),
+    }
+
+
 def start_mooncake(workdir: Path, segment_bytes: int):
     """A master and one holder lending `segment_bytes`, on loopback (tests/support/servers)."""
     from tests.support.servers import MooncakeHolder, MooncakeMaster
@@ -484,12 +520,14 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
     await teardown()
     if name in ("redis", "mooncake"):
         await close_plain()
+    context = {}
+    if name == "mooncake":
+        context = await mooncake_latency(env["mooncake_url"](), env["mooncake"].address, work)
     med = {key: statistics.median(values) for key, values in rates.items()}
     for leftover in ("per-file", "aio", "bare-packs"):
         shutil.rmtree(env["dir"] / leftover, ignore_errors=True)
     for ceiling_file in env["dir"].glob("ceiling-*.bin"):
         ceiling_file.unlink()
-    context = {}
     for label in more_put_ceilings:
         context[f"{label}_ceiling_gbps"] = _sig(med[label])
         context[f"put_ratio_vs_{label}"] = _sig(_median_ratio(rates["put"], rates[label]))
