@@ -331,7 +331,9 @@ def test_the_client_is_imported_only_for_a_mooncake_url(monkeypatch):
     code = (
         "import sys, storage_backends; "
         "storage_backends.open_backend('memory://'); "
-        "assert 'mooncake' not in sys.modules, 'imported'"
+        "assert 'mooncake' not in sys.modules, 'imported'; "
+        "storage_backends.open_backend('mooncake://127.0.0.1:1'); "
+        "assert 'mooncake.store' in sys.modules and 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
     monkeypatch.setitem(sys.modules, "mooncake", None)  # as if not installed
