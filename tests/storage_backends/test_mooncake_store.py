@@ -340,3 +340,27 @@ def test_the_client_is_imported_only_for_a_mooncake_url(monkeypatch):
     with pytest.raises(BackendConfigError, match="pip install mooncake-transfer-engine") as info:
         open_backend("mooncake://127.0.0.1:1")
     assert "\n" not in str(info.value)
+
+
+def test_with_two_replicas_a_page_outlives_one_holder(own_store, pages):
+    """replicas=2 puts each page on both holders' segments; with one holder killed the pages
+    are still read (a transfer from the dead one fails over, or the master dropped it)."""
+    master, start_holder = own_store
+    first = start_holder(32 << 20)
+    start_holder(32 << 20)
+    keys = [pages.key(i, "replicas") for i in range(6)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+    url = f"mooncake://{master.address}?prefix=rep:&buffer=4MiB&replicas=2&timeout=10s"
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 6
+            described = store._client.batch_get_replica_desc(["rep:" + k.hex() for k in keys])
+            assert [len(described["rep:" + k.hex()]) for k in keys] == [2] * 6
+            first.kill()
+            master.wait_capacity(32 << 20, at_most=32 << 20)  # the dead segment is dropped
+            pool, views = pages.pool_views(6, PAGE_BYTES)
+            assert await store.batch_get(keys, views) == [True] * 6
+            assert b"".join(bytes(v) for v in views) == b"".join(data)
+
+    run(body())
