@@ -241,7 +241,10 @@ class MooncakeBackend(StorageBackend):
             total += slot
         if items:
             rounds.append(_Round(items, sizes))
-        results = await asyncio.gather(*(self._run_round(r, work) for r in rounds))
+        if len(rounds) == 1:  # the common case: no task per round
+            results = [await self._run_round(rounds[0], work)]
+        else:
+            results = await asyncio.gather(*(self._run_round(r, work) for r in rounds))
         for one, result in zip(rounds, results, strict=True):
             for i, outcome in zip(one.items, result, strict=True):
                 outcomes[i] = outcome
