@@ -35,10 +35,19 @@ def _can_bind(port: int) -> bool:
     return True
 
 
+_INSTALL_HINTS = {
+    "mooncake_master": "pip install mooncake-transfer-engine-non-cuda (and apt-get install "
+    "libibverbs1 libnuma1)",
+    "mooncake_client": "pip install mooncake-transfer-engine-non-cuda (and apt-get install "
+    "libibverbs1 libnuma1)",
+}
+
+
 def require_binary(binary: str) -> str:
     path = shutil.which(binary)
     if path is None:
-        pytest.fail(f"{binary} not found on PATH: install redis-server and redis-tools (apt-get)")
+        hint = _INSTALL_HINTS.get(binary, "install redis-server and redis-tools (apt-get)")
+        pytest.fail(f"{binary} not found on PATH: {hint}")
     return path
 
 
