@@ -39,7 +39,7 @@ STORE_PRESETS: dict[str, L3StorePreset] = {
         latency_s=486e-6 - (64 << 10) / 0.31e9,
         measured="python benchmarks/bench_backends.py --backends mooncake "
         "--page-sizes 65536,2097152: Mooncake Store over tcp on loopback (a master and a "
-        "mooncake_client holding the pages), a 2-core VM",
+        "mooncake_client holding the pages), a 2-core VM shared with other work (load ~10)",
     ),
 }
 
