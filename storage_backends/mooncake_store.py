@@ -497,6 +497,11 @@ def open_url(url: str, *, layout: str | None = None, name: str = "") -> Mooncake
     netloc, _, path = rest.partition("/")
     if path.strip("/"):
         raise BackendConfigError(f"{name}: a mooncake:// URL has no path, got /{path}")
+    if any(pair.partition("=")[0] == "lease" for pair in query.split("&")):
+        raise BackendConfigError(
+            f"{name}: lease is the master's: how long a read holds a page against eviction is "
+            "mooncake_master --default_kv_lease_ttl (soft_pin= keeps pages longer from here)"
+        )
     options = options_from_query(
         MooncakeOptions, query, url=name, master=_parse_master(name, netloc)
     )

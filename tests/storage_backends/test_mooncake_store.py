@@ -305,7 +305,8 @@ def test_a_hung_holder_costs_one_timeout_and_no_late_write(own_store, pages):
         ("mooncake://h:1?segment=1MiB", "segment must be 0 or at least 16MiB"),
         ("mooncake://h:1?buffer=1KiB", "buffer must be in"),
         ("mooncake://h:1?replicas=0", "replicas must be in"),
-        ("mooncake://h:1?lease=10s", "unknown option 'lease'"),
+        ("mooncake://h:1?lease=10s", "lease is the master's: .* --default_kv_lease_ttl"),
+        ("mooncake://h:1?leases=1", "unknown option 'leases'"),
     ],
 )
 def test_bad_urls_name_what_is_wrong(url, message):
