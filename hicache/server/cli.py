@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write evicted pages here and read them back on a miss; survives restarts",
     )  # fmt: skip
     parser.add_argument(
+        "--spill-url", default=d.spill_url,
+        help="or spill into a shared store, e.g. mooncake://10.0.0.5:50051 or "
+        "redis://host:6379/0 (each namespace under a prefix of its own; the store's "
+        "capacity is its own)",
+    )  # fmt: skip
+    parser.add_argument(
         "--spill-capacity", type=_size, default=d.spill_capacity_bytes,
         help="bytes the spill directory may hold (default: 64GiB)",
     )  # fmt: skip
@@ -144,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         capacity_bytes=args.capacity,
         spill_dir=args.spill_dir,
+        spill_url=args.spill_url,
         spill_capacity_bytes=args.spill_capacity,
         spill_mode=args.spill_mode,
         spill_fsync=args.spill_fsync,

@@ -21,6 +21,30 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class L3StorePreset:
+    """What one instance sees of a real L3 store, as `benchmarks/bench_backends.py` measured
+    it through hicache's backend (reads: the rate and the per-request latency of `batch_get`,
+    what a prefetch waits for)."""
+
+    bandwidth_bytes_per_s: float  # verified gets of 2 MiB pages, batches of 32
+    latency_s: float  # one one-page get
+    measured: str  # the command, and where it ran
+
+
+STORE_PRESETS: dict[str, L3StorePreset] = {
+    # get_gbps of the 2 MiB row; latency: the 64 KiB row's one_page_get_us less the time
+    # that page takes at that rate (the simulator adds bytes / bandwidth itself).
+    "mooncake-tcp": L3StorePreset(
+        bandwidth_bytes_per_s=0.31e9,
+        latency_s=486e-6 - (64 << 10) / 0.31e9,
+        measured="python benchmarks/bench_backends.py --backends mooncake "
+        "--page-sizes 65536,2097152: Mooncake Store over tcp on loopback (a master and a "
+        "mooncake_client holding the pages), a 2-core VM shared with other work (load ~10)",
+    ),
+}
+
+
+@dataclass(frozen=True)
 class L3Stats:
     """What the controller reads from an executor's `l3_stats()`, plus the store's counters."""
 

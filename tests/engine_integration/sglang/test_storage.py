@@ -112,14 +112,18 @@ def file_url(tmp_path: Path) -> Callable[[], str]:
     return lambda: f"file://{tmp_path / uuid.uuid4().hex[:8]}?capacity=64MiB"
 
 
-@pytest.fixture(params=["file", "redis", "grpc"])
+@pytest.fixture(params=["file", "redis", "grpc", "mooncake"])
 def make_url(request, tmp_path) -> Callable[[], str]:
-    """A fresh store of each kind: its own directory, Redis key prefix, or daemon namespace."""
+    """A fresh store of each kind: its own directory, Redis or Mooncake key prefix, or daemon
+    namespace."""
     if request.param == "file":
         return lambda: f"file://{tmp_path / uuid.uuid4().hex[:8]}?capacity=64MiB"
     if request.param == "redis":
         port = request.getfixturevalue("redis_server").port
         return lambda: f"redis://127.0.0.1:{port}/0?prefix={uuid.uuid4().hex[:8]}:"
+    if request.param == "mooncake":
+        address = request.getfixturevalue("mooncake_store").address
+        return lambda: f"mooncake://{address}?prefix={uuid.uuid4().hex[:8]}:&buffer=8MiB"
     address = request.getfixturevalue("daemon").address
     return lambda: f"grpc://{address}"
 

@@ -124,8 +124,12 @@ def test_the_load_leaves_vllm_own_prefix_hit_alone(vllm_engines):
         assert torch.equal(result.seen[layer][16:], written[layer][16:96])
 
 
-def test_a_restarted_engine_hits_the_pages_in_l3(vllm_engines, tmp_path):
+@pytest.mark.parametrize("store", ["file", "mooncake"])
+def test_a_restarted_engine_hits_the_pages_in_l3(vllm_engines, tmp_path, store, request):
     url = f"file://{tmp_path / 'l3'}?capacity=64MiB"
+    if store == "mooncake":  # the store's own processes hold the pages between the engines
+        address = request.getfixturevalue("mooncake_store").address
+        url = f"mooncake://{address}?prefix={tmp_path.name}:&buffer=8MiB"
     first = vllm_engines({"page_size": 16, "l3_url": url})
     prompt = random_prompt(4, 70, vocab=1000)
     written = compute_a(first, prompt)
