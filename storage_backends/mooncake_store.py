@@ -18,6 +18,10 @@ pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer st
 its call timed out writes only the arena (whose region is lent again only once the transfer is
 over), never the caller's pages.
 
+Backends of one process on one store share one Mooncake client (`SharedClients`: it costs
+about twenty threads and its own ports, and lends its segment once), each with its own
+prefix and arena.
+
 Mooncake keeps its capacity and evicts by itself: a page that vanished (evicted, or on a
 segment whose process died) is a miss; a put the store has no room for is a rejected put.
 Its client reconnects to a restarted master by itself (and re-mounts the segment it lends),
@@ -35,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +46,7 @@ import numpy as np
 from .base import _SHARE_BYTES, CPUS, Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .guard import CopyGuard
+from .mooncake_options import MooncakeOptions, options_from_url
 from .objects import (
     MAC_BYTES,
     MAX_PAYLOAD_BYTES,
@@ -51,14 +55,12 @@ from .objects import (
     frame_objects,
     header_size,
 )
-from .options import BackendOptions, check_range, options_from_query, redact_url, url_option
+from .options import redact_url
+from .shared_clients import SharedClients
 from .staging import StagingArena, aligned
 from .verify import decode_objects_into
 from .workers import WorkerPool
 
-_DEFAULT_PORT = 50051
-_PROTOCOLS = ("tcp", "rdma")
-_MIN_SEGMENT_BYTES = 16 << 20
 _SLACK_BYTES = MAC_BYTES + 64  # room past the expected object: a signed or longer one still fits
 _INSTALL = (
     "mooncake:// needs the Mooncake client: pip install mooncake-transfer-engine-non-cuda "
@@ -74,50 +76,6 @@ _RPC_FAIL = -900  # the master did not answer
 
 class MooncakeFault(ConnectionError):
     """A call failed as a whole (the master unreachable); the base counts it as a fault."""
-
-
-@dataclass(frozen=True)
-class MooncakeOptions(BackendOptions):
-    master: tuple[str, int] = ("127.0.0.1", _DEFAULT_PORT)
-    prefix: str = url_option("prefix", "str", "hicache:", doc="object name prefix: a namespace")
-    protocol: str = url_option("protocol", "str", "tcp", doc="tcp | rdma")
-    device: str = url_option("device", "str", "", doc="rdma devices, e.g. mlx5_0,mlx5_1; ''=all")
-    metadata: str = url_option(
-        "metadata", "str", "P2PHANDSHAKE", doc="P2PHANDSHAKE, or http://... / etcd://... service"
-    )
-    local_host: str = url_option(
-        "local_host", "str", "", doc="this host as peers reach it; '': the route to the master"
-    )
-    segment_bytes: int = url_option(
-        "segment", "size", 0, doc="memory this process lends to the store; 0: a client only"
-    )
-    buffer_bytes: int = url_option(
-        "buffer", "size", 256 << 20, doc="registered staging memory pages move through"
-    )
-    replicas: int = url_option("replicas", "int", 1, doc="copies of each page, on other segments")
-    soft_pin_s: float = url_option(
-        "soft_pin", "duration", 0.0, doc="pages are evicted after unpinned ones for this; 0: off"
-    )
-    io_threads: int = url_option("io_threads", "int", 4, doc="transfers in flight at once")
-    connect_timeout_s: float = url_option("connect_timeout", "duration", 2.0)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.protocol not in _PROTOCOLS:
-            raise BackendConfigError(f"protocol must be tcp or rdma, got {self.protocol!r}")
-        if self.device and self.protocol != "rdma":
-            raise BackendConfigError("device names RDMA devices: it needs protocol=rdma")
-        if self.segment_bytes and self.segment_bytes < _MIN_SEGMENT_BYTES:
-            raise BackendConfigError(
-                f"segment must be 0 or at least 16MiB (Mooncake's least), got {self.segment_bytes}"
-            )
-        check_range("buffer", self.buffer_bytes, low=1 << 20, high=1 << 40)
-        check_range("replicas", self.replicas, low=1, high=64)
-        check_range("soft_pin", self.soft_pin_s, low=0.0, high=365 * 86400.0)
-        check_range("io_threads", self.io_threads, low=1, high=64)
-        check_range("connect_timeout", self.connect_timeout_s, low=0.001)
-        if not self.master[0] or not 0 < self.master[1] < 65536:
-            raise BackendConfigError(f"the master must be host:port, got {self.master}")
 
 
 def _import_client() -> Any:
@@ -149,7 +107,8 @@ class MooncakeBackend(StorageBackend):
         super().__init__(options, layout, name=name)
         self.options: MooncakeOptions = options
         self._module = _import_client()
-        self._client: Any = None
+        self._client: Any = None  # shared with the process' other backends on this store
+        self._client_key: tuple = ()
         self._arena: StagingArena | None = None
         self._pool: WorkerPool | None = None
         self._round_bytes = options.buffer_bytes // 2  # two rounds move at once, at least
@@ -178,19 +137,27 @@ class MooncakeBackend(StorageBackend):
         await self._in_pool(lambda: self._setup(local))
 
     def _setup(self, local_host: str) -> None:
+        """Take the process' client for these settings (made on first use), and register
+        this backend's arena with it."""
         opts = self.options
-        store = self._module.MooncakeDistributedStore()
         master = f"{opts.master[0]}:{opts.master[1]}"
-        code = store.setup(
-            local_host, opts.metadata, opts.segment_bytes, 0, opts.protocol, opts.device, master
-        )
+        key = (master, opts.metadata, opts.protocol, opts.device, local_host, opts.segment_bytes)
+
+        def make() -> Any:
+            client = self._module.MooncakeDistributedStore()
+            code = client.setup(
+                local_host, opts.metadata, opts.segment_bytes, 0, opts.protocol, opts.device, master
+            )
+            if code != 0:
+                raise MooncakeFault(f"the client's setup with master {master} failed ({code})")
+            return client
+
+        client = _CLIENTS.acquire(key, make)
+        code = client.register_buffer(self._arena.address, self._arena.nbytes)
         if code != 0:
-            raise MooncakeFault(f"the client's setup with master {master} failed (code {code})")
-        code = store.register_buffer(self._arena.address, self._arena.nbytes)
-        if code != 0:
-            store.close()
+            _CLIENTS.release(key, _close_client)
             raise MooncakeFault(f"registering the {self._arena.nbytes}-byte buffer failed ({code})")
-        self._client = store
+        self._client, self._client_key = client, key
 
     async def _reconnect(self) -> None:
         """The client reconnects to the master by itself: keep it (opening a second client
@@ -201,17 +168,24 @@ class MooncakeBackend(StorageBackend):
 
     async def _close(self) -> None:
         """Let transfers under way finish (the base bounds this by `close_grace`), then
-        close the client: it gives back the segment it lent."""
-        pool, store = self._pool, self._client
+        unregister the arena and let go of the client (the last user closes it, and it gives
+        back the segment it lent)."""
+        pool, client = self._pool, self._client
         self._pool = self._client = None
         if pool is None:
             return
         pool.shutdown(wait=False)
         await asyncio.wrap_future(pool.stopped())
-        if store is not None:
+        if client is not None:
+            address, key = self._arena.address, self._client_key
+
+            def let_go() -> None:
+                client.unregister_buffer(address)
+                _CLIENTS.release(key, _close_client)
+
             closer = WorkerPool(1, thread_name_prefix="hicache-mooncake-close")
             try:
-                await asyncio.wrap_future(closer.submit(store.close))
+                await asyncio.wrap_future(closer.submit(let_go))
             finally:
                 closer.shutdown(wait=False)
 
@@ -448,6 +422,12 @@ class MooncakeBackend(StorageBackend):
 
 # -- helpers ---------------------------------------------------------------------------------
 
+_CLIENTS = SharedClients()  # one Mooncake client per master and settings, in this process
+
+
+def _close_client(client: Any) -> None:
+    client.close()
+
 
 def _slots(sizes: list[int]) -> list[int]:
     return [aligned(size) for size in sizes]
@@ -473,36 +453,7 @@ def _route_to(host: str, port: int) -> str:
 # -- URLs ------------------------------------------------------------------------------------
 
 
-def _parse_master(url: str, netloc: str) -> tuple[str, int]:
-    if "@" in netloc or "," in netloc:
-        raise BackendConfigError(f"{url}: the master is one host:port (no user, no list)")
-    if netloc.startswith("["):  # [::1]:50051
-        host, _, port = netloc[1:].partition("]")
-        port = port.lstrip(":")
-    else:
-        host, _, port = netloc.rpartition(":") if ":" in netloc else (netloc, "", "")
-    if not host:
-        raise BackendConfigError(f"{url}: the master's host is missing (mooncake://HOST:PORT)")
-    try:
-        return host, int(port) if port else _DEFAULT_PORT
-    except ValueError:
-        raise BackendConfigError(f"{url}: bad port in {netloc!r}") from None
-
-
 def open_url(url: str, *, layout: str | None = None, name: str = "") -> MooncakeBackend:
     """`mooncake://MASTER_HOST:PORT?protocol=tcp&segment=0&buffer=256MiB&replicas=1&...`"""
     name = name or redact_url(url)
-    rest = url.split("://", 1)[1]
-    rest, _, query = rest.partition("?")
-    netloc, _, path = rest.partition("/")
-    if path.strip("/"):
-        raise BackendConfigError(f"{name}: a mooncake:// URL has no path, got /{path}")
-    if any(pair.partition("=")[0] == "lease" for pair in query.split("&")):
-        raise BackendConfigError(
-            f"{name}: lease is the master's: how long a read holds a page against eviction is "
-            "mooncake_master --default_kv_lease_ttl (soft_pin= keeps pages longer from here)"
-        )
-    options = options_from_query(
-        MooncakeOptions, query, url=name, master=_parse_master(name, netloc)
-    )
-    return MooncakeBackend(options, layout, name=name)
+    return MooncakeBackend(options_from_url(url, name), layout, name=name)

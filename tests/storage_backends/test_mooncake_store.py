@@ -367,3 +367,32 @@ def test_with_two_replicas_a_page_outlives_one_holder(own_store, pages):
             assert b"".join(bytes(v) for v in views) == b"".join(data)
 
     run(body())
+
+
+def test_backends_on_one_store_share_one_client_and_keep_their_prefixes(mooncake_url, pages):
+    """A process' backends on one store share one Mooncake client (its threads, ports and
+    segment), each with its own prefix and buffer; the last one closed closes it."""
+    from storage_backends.mooncake_store import _CLIENTS
+
+    key = pages.key(1, "shared")
+    before = _CLIENTS.num_clients()
+
+    async def body():
+        first = open_backend(mooncake_url(), layout=pages.LAYOUT)
+        second = open_backend(mooncake_url(), layout=pages.LAYOUT)
+        async with first, second:
+            assert await first.batch_put([key], [b"1" * PAGE_BYTES]) == [True]
+            assert await second.batch_exists([key]) == 0  # another prefix
+            assert await second.batch_put([key], [b"2" * PAGE_BYTES]) == [True]
+            assert first._client is second._client
+            assert _CLIENTS.num_clients() == before + 1
+            pool, views = pages.pool_views(2, PAGE_BYTES)
+            assert await first.batch_get([key], views[:1]) == [True]
+            assert await second.batch_get([key], views[1:]) == [True]
+            assert bytes(pool) == b"1" * PAGE_BYTES + b"2" * PAGE_BYTES
+            await first.close()
+            assert _CLIENTS.num_clients() == before + 1  # still used by the second
+            assert await second.batch_get([key], views[1:]) == [True]
+        assert _CLIENTS.num_clients() == before
+
+    run(body())
