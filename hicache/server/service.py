@@ -46,6 +46,7 @@ from storage_backends.stats import RateLimitedWarnings
 from .auth import ANYONE, Refused, Tenant, TokenCheck
 from .config import ServerConfig
 from .errors import RequestError
+from .memory import MemoryReturn, clear_frames
 from .metrics import ServerMetrics, snapshot
 from .store import NamespaceStore, PutOutcome, Store
 from .streams import PutPages, StreamLimits
@@ -89,6 +90,8 @@ class KVStoreService:
         self.auth = auth
         self.started_at = started_at
         self._warnings = RateLimitedWarnings("hicache serve", 30.0)
+        self.memory = MemoryReturn()
+        self.calls_by_tenant: dict[Tenant, int] = {}
 
     def handler(self) -> grpc.GenericRpcHandler:
         unary = grpc.unary_unary_rpc_method_handler
@@ -153,7 +156,7 @@ class KVStoreService:
     async def batch_put(
         self, request_iterator: AsyncIterator[bytes], context, tenant: Tenant
     ) -> bytes:
-        with self.streams.stream(context.peer()):
+        with self.streams.stream(context.peer(), tenant):
             pages = PutPages(self.config)
             namespace: NamespaceStore | None = None
             charged = 0  # bytes of this stream charged to its namespace
@@ -302,17 +305,41 @@ class KVStoreService:
         metrics."""
         started, code = time.perf_counter(), Code.OK
         self.metrics.in_flight += 1
+        tenant = None
         try:
-            yield self._authorize(context)
+            tenant = self._admit(self._authorize(context))
+            yield tenant
         except RequestError as exc:
             code = exc.code
+            clear_frames(exc)  # the messages the call read go now, not at the next collection
             await context.abort(exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001 - one call fails, the server goes on
             code = Code.INTERNAL
-            await context.abort(Code.INTERNAL, self._internal(method, exc))
+            message = self._internal(method, exc)
+            clear_frames(exc)
+            await context.abort(Code.INTERNAL, message)
         finally:
+            if tenant is not None:
+                self.calls_by_tenant[tenant] -= 1
+                if not self.calls_by_tenant[tenant]:
+                    del self.calls_by_tenant[tenant]
             self.metrics.in_flight -= 1
             self.metrics.observe_call(method, code.name, time.perf_counter() - started)
+            self.memory.calls_ended(self.metrics.in_flight)
+
+    def _admit(self, tenant: Tenant) -> Tenant:
+        """Count a call against its tenant's share of the calls in flight (RequestError past
+        it): one tenant's calls never fill what the memory budget leaves the others."""
+        count = self.calls_by_tenant.get(tenant, 0)
+        if count >= self.config.calls_per_tenant:
+            raise RequestError(
+                Code.RESOURCE_EXHAUSTED,
+                f"this tenant has {count} calls in flight, its share of the "
+                f"{self.config.budget.num_calls} this server's --memory-limit allows; retry "
+                "later",
+            )
+        self.calls_by_tenant[tenant] = count + 1
+        return tenant
 
     def _authorize(self, context) -> Tenant:
         if self.auth is None:

@@ -3,7 +3,8 @@
 A stream's unfinished pages live in the daemon's memory until they are complete and stored,
 so they are bounded like everything else there:
 
-- at most `max_streams` BatchPut streams at once, and `max_streams_per_client` from one
+- at most `max_streams` BatchPut streams at once, `streams_per_tenant` of one tenant (its
+  share: a tenant at its limit never takes another's), and `max_streams_per_client` from one
   client connection (its gRPC peer address): one more is refused at once;
 - the bytes a stream holds (pieces of its page in progress, completed pages not stored yet)
   are charged to its namespace, as memory the namespace uses (`NamespaceStore.charge`): the
@@ -34,18 +35,28 @@ Code = grpc.StatusCode
 
 
 class StreamLimits:
-    """How many BatchPut streams are open, in all and per client."""
+    """How many BatchPut streams are open, in all, per tenant and per client."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.num_streams = 0
         self.by_client: Counter[str] = Counter()
+        self.by_tenant: Counter[object] = Counter()
         self.num_refused: Counter[str] = Counter()  # by limit: "streams", "client", "quota"...
 
     @contextlib.contextmanager
-    def stream(self, client: str) -> Iterator[None]:
-        """Hold one stream slot of `client` for the block; RequestError when none is left."""
+    def stream(self, client: str, tenant: object = None) -> Iterator[None]:
+        """Hold one stream slot of `client` (of `tenant`) for the block; RequestError when
+        none is left."""
         config = self.config
+        if self.by_tenant[tenant] >= config.streams_per_tenant:
+            self.num_refused["tenant"] += 1
+            raise RequestError(
+                Code.RESOURCE_EXHAUSTED,
+                f"this tenant has {self.by_tenant[tenant]} BatchPut streams open, its share "
+                f"of --max-streams {config.max_streams} among {config.num_tenants} tenants; "
+                "retry later",
+            )
         if self.num_streams >= config.max_streams:
             self.num_refused["streams"] += 1
             raise RequestError(
@@ -62,13 +73,19 @@ class StreamLimits:
             )
         self.num_streams += 1
         self.by_client[client] += 1
+        self.by_tenant[tenant] += 1
         try:
             yield
         finally:
             self.num_streams -= 1
-            self.by_client[client] -= 1
-            if not self.by_client[client]:
-                del self.by_client[client]
+            _decrement(self.by_client, client)
+            _decrement(self.by_tenant, tenant)
+
+
+def _decrement(counter: Counter, key: object) -> None:
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
 
 
 class PutPages:
