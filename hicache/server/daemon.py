@@ -35,7 +35,7 @@ from storage_backends.allocator import tune_for_large_messages
 from storage_backends.errors import StorageError
 from storage_backends.protocol import SERVICE
 
-from .auth import TokenCheck
+from .auth import TokenCheck, read_token_file
 from .config import MESSAGE_SLACK_BYTES, ServerConfig
 from .metrics import ServerCollector, ServerMetrics, start_metrics_server
 from .service import KVStoreService
@@ -108,15 +108,23 @@ class CacheServer:
 
     def _start_events(self) -> None:
         from hicache.events import EventPublisher, EventsConfig  # pyzmq, only when asked
-        from hicache.server.events import DaemonEvents
+        from hicache.server.events import DaemonEvents, channels
 
         config = self.config
+        tokens = [
+            (t.token, None if t.namespaces is None else frozenset(t.namespaces))
+            for t in config.tenants
+        ]
+        if config.auth_token_file is not None:
+            tokens.append((read_token_file(config.auth_token_file, "--auth-token-file"), None))
+        credentials, audiences = channels(tokens)
         self.events = EventPublisher(
-            EventsConfig(config.events_endpoint, config.events_replay_endpoint)
+            EventsConfig(config.events_endpoint, config.events_replay_endpoint),
+            credentials or None,
         )
-        events = DaemonEvents(self.events)
-        for namespace in self.store.namespaces.values():
-            namespace.publish_events(events)
+        for name, namespace in self.store.namespaces.items():
+            audience = [c for c, allowed in audiences if allowed is None or name in allowed]
+            namespace.publish_events(DaemonEvents(self.events, audience if tokens else ("",)))
 
     def _listen(self, server: grpc.aio.Server, address: str) -> int:
         config = self.config

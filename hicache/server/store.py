@@ -157,11 +157,13 @@ class NamespaceStore:
         return [_outcome(ok, "the spill did not take it", status="error") for ok in spilled]
 
     async def delete(self, keys: Sequence[bytes]) -> int:
+        # Events name only pages that were held: a delete of keys never stored publishes none.
+        held = [k for k in dict.fromkeys(keys) if await self.exists([k])] if self.events else []
         removed = await self.memory.delete(keys)
         if self.write_through:  # memory holds a subset of the spill
             removed = max(removed, await self.spill.delete(keys))
-        if self.events is not None and removed:
-            self.events.removed(list(keys))
+        if held:
+            self.events.removed(held)
         return removed
 
     async def flush(self) -> int:
