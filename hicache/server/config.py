@@ -32,6 +32,7 @@ RECEIVE_COPIES = 3
 MESSAGE_SLACK_BYTES = 4096  # gRPC's limit counts the whole message; ours counts pages
 OTHER_CALLS = 16  # calls other than BatchPut (gets, exists, deletes, stats) budgeted at once
 REFUSAL_CALLS = 4  # of the calls budgeted, kept for calls on their way to being refused
+MAX_WAIT_S = 86400.0  # any timeout: a day (past ~2**33 s the waits raise OverflowError)
 DEFAULT_STREAMS = 32  # --max-streams when neither it nor --memory-limit is given
 
 
@@ -159,13 +160,16 @@ class ServerConfig:
             f"--max-streams-per-client must be in [1, --max-streams {self.max_streams}], "
             f"got {self.max_streams_per_client}",
         )
-        _check(
-            self.stream_idle_timeout_s > 0,
-            f"--stream-idle-timeout must be > 0, got {self.stream_idle_timeout_s}",
-        )
-        _check(self.shutdown_grace_s >= 0, "--shutdown-grace must be >= 0")
-        _check(self.flush_timeout_s > 0, "--flush-timeout must be > 0")
-        _check(self.spill_timeout_s > 0, "spill_timeout_s must be > 0")
+        for flag, value, low in (
+            ("--stream-idle-timeout", self.stream_idle_timeout_s, "("),
+            ("--shutdown-grace", self.shutdown_grace_s, "["),
+            ("--flush-timeout", self.flush_timeout_s, "("),
+            ("spill_timeout_s", self.spill_timeout_s, "("),
+        ):
+            _check(
+                (0 < value if low == "(" else 0 <= value) and value <= MAX_WAIT_S,
+                f"{flag} must be in {low}0, {MAX_WAIT_S:g}] seconds, got {value}",
+            )
         for flag, endpoint in (
             ("--events-endpoint", self.events_endpoint),
             ("--events-replay-endpoint", self.events_replay_endpoint),
