@@ -54,6 +54,7 @@ from .streams import PutPages, StreamLimits
 logger = logging.getLogger(__name__)
 
 _GET_GROUP_KEYS = 32  # BatchGet reads this many keys, then streams them, then the next
+_SEND_MARGIN_S = 0.25  # of a call's deadline, kept for sending its answer
 _PUT_FLUSH_BYTES = 32 << 20  # BatchPut stores completed pages once this many are pending
 _PUT_STATUS = {
     "stored": pb.PUT_STATUS_STORED,
@@ -131,16 +132,18 @@ class KVStoreService:
                         f"{MIN_MESSAGE_BYTES}",
                     )
                 limit = min(limit, request.max_message_bytes)
-            async for message in self._get_messages(namespace, keys, limit):
+            deadline = _deadline(context)
+            async for message in self._get_messages(namespace, keys, limit, deadline):
                 yield message
 
     async def _get_messages(
-        self, namespace: NamespaceStore, keys: list[bytes], limit: int
+        self, namespace: NamespaceStore, keys: list[bytes], limit: int, deadline: float | None
     ) -> AsyncIterator[bytes]:
         counters = self.metrics.pages[namespace.name]
         for start in range(0, len(keys), _GET_GROUP_KEYS):
             group = keys[start : start + _GET_GROUP_KEYS]
-            blobs = await namespace.get(group)
+            left_s = None if deadline is None else deadline - time.monotonic()
+            blobs = await namespace.get(group, left_s)
             missing = [start + i for i, blob in enumerate(blobs) if blob is None]
             found = [(start + i, keys[start + i], (blob,)) for i, blob in enumerate(blobs) if blob]
             counters["hits"] += len(found)
@@ -384,6 +387,16 @@ class KVStoreService:
         logger.error("%s failed", method, exc_info=exc)
         self._warnings.warn(f"internal:{method}", f"{method}: {type(exc).__name__}: {exc}")
         return f"internal error in {method}: {type(exc).__name__}: {exc}"
+
+
+def _deadline(context) -> float | None:
+    """When the call's spill reads must be done (monotonic), so that its answer, misses
+    included, still reaches the client: its deadline less a margin for sending; None
+    without one."""
+    left_s = context.time_remaining()
+    if left_s is None or left_s > 1e9:
+        return None
+    return time.monotonic() + max(left_s - _SEND_MARGIN_S, left_s / 2)
 
 
 def _namespace_stats(ns) -> pb.NamespaceStats:
