@@ -188,8 +188,11 @@ class EventPublisher:
             self._zap = self._context.socket(zmq.REP)
             self._zap.setsockopt(zmq.LINGER, 0)
             self._zap.bind(_ZAP_ENDPOINT)
-        self._pub = self._context.socket(zmq.XPUB if self._credentials else zmq.PUB)
+        # An XPUB, so that subscriptions reach this thread: counted (`num_subscriptions`),
+        # and with credentials decided here (manual mode).
+        self._pub = self._context.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only a topic's first
         if self._credentials:
             self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
             self._secure(self._pub)
@@ -207,6 +210,7 @@ class EventPublisher:
         self._num_added = len(self._channels)
         self.num_events = 0  # events published so far
         self.num_refused = 0  # logins refused (wrong or missing secret)
+        self.num_subscriptions = 0  # subscriptions in force now (each one already filters)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hicache-events", daemon=True)
         self._thread.start()
@@ -257,7 +261,7 @@ class EventPublisher:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        for socket in (self._replay, self._zap, self._pub if self._credentials else None):
+        for socket in (self._replay, self._zap, self._pub):
             if socket is not None:
                 poller.register(socket, zmq.POLLIN)
         interval_ms = self.config.batch_interval_s * 1000
@@ -268,7 +272,7 @@ class EventPublisher:
                 self._stop.wait(self.config.batch_interval_s)
             if self._zap is not None and ready.get(self._zap):
                 self._answer_login()
-            if self._credentials and ready.get(self._pub):
+            if ready.get(self._pub):
                 self._subscribe()
             if self._replay is not None and ready.get(self._replay):
                 self._serve_replay()
@@ -299,15 +303,18 @@ class EventPublisher:
         return found
 
     def _subscribe(self) -> None:
-        """A peer (un)subscribes: whatever it asked, to its own channel's topic only."""
+        """A peer (un)subscribes. With credentials: whatever it asked, to its own channel's
+        topic only (none: nothing). Without, the socket has applied it already."""
         frame = self._pub.recv(copy=False)
         if not frame.bytes or frame.bytes[0] not in (0, 1):
             return
-        channel = self._channels.get(_user_id(frame))
-        if channel is None:
-            return
-        option = zmq.SUBSCRIBE if frame.bytes[0] == 1 else zmq.UNSUBSCRIBE
-        self._pub.setsockopt(option, channel.topic)
+        joining = frame.bytes[0] == 1
+        if self._credentials:
+            channel = self._channels.get(_user_id(frame))
+            if channel is None:
+                return
+            self._pub.setsockopt(zmq.SUBSCRIBE if joining else zmq.UNSUBSCRIBE, channel.topic)
+        self.num_subscriptions += 1 if joining else -1
 
     def _send_pending(self) -> None:
         limit = self.config.max_batch_events
