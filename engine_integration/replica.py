@@ -243,6 +243,10 @@ class Replica:
         )
 
     async def info(self, _request: web.Request) -> web.Response:
+        events_seq = None  # the last batch of events published, once all queued are sent
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.flush)
+            events_seq = self.publisher.next_seq - 1
         return web.json_response(
             {
                 "name": self.name,
@@ -252,6 +256,7 @@ class Replica:
                 "page_size": self.config.page_size,
                 "events_endpoint": self.publisher.endpoint if self.publisher else None,
                 "replay_endpoint": self.publisher.replay_endpoint if self.publisher else None,
+                "events_seq": events_seq,
                 "running": self.loop.num_running,
                 "started_s": self.started_s,
                 "pid": os.getpid(),

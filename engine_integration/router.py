@@ -73,6 +73,7 @@ class PageIndex:
 
     def __init__(self) -> None:
         self._tiers: dict[bytes, int] = {}
+        self.seq = -1  # the last batch applied
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -253,8 +254,9 @@ class EventFeed:
                     subscriber.endpoint,
                     subscriber.lost,
                 )
-            for _, batch in batches:
+            for seq, batch in batches:
                 index.apply(batch.events)
+                index.seq = seq
 
 
 class RouteServer:
@@ -395,6 +397,7 @@ class RouteServer:
                     "routed": r.num_routed,
                     "failed": r.num_failed,
                     "pages": r.index.num_pages(),
+                    "events_seq": r.index.seq,
                 }
                 for r in self.replicas
             ]

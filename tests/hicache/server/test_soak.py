@@ -126,8 +126,11 @@ def _soak(start_daemon, tmp_path, seconds: float, *, num_clients: int, kill_ever
     for i in range(num_clients):
         tenant, other = TENANTS[i % 3], TENANTS[(i + 1) % 3]
         token = tmp_path / f"token-{tenant}"
+        # (connect_timeout: a client's first call may come while the daemon restarts)
+        first_use = "connect_timeout=30s"
         url = f"{base}?namespace=ns-{tenant}&token_file={token}&timeout=3s&down_for=0.2"
-        foreign = f"{base}?namespace=ns-{other}&token_file={token}"
+        url += f"&{first_use}"
+        foreign = f"{base}?namespace=ns-{other}&token_file={token}&{first_use}"
         log = tmp_path / f"client{i}.log"
         argv = [str(seconds), str(log), tenant, f"space{i // 3}", foreign]
         clients.append((tenant, f"space{i // 3}", log, subprocess.Popen(
