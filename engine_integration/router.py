@@ -182,6 +182,7 @@ class RouterConfig:
     port: int = 8000
     l3_events: str | None = None  # the cache daemon's event endpoint (shared L3)
     l3_replay: str | None = None
+    l3_token_file: str | None = None  # the subscriber's token, for a daemon with tokens
     wait_s: float = 120.0  # how long to wait at start for the replicas to answer
 
     def __post_init__(self) -> None:
@@ -286,7 +287,18 @@ class RouteServer:
                 await asyncio.sleep(0.2)
         if self.config.l3_events:
             self.shared_l3 = PageIndex()
-            subscriber = EventSubscriber(self.config.l3_events, self.config.l3_replay)
+            secret = None
+            if self.config.l3_token_file is not None:
+                try:
+                    with open(self.config.l3_token_file) as f:
+                        secret = f.read().strip()
+                except OSError as error:
+                    raise ValueError(
+                        f"--l3-events-token-file {self.config.l3_token_file}: {error.strerror}"
+                    ) from None
+            subscriber = EventSubscriber(
+                self.config.l3_events, self.config.l3_replay, secret=secret
+            )
             self.feed.add(subscriber, self.shared_l3)
         self._probe_task = asyncio.get_running_loop().create_task(self._probe())
 
