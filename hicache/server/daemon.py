@@ -187,8 +187,8 @@ async def serve(config: ServerConfig) -> int:
     _on_signals(asyncio.get_running_loop(), stop, _shutdown_bound_s(config))
     where = f"{config.host}:{port}" + (" (TLS)" if config.tls_cert_file else "")
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"hicache serve: {config.budget.describe()}", flush=True)
     print(f"hicache serve: listening on {where}{metrics}", flush=True)
+    print(f"hicache serve: {config.budget.describe()}", flush=True)
     await stop.wait()
     logger.info("shutting down: finishing calls in flight, then flushing the spill")
     spilled = await server.stop()
