@@ -217,15 +217,9 @@ class ServerConfig:
 
     @property
     def calls_per_tenant(self) -> int:
-        """Calls one tenant may have in flight: its share of the budget's calls (less a few
-        kept for refusing calls), so that a tenant at its limit leaves the others theirs."""
+        """Calls one tenant is guaranteed in flight (`shares.FairShares` of the budget's
+        calls, less a few kept for refusing calls); it may borrow what others leave idle."""
         return max((self.budget.num_calls - REFUSAL_CALLS) // self.num_tenants, 1)
-
-    @property
-    def streams_per_tenant(self) -> int:
-        """BatchPut streams one tenant may hold: its share of --max-streams (and no more than
-        its calls)."""
-        return max(min(self.max_streams // self.num_tenants, self.calls_per_tenant), 1)
 
     @property
     def budget(self) -> MemoryBudget:

@@ -188,7 +188,8 @@ async def serve(config: ServerConfig) -> int:
     where = f"{config.host}:{port}" + (" (TLS)" if config.tls_cert_file else "")
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
     print(f"hicache serve: listening on {where}{metrics}", flush=True)
-    print(f"hicache serve: {config.budget.describe()}", flush=True)
+    shares = f" ({config.calls_per_tenant} per tenant)" if config.num_tenants > 1 else ""
+    print(f"hicache serve: {config.budget.describe()}{shares}", flush=True)
     await stop.wait()
     logger.info("shutting down: finishing calls in flight, then flushing the spill")
     spilled = await server.stop()

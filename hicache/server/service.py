@@ -44,10 +44,11 @@ from storage_backends.protocol import DEFAULT_NAMESPACE, MIN_MESSAGE_BYTES, SERV
 from storage_backends.stats import RateLimitedWarnings
 
 from .auth import ANYONE, Refused, Tenant, TokenCheck
-from .config import ServerConfig
+from .config import REFUSAL_CALLS, ServerConfig
 from .errors import RequestError
 from .memory import MemoryReturn, clear_frames
 from .metrics import ServerMetrics, snapshot
+from .shares import FairShares
 from .store import NamespaceStore, PutOutcome, Store
 from .streams import PutPages, StreamLimits
 
@@ -92,7 +93,8 @@ class KVStoreService:
         self.started_at = started_at
         self._warnings = RateLimitedWarnings("hicache serve", 30.0)
         self.memory = MemoryReturn()
-        self.calls_by_tenant: dict[Tenant, int] = {}
+        # Calls in flight, shared fairly among tenants (gRPC refuses past the total itself).
+        self.calls = FairShares(config.budget.num_calls - REFUSAL_CALLS, config.num_tenants)
 
     def handler(self) -> grpc.GenericRpcHandler:
         unary = grpc.unary_unary_rpc_method_handler
@@ -323,9 +325,7 @@ class KVStoreService:
             await context.abort(Code.INTERNAL, message)
         finally:
             if tenant is not None:
-                self.calls_by_tenant[tenant] -= 1
-                if not self.calls_by_tenant[tenant]:
-                    del self.calls_by_tenant[tenant]
+                self.calls.give_back(tenant)
             self.metrics.in_flight -= 1
             self.metrics.observe_call(method, code.name, time.perf_counter() - started)
             self.memory.calls_ended(self.metrics.in_flight)
@@ -333,15 +333,13 @@ class KVStoreService:
     def _admit(self, tenant: Tenant) -> Tenant:
         """Count a call against its tenant's share of the calls in flight (RequestError past
         it): one tenant's calls never fill what the memory budget leaves the others."""
-        count = self.calls_by_tenant.get(tenant, 0)
-        if count >= self.config.calls_per_tenant:
+        if not self.calls.may_take(tenant):
             raise RequestError(
                 Code.RESOURCE_EXHAUSTED,
-                f"this tenant has {count} calls in flight, its share of the "
-                f"{self.config.budget.num_calls} this server's --memory-limit allows; retry "
-                "later",
+                f"this tenant has {self.calls.in_use[tenant]} calls in flight, its share of "
+                f"the {self.calls.total} this server's --memory-limit allows; retry later",
             )
-        self.calls_by_tenant[tenant] = count + 1
+        self.calls.take(tenant)
         return tenant
 
     def _authorize(self, context) -> Tenant:

@@ -3,8 +3,8 @@
 A stream's unfinished pages live in the daemon's memory until they are complete and stored,
 so they are bounded like everything else there:
 
-- at most `max_streams` BatchPut streams at once, `streams_per_tenant` of one tenant (its
-  share: a tenant at its limit never takes another's), and `max_streams_per_client` from one
+- at most `max_streams` BatchPut streams at once, shared fairly among tenants (`shares`: a
+  tenant at its limit never takes another's share), and `max_streams_per_client` from one
   client connection (its gRPC peer address): one more is refused at once;
 - the bytes a stream holds (pieces of its page in progress, completed pages not stored yet)
   are charged to its namespace, as memory the namespace uses (`NamespaceStore.charge`): the
@@ -30,6 +30,7 @@ from storage_backends.pieces import Piece
 
 from .config import ServerConfig
 from .errors import RequestError
+from .shares import FairShares
 
 Code = grpc.StatusCode
 
@@ -41,7 +42,7 @@ class StreamLimits:
         self.config = config
         self.num_streams = 0
         self.by_client: Counter[str] = Counter()
-        self.by_tenant: Counter[object] = Counter()
+        self.by_tenant = FairShares(config.max_streams, config.num_tenants)
         self.num_refused: Counter[str] = Counter()  # by limit: "streams", "client", "quota"...
 
     @contextlib.contextmanager
@@ -49,13 +50,13 @@ class StreamLimits:
         """Hold one stream slot of `client` (of `tenant`) for the block; RequestError when
         none is left."""
         config = self.config
-        if self.by_tenant[tenant] >= config.streams_per_tenant:
+        if not self.by_tenant.may_take(tenant):
             self.num_refused["tenant"] += 1
             raise RequestError(
                 Code.RESOURCE_EXHAUSTED,
-                f"this tenant has {self.by_tenant[tenant]} BatchPut streams open, its share "
-                f"of --max-streams {config.max_streams} among {config.num_tenants} tenants; "
-                "retry later",
+                f"this tenant has {self.by_tenant.in_use[tenant]} BatchPut streams open, its "
+                f"share of --max-streams {config.max_streams} among {config.num_tenants} "
+                "tenants; retry later",
             )
         if self.num_streams >= config.max_streams:
             self.num_refused["streams"] += 1
@@ -73,13 +74,13 @@ class StreamLimits:
             )
         self.num_streams += 1
         self.by_client[client] += 1
-        self.by_tenant[tenant] += 1
+        self.by_tenant.take(tenant)
         try:
             yield
         finally:
             self.num_streams -= 1
             _decrement(self.by_client, client)
-            _decrement(self.by_tenant, tenant)
+            self.by_tenant.give_back(tenant)
 
 
 def _decrement(counter: Counter, key: object) -> None:
