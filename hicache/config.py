@@ -26,6 +26,12 @@ EVICTION_POLICIES = ("lru", "lfu", "priority")
 L3_FETCH_POLICIES = ("measured", "always")
 
 
+# The longest wait a setting may ask for. Far longer ones are mistakes, and past about 2**33 s
+# the waits themselves (threading, asyncio) raise OverflowError. A prefetch's budget is
+# base + per-1k x tokens/1000: even at this bound and 10**6 tokens, 3.6e6 s, in range.
+MAX_WAIT_S = 3600.0
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -113,8 +119,9 @@ class L3Config:
             f"L3Config.url must be a backend URL like file:///path, got {self.url!r}",
         )
         _require(
-            math.isfinite(self.exists_timeout_s) and self.exists_timeout_s > 0,
-            f"L3Config.exists_timeout_s must be finite and > 0, got {self.exists_timeout_s}",
+            0 < self.exists_timeout_s <= MAX_WAIT_S,
+            f"L3Config.exists_timeout_s must be in (0, {MAX_WAIT_S:g}] seconds, got "
+            f"{self.exists_timeout_s}",
         )
         _require(
             self.secret_file is None or (self.url is not None and bool(self.secret_file)),
@@ -184,9 +191,9 @@ class PolicyConfig:
         )
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s"):
             value = getattr(self, name)
-            _require(
-                math.isfinite(value) and value >= 0,  # (a budget of inf overflows the wait)
-                f"PolicyConfig.{name} must be finite and >= 0, got {value}",
+            _require(  # (a huge budget overflows the wait: a stated range, not just finite)
+                0 <= value <= MAX_WAIT_S,
+                f"PolicyConfig.{name} must be in [0, {MAX_WAIT_S:g}] seconds, got {value}",
             )
         _require(
             self.prefetch_min_pages >= 1,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
+from urllib.parse import unquote, urlsplit
 
 from .base import StorageBackend
 from .errors import BackendConfigError
@@ -65,7 +66,8 @@ def open_backend(url: str, *, layout: str | None = None) -> StorageBackend:
     """
     if not isinstance(url, str) or "://" not in url:
         raise BackendConfigError(f"not a backend URL: {url!r} (expected scheme://...)")
-    name = redact_url(url)
+    name = redact_url(_printable(url))
+    _check_url_text(url, name)
     scheme = url.split("://", 1)[0].lower()
     with _lock:
         factory = _factories.get(scheme)
@@ -76,4 +78,28 @@ def open_backend(url: str, *, layout: str | None = None) -> StorageBackend:
     if isinstance(factory, str):
         module_name, function_name = factory.split(":")
         factory = getattr(importlib.import_module(module_name), function_name)
-    return factory(url, layout=layout, name=name)
+    try:
+        return factory(url, layout=layout, name=name)
+    except BackendConfigError:
+        raise
+    except ValueError as exc:  # what the URL parser or a path check found: still the URL's
+        raise BackendConfigError(f"{name}: {exc}") from None
+
+
+def _printable(url: str) -> str:
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in url)
+
+
+def _check_url_text(url: str, name: str) -> None:
+    """A URL holds no control character, as written or percent-decoded (a NUL in a path
+    would only fail later, inside the OS call); its host part parses."""
+    for form, text in (("", url), ("percent-decoded ", unquote(url))):
+        bad = next((c for c in text if not c.isprintable()), None)
+        if bad is not None:
+            raise BackendConfigError(
+                f"{name}: the {form}URL holds a control character {ascii(bad)}"
+            )
+    try:
+        urlsplit(url)
+    except ValueError as exc:
+        raise BackendConfigError(f"{name}: {exc}") from None

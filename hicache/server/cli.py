@@ -103,12 +103,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens configured, a scrape needs one, and a tenant's token sees only its namespaces",
     )  # fmt: skip
     parser.add_argument(
-        "--max-streams", type=int, default=d.max_streams,
-        help="BatchPut streams at once, all clients (default: %(default)s)",
+        "--memory-limit", type=_size, default=None,
+        help="memory the daemon may use in all: --capacity, the process, and the calls in "
+        "flight (each up to 3 x --max-message-bytes); calls past it are refused "
+        "(default: --capacity + 192MiB + (--max-streams + 16) calls; printed at start)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-streams-per-client", type=int, default=d.max_streams_per_client,
-        help="BatchPut streams at once from one client connection (default: %(default)s)",
+        "--max-streams", type=int, default=None,
+        help="BatchPut streams at once, all clients; each tenant gets an equal share "
+        "(default: 32, or what --memory-limit leaves room for)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-streams-per-client", type=int, default=None,
+        help="BatchPut streams at once from one client connection (default: 8)",
     )  # fmt: skip
     parser.add_argument(
         "--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s,
@@ -159,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tenants=tenants,
         metrics_token_file=args.metrics_token_file,
         max_streams=args.max_streams,
+        memory_limit_bytes=args.memory_limit,
         max_streams_per_client=args.max_streams_per_client,
         stream_idle_timeout_s=args.stream_idle_timeout,
         insecure_any_host=args.insecure_any_host,

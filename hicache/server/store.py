@@ -30,6 +30,7 @@ checksummed again: those objects never left the process, and the client verifies
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -73,6 +74,7 @@ class NamespaceStore:
         self.memory = MemoryBackend(options, None, name=f"memory:{name}", spill=memory_spill)
         self.capacity_bytes = capacity_bytes
         self.in_flight_bytes = 0  # held by unfinished BatchPut streams (charged to the quota)
+        self.num_spill_timeouts = 0  # gets whose spill read missed the caller's deadline
         self.events = None  # hicache.server.events.DaemonEvents, when the daemon publishes
 
     def publish_events(self, events) -> None:
@@ -103,12 +105,28 @@ class NamespaceStore:
             count += await self.spill.batch_exists(keys[count:])
         return count
 
-    async def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get(
+        self, keys: Sequence[bytes], timeout_s: float | None = None
+    ) -> list[bytes | None]:
         """Verified objects (None: absent or refused). Memory first, then the spill.
 
         Objects in memory were verified on their way in (a put, or a read from the spill) and
         are not checksummed again: every client verifies every page it receives.
+
+        `timeout_s`: the caller's deadline (the gRPC call's time left). A spill that has not
+        answered by then (a hung mount) makes these keys misses, counted in
+        `num_spill_timeouts`; the reads stuck in it finish or fail on their own, and the
+        spill serves again as soon as the mount answers.
         """
+        if timeout_s is None or self.spill is None:
+            return await self._get(keys)
+        try:
+            return await asyncio.wait_for(self._get(keys), max(timeout_s, 0.0))
+        except asyncio.TimeoutError:
+            self.num_spill_timeouts += 1
+            return [None] * len(keys)
+
+    async def _get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         blobs = await self.memory.batch_get_objects(keys, verify=False)
         if not self.write_through:
             return blobs  # the memory store reads its own spill on a miss
@@ -161,11 +179,13 @@ class NamespaceStore:
         return [_outcome(ok, "the spill did not take it", status="error") for ok in spilled]
 
     async def delete(self, keys: Sequence[bytes]) -> int:
+        # Events name only pages that were held: a delete of keys never stored publishes none.
+        held = [k for k in dict.fromkeys(keys) if await self.exists([k])] if self.events else []
         removed = await self.memory.delete(keys)
         if self.write_through:  # memory holds a subset of the spill
             removed = max(removed, await self.spill.delete(keys))
-        if self.events is not None and removed:
-            self.events.removed(list(keys))
+        if held:
+            self.events.removed(held)
         return removed
 
     async def flush(self) -> int:

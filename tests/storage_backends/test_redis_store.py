@@ -233,3 +233,30 @@ def test_out_of_memory_is_a_rejected_put(start_redis, pages):
             assert stats.num_errors == 0
 
     run(body())
+
+
+HEADER_DAMAGE = {
+    "magic": lambda c, u, k: c.set(u(k), _flip(c.get(u(k)), 1)),
+    "cut to 10 bytes": lambda c, u, k: c.set(u(k), c.get(u(k))[:10]),
+    "stored length": lambda c, u, k: c.setrange(u(k), 32, b"\xff" * 8),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(HEADER_DAMAGE))
+def test_a_delete_removes_every_chunk_even_when_the_header_is_damaged(redis_target, pages, damage):
+    """(A page whose header lengths were damaged used to leave chunks 1-4 behind.)"""
+    make_url, client = redis_target
+    url = make_url(chunk_size="1KiB")
+    keys = [pages.key(0), pages.key(1)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True, True]
+            HEADER_DAMAGE[damage](client, lambda k, c=0: redis_key(url, k, c), keys[0])
+            assert await store.delete(keys) == 2
+        for key in keys:
+            left = [i for i in range(6) if client.exists(redis_key(url, key, i))]
+            assert left == [], f"chunks {left} of a deleted page are still there"
+
+    run(body())
