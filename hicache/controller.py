@@ -25,33 +25,14 @@ from hicache.errors import BackgroundTransferError, HiCacheError
 from hicache.fetch_plan import FetchRates, FetchRatesSnapshot, RunToFetch
 from hicache.match import CachedPrefix, Landed, Match
 from hicache.metrics import HiCacheStats, Metrics
-from hicache.mover import INDEX, PageMover, usable_prefix
+from hicache.mover import PageMover, usable_prefix
 from hicache.ops import Executor, LoadOp, PrefetchOp, RunStatus, filling_op, status_of
+from hicache.ownership import INDEX, REQUEST, NoPool, check_ownership
 from radix.keys import Namespace, encode_tokens
 from radix.node import Node, Tier
 from radix.tree import MatchResult, RadixTree
 from tiers.allocator import PageAllocator
 from tiers.errors import PageIdError, PoolExhaustedError
-
-# Owners of L1 / L2 page ids (besides an op in flight, `op_owner(op)`): every allocated
-# page is held by exactly one of these, and the pools record which (`PageAllocator`).
-REQUEST = "a request"  # allocated by alloc_device_pages, not inserted or freed yet
-
-
-class _NoPool:
-    """The L2 allocator of a cache configured without L2: it never has a page."""
-
-    num_pages = num_free = num_used = 0
-
-    def alloc(self, num_pages: int, owner: object = None) -> list[int]:
-        raise PoolExhaustedError("L2", num_pages, 0, 0)
-
-    def free(self, page_ids, owner: object = None) -> None:
-        if list(page_ids):
-            raise HiCacheError("freeing L2 pages in a cache without L2")
-
-    def check_invariants(self) -> None:
-        pass
 
 
 class HiCache:
@@ -71,7 +52,7 @@ class HiCache:
         self._host = (
             PageAllocator(executor.num_host_pages, name="L2")
             if executor.num_host_pages
-            else _NoPool()
+            else NoPool()
         )
         self._lock = threading.RLock()
         self._metrics = Metrics()
@@ -337,15 +318,7 @@ class HiCache:
             self._tree.check_invariants()
             self._device.check_invariants()
             self._host.check_invariants()
-            mapped: dict[Tier, list[int]] = {Tier.L1: [], Tier.L2: []}
-            for node in self._tree.nodes():
-                if node.device_page_ids is not None:
-                    mapped[Tier.L1].extend(node.device_page_ids)
-                if node.host_page_ids is not None:
-                    mapped[Tier.L2].extend(node.host_page_ids)
-            ops = self._mover.owners_in_flight()
-            for tier, pool in ((Tier.L1, self._device), (Tier.L2, self._host)):
-                _check_ownership(tier, pool, mapped[tier], ops)
+            check_ownership(self._tree, self._device, self._host, self._mover.owners_in_flight())
 
     # ------------------------------------------------------------------ match internals
 
@@ -561,31 +534,6 @@ def _request_tokens(tokens, namespace) -> bytes:
             f"namespace must be a radix.keys.Namespace (model, layout, tenant), got {namespace!r}"
         )
     return encode_tokens(tokens)
-
-
-def _check_ownership(tier: Tier, pool, mapped: list[int], ops: set[str]) -> None:
-    """Page by page: the index maps exactly the pages the index owns; ops own only while
-    in flight; everything else is a request's or free."""
-    if isinstance(pool, _NoPool):
-        if mapped:
-            raise HiCacheError(f"the index maps {len(mapped)} {tier.name} pages, and no L2")
-        return
-    owned = set(pool.owned_by(INDEX))
-    for page in mapped:
-        if pool.owner_of(page) != INDEX:
-            raise HiCacheError(
-                f"{tier.name} page {page} is mapped by the index but owned by "
-                f"{pool.owner_of(page) or 'nobody (free)'}"
-            )
-    unmapped = owned.difference(mapped)
-    if unmapped:
-        raise HiCacheError(
-            f"{tier.name} pages {sorted(unmapped)[:5]} are owned by the index, which maps none"
-        )
-    for page in range(pool.num_pages):
-        owner = pool.owner_of(page)
-        if owner not in (None, INDEX, REQUEST) and owner not in ops:
-            raise HiCacheError(f"{tier.name} page {page} is owned by {owner}, not in flight")
 
 
 __all__ = ["CachedPrefix", "HiCache", "Match", "PoolExhaustedError"]

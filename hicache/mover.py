@@ -54,18 +54,12 @@ from hicache.ops import (
     filling_op,
     status_of,
 )
+from hicache.ownership import INDEX, op_owner
 from radix.node import Node, Tier
 from radix.tree import RadixTree
 from tiers.allocator import PageAllocator
 
 logger = logging.getLogger(__name__)
-
-INDEX = "the index"  # the owner of the L1 / L2 pages the index maps
-
-
-def op_owner(op: TransferOp) -> str:
-    """The owner of pages an op holds that the index does not map yet."""
-    return f"{op.kind.value} op {op.op_id}"
 
 
 def usable_prefix(runs: list[Node]) -> list[Node]:
