@@ -90,7 +90,22 @@ class Loaded(NamedTuple):
 
 
 class PageMover:
-    """Fits runs into tiers, makes room, submits ops, applies completions (module doc)."""
+    """Fits runs into tiers, makes room, submits ops, applies completions (module doc).
+
+    The interface `HiCache` calls, always holding its lock:
+    - `load_into_l1(tail)`: the caller holds `tail` locked; the lock comes back moved to
+      the run ending what it can use now (`Loaded`), never released for it.
+    - `submit_prefetch(tail)`: fetch the L3-only runs ending the path to `tail` into L2;
+      the op holds the path until it completes.
+    - `backup(run)` / `backup_path(node)`: copy L1 runs to L2 (write policies).
+    - `make_room(tier, num_pages)`: evict, waiting for the write-backs it starts.
+    - `apply_completions()`: apply what the executor finished; never blocks.
+    - `drain()`, `flush(timeout_s)`: wait for every op / every write in flight.
+    - `take_error()`, `owners_in_flight()`, `trim_l3_index()`, `max_l3_pages`.
+    All but `take_error` and `owners_in_flight` may split runs and drop or move the pages
+    of runs nobody holds locked: a caller reads page ids off a locked node afterwards,
+    never off a list of runs taken before. The mover never calls back into `HiCache`.
+    """
 
     def __init__(
         self,
