@@ -183,7 +183,7 @@ class PageMover:
             parent = RadixTree.trailing(tail, Tier.L2)[0].parent
             return Loaded(self._move_lock(tail, parent if parent.num_pages else None), None, 0)
         num_pages = sum(run.num_pages for run in loaded)
-        from_l3 = sum(run.num_pages for run in loaded if run.meta is LANDED_FROM_L3)
+        from_l3 = sum(run.num_pages for run in loaded if status_of(run) is RunStatus.LANDED)
         device_ids = self._device.alloc(num_pages, INDEX)
         op = LoadOp(
             kind=OpKind.LOAD,
@@ -395,7 +395,7 @@ class PageMover:
             backed_up = self._write_back(victim)
         if not self._tree.can_clear(victim, Tier.L1):
             return None
-        if victim.meta is LOAD_FAILED:
+        if status_of(victim) is RunStatus.LOAD_FAILED:
             victim.meta = None
         freed = self._tree.clear_device(victim)
         if backed_up and self._config.l3.write_policy == "on_backup":

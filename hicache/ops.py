@@ -18,7 +18,6 @@ import abc
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import cast
 
 from radix.node import Node
 
@@ -117,19 +116,17 @@ LANDED_FROM_L3 = RunState(RunStatus.LANDED)
 LOAD_FAILED = RunState(RunStatus.LOAD_FAILED)
 
 
-def run_state(node: Node) -> RunState | None:
-    """The controller's state of a run (`Node.meta`, which the index keeps opaque)."""
-    return cast("RunState | None", node.meta)
+# The controller's reads of a run's state (`Node.meta`, which the index keeps opaque).
 
 
 def status_of(node: Node) -> RunStatus | None:
-    state = run_state(node)
+    state: RunState | None = node.meta  # type: ignore[assignment]
     return None if state is None else state.status
 
 
 def filling_op(node: Node) -> LoadOp | PrefetchOp | None:
     """The LOAD or PREFETCH filling the run now, if any."""
-    state = run_state(node)
+    state: RunState | None = node.meta  # type: ignore[assignment]
     return None if state is None else state.op
 
 
