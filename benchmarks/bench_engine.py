@@ -64,10 +64,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.common import device_name, emit, parallel_read_s, write_random_file  # noqa: E402
-from engine_integration.config import EngineConfig, ModelConfig, tiny_model_config  # noqa: E402
-from engine_integration.embedded import load_model, smollm2_path  # noqa: E402
-from engine_integration.engine import Engine, kv_layout_for  # noqa: E402
-from engine_integration.sampling import SamplingParams  # noqa: E402
+from engine_integration.engine.core import Engine, kv_layout_for  # noqa: E402
+from engine_integration.engine.embedded import load_model, smollm2_path  # noqa: E402
+from engine_integration.engine.model.config import EngineConfig, ModelConfig, tiny_model_config  # noqa: E402
+from engine_integration.engine.sampling import SamplingParams  # noqa: E402
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig  # noqa: E402
 from hicache.controller import HiCache  # noqa: E402
 from storage_backends import file_read  # noqa: E402

@@ -37,12 +37,12 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.common import device_name, emit  # noqa: E402
-from engine_integration.config import EngineConfig  # noqa: E402
-from engine_integration.embedded import load_model, smollm2_path  # noqa: E402
-from engine_integration.engine import Engine  # noqa: E402
-from engine_integration.sampling import SamplingParams  # noqa: E402
-from engine_integration.weights import to_hf_tensors  # noqa: E402
-from engine_integration.workload import SHARED_SYSTEM, TOPICS  # noqa: E402
+from engine_integration.engine.core import Engine  # noqa: E402
+from engine_integration.engine.embedded import load_model, smollm2_path  # noqa: E402
+from engine_integration.engine.model.config import EngineConfig  # noqa: E402
+from engine_integration.engine.model.weights import to_hf_tensors  # noqa: E402
+from engine_integration.engine.sampling import SamplingParams  # noqa: E402
+from engine_integration.serve.workload import SHARED_SYSTEM, TOPICS  # noqa: E402
 
 ONE_TOKEN = SamplingParams(max_new_tokens=1)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import device_name, emit  # noqa: E402
-from engine_integration.workload import OWN_SYSTEM, make_conversations  # noqa: E402
+from engine_integration.serve.workload import OWN_SYSTEM, make_conversations  # noqa: E402
 from tests.support.replicas import HttpProcess, get_json, replica, router  # noqa: E402
 
 POLICIES = ("round_robin", "least_load", "prefix")
@@ -71,7 +71,7 @@ def model_flags(name: str | None) -> list[str]:
     if name is None:
         return []
     if name == "smollm2":
-        from engine_integration.embedded import smollm2_path
+        from engine_integration.engine.embedded import smollm2_path
 
         path = smollm2_path()
         if path is None:

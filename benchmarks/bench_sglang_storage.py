@@ -1,7 +1,7 @@
 """Benchmark: SGLang's L3 through hicache's file:// against SGLang's own `file` backend.
 
 Claim (issue 19): on the same directory and the same host pool, `batch_get_v1` through
-hicache's SGLang backend (`engine_integration.sglang_storage`, URL file://) reads pages at
+hicache's SGLang backend (`engine_integration.sglang.storage`, URL file://) reads pages at
 >= 1.5x the rate of SGLang's built-in `HiCacheFile`, with every page verified by hicache's
 object checks (SGLang's backend checks nothing). Writes (`batch_set_v1`) are printed too.
 
@@ -118,7 +118,7 @@ class Sides:
         self.page_size = page_size
         hicache_extra = {
             "backend_name": "hicache",
-            "module_path": "engine_integration.sglang_storage",
+            "module_path": "engine_integration.sglang.storage",
             "class_name": "HiCacheSGLangStorage",
             "interface_v1": 1,
             "url": f"file://{root / 'hicache'}?capacity=64GiB&timeout=120s",

@@ -1,27 +1,23 @@
-"""engine_integration: users of hicache; here, the embedded decoding engine.
+"""engine_integration: the users of hicache, in four rooms.
 
-A small but real engine that gets prefix hits from L1, L2 and L3 through `hicache.HiCache`
-and rebuilds its sliding-window layers by encoder replay (DESIGN.md):
+    engine/     the embedded decoding engine: scheduler, requests, pages, encoder replay
+      model/    its forward pass and checkpoint loading (HF safetensors, GGUF, tokenizer)
+    serve/      HTTP over the engine: the OpenAI-compatible replica (`hicache engine serve`),
+                the router (`hicache route`) and `hicache demo`
+    sglang/     hicache as SGLang's L3 storage backend
+    vllm/       hicache as vLLM's KV connector
 
-    config.py       ModelConfig (architecture, hybrid layer plan), EngineConfig
-    hf_config.py    Hugging Face config.json <-> ModelConfig fields (5.x and 4.x)
-    weights.py      ModelWeights: random from a seed, or a safetensors checkpoint
-    gguf_checkpoint.py  a GGUF file: its config and dequantized tensors (`gguf` package)
-    tokenizer.py    byte-level, tokenizer.json, or a GGUF's metadata, through `tokenizers`
-    rows.py         RowLayout: rows in fixed groups by position (batch invariance on the CPU)
-    attention.py    attention over paged source KV and over the late window
-    paged_attention.py  CUDA: a few queries straight over a request's pages (Triton)
-    fused.py        CUDA: RMS norm, and RoPE with the K/V rows, one Triton kernel each
-    graphs.py       CUDA graphs of a layer's parts (or of a whole source layer), per row bucket
-    window.py       LateWindow: the late layers' ring of W tokens per request
-    model.py        Model: the forward pass of one engine step
-    pages.py        PageSource: hicache (CachedPages) or a private pool (cache off)
-    scheduler.py    continuous batching, chunked prefill, the replay plan
-    engine.py       Engine: add_request / step / generate
-    embedded.py     load_model, build_cache: an engine put together (SmolLM2 by default)
-    workload.py     the demo's multi-turn chat: real questions, token-exact histories
-    demo.py         `hicache demo` (command line; torch-free) and demo_runner.py (the run)
+Imports: `serve -> engine`; `sglang` and `vllm` stand apart from both and from each other.
+All four import `hicache` and the packages below it, never the other way round: the
+subcommands of `hicache` are registered as entry points (pyproject.toml). The contract is
+in pyproject.toml and checked by tests/test_layering.py.
 
-Nothing imports this package; it imports hicache, tiers and radix. Importing the package
-(and `demo`) does not import torch; the modules that compute do.
+Where to look:
+    what happens to a request         engine/core.py, engine/scheduler.py, engine/pages.py
+    the load-or-recompute decision    hicache/fetch_plan.py (the engine asks through pages.py)
+    where a page is verified          storage_backends/verify.py (every backend reads through it)
+    where a batch is written to L3    hicache/transfers.py (WRITE_L3), storage_backends/*_store.py
+
+`vllm_connector.py` and `sglang_storage.py` are the 0.1 paths of the two adapters, kept for
+one release with a DeprecationWarning. Importing the package does not import torch.
 """

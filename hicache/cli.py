@@ -1,8 +1,8 @@
 """The `hicache` command line: one argparse subcommand per program.
 
-Each subcommand lives in its own module and is imported only when it runs, so that
-`hicache simulate` and `hicache serve` never pull in torch. A subcommand module exposes
-`add_arguments(parser)` and `run(args) -> int`.
+Each subcommand lives in the package that implements it and registers itself as an entry
+point of the group `hicache.commands` (pyproject.toml). Building the parser imports every
+subcommand's module, so those modules are torch-free; the work they start imports the rest.
 """
 
 from __future__ import annotations
@@ -14,29 +14,16 @@ import importlib.metadata
 import logging
 import sys
 
-# name -> (module, one-line help). Later subcommands register here.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": (
-        "engine_integration.demo",
-        "see what the cache buys: multi-turn chats through the embedded engine, cache on and off",
-    ),
-    "simulate": (
-        "hicache.simulate.cli",
-        "plan KV cache capacity: replay a trace through hicache's policies in virtual time",
-    ),
-    "serve": (
-        "hicache.server.cli",
-        "run the cache-server daemon: an L3 that many engine instances share over gRPC",
-    ),
-    "engine": (
-        "engine_integration.serve_cli",
-        "serve the embedded engine over HTTP, OpenAI-compatible (`hicache engine serve`)",
-    ),
-    "route": (
-        "engine_integration.route_cli",
-        "route requests across engine replicas by where their prefixes are cached",
-    ),
-}
+# The subcommands: each is registered as an entry point of this group by the package that
+# implements it (pyproject.toml), so this module never names a package above it.
+ENTRY_POINT_GROUP = "hicache.commands"
+
+
+def subcommands() -> dict[str, str]:
+    """name -> module of every registered subcommand, in name order. A subcommand module
+    exposes `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`."""
+    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    return {entry.name: entry.value for entry in sorted(found, key=lambda entry: entry.name)}
 
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -73,14 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging level for hicache's own messages (default: %(default)s)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+    for name, module_name in subcommands().items():
+        module = importlib.import_module(module_name)
+        sub_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
         sub_parser.set_defaults(_module=module_name, _parser=sub_parser)
         # Accepted after the subcommand too; there it overrides the one before it.
         sub_parser.add_argument(
             "--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS
         )
-        importlib.import_module(module_name).add_arguments(sub_parser)
+        module.add_arguments(sub_parser)
         if name in CONFIGURABLE:
             sub_parser.add_argument(
                 "--config",

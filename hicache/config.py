@@ -92,8 +92,7 @@ class L3Config:
     # long prefetch reads at the host's memory speed and lands in L2 chunk by chunk. The
     # backends' native readers share their threads between the batches in flight, so a few
     # large batches use the cores as well as many small ones, with less Python between
-    # them; on the H200 host (16 cores, 1.5 MiB pages) 4 batches of 48 MiB read a 32K-token
-    # L3 hit at 23.5 GB/s against 18.4 for 16 of 16 MiB (bench_engine --read-batches).
+    # them (bench_engine --read-batches; figures in docs/performance.md).
     read_chunk_bytes: int = 48 << 20
     read_batches: int = 0
     # Pages known only to L3 that the index keeps (least recently used forgotten first; a

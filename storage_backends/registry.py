@@ -6,8 +6,8 @@ redis). A factory is called as `factory(url, layout=..., name=...)` and returns 
 `StorageBackend`; it parses its options with `options.options_from_query`, so an unknown
 option or a bad size fails here, before anything connects.
 
-Built in: memory, file, redis, rediss, redis+cluster, rediss+cluster, and the cache-server
-client grpc and grpcs (TLS).
+Built in: memory, file, redis, rediss, redis+cluster, rediss+cluster, mooncake (Mooncake
+Store), and the cache-server client grpc and grpcs (TLS).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ _BUILTIN: dict[str, str] = {
     "rediss+cluster": "storage_backends.redis_store:open_url",
     "grpc": "storage_backends.grpc_store:open_url",
     "grpcs": "storage_backends.grpc_store:open_url",
+    "mooncake": "storage_backends.mooncake_store:open_url",
 }
 
 _factories: dict[str, str | BackendFactory] = dict(_BUILTIN)

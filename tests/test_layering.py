@@ -48,9 +48,9 @@ TORCH_FREE_MODULES = [
     "hicache.mover",
     "hicache.match",
     "hicache.simulate",
-    "hicache.simulate.replay",
+    "hicache.simulate.player",
     "hicache.server",
-    "engine_integration.demo",
+    "engine_integration.serve.demo",
 ]
 
 
@@ -66,6 +66,103 @@ def test_module_does_not_import_torch(module):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"importing {module} pulled in {result.stdout.strip()}"
+
+
+PACKAGES = ["hicache", "tiers", "radix", "engine_integration", "storage_backends"]
+
+
+def test_no_module_imports_itself_in_a_circle():
+    """Import cycles make a room impossible to read alone: none, even through an import
+    made inside a function (the static graph sees those too)."""
+    import grimp
+
+    graph = grimp.build_graph(*PACKAGES, cache_dir=None, exclude_type_checking_imports=True)
+    cycles = [sorted(group) for group in _strongly_connected(graph) if len(group) > 1]
+    assert cycles == [], f"import cycles: {cycles}"
+
+
+def _imported_by(graph, module: str) -> list[str]:
+    """What `module` imports, less its own ancestors: grimp reads `from . import _ext` (a
+    compiled submodule it cannot see) as an import of the package itself."""
+    return sorted(
+        other
+        for other in graph.find_modules_directly_imported_by(module)
+        if not module.startswith(other + ".")
+    )
+
+
+def _strongly_connected(graph) -> list[set[str]]:
+    """Tarjan's algorithm over the graph's direct imports, iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    groups: list[set[str]] = []
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(_imported_by(graph, root)))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(_imported_by(graph, child))))
+                elif child in on_stack:
+                    low[module] = min(low[module], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[module])
+            if low[module] == index[module]:
+                group = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.add(member)
+                    if member == module:
+                        break
+                groups.append(group)
+    return groups
+
+
+def test_old_adapter_paths_still_load_with_a_deprecation_warning():
+    for old, new, name in [
+        (
+            "engine_integration.vllm_connector",
+            "engine_integration.vllm.connector",
+            "HiCacheConnector",
+        ),
+        (
+            "engine_integration.sglang_storage",
+            "engine_integration.sglang.storage",
+            "HiCacheSGLangStorage",
+        ),
+    ]:
+        code = (
+            "import importlib, warnings\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            f"    old = getattr(importlib.import_module({old!r}), {name!r})\n"
+            "for w in caught:\n"
+            "    if w.category is DeprecationWarning and 'engine_integration' in str(w.message):\n"
+            "        print('warned:', w.message)\n"
+            f"new = getattr(importlib.import_module({new!r}), {name!r})\n"
+            "print('same class:', old is new)"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+        )
+        assert result.returncode == 0, result.stderr
+        assert f"warned: {old} is deprecated" in result.stdout, result.stdout
+        assert new in result.stdout and "same class: True" in result.stdout, result.stdout
 
 
 def test_ruff_finds_nothing():

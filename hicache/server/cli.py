@@ -30,6 +30,10 @@ def _namespace(text: str) -> NamespaceSpec:
     return NamespaceSpec(name, _size(quota) if sep else None)
 
 
+# The one line `hicache --help` shows for this subcommand.
+HELP = "run the cache-server daemon: an L3 that many engine instances share over gRPC"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     parser.add_argument("--host", default=d.host, help="listen address (default: %(default)s)")
@@ -48,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spill-dir", default=d.spill_dir,
         help="write evicted pages here and read them back on a miss; survives restarts",
+    )  # fmt: skip
+    parser.add_argument(
+        "--spill-url", default=d.spill_url,
+        help="or spill into a shared store, e.g. mooncake://10.0.0.5:50051 or "
+        "redis://host:6379/0 (each namespace under a prefix of its own; the store's "
+        "capacity is its own)",
     )  # fmt: skip
     parser.add_argument(
         "--spill-capacity", type=_size, default=d.spill_capacity_bytes,
@@ -140,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         capacity_bytes=args.capacity,
         spill_dir=args.spill_dir,
+        spill_url=args.spill_url,
         spill_capacity_bytes=args.spill_capacity,
         spill_mode=args.spill_mode,
         spill_fsync=args.spill_fsync,

@@ -21,6 +21,8 @@ from storage_backends.protocol import (
 )
 
 SPILL_MODES = ("evict", "write-through")
+# Stores a spill may be given as a URL: each namespace's pages under a prefix of its own.
+SPILL_URL_SCHEMES = ("mooncake", "redis", "rediss", "redis+cluster", "rediss+cluster")
 
 
 class NamespaceSpec(NamedTuple):
@@ -46,6 +48,7 @@ class ServerConfig:
     capacity_bytes: int = 4 << 30  # memory for pages, headers included, all namespaces
     namespaces: tuple[NamespaceSpec, ...] = (NamespaceSpec(DEFAULT_NAMESPACE),)
     spill_dir: str | None = None  # evicted pages go here (a file:// store), one folder each ns
+    spill_url: str | None = None  # or into a shared store (mooncake://, redis://), a prefix each ns
     spill_capacity_bytes: int = 64 << 30
     spill_mode: str = "evict"  # evict: on eviction and shutdown; write-through: before the ack
     spill_fsync: bool = False  # fsync spilled pages (write-through acks survive power loss)
@@ -90,8 +93,20 @@ class ServerConfig:
             f"--spill-mode must be one of {', '.join(SPILL_MODES)}, got {self.spill_mode!r}",
         )
         _check(
-            self.spill_mode == "evict" or self.spill_dir is not None,
-            "--spill-mode write-through needs --spill-dir",
+            self.spill_dir is None or self.spill_url is None,
+            "--spill-dir and --spill-url are two places for one spill: give one",
+        )
+        if self.spill_url is not None:
+            scheme = self.spill_url.partition("://")[0].lower()
+            _check(
+                scheme in SPILL_URL_SCHEMES,
+                f"--spill-url takes a store shared by prefix ({', '.join(SPILL_URL_SCHEMES)}), "
+                f"got {scheme!r}",
+            )
+            _check(not self.spill_fsync, "--spill-fsync needs --spill-dir (files to fsync)")
+        _check(
+            self.spill_mode == "evict" or self.spill_dir is not None or self.spill_url is not None,
+            "--spill-mode write-through needs --spill-dir or --spill-url",
         )
         _check(
             (self.tls_cert_file is None) == (self.tls_key_file is None),

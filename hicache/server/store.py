@@ -1,9 +1,11 @@
-"""The daemon's pages: one `memory://` store per namespace, optionally over a `file://` spill.
+"""The daemon's pages: one `memory://` store per namespace, optionally over a spill.
 
 Namespaces are isolated by construction: each has its own memory store, with its quota (or an
-equal share of the capacity quotas leave) as its LRU capacity, and its own spill folder
-`<spill_dir>/<namespace>/` holding a share of the spill capacity in the same proportion. A
-tenant can only ever evict its own pages, and no key of one can reach another's store.
+equal share of the capacity quotas leave) as its LRU capacity, and its own spill: a folder
+`<spill_dir>/<namespace>/` holding a share of the spill capacity in the same proportion, or,
+with `spill_url` (a shared store such as Mooncake Store or Redis, whose capacity is its own),
+the prefix `<prefix><namespace>/` in it. A tenant can only ever evict its own pages from
+memory, and no key of one can reach another's pages.
 
 What an acknowledged put promises depends on the spill mode:
 
@@ -31,11 +33,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
+from urllib.parse import parse_qsl, urlencode
 
-from storage_backends import StorageBackend, verify_object
+from storage_backends import BackendConfigError, StorageBackend, open_backend, verify_object
 from storage_backends.file_store import FileBackend, FileOptions
 from storage_backends.memory_store import MemoryBackend, MemoryOptions
 from storage_backends.objects import Buffer
+from storage_backends.options import redact_url
 
 from .config import ServerConfig
 
@@ -196,7 +200,9 @@ class Store:
         capacities = config.namespace_capacities()
         for name, capacity in capacities.items():
             spill = None
-            if config.spill_dir is not None:
+            if config.spill_url is not None:
+                spill = _shared_spill(config, name)
+            elif config.spill_dir is not None:
                 share = config.spill_capacity_bytes * capacity // config.capacity_bytes
                 spill = _spill_backend(config, name, max(share, 1))
             self.namespaces[name] = NamespaceStore(
@@ -209,7 +215,9 @@ class Store:
 
     @property
     def spill_mode(self) -> str:
-        return "none" if self.config.spill_dir is None else self.config.spill_mode
+        if self.config.spill_dir is None and self.config.spill_url is None:
+            return "none"
+        return self.config.spill_mode
 
     async def open(self) -> None:
         for namespace in self.namespaces.values():
@@ -230,6 +238,22 @@ class Store:
         """The stores behind a namespace (memory, then the spill), for stats."""
         namespace = self.namespaces[name]
         return [namespace.memory] + ([namespace.spill] if namespace.spill else [])
+
+
+def _shared_spill(config: ServerConfig, name: str) -> StorageBackend:
+    """The spill of namespace `name` in the store `spill_url` names: its prefix (the URL's,
+    else "hicache:") followed by `<name>/`; the URL's timeout, else `spill_timeout_s`."""
+    base, _, query = config.spill_url.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    given = dict(pairs)
+    if len(given) != len(pairs):
+        raise ValueError(f"--spill-url: an option is given twice in {redact_url(config.spill_url)}")
+    given["prefix"] = f"{given.get('prefix', 'hicache:')}{name}/"
+    given.setdefault("timeout", f"{config.spill_timeout_s}s")
+    try:
+        return open_backend(f"{base}?{urlencode(given)}", layout=None)
+    except BackendConfigError as exc:
+        raise ValueError(f"--spill-url: {exc}") from None
 
 
 def _spill_backend(config: ServerConfig, name: str, capacity_bytes: int) -> FileBackend:

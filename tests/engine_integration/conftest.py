@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_integration.embedded import CacheSizes, build_cache, load_model
-from engine_integration.engine import Engine
+from engine_integration.engine.core import Engine
+from engine_integration.engine.embedded import CacheSizes, build_cache, load_model
 from hicache.config import PolicyConfig
 from tests.support.engines import ENGINE, SMALL
 

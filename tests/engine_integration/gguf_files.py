@@ -15,7 +15,7 @@ import torch
 
 # The loader's own table of llama.cpp tensor names: the files written here use the same
 # names (the SmolLM2 GGUF test against transformers checks the table itself).
-from engine_integration.gguf_checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
+from engine_integration.engine.model.gguf_checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
 
 
 def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

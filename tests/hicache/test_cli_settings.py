@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import engine_integration.demo as demo_cli
+import engine_integration.serve.demo as demo_cli
 import hicache.server.cli as serve_cli
-from engine_integration.demo import DemoConfig
+from engine_integration.serve.demo_config import DemoConfig
 from hicache.cli import main
 from hicache.config import HiCacheConfig
 from hicache.server.config import NamespaceSpec, ServerConfig

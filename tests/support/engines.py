@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from engine_integration.config import EngineConfig, ModelConfig
-from engine_integration.engine import Engine
-from engine_integration.sampling import SamplingParams
+from engine_integration.engine.core import Engine
+from engine_integration.engine.model.config import EngineConfig, ModelConfig
+from engine_integration.engine.sampling import SamplingParams
 
 # 4 layers (2 source, 2 late), a 32-token window, 16-token pages, 8-row blocks.
 SMALL = ModelConfig(

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine_integration.config import ModelConfig
-from engine_integration.model import _inverse_frequencies
-from engine_integration.weights import ModelWeights
+from engine_integration.engine.model.config import ModelConfig
+from engine_integration.engine.model.forward import _inverse_frequencies
+from engine_integration.engine.model.weights import ModelWeights
 
 
 def _norm(x, weight, eps):

@@ -50,7 +50,7 @@ def transfer_config_json(extra: dict, engine_id: str) -> str:
     return json.dumps(
         {
             "kv_connector": "HiCacheConnector",
-            "kv_connector_module_path": "engine_integration.vllm_connector",
+            "kv_connector_module_path": "engine_integration.vllm.connector",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "engine_id": engine_id,

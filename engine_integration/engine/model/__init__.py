@@ -1,0 +1,17 @@
+"""The model: the forward pass of one engine step, and where its weights come from.
+
+    config.py       ModelConfig (architecture, hybrid layer plan), EngineConfig
+    hf_config.py    Hugging Face config.json -> ModelConfig (transformers 5.x and 4.x)
+    weights.py      ModelWeights: random from a seed, or a safetensors checkpoint
+    gguf_checkpoint.py  a GGUF file: its config and dequantized tensors (`gguf` package)
+    tokenizer.py    byte-level, tokenizer.json, or a GGUF's metadata, through `tokenizers`
+    forward.py      Model: the forward pass of one engine step
+    attention.py    attention over paged source KV and over the late window
+    rows.py         RowLayout: rows in fixed groups by position (batch invariance on the CPU)
+    window.py       LateWindow: the late layers' ring of W tokens per request
+    paged_attention.py  CUDA: a few queries straight over a request's pages (Triton)
+    fused.py        CUDA: RMS norm, and RoPE with the K/V rows, one Triton kernel each
+    graphs.py       CUDA graphs of a layer's parts (or of a whole source layer), per row bucket
+
+It knows nothing of requests or scheduling; of the engine it imports only `errors`.
+"""

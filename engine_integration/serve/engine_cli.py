@@ -1,0 +1,108 @@
+"""`hicache engine serve`: the command line of one engine replica (`replica.py`).
+
+Torch-free: `hicache --help` imports every subcommand's parser; the replica's module, which
+loads the model, is imported only to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from engine_integration.serve.replica_config import ROLES, ReplicaConfig
+
+# The one line `hicache --help` shows for this subcommand.
+HELP = "serve the embedded engine over HTTP, OpenAI-compatible (`hicache engine serve`)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="engine_command", metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the embedded engine over HTTP (OpenAI-compatible), with hicache under it",
+        description="One embedded-engine replica behind /v1/completions and "
+        "/v1/chat/completions; `hicache route` puts several behind one address.",
+    )
+    a = serve.add_argument
+    a(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a .gguf file or a Hugging Face model directory (default: the built-in tiny model, "
+        "random weights from --seed)",
+    )
+    a("--seed", type=int, default=0, help="the built-in model's weights (default: %(default)s)")
+    a("--name", default="", help="this replica's name in responses and logs (default: by pid)")
+    a(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="both: serve requests whole; prefill / decode: the two sides of a P/D deployment, "
+        "handing prompts over through the shared L3 (needs --l3-url) (default: %(default)s)",
+    )
+    a("--host", default="127.0.0.1", help="listen address (default: %(default)s)")
+    a("--port", type=int, default=8100, help="HTTP port; 0 picks a free one (default: %(default)s)")
+    a("--page-size", type=int, default=64, help="tokens per KV page (default: %(default)s)")
+    a(
+        "--max-running",
+        type=int,
+        default=8,
+        help="requests the engine runs at once (default: %(default)s)",
+    )
+    a("--l1-pages", type=int, default=512, help="L1 pool pages (default: %(default)s)")
+    a("--l2-pages", type=int, default=0, help="L2 host pool pages; 0: no L2 (default: %(default)s)")
+    a(
+        "--l3-url",
+        default=None,
+        help="the shared L3: grpc://HOST:PORT (hicache serve), redis://HOST:PORT/0, "
+        "mooncake://MASTER:PORT, file:///DIR",
+    )
+    a(
+        "--events-endpoint",
+        default=None,
+        metavar="ZMQ_ADDRESS",
+        help="publish KV events (vLLM's format, per tier) on this ZMQ PUB address, e.g. "
+        "tcp://127.0.0.1:5557; port 0 picks a free one (default: none)",
+    )
+    a(
+        "--events-replay-endpoint",
+        default=None,
+        metavar="ZMQ_ADDRESS",
+        help="serve replays of recent event batches on this ZMQ ROUTER address (default: none)",
+    )
+    a(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads; 0: torch's default (default: %(default)s)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.engine_command != "serve":
+        print("hicache engine: give a command: serve", file=sys.stderr)
+        return 2
+    try:
+        config = ReplicaConfig(
+            model_path=args.model,
+            seed=args.seed,
+            name=args.name,
+            role=args.role,
+            host=args.host,
+            port=args.port,
+            page_size=args.page_size,
+            max_running_requests=args.max_running,
+            l1_pages=args.l1_pages,
+            l2_pages=args.l2_pages,
+            l3_url=args.l3_url,
+            events_endpoint=args.events_endpoint,
+            events_replay_endpoint=args.events_replay_endpoint,
+            threads=args.threads,
+        )
+    except ValueError as error:
+        print(f"hicache engine serve: error: {error}", file=sys.stderr)
+        return 2
+    from engine_integration.serve.replica import serve  # torch enters here
+
+    return asyncio.run(serve(config))

@@ -1,0 +1,246 @@
+"""The OpenAI-compatible request and response shapes of `hicache engine serve` (and of the
+router in front of it): `/v1/completions` and `/v1/chat/completions`, streamed or not.
+
+`parse_request` turns a request body into a prompt's token ids and sampling parameters,
+refusing, by name, a field we cannot honour (`n` > 1, `stop` strings, `logprobs`): a client
+must never get a different computation than the one it asked for. The chunk and response
+builders write what OpenAI's clients read, plus a `hicache` object (token ids, where the
+prompt's KV came from, which replica served it). Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine_integration.serve.workload import render_chat
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+# Fields we accept and ignore (they change no token): OpenAI's bookkeeping.
+_IGNORED = {"model", "user", "stream_options", "presence_penalty", "frequency_penalty"}
+_UNSUPPORTED = {
+    "n": lambda v: v not in (None, 1),
+    "best_of": lambda v: v not in (None, 1),
+    "stop": lambda v: v not in (None, [], ""),
+    "logprobs": lambda v: v not in (None, False, 0),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: v not in (None, False),
+    "suffix": lambda v: v not in (None, ""),
+    "logit_bias": lambda v: v not in (None, {}),
+    "tools": lambda v: v not in (None, []),
+    "response_format": lambda v: v is not None,
+}
+_PENALTIES = ("presence_penalty", "frequency_penalty")
+
+
+class BadRequest(ValueError):
+    """A request body we cannot serve; the message names the field (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling fields of a request, checked (engine_integration.engine.sampling takes them)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    path: str  # COMPLETIONS or CHAT
+    prompt_ids: list[int]
+    sampling: Sampling
+    stream: bool
+    model: str
+    request_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+
+
+def parse_request(path: str, body: Any, tokenizer, model_name: str) -> ApiRequest:
+    """The request `body` (decoded JSON) sent to `path`; raises BadRequest naming what is
+    wrong. A completions `prompt` may be text or a list of token ids."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    for name, refused in _UNSUPPORTED.items():
+        if name in body and refused(body[name]):
+            raise BadRequest(f"'{name}' is not supported by hicache engine serve")
+    for name in _PENALTIES:
+        if body.get(name) not in (None, 0, 0.0):
+            raise BadRequest(f"'{name}' is not supported by hicache engine serve")
+    if path == COMPLETIONS:
+        prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
+    elif path == CHAT:
+        prompt_ids = _chat_prompt(body.get("messages"), tokenizer)
+    else:
+        raise BadRequest(f"unknown endpoint {path}")
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise BadRequest(f"'prompt' holds token ids outside the vocabulary [0, {vocab})")
+    default_max = 16
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
+    sampling = Sampling(
+        max_new_tokens=_int(max_tokens, "max_tokens", low=1, high=1 << 20),
+        temperature=_number(body.get("temperature", 1.0), "temperature", low=0.0, high=100.0),
+        top_p=_number(body.get("top_p", 1.0), "top_p", low=1e-9, high=1.0),
+        top_k=_int(body.get("top_k", 0), "top_k", low=0, high=1 << 31),
+        seed=_int(body.get("seed", 0), "seed", low=0, high=(1 << 63) - 1),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+    )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false")
+    return ApiRequest(path, prompt_ids, sampling, stream, str(body.get("model") or model_name))
+
+
+def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return tokenizer.encode(prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return list(prompt)
+    raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids")
+
+
+def _chat_prompt(messages: Any, tokenizer) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        if (
+            not isinstance(message, Mapping)
+            or message.get("role") not in ("system", "user", "assistant")
+            or not isinstance(message.get("content"), str)
+        ):
+            raise BadRequest(
+                f"'messages'[{i}] must be {{'role': system|user|assistant, 'content': str}}"
+            )
+    if messages[-1]["role"] == "assistant":
+        raise BadRequest("the last of 'messages' must not be the assistant's")
+    # One renderer for the whole service: the demo's (the chat template if the model has
+    # one, else a plain "User: / Assistant:" format).
+    text = render_chat(tokenizer, [dict(m) for m in messages], add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
+def _int(value: Any, name: str, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(f"'{name}' must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _number(value: Any, name: str, *, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BadRequest(f"'{name}' must be a number in [{low}, {high}], got {value!r}")
+    return float(value)
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def chunk(request: ApiRequest, text: str, finish_reason: str | None, extra=None) -> dict:
+    """One streamed chunk (`data: <json>`)."""
+    if request.path == CHAT:
+        delta = {"content": text} if text else {}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        kind = "text_completion"
+    body = {
+        "id": request.request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": [choice],
+    }
+    if extra:
+        body.update(extra)
+    return body
+
+
+def response(request: ApiRequest, text: str, finish_reason: str, extra: dict) -> dict:
+    """The whole (non-streamed) response."""
+    if request.path == CHAT:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        kind = "text_completion"
+    return {
+        "id": request.request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": [choice],
+        **extra,
+    }
+
+
+def error_body(message: str, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind}}
+
+
+class TextStream:
+    """Token ids in, text out, never splitting a character: text is released only up to
+    the last complete character (a trailing replacement character is held back)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already released
+
+    def add(self, ids: list[int], *, final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        end = len(text)
+        if not final:
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        out, self.sent = text[self.sent : end], max(self.sent, end)
+        return out
+
+
+async def serve_until_stopped(app, host: str, port: int, command: str, banner, close) -> int:
+    """Serve `app` on host:port until SIGTERM or SIGINT, then `await close()`.
+
+    `banner(port)` is the "listening" line (the port as bound: 0 picks one); a port that
+    cannot be bound is one error line and exit status 1. For `hicache engine serve` and
+    `hicache route`."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as error:
+        print(f"{command}: error: cannot listen: {error}", flush=True)
+        await runner.cleanup()
+        await close()
+        return 1
+    print(banner(runner.addresses[0][1]), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await close()
+    print(f"{command}: stopped", flush=True)
+    return 0

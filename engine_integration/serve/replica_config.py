@@ -1,0 +1,42 @@
+"""One replica's settings, checked before anything slow starts. Torch-free: the command line
+(`engine_cli.py`) builds and checks a `ReplicaConfig` before the model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """One replica: its model, its cache, its role, where it listens and publishes."""
+
+    model_path: str | None = None  # None: the built-in tiny model (random weights)
+    seed: int = 0
+    name: str = ""
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int = 8100  # 0: any free port (printed on start)
+    page_size: int = 64
+    max_running_requests: int = 8
+    l1_pages: int = 512
+    l2_pages: int = 0
+    l3_url: str | None = None
+    events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    threads: int = 0  # torch's CPU threads (0: torch's default)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role != "both" and not self.l3_url:
+            raise ValueError(f"--role {self.role} hands prompts over through L3: give --l3-url")
+        if self.l3_url and not self.l2_pages:
+            raise ValueError("--l3-url needs --l2-pages > 0 (pages reach L3 through L2)")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.l1_pages < 1:
+            raise ValueError(f"--l1-pages must be >= 1, got {self.l1_pages}")
+        if self.events_replay_endpoint and not self.events_endpoint:
+            raise ValueError("--events-replay-endpoint needs --events-endpoint")

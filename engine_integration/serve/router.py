@@ -1,0 +1,569 @@
+"""`hicache route`: one OpenAI-compatible address in front of N `hicache engine serve`
+replicas, sending each request where it costs least.
+
+The router subscribes to every replica's KV events (and, with `--l3-events`, to the cache
+daemon's) and keeps, per replica, which tiers hold each page key (`PageIndex`). For a
+request it gets the prompt's token ids from a replica (`/hicache/tokenize`: one tokenizer,
+the replicas' own), computes the page keys the replicas' indexes use (the namespace digest
+comes from `/hicache/info`), reads off each replica's cached prefix per tier, and lets
+`hicache.routing` choose: the same code the simulator plans with. A prompt just routed
+counts as cached on its replica for a few seconds (`RecentPages`) until the replica's own
+events say what it keeps.
+
+P/D: when some replicas are `--role prefill` and others `--role decode`, a request goes to a
+decode replica (chosen by the policy over the decode replicas: a conversation's earlier turns
+are in its L1); if that replica cannot already find every full page of the prompt
+(`needs_prefill`), a prefill replica (chosen the same way) computes the prompt into the
+shared L3 first. The decode replica's response is the client's.
+
+A replica that refuses connections or drops one is taken out of the rotation, its index
+forgotten, and the request is sent to the next choice (a stream that has already sent
+tokens to the client cannot be moved: it ends with an error event). A probe brings a
+replica back once it answers `/health` again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+import zmq
+from aiohttp import web
+
+from engine_integration.serve.openai_api import CHAT, COMPLETIONS, error_body, serve_until_stopped
+from hicache.events import (
+    TIER_OF_MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventSubscriber,
+)
+from hicache.routing import CachedPrefix, Candidate, Router, RoutingConfig, needs_prefill
+from radix.keys import chain_keys, encode_tokens
+from radix.node import Tier
+
+logger = logging.getLogger(__name__)
+
+_L1, _L2, _L3 = (1 << (tier - 1) for tier in Tier)
+_TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=5)
+RECENT_HOLD_S = 5.0  # how long a routed prompt counts as cached before its events confirm it
+
+
+class PageIndex:
+    """Which tiers of one publisher hold each page key, from its events."""
+
+    def __init__(self) -> None:
+        self._tiers: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._tiers)
+
+    def apply(self, events) -> None:
+        tiers = self._tiers
+        for event in events:
+            if isinstance(event, BlockStored):
+                bit = 1 << (TIER_OF_MEDIUM.get(event.medium, Tier.L3) - 1)
+                for key in event.block_hashes:
+                    tiers[key] = tiers.get(key, 0) | bit
+            elif isinstance(event, BlockRemoved):
+                bit = 1 << (TIER_OF_MEDIUM.get(event.medium, Tier.L3) - 1)
+                for key in event.block_hashes:
+                    left = tiers.get(key, 0) & ~bit
+                    if left:
+                        tiers[key] = left
+                    else:
+                        tiers.pop(key, None)
+            elif isinstance(event, AllBlocksCleared):
+                tiers.clear()
+
+    def clear(self) -> None:
+        self._tiers.clear()
+
+    def tiers(self, key: bytes) -> int:
+        return self._tiers.get(key, 0)
+
+    def num_pages(self) -> dict[str, int]:
+        counts = {"l1": 0, "l2": 0, "l3": 0}
+        for mask in self._tiers.values():
+            for name, bit in (("l1", _L1), ("l2", _L2), ("l3", _L3)):
+                counts[name] += bool(mask & bit)
+        return counts
+
+
+class RecentPages:
+    """Pages a replica is about to hold: the prompts just sent to it, counted as in L1
+    until `hold_s` has passed. Its events take a moment to arrive; a conversation's next
+    turn, sent the moment the answer is in, must not miss its history meanwhile. Only the
+    events say what stays: an entry that they never confirm simply expires."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self._until: dict[bytes, float] = {}
+
+    def add(self, keys: list[bytes]) -> None:
+        until = time.monotonic() + self.hold_s
+        for key in keys:
+            self._until[key] = until
+
+    def holds(self, key: bytes, now: float) -> bool:
+        return self._until.get(key, 0.0) > now
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        self._until = {k: t for k, t in self._until.items() if t > now}
+
+    def clear(self) -> None:
+        self._until.clear()
+
+
+def cached_prefix(
+    keys: list[bytes],
+    own: PageIndex,
+    shared: PageIndex | None,
+    recent: RecentPages | None = None,
+) -> CachedPrefix:
+    """The leading pages of `keys` a replica can serve, each counted in the fastest tier
+    holding it: its own L1/L2/L3, or the shared L3 (the daemon's events); pages `recent`
+    still holds count as L1."""
+    counts = [0, 0, 0]
+    now = time.monotonic()
+    for key in keys:
+        mask = own.tiers(key) | (_L3 if shared is not None and shared.tiers(key) else 0)
+        if recent is not None and recent.holds(key, now):
+            mask |= _L1
+        if not mask:
+            break
+        counts[0 if mask & _L1 else 1 if mask & _L2 else 2] += 1
+    return CachedPrefix(*counts)
+
+
+@dataclass(eq=False)
+class ReplicaState:
+    url: str
+    name: str = ""
+    role: str = "both"
+    page_size: int = 0
+    digest: bytes = b""
+    started_s: float = 0.0
+    alive: bool = False
+    in_flight: int = 0
+    num_routed: int = 0
+    num_failed: int = 0
+    index: PageIndex = field(default_factory=PageIndex)
+    recent: RecentPages = field(default_factory=lambda: RecentPages(RECENT_HOLD_S))
+    subscriber: EventSubscriber | None = None
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    replica_urls: tuple[str, ...]
+    routing: RoutingConfig = RoutingConfig()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    l3_events: str | None = None  # the cache daemon's event endpoint (shared L3)
+    l3_replay: str | None = None
+    wait_s: float = 120.0  # how long to wait at start for the replicas to answer
+
+    def __post_init__(self) -> None:
+        if not self.replica_urls:
+            raise ValueError("give at least one --replica URL")
+        for url in self.replica_urls:
+            if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).port:
+                raise ValueError(f"--replica must be http://HOST:PORT, got {url!r}")
+
+
+class EventFeed:
+    """One thread reading every subscription into the indexes, under `lock`."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self._feeds: list[tuple[EventSubscriber, PageIndex]] = []
+        self._changes: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hicache-route-events", daemon=True)
+        self._thread.start()
+
+    def add(self, subscriber: EventSubscriber, index: PageIndex) -> None:
+        with self.lock:
+            self._changes.append(("add", subscriber, index))
+
+    def remove(self, subscriber: EventSubscriber) -> None:
+        with self.lock:
+            self._changes.append(("remove", subscriber, None))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for subscriber, _ in self._feeds:
+            subscriber.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                changes, self._changes = self._changes, []
+            for kind, subscriber, index in changes:
+                if kind == "add":
+                    self._feeds.append((subscriber, index))
+                else:
+                    self._feeds = [(s, i) for s, i in self._feeds if s is not subscriber]
+                    subscriber.close()
+            if not self._feeds:
+                self._stop.wait(0.05)
+                continue
+            poller = zmq.Poller()
+            for subscriber, _ in self._feeds:
+                poller.register(subscriber.socket, zmq.POLLIN)
+            ready = dict(poller.poll(50))
+            for subscriber, index in self._feeds:
+                if subscriber.socket in ready:
+                    self._read(subscriber, index)
+
+    def _read(self, subscriber: EventSubscriber, index: PageIndex) -> None:
+        lost, joined = subscriber.lost, subscriber.last_seq >= 0
+        batches = subscriber.receive(0)
+        with self.lock:
+            if subscriber.lost != lost and joined:
+                logger.warning(
+                    "events from %s were lost: forgetting its pages", subscriber.endpoint
+                )
+                index.clear()
+            elif subscriber.lost != lost:  # joined late, with no replay socket to catch up
+                logger.info(
+                    "%s published %d batches before this router subscribed (no replay "
+                    "socket): pages stored before now are unknown here",
+                    subscriber.endpoint,
+                    subscriber.lost,
+                )
+            for _, batch in batches:
+                index.apply(batch.events)
+
+
+class RouteServer:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.router = Router(config.routing)
+        self.replicas = [ReplicaState(url.rstrip("/")) for url in config.replica_urls]
+        self.lock = threading.Lock()
+        self.feed = EventFeed(self.lock)
+        self.shared_l3: PageIndex | None = None
+        self.page_size = 0
+        self.digest = b""
+        self.session: aiohttp.ClientSession | None = None
+        self._probe_task: asyncio.Task | None = None
+        self._turn = 0
+
+    # ------------------------------------------------------------------ start and stop
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=_TIMEOUT)
+        deadline = time.monotonic() + self.config.wait_s
+        for replica in self.replicas:
+            while not await self._connect(replica):
+                if time.monotonic() > deadline:
+                    raise OSError(f"replica {replica.url} did not answer /hicache/info")
+                await asyncio.sleep(0.2)
+        if self.config.l3_events:
+            self.shared_l3 = PageIndex()
+            subscriber = EventSubscriber(self.config.l3_events, self.config.l3_replay)
+            self.feed.add(subscriber, self.shared_l3)
+        self._probe_task = asyncio.get_running_loop().create_task(self._probe())
+
+    async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+        self.feed.close()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _connect(self, replica: ReplicaState) -> bool:
+        """Read a replica's /hicache/info and subscribe to its events."""
+        try:
+            async with self.session.get(f"{replica.url}/hicache/info") as reply:
+                if reply.status != 200:
+                    return False
+                info = await reply.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+        digest, page_size = bytes.fromhex(info["namespace_digest"]), int(info["page_size"])
+        if self.digest and (digest, page_size) != (self.digest, self.page_size):
+            raise ValueError(
+                f"replica {replica.url} serves another model or page size than the others: "
+                "a router serves one model"
+            )
+        self.digest, self.page_size = digest, page_size
+        with self.lock:
+            replica.name, replica.role = info["name"], info["role"]
+            replica.page_size, replica.digest = page_size, digest
+            replica.started_s = info["started_s"]
+            replica.index.clear()
+            replica.recent.clear()
+        if replica.subscriber is not None:
+            self.feed.remove(replica.subscriber)
+            replica.subscriber = None
+        if info.get("events_endpoint"):
+            host = urlsplit(replica.url).hostname
+            replica.subscriber = EventSubscriber(
+                _reachable(info["events_endpoint"], host),
+                _reachable(info["replay_endpoint"], host) if info.get("replay_endpoint") else None,
+            )
+            self.feed.add(replica.subscriber, replica.index)
+        else:
+            logger.warning(
+                "replica %s publishes no KV events: prefix routing is blind to it", replica.url
+            )
+        replica.alive = True
+        return True
+
+    async def _probe(self) -> None:
+        """Bring back replicas that answer again (their events start over)."""
+        while True:
+            await asyncio.sleep(1.0)
+            with self.lock:
+                for replica in self.replicas:
+                    replica.recent.expire()
+            for replica in self.replicas:
+                if not replica.alive:
+                    try:
+                        await self._connect(replica)
+                    except ValueError as error:
+                        logger.error("%s", error)
+
+    def _mark_dead(self, replica: ReplicaState, error: BaseException) -> None:
+        if replica.alive:
+            logger.warning("replica %s failed (%s): routing around it", replica.url, error)
+        with self.lock:
+            replica.alive = False
+            replica.num_failed += 1
+            replica.index.clear()
+            replica.recent.clear()
+
+    # ------------------------------------------------------------------ HTTP
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=16 << 20)
+        app.router.add_post(COMPLETIONS, self.handle)
+        app.router.add_post(CHAT, self.handle)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/hicache/route/stats", self.stats)
+        return app
+
+    async def health(self, _request: web.Request) -> web.Response:
+        alive = sum(r.alive for r in self.replicas)
+        return web.json_response(
+            {"status": "ok" if alive else "no replica"}, status=200 if alive else 503
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        for replica in self._alive():
+            try:
+                async with self.session.get(f"{replica.url}/v1/models") as reply:
+                    return web.json_response(await reply.json(), status=reply.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                self._mark_dead(replica, error)
+        return web.json_response(error_body("no replica is up", "server_error"), status=503)
+
+    async def stats(self, _request: web.Request) -> web.Response:
+        with self.lock:
+            replicas = [
+                {
+                    "url": r.url,
+                    "name": r.name,
+                    "role": r.role,
+                    "alive": r.alive,
+                    "in_flight": r.in_flight,
+                    "routed": r.num_routed,
+                    "failed": r.num_failed,
+                    "pages": r.index.num_pages(),
+                }
+                for r in self.replicas
+            ]
+            shared = len(self.shared_l3) if self.shared_l3 is not None else None
+        return web.json_response(
+            {"policy": self.config.routing.policy, "replicas": replicas, "shared_l3_pages": shared}
+        )
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.json_response(error_body("the request body is not JSON"), status=400)
+        tried: set[int] = set()
+        while True:
+            prompt = await self._tokenize(request.path, body)
+            if isinstance(prompt, web.Response):
+                return prompt
+            plan = self._plan(prompt, tried)
+            if plan is None:
+                return web.json_response(error_body("no replica is up", "server_error"), status=503)
+            decode, prefill, choice = plan
+            try:
+                if prefill is not None:
+                    await self._prefill(prefill, body)
+                return await self._forward(request, decode, body, choice)
+            except _ReplicaFailed as failed:
+                self._mark_dead(failed.replica, failed.error)
+                tried.add(self.replicas.index(failed.replica))
+
+    # ------------------------------------------------------------------ choosing
+
+    def _alive(self, role: str | None = None) -> list[ReplicaState]:
+        return [r for r in self.replicas if r.alive and (role is None or r.role == role)]
+
+    async def _tokenize(self, path: str, body) -> list[int] | web.Response:
+        for _ in range(len(self.replicas)):
+            alive = self._alive()
+            if not alive:
+                break
+            replica = alive[self._turn % len(alive)]
+            self._turn += 1
+            try:
+                async with self.session.post(
+                    f"{replica.url}/hicache/tokenize{path}", json=body
+                ) as reply:
+                    answer = await reply.json()
+                    if reply.status != 200:
+                        return web.json_response(answer, status=reply.status)
+                    return answer["prompt_token_ids"]
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                self._mark_dead(replica, error)
+        return web.json_response(error_body("no replica is up", "server_error"), status=503)
+
+    def _plan(self, prompt: list[int], tried: set[int]):
+        """(decode replica, prefill replica or None, the decode choice), or None."""
+        num_pages = (len(prompt) - 1) // self.page_size
+        keys = chain_keys(
+            self.digest,
+            encode_tokens(prompt[: num_pages * self.page_size]),
+            self.page_size,
+            num_pages,
+        )
+        with self.lock:
+            pd = any(r.alive and r.role == "prefill" for r in self.replicas)
+            serving = "decode" if pd else "both"
+            decode = self._choose(keys, serving, tried)
+            if decode is None:
+                return None
+            replica, choice = decode
+            prefill = None
+            if pd and needs_prefill(choice[1], num_pages):
+                chosen = self._choose(keys, "prefill", tried)
+                if chosen is None:
+                    return None
+                prefill = chosen[0]
+                prefill.num_routed += 1
+                prefill.recent.add(keys)
+            replica.num_routed += 1
+            replica.recent.add(keys)
+            return replica, prefill, choice
+
+    def _choose(self, keys: list[bytes], role: str, tried: set[int]):
+        candidates, cached = [], {}
+        for i, replica in enumerate(self.replicas):
+            if not replica.alive or replica.role != role or i in tried:
+                continue
+            cached[i] = cached_prefix(keys, replica.index, self.shared_l3, replica.recent)
+            candidates.append(Candidate(i, cached[i], replica.in_flight, replica.num_routed))
+        if not candidates:
+            return None
+        choice = self.router.choose(candidates, len(keys))
+        return self.replicas[choice.index], (choice.value, cached[choice.index])
+
+    # ------------------------------------------------------------------ forwarding
+
+    async def _prefill(self, replica: ReplicaState, body) -> None:
+        replica.in_flight += 1
+        try:
+            async with self.session.post(f"{replica.url}/hicache/prefill", json=body) as reply:
+                if reply.status != 200:
+                    raise _ReplicaFailed(replica, RuntimeError(await reply.text()))
+                await reply.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            raise _ReplicaFailed(replica, error) from None
+        finally:
+            replica.in_flight -= 1
+
+    async def _forward(self, request: web.Request, replica: ReplicaState, body, choice):
+        value, cached = choice
+        route = {
+            "replica": replica.name,
+            "policy": self.config.routing.policy,
+            "value": value,
+            "cached_pages": list(cached),
+        }
+        replica.in_flight += 1
+        try:
+            async with self.session.post(f"{replica.url}{request.path}", json=body) as reply:
+                if not body.get("stream"):
+                    answer = await reply.json()
+                    if isinstance(answer, dict) and "hicache" in answer:
+                        answer["hicache"]["route"] = route
+                    return web.json_response(answer, status=reply.status)
+                return await self._relay(request, reply, route)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            raise _ReplicaFailed(replica, error) from None
+        finally:
+            replica.in_flight -= 1
+
+    async def _relay(self, request: web.Request, reply, route: dict) -> web.StreamResponse:
+        """Pass a replica's event stream through; once bytes have reached the client, a
+        replica failure ends the stream with an error event instead of a retry."""
+        first = await reply.content.readany()  # a failure before this is retried elsewhere
+        stream = web.StreamResponse(
+            status=reply.status,
+            headers={
+                "Content-Type": reply.headers.get("Content-Type", "text/event-stream"),
+                "X-Hicache-Replica": route["replica"],
+            },
+        )
+        await stream.prepare(request)
+        await stream.write(first)
+        try:
+            async for data in reply.content.iter_any():
+                await stream.write(data)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            message = error_body(f"the replica failed mid-stream: {error}", "server_error")
+            await stream.write(b"data: " + json.dumps(message).encode() + b"\n\n")
+        return stream
+
+
+class _ReplicaFailed(Exception):
+    def __init__(self, replica: ReplicaState, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.replica = replica
+        self.error = error
+
+
+def _reachable(endpoint: str, host: str) -> str:
+    """A replica's event address as seen from here (a wildcard bind means its host)."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:{endpoint[len(wildcard) :]}"
+    return endpoint
+
+
+async def serve(config: RouterConfig) -> int:
+    server = RouteServer(config)
+    try:
+        await server.start()
+    except (OSError, ValueError) as error:
+        print(f"hicache route: error: {error}", flush=True)
+        await server.close()
+        return 1
+    return await serve_until_stopped(
+        server.app(),
+        config.host,
+        config.port,
+        "hicache route",
+        lambda port: (
+            f"hicache route: {config.routing.policy} over {len(server.replicas)} "
+            f"replicas, listening on http://{config.host}:{port}"
+        ),
+        server.close,
+    )

@@ -1,0 +1,422 @@
+"""hicache's L3 inside SGLang: a `HiCacheStorage` backend loaded with `--hicache-storage-backend
+dynamic`.
+
+SGLang keeps its own L1 (GPU) and L2 (host pool) and hands pages to an L3 backend by its own
+page hashes. This backend stores them in any hicache L3 (file, redis, redis+cluster,
+mooncake, grpc: the cache-server daemon) as hicache objects, verified on every read:
+
+    python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+        '{"backend_name": "hicache", "module_path": "engine_integration.sglang.storage",
+          "class_name": "HiCacheSGLangStorage", "interface_v1": 1,
+          "url": "redis://127.0.0.1:6379/0?timeout=1s"}'
+
+What it owns: the translation of SGLang's calls, keys and host-pool pages into hicache's
+batched storage API. Keys: SGLang's page hash, namespaced by what makes KV incompatible
+(model, dtype and host layout of the pool, pp/cp rank and size, and the tp rank and size
+except for MLA, whose KV every tp rank holds whole and only the storage writer stores). A
+page is the few contiguous byte ranges it occupies in the pool (`sglang_pages`), one object
+each, read into and written from the pool without a staging copy.
+
+Threads: SGLang calls from its prefetch, prefetch-I/O and backup threads at once. Every call
+goes through one `SyncBackend` (its own event loop on its own thread), so no event loop of
+the caller is assumed, and no call blocks longer than the backend URL's `timeout`: a slow or
+dead backend gives misses (and False), counted, never a hang.
+
+Not supported, refused at attach with an error naming the setting: extra host pools (Mamba,
+SWA, DSA indexer: `register_mem_host_pool_v2`), host layouts other than page_first,
+layer_first and page_first_direct, `tp_lcm_size` and DCP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+)
+
+from engine_integration.sglang.pages import PageGeometry, byte_buffer
+from radix.keys import Namespace
+from storage_backends import (
+    BackendConfigError,
+    BackendStats,
+    BackendUnavailableError,
+    SyncBackend,
+    open_backend,
+)
+
+logger = logging.getLogger(__name__)
+
+URL_VARIABLE = "HICACHE_L3_URL"
+# Keys of the extra config that SGLang reads itself (it removes its prefetch_* keys first).
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+OWN_KEYS = frozenset({"url", "model_id"})
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """What the extra config (and the environment) says.
+
+    url:      any hicache L3 URL; from the extra config's "url", else $HICACHE_L3_URL.
+    model_id: the model name keys are namespaced by; default SGLang's own (served) name.
+    """
+
+    url: str
+    model_id: str
+
+    @classmethod
+    def from_storage_config(
+        cls, config: HiCacheStorageConfig, environ: Mapping[str, str] | None = None
+    ) -> StorageSettings:
+        extra = config.extra_config if config.extra_config is not None else {}
+        if not isinstance(extra, Mapping):
+            raise BackendConfigError(
+                f"--hicache-storage-backend-extra-config must be a JSON object, got "
+                f"{type(extra).__name__}"
+            )
+        unknown = sorted(set(extra) - SGLANG_KEYS - OWN_KEYS)
+        if unknown:
+            raise BackendConfigError(
+                f"extra config: unknown key(s) {', '.join(map(repr, unknown))}; hicache reads "
+                f"{', '.join(sorted(OWN_KEYS))} (SGLang: {', '.join(sorted(SGLANG_KEYS))})"
+            )
+        env = os.environ if environ is None else environ
+        url = extra.get("url", env.get(URL_VARIABLE))
+        if url is None:
+            raise BackendConfigError(
+                f"extra config: 'url' is missing (or set {URL_VARIABLE}), e.g. "
+                '"url": "redis://127.0.0.1:6379/0"'
+            )
+        if not isinstance(url, str) or "://" not in url:
+            raise BackendConfigError(f"extra config: 'url' must be a backend URL, got {url!r}")
+        model_id = extra.get("model_id", config.model_name)
+        if not isinstance(model_id, str) or not model_id:
+            raise BackendConfigError(
+                "extra config: 'model_id' is needed (SGLang passed no model name), got "
+                f"{model_id!r}"
+            )
+        return cls(url=url, model_id=model_id)
+
+
+def shard_of(config: HiCacheStorageConfig) -> str:
+    """The part of the namespace that tells one rank's KV from another's.
+
+    MLA KV is the same on every tp rank (SGLang lets one writer store it): tp is left out.
+    """
+    if config.dcp_size > 1:
+        raise BackendConfigError(
+            f"dcp_size={config.dcp_size}: decode context parallelism is not supported"
+        )
+    if config.tp_lcm_size:
+        raise BackendConfigError(
+            f"extra config: tp_lcm_size={config.tp_lcm_size} (heads split across unequal tp "
+            "sizes) is not supported"
+        )
+    parts = [] if config.is_mla_model else [f"tp={config.tp_rank}/{config.tp_size}"]
+    parts.append(f"pp={config.pp_rank}/{config.pp_size}")
+    if config.attn_cp_size > 1:
+        parts.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
+    return ";".join(parts)
+
+
+class _Attached:
+    """What exists once the host pool is registered: its geometry, its bytes, the store."""
+
+    def __init__(self, pool: Any, geometry: PageGeometry, store: SyncBackend, digest: bytes):
+        self.pool = pool
+        self.geometry = geometry
+        self.buffer = byte_buffer(pool.kv_buffer)
+        self.store = store
+        self.digest = digest  # the namespace's seed: model, layout, shard
+
+    def object_keys(self, keys: Sequence[str]) -> list[bytes]:
+        """The 16-byte keys of every part of every page, page by page."""
+        if not all(type(key) is str for key in keys):
+            bad = next(i for i, key in enumerate(keys) if type(key) is not str)
+            raise ValueError(f"keys[{bad}] must be a str (SGLang page hash), got {keys[bad]!r}")
+        hasher = xxhash.xxh3_128()
+        out = []
+        for key in keys:
+            raw = key.encode()
+            for part in range(self.geometry.num_parts):
+                hasher.reset()
+                hasher.update(self.digest)
+                hasher.update(len(raw).to_bytes(4, "little"))
+                hasher.update(raw)
+                hasher.update(part.to_bytes(2, "little"))
+                out.append(hasher.digest())
+        return out
+
+    def per_page(self, found: Sequence[bool]) -> list[bool]:
+        """Per-object outcomes -> per-page: a page is there only if all its parts are."""
+        n = self.geometry.num_parts
+        if n == 1:
+            return list(found)
+        return [all(found[i : i + n]) for i in range(0, len(found), n)]
+
+
+class _Throughput:
+    """The per-call pages and GB/s that SGLang's storage metrics histogram, since last read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lists: dict[str, list[float]] = {
+            "prefetch_pgs": [],
+            "backup_pgs": [],
+            "prefetch_bandwidth": [],
+            "backup_bandwidth": [],
+        }
+
+    def record(self, kind: str, num_pages: int, num_bytes: int, elapsed_s: float) -> None:
+        with self._lock:
+            self._lists[f"{kind}_pgs"].append(num_pages)
+            self._lists[f"{kind}_bandwidth"].append(num_bytes / max(elapsed_s, 1e-9) / 1e9)
+
+    def take(self) -> dict[str, list[float]]:
+        with self._lock:
+            taken = {name: list(values) for name, values in self._lists.items()}
+            for values in self._lists.values():
+                values.clear()
+        return taken
+
+
+class HiCacheSGLangStorage(HiCacheStorage):
+    """SGLang's L3 on hicache storage. Built by SGLang's `StorageBackendFactory` as
+    `HiCacheSGLangStorage(storage_config, kwargs)`; the host pool arrives next through
+    `register_mem_pool_host`, which connects (an unreachable backend fails the attach)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+        self.storage_config = storage_config
+        self.settings = StorageSettings.from_storage_config(storage_config)
+        self.shard = shard_of(storage_config)
+        self.attention = "mla" if storage_config.is_mla_model else "mha"
+        self.is_writer = storage_config.is_storage_writer
+        try:  # a bad scheme or option fails now, before SGLang starts its threads
+            open_backend(self.settings.url)
+        except BackendConfigError as exc:
+            raise BackendConfigError(f"extra config 'url': {exc}") from None
+        self._attached: _Attached | None = None
+        self._attach_lock = threading.Lock()
+        self._throughput = _Throughput()
+        self._metrics = storage_config.enable_storage_metrics
+        self.num_refused_writes = 0  # set calls refused: not this rank's to write (MLA)
+
+    # -- attach ---------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take the host pool, derive its page geometry and namespace, connect the store."""
+        super().register_mem_pool_host(mem_pool_host)
+        geometry = PageGeometry.of_host_pool(mem_pool_host, attention=self.attention)
+        namespace = Namespace(
+            model_id=self.settings.model_id, layout=geometry.descriptor, extra_key=self.shard
+        )
+        store = SyncBackend(open_backend(self.settings.url, layout=geometry.descriptor))
+        try:
+            store.connect()
+        except BackendUnavailableError as exc:
+            store.close()
+            raise BackendUnavailableError(f"extra config 'url': {exc}") from None
+        with self._attach_lock:
+            previous, self._attached = (
+                self._attached,
+                _Attached(mem_pool_host, geometry, store, namespace.digest),
+            )
+        if previous is not None:
+            previous.store.close()
+        logger.info(
+            "hicache L3 %s attached: %s, namespace %s/%s",
+            store.backend.name,
+            geometry.descriptor,
+            self.settings.model_id,
+            self.shard,
+        )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        if str(host_pool_name) != PoolName.KV.value:
+            raise BackendConfigError(
+                f"host pool {str(host_pool_name)!r}: hicache's SGLang backend stores KV pages "
+                "only (no Mamba, SWA or indexer pools)"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _pool(self) -> _Attached:
+        attached = self._attached
+        if attached is None:
+            raise RuntimeError("HiCacheSGLangStorage: register_mem_pool_host was not called")
+        return attached
+
+    # -- zero copy: straight into and out of the host pool ----------------------------------
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many pages, from the first, are stored (every part of each)."""
+        attached = self._pool()
+        if not keys:
+            return 0
+        found = attached.store.batch_exists(attached.object_keys(keys))
+        return found // attached.geometry.num_parts
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read pages into the host pool at `host_indices`; True per verified page."""
+        return self._move("prefetch", keys, host_indices)
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Store the host pool's pages at `host_indices` under `keys`; True per stored page."""
+        return self._move("backup", keys, host_indices)
+
+    def _move(self, kind: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        """One batch between L3 and the pool's own pages: read in ("prefetch") or written
+        out ("backup"), each page as the views of its parts (no staging copy)."""
+        attached = self._pool()
+        pages = attached.geometry.page_numbers(host_indices, len(keys))
+        if not keys or (kind == "backup" and not self._may_write(len(keys))):
+            return [False] * len(keys)
+        views = attached.geometry.page_views(attached.buffer, pages)
+        call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
+        start = time.perf_counter()
+        done = attached.per_page(call(attached.object_keys(keys), views))
+        self._record(kind, attached, sum(done), start)
+        return done
+
+    # -- flat pages (SGLang's path without interface_v1) ------------------------------------
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Sequence[torch.Tensor] | None = None,
+        target_sizes: Any = None,
+    ) -> list[torch.Tensor | None]:
+        """Read pages into flat page tensors (SGLang's dummy pages; new ones if None)."""
+        attached = self._pool()
+        if target_locations is None:
+            target_locations = [self._flat_page(attached) for _ in keys]
+        if len(target_locations) != len(keys):
+            raise ValueError(f"{len(target_locations)} target_locations for {len(keys)} keys")
+        views = [
+            part
+            for target in target_locations
+            for part in attached.geometry.split_flat_page(byte_buffer(target))
+        ]
+        found = attached.per_page(attached.store.batch_get(attached.object_keys(keys), views))
+        return [t if ok else None for t, ok in zip(target_locations, found, strict=True)]
+
+    def get(
+        self, key: str, target_location: torch.Tensor | None = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        targets = None if target_location is None else [target_location]
+        return self.batch_get([key], targets)[0]
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Sequence[torch.Tensor] | None = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store flat pages (`get_data_page(i, flat=True)`); True if every page was stored."""
+        attached = self._pool()
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"batch_set needs one flat page per key ({len(keys)} keys)")
+        if not keys or not self._may_write(len(keys)):
+            return not keys
+        views = [
+            part
+            for value in values
+            for part in attached.geometry.split_flat_page(byte_buffer(value.contiguous()))
+        ]
+        return all(attached.store.batch_put(attached.object_keys(keys), views))
+
+    def set(
+        self,
+        key: str,
+        value: torch.Tensor | None = None,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        if value is None:
+            raise ValueError("set needs the flat page as value")
+        return self.batch_set([key], [value])
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    def get_stats(self):
+        """SGLang's `StorageMetrics` (pages and GB/s per call since the last call), with
+        hicache's backend counters (hits, misses, corrupt pages, timeouts...) as `.hicache`."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics(**self.take_throughput())
+        metrics.hicache = self.backend_stats()
+        return metrics
+
+    def take_throughput(self) -> dict[str, list[float]]:
+        """Pages and GB/s of each get (prefetch) and set (backup) since the last take, under
+        the names of SGLang's `StorageMetrics` (recorded when SGLang runs with
+        --enable-metrics: `enable_storage_metrics`)."""
+        return self._throughput.take()
+
+    def backend_stats(self) -> BackendStats | None:
+        attached = self._attached
+        return None if attached is None else attached.store.stats()
+
+    def clear(self) -> bool:
+        """Refused: hicache's L3 is shared (other engines, other ranks), so one engine may not
+        wipe it; drop its data with the store's own tools. Returns False, with a warning."""
+        logger.warning(
+            "hicache L3 %s: clear() ignored; the store is shared, clear it with its own tools",
+            self.settings.url.split("?")[0],
+        )
+        return False
+
+    def close(self) -> None:
+        with self._attach_lock:
+            attached, self._attached = self._attached, None
+        if attached is not None:
+            attached.store.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _may_write(self, num_pages: int) -> bool:
+        """SGLang's single-writer rule for MLA: only the storage writer stores pages."""
+        if self.is_writer:
+            return True
+        self.num_refused_writes += num_pages
+        return False
+
+    def _flat_page(self, attached: _Attached) -> torch.Tensor:
+        buffer = attached.pool.kv_buffer
+        return torch.empty(
+            attached.geometry.page_bytes // buffer.element_size(), dtype=buffer.dtype
+        )
+
+    def _record(self, kind: str, attached: _Attached, num_pages: int, start: float) -> None:
+        if self._metrics:
+            elapsed = time.perf_counter() - start
+            self._throughput.record(
+                kind, num_pages, num_pages * attached.geometry.page_bytes, elapsed
+            )

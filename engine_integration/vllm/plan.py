@@ -1,0 +1,194 @@
+"""The scheduler side of the vLLM connector: how many tokens hicache can supply, and the
+per-step plan (loads and saves) it hands to the worker.
+
+- `num_new_matched_tokens`: what the workers' caches hold of the prompt minus its last
+  token (vLLM must compute at least one), through `engine_integration.vllm.lookup` (the
+  index, and one batched L3 `exists` past it, which also starts fetching those pages into
+  L2 for the load). The answer is whole hicache pages, capped by the L1 staging pages left
+  this step. Loads are synchronous in vLLM's sense: they run inside the step's forward pass,
+  layer by layer, so the second value is always False.
+- `after_alloc` records the load against the blocks vLLM gave the request.
+- `build_metadata`: the step's loads, and a save for every request whose prompt is fully
+  computed by this step (its full pages, from vLLM's blocks, during this forward).
+- `finished`: a request that ended with full pages past its prompt (its answer) has them
+  saved in the next step (`final_saves`), whole, and vLLM keeps its blocks until the worker
+  reports the copy done (`get_finished`): a multi-turn conversation's next prompt then hits
+  the previous answer too. Otherwise nothing is kept: a save copies the blocks into
+  hicache's L1 during the step (then L1 -> L2 -> L3 in the background, in hicache's own
+  pages).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_integration.vllm.config import request_extra_key
+from engine_integration.vllm.lookup import Found
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load tokens [first_token, len(token_ids)) of a request into its vLLM blocks."""
+
+    req_id: str
+    token_ids: list[int]  # the prefix to match: whole pages
+    extra_key: str  # the request's part of the namespace (each worker adds its rank)
+    first_token: int  # vLLM's own prefix hit ends here
+    block_ids: list[int]  # the request's blocks, from token 0
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Save a request's full prompt pages from its vLLM blocks."""
+
+    req_id: str
+    token_ids: list[int]  # whole pages
+    extra_key: str
+    block_ids: list[int]
+
+
+@dataclass
+class Lookup:
+    """What one `num_new_matched_tokens` answer was based on."""
+
+    first_token: int
+    num_tokens: int  # the caches' hit, in tokens
+    found: Found
+
+
+@dataclass
+class _Tracked:
+    request: Any  # vllm.v1.request.Request
+    extra_key: str
+    saved: bool = False
+
+
+@dataclass
+class StepPlan:
+    """The scheduler's plan for one step (the connector metadata's payload)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    # Requests that ended with full pages past their prompt: saved whole at the end of the
+    # step (their blocks wait for it), then reported as finished sending.
+    final_saves: list[SaveSpec] = field(default_factory=list)
+
+
+Finder = Callable[[list[int], str], Found]  # (tokens, extra key) -> what the caches hold
+
+
+class SchedulerPlanner:
+    """Scheduler-side state of the connector, over `find` (the workers' caches)."""
+
+    def __init__(self, find: Finder, page_size: int, block_size: int, l1_pages: int) -> None:
+        self.find = find
+        self.page_size = page_size
+        self.block_size = block_size
+        self.l1_pages = l1_pages
+        self._lookups: dict[str, Lookup] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadSpec] = []
+        self._loading: dict[str, set[int]] = {}  # the last step's loads: req id -> blocks
+        self._final_saves: list[SaveSpec] = []
+        self.sending: set[str] = set()  # finished requests whose blocks wait for a save
+        self._promised_pages = 0
+
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.all_token_ids[: request.num_tokens - 1])
+        found = self.find(tokens, request_extra_key(request))
+        budget = self.l1_pages - self._promised_pages
+        num_tokens = max(0, min(found.num_pages, budget)) * self.page_size
+        self._lookups[request.request_id] = Lookup(num_computed_tokens, num_tokens, found)
+        return max(0, num_tokens - num_computed_tokens), False
+
+    def lookup(self, req_id: str) -> Lookup | None:
+        return self._lookups.get(req_id)
+
+    def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        req_id = request.request_id
+        self._tracked.setdefault(req_id, _Tracked(request, request_extra_key(request)))
+        lookup = self._lookups.get(req_id)
+        if not num_external_tokens or lookup is None:
+            return
+        end = lookup.first_token + num_external_tokens
+        self._promised_pages += -(-end // self.page_size)
+        self._loads.append(
+            LoadSpec(
+                req_id=req_id,
+                token_ids=list(request.all_token_ids[:end]),
+                extra_key=self._tracked[req_id].extra_key,
+                first_token=lookup.first_token,
+                block_ids=list(block_ids),
+            )
+        )
+
+    def build_metadata(self, scheduler_output, block_ids_of) -> StepPlan:
+        """The step's plan; `block_ids_of(req_id)` gives a request's blocks (group 0)."""
+        plan = StepPlan(loads=self._loads, final_saves=self._final_saves)
+        self._loading = {load.req_id: set(load.block_ids) for load in self._loads}
+        self._loads, self._final_saves = [], []
+        self._promised_pages = 0
+        page_size = self.page_size
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.saved:
+                continue
+            request = tracked.request
+            if request.num_computed_tokens + num_new < request.num_prompt_tokens:
+                continue  # a prefill chunk: the prompt is not complete yet
+            tracked.saved = True
+            num_tokens = request.num_prompt_tokens // page_size * page_size
+            lookup = self._lookups.pop(req_id, None)
+            if not num_tokens or (lookup is not None and lookup.num_tokens >= num_tokens):
+                continue  # no full page, or the caches hold them all already
+            num_blocks = -(-num_tokens // self.block_size)
+            plan.saves.append(
+                SaveSpec(
+                    req_id=req_id,
+                    token_ids=list(request.prompt_token_ids[:num_tokens]),
+                    extra_key=tracked.extra_key,
+                    block_ids=list(block_ids_of(req_id)[:num_blocks]),
+                )
+            )
+        return plan
+
+    def load_errors(self, invalid_block_ids: set[int]) -> None:
+        """The worker could not load these blocks: vLLM recomputes those requests, and
+        their prompts are saved again once computed (which also repairs a corrupt L3
+        page, overwritten by the new copy)."""
+        for req_id, blocks in self._loading.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is not None and blocks & invalid_block_ids:
+                tracked.saved = False
+                self._lookups.pop(req_id, None)
+
+    def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """The request ended. With full pages past its prompt (its answer), they are saved
+        in the next step, whole, and vLLM keeps the blocks until the worker reports it."""
+        tracked = self._tracked.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        computed = min(request.num_computed_tokens, request.num_tokens - 1)  # KV in blocks
+        num_tokens = computed // self.page_size * self.page_size
+        if num_tokens <= request.num_prompt_tokens // self.page_size * self.page_size:
+            return False, None  # no page past the prompt (saved when it was computed)
+        self._final_saves.append(
+            SaveSpec(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids[:num_tokens]),
+                extra_key=tracked.extra_key,
+                block_ids=list(block_ids[: -(-num_tokens // self.block_size)]),
+            )
+        )
+        self.sending.add(request.request_id)
+        return True, None
+
+    def sent(self, req_ids) -> None:
+        """The workers report these final saves done: vLLM frees their blocks."""
+        self.sending.difference_update(req_ids)

@@ -1,0 +1,223 @@
+"""The worker side of the vLLM connector: one step's loads and saves, layer by layer.
+
+hicache's L1 is a small pool of staging pages on vLLM's device. A load is a hicache
+`match` (L1 pages at once; L2 pages copied into fresh L1 pages by hicache's transfer
+engine, layer by layer, on its copy stream; L3 pages prefetched into L2 first), and then,
+in `wait_layer(i)`, layer i is copied from those L1 pages into the request's vLLM blocks
+on the compute stream after waiting on layer i's copy event: layer i+1's copy over the
+link overlaps layer i's attention. A save copies layer i of a request's full prompt pages
+out of vLLM's blocks into fresh L1 pages right after layer i's attention wrote them
+(`save_layer`), and at the end of the step hands the pages to hicache (`insert`), whose
+write policy backs them up to L2 and L3 in the background. A final save (a finished
+request's answer) copies every layer at the end of the step and reports the request as
+sent, so vLLM frees the blocks it kept for it.
+
+Every page a load could not deliver (evicted since the scheduler looked, or an L3 page
+that failed verification: the match stops before it) is reported by block id, never
+copied: vLLM recomputes from the first such block.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from engine_integration.vllm.kv import TokenSlots, VllmKV
+from engine_integration.vllm.plan import LoadSpec, SaveSpec, StepPlan
+from hicache.errors import HiCacheError
+from tiers.errors import PoolExhaustedError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    match: object  # hicache.controller.Match
+    slots: TokenSlots
+    layers_done: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    page_ids: list[int]  # one L1 page per full page; the first `num_reused` are a match's
+    num_reused: int
+    slots: TokenSlots
+    layers_done: set[int] = field(default_factory=set)
+
+
+@dataclass
+class WorkerCounters:
+    loaded_tokens: int = 0
+    failed_tokens: int = 0
+    saved_pages: int = 0
+    saves_skipped: int = 0
+
+
+class WorkerStep:
+    """Runs the plans of successive steps over one worker's registered KV."""
+
+    def __init__(self, cache, kv: VllmKV, page_size: int, namespace_of) -> None:
+        self.cache = cache
+        self.namespace_of = namespace_of  # a spec's extra key -> this worker's namespace
+        self.kv = kv
+        self.page_size = page_size
+        self.counters = WorkerCounters()
+        self._loads: list[_Load] = []
+        self._saves: list[_Save] | None = None
+        self._plan: StepPlan | None = None
+        self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()  # this step's: their blocks hold no KV there
+        self._sent: set[str] = set()  # final saves done: their blocks may be freed
+
+    # ------------------------------------------------------------------ loads
+
+    def bind(self, plan: StepPlan) -> None:
+        """The step's plan, before anything else of the step."""
+        self._plan = plan
+
+    def start(self) -> None:
+        """Match every load of the step (hicache starts its L2 -> L1 copies)."""
+        for spec in self._plan.loads if self._plan is not None else []:
+            self._start_load(spec)
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        try:
+            match = self.cache.match(spec.token_ids, self.namespace_of(spec.extra_key))
+        except HiCacheError as error:  # a background failure surfaces here: a miss
+            logger.warning("hicache match failed, recomputing %s: %r", spec.req_id, error)
+            self._fail(spec, spec.first_token)
+            return
+        end = len(spec.token_ids)
+        loaded = min(match.num_tokens, end)
+        if loaded < end:
+            self._fail(spec, max(loaded, spec.first_token))
+        if loaded <= spec.first_token:
+            self.cache.release(match)
+            return
+        slots = self.kv.slots(
+            spec.block_ids, match.device_page_ids, self.page_size, spec.first_token, loaded
+        )
+        self._loads.append(_Load(spec, match, slots))
+        self.counters.loaded_tokens += loaded - spec.first_token
+
+    def _fail(self, spec: LoadSpec, first_failed_token: int) -> None:
+        """Report the blocks holding tokens [first_failed_token, promised end)."""
+        self._failed_requests.add(spec.req_id)
+        block_size = self.kv.block_size
+        first = first_failed_token // block_size
+        last = -(-len(spec.token_ids) // block_size)
+        self._failed_blocks.update(spec.block_ids[first:last])
+        self.counters.failed_tokens += len(spec.token_ids) - first_failed_token
+
+    def wait_layer(self, layer: int) -> None:
+        """Layer `layer` of every load is in vLLM's blocks (in stream order on a GPU)."""
+        l1 = self.cache.device_pool.kv[layer]
+        for load in self._loads:
+            if layer in load.layers_done:
+                continue
+            self.cache.wait_layer(load.match, layer)
+            self.kv.copy_in(layer, l1, load.slots)
+            load.layers_done.add(layer)
+
+    # ------------------------------------------------------------------ saves
+
+    def save_layer(self, layer: int) -> None:
+        """Copy layer `layer` of every save of the step out of vLLM's blocks."""
+        if self._saves is None:
+            self._saves = self._prepare_saves()
+        l1 = self.cache.device_pool.kv[layer]
+        for save in self._saves:
+            if layer not in save.layers_done:
+                self.kv.copy_out(layer, l1, save.slots)
+                save.layers_done.add(layer)
+
+    def _prepare_saves(self, specs: list[SaveSpec] | None = None) -> list[_Save]:
+        saves = []
+        matches = {load.spec.req_id: load.match for load in self._loads}
+        if specs is None:
+            specs = self._plan.saves if self._plan is not None else []
+        for spec in specs:
+            if spec.req_id in self._failed_requests:
+                self.counters.saves_skipped += 1  # vLLM recomputes it, and saves then
+                continue
+            match = matches.get(spec.req_id)
+            save = self._prepare_save(spec, list(match.device_page_ids) if match else [])
+            if save is not None:
+                saves.append(save)
+        return saves
+
+    def _prepare_save(self, spec: SaveSpec, reused: list[int]) -> _Save | None:
+        """L1 pages for a save: `reused` (a match's, already holding the first pages) and
+        fresh ones for the rest; None when L1 has no room."""
+        num_pages = len(spec.token_ids) // self.page_size
+        reused = reused[:num_pages]
+        try:
+            fresh = self.cache.alloc_device_pages(num_pages - len(reused))
+        except PoolExhaustedError:
+            self.counters.saves_skipped += 1
+            logger.info("hicache L1 is full: not saving %s", spec.req_id)
+            return None
+        page_ids = reused + fresh
+        start = len(reused) * self.page_size
+        slots = self.kv.slots(spec.block_ids, page_ids, self.page_size, start, len(spec.token_ids))
+        return _Save(spec, page_ids, len(reused), slots)
+
+    # ------------------------------------------------------------------ end of step
+
+    def finish(self) -> None:
+        """Complete the step: any layer not yet copied, the inserts, the releases."""
+        for layer in range(self.kv.num_layers):
+            self.wait_layer(layer)
+        if self._plan is not None and self._plan.saves:
+            for layer in range(self.kv.num_layers):
+                self.save_layer(layer)  # layers the forward did not hand over
+        for save in self._saves or []:
+            self._insert(save)
+        for spec in self._plan.final_saves if self._plan is not None else []:
+            self._save_whole(spec)
+            self._sent.add(spec.req_id)  # done or skipped: vLLM may free the blocks now
+        for load in self._loads:
+            self.cache.release(load.match)
+        self._loads, self._saves, self._plan = [], None, None
+        self._failed_requests = set()
+
+    def _save_whole(self, spec: SaveSpec) -> None:
+        """A finished request's pages, every layer at once (it has no forward pass left).
+        On a GPU the copies are queued on the compute stream, before anything vLLM runs
+        after this step in the blocks it frees."""
+        save = self._prepare_save(spec, [])
+        if save is None:
+            return
+        for layer in range(self.kv.num_layers):
+            self.kv.copy_out(layer, self.cache.device_pool.kv[layer], save.slots)
+        self._insert(save)
+
+    def take_finished_sending(self) -> set[str]:
+        sent, self._sent = self._sent, set()
+        return sent
+
+    def _insert(self, save: _Save) -> None:
+        try:
+            namespace = self.namespace_of(save.spec.extra_key)
+            new_pages = self.cache.insert(save.spec.token_ids, save.page_ids, namespace)
+        except HiCacheError as error:
+            logger.warning("hicache insert failed, not saving %s: %r", save.spec.req_id, error)
+            self.cache.free_device_pages(save.page_ids[save.num_reused :])
+            self.counters.saves_skipped += 1
+            return
+        self.counters.saved_pages += new_pages
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def close(self) -> None:
+        """Release what a step left behind (a step cut short by an error)."""
+        for load in self._loads:
+            if not load.match.released:
+                self.cache.release(load.match)
+        for save in self._saves or []:
+            self.cache.free_device_pages(save.page_ids[save.num_reused :])
+        self._loads, self._saves = [], None

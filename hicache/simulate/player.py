@@ -1,0 +1,373 @@
+"""The trace player: a trace played through real `HiCache` controllers, one per serving
+instance, in virtual time. ("Replay" elsewhere means the engine's encoder replay or a
+CUDA-graph replay; a trace is played.)
+
+Each instance is a prefill engine with its own L1 and L2 and a `VirtualExecutor`; all share
+one simulated L3 (or each has its own). Events run in timestamp order:
+
+- arrival: the router picks an instance (`hicache.routing`: round-robin, or the most
+  valuable cached prefix, tier-weighted, among the instances not much busier than the
+  least busy); a request that has to queue gives the
+  cache its prefetch hint, as a scheduler would;
+- start (the instance's GPU is free): `match` (the controller loads L2 pages, prefetches
+  L3 pages and waits as its prefetch policy says, advancing the instance's clock), then
+  prefill of the tokens the cache did not serve, overlapped layer by layer with the loads;
+- finish: `insert` the prompt's full pages, `release` the match, and trim L1 back to its
+  capacity (below).
+
+The L1 pool is the capacity plus room for one request, trimmed back after each request:
+the same contents a pool of exactly the capacity would hold between requests (a live
+engine evicts just before allocating, this one just after inserting, and a finished request
+is the most recently used), and it stays defined when the capacity is smaller than a
+request, down to zero.
+
+TTFT = queueing + the match's waits (L3 lookups and prefetch) + prefill, where prefill of
+the uncached tokens overlaps the per-layer loads. Only prompt pages are cached (the KV a
+prefill produces; as on the prefill side of a P/D deployment).
+
+This module knows the controller only through its public API, plus one side-effect-free
+look at an instance's index for routing (`_cached_prefix`), scored by `hicache.routing`, the
+code `hicache route` runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config
+from hicache.controller import CachedPrefix, HiCache, Match
+from hicache.routing import NOTHING_CACHED, Candidate, Router, RoutingConfig
+from hicache.simulate.config import SimulationConfig
+from hicache.simulate.errors import SimulationError
+from hicache.simulate.executor import URL_SCHEME, Link, Links, VirtualExecutor
+from hicache.simulate.l3 import SimulatedL3
+from hicache.simulate.result import RequestStats, SimulationResult, summarize
+from hicache.simulate.trace import Request, Trace
+from radix.keys import Namespace
+from tiers.errors import PoolExhaustedError
+
+ProgressCallback = Callable[[int, int], None]  # (requests done, total)
+_FINISH, _TICK = 0, 1  # event kinds
+
+
+@dataclass(eq=False)
+class _Job:
+    index: int
+    request: Request
+    data: bytes  # the prompt, encoded once
+    match: Match | None = None
+    new_page_ids: list[int] | None = None
+    estimate_s: float = 0.0  # prefill time without a cache (routing's load estimate)
+
+
+class _Instance:
+    """One serving instance: its cache, its clock, its GPU and its queue."""
+
+    def __init__(self, index: int, cache: HiCache, executor: VirtualExecutor, l1_pages: int):
+        self.index = index
+        self.cache = cache
+        self.executor = executor
+        self.l1_capacity_pages = l1_pages
+        self.running: _Job | None = None
+        self.queue: deque[_Job] = deque()
+        self.free_at_s = 0.0  # when the running request's prefill ends
+        self.tick_pending = False
+        self.queued_s = 0.0  # summed no-cache estimates of the queued requests
+        self.busy_s = 0.0
+        self.num_routed = 0
+
+    def backlog_s(self, now_s: float) -> float:
+        return max(0.0, self.free_at_s - now_s) + self.queued_s
+
+
+class TracePlayer:
+    """One simulation run. `run()` once; it returns a `SimulationResult`."""
+
+    def __init__(
+        self,
+        config: SimulationConfig,
+        trace: Trace,
+        progress: ProgressCallback | None = None,
+        acknowledge: Callable[[int], int] | None = None,
+    ) -> None:
+        """`acknowledge(n)`: how many leading pages of an L3 write of n pages the store
+        keeps (default all; a test makes L3 lose the rest, as a full disk does)."""
+        if not trace.requests:
+            raise SimulationError("the trace holds no requests")
+        self.config = config
+        self.trace = trace
+        self.progress = progress
+        self._acknowledge = acknowledge
+        self._layout = config.model.kv_layout(config.page_size)
+        if self._layout.bytes_per_page != config.page_bytes:
+            raise SimulationError("the model's page layout and its KV bytes per token disagree")
+        # One model on every instance: they share prefixes (and a shared L3) in one namespace.
+        self._namespace = Namespace(model_id=config.model.name, layout=self._layout.descriptor())
+        self._trace_pages = sum(r.input_length // config.page_size for r in trace.requests)
+        self._stores = self._make_stores()
+        aggregate = config.l3_aggregate_bytes_per_s
+        self._shared_links = (  # the shared store's own bandwidth, one side per direction
+            (Link("l3-write", aggregate), Link("l3-read", aggregate))
+            if aggregate and config.l3_shared and self._stores
+            else None
+        )
+        self._instances = [self._make_instance(i) for i in range(config.num_instances)]
+        self._stats = RequestStats.empty(trace.num_requests)
+        self._router = Router(RoutingConfig(config.routing, config.route_balance_s))
+        self._events: list[tuple[float, int, int, _Instance]] = []  # (time, seq, kind, where)
+        self._seq = itertools.count()
+
+    @property
+    def caches(self) -> list[HiCache]:
+        """The instances' controllers, in instance order (to inspect after `run`)."""
+        return [instance.cache for instance in self._instances]
+
+    @property
+    def request_stats(self) -> RequestStats:
+        """Per-request times and hits (row i: trace request i), filled in by `run`."""
+        return self._stats
+
+    # ------------------------------------------------------------------ building
+
+    def _make_stores(self) -> dict[str, SimulatedL3]:
+        c = self.config
+        if not c.l3_pages:
+            return {}
+        pages = min(c.l3_pages, self._trace_pages + 1)
+        if c.l3_shared:
+            return {"shared": SimulatedL3(pages, "shared")}
+        return {
+            f"instance-{i}": SimulatedL3(pages, f"instance-{i}") for i in range(c.num_instances)
+        }
+
+    def _make_links(self, index: int) -> Links:
+        c, hw = self.config, self.config.hardware
+        host_rate = hw.host_link_bytes_per_s * c.gpus_per_instance
+        l3_write: tuple[Link, ...] = ()
+        l3_read: tuple[Link, ...] = ()
+        if self._stores:
+            rate = c.l3_instance_bytes_per_s
+            l3_write = (Link(f"nic{index}-out", rate),)
+            l3_read = (Link(f"nic{index}-in", rate),)
+            if self._shared_links is not None:
+                l3_write += (self._shared_links[0],)
+                l3_read += (self._shared_links[1],)
+        return Links(
+            device_to_host=Link(f"host{index}-d2h", host_rate),
+            host_to_device=Link(f"host{index}-h2d", host_rate),
+            host_latency_s=hw.host_link_latency_s,
+            l3_write=l3_write,
+            l3_read=l3_read,
+            l3_latency_s=c.l3_latency_s,
+        )
+
+    def _make_instance(self, index: int) -> _Instance:
+        c = self.config
+        links = self._make_links(index)
+        headroom = -(-self.trace.max_input_length // c.page_size)
+        # A tier that can hold every page of the trace behaves the same at any larger size:
+        # cap the pools there (a 100 TB L1 of 16-token pages would be a billion page ids).
+        l1_pages = min(c.l1_pages, self._trace_pages)
+        l2_pages = min(c.l2_pages, self._trace_pages)
+        executor = VirtualExecutor(
+            num_device_pages=l1_pages + headroom,
+            num_host_pages=l2_pages,
+            page_bytes=c.page_bytes,
+            links=links,
+            stores=self._stores,
+            prefetch_chunk_pages=c.prefetch_chunk_pages,
+            acknowledge=self._acknowledge,
+        )
+        url = None
+        if self._stores:
+            url = URL_SCHEME + ("shared" if c.l3_shared else f"instance-{index}")
+        cache_config = HiCacheConfig(
+            layout=self._layout,
+            l1=L1Config(device="cpu", num_pages=l1_pages + headroom),
+            l2=L2Config(budget_bytes=l2_pages * c.page_bytes, reserve_bytes=0, pin_memory=False),
+            l3=L3Config(
+                url=url,
+                write_policy=c.l3_write_policy,
+                prefetch_chunk_pages=c.prefetch_chunk_pages,
+            ),
+            policy=c.policy,
+        )
+        return _Instance(index, HiCache(cache_config, executor), executor, l1_pages)
+
+    # ------------------------------------------------------------------ the event loop
+
+    def run(self) -> SimulationResult:
+        started = time.perf_counter()
+        requests = self.trace.requests
+        events = self._events
+        total = len(requests)
+        done = 0
+        report_every = max(1, total // 200)
+        next_arrival = 0
+        while next_arrival < total or events:
+            if events and (
+                next_arrival >= total or events[0][0] <= requests[next_arrival].arrival_s
+            ):
+                at_s, _, kind, instance = heapq.heappop(events)
+                if kind == _TICK:
+                    self._tick(instance, at_s)
+                    continue
+                self._finish(instance, at_s)
+                done += 1
+                if self.progress is not None and done % report_every == 0:
+                    self.progress(done, total)
+            else:
+                self._arrive(next_arrival, requests[next_arrival])
+                next_arrival += 1
+        for instance in self._instances:
+            instance.cache.flush()
+        for store in self._stores.values():
+            store.settle_all()
+        if self.progress is not None:
+            self.progress(total, total)
+        return summarize(
+            self.config,
+            self.trace,
+            self._stats,
+            [instance.cache.stats() for instance in self._instances],
+            [instance.busy_s for instance in self._instances],
+            [store.stats() for store in self._stores.values()],
+            elapsed_s=time.perf_counter() - started,
+        )
+
+    def _arrive(self, index: int, request: Request) -> None:
+        job = _Job(index, request, request.token_bytes())
+        job.estimate_s = self.config.model.prefill_flops(0, request.input_length) / (
+            self.config.instance_flops
+        )
+        instance = self._route(job, request.arrival_s)
+        instance.executor.advance_to(request.arrival_s)
+        if instance.running is None:
+            self._start(instance, job, request.arrival_s)
+            return
+        instance.queue.append(job)
+        instance.queued_s += job.estimate_s
+        if instance.executor.has_l3:
+            # the scheduler's hint for a queued request
+            instance.cache.prefetch(job.data, self._namespace)
+
+    def _start(self, instance: _Instance, job: _Job, at_s: float) -> None:
+        c = self.config
+        executor, cache = instance.executor, instance.cache
+        executor.advance_to(at_s)
+        began_s = executor.now()  # later than at_s when the scheduler was blocked
+        match = cache.match(job.data, self._namespace)
+        matched_s = executor.now()
+        length = job.request.input_length
+        computed_from = min(match.num_tokens, length - 1)  # the last token is always computed
+        prefill_s = c.model.prefill_flops(computed_from, length) / c.instance_flops
+        end_s = matched_s + prefill_s
+        if executor.loads_done_s > matched_s:  # layer i attends once its load is in
+            last_layer_s = prefill_s / c.model.num_layers
+            end_s = max(end_s, executor.loads_done_s + last_layer_s)
+        num_new = length // c.page_size - match.num_pages
+        try:
+            job.new_page_ids = cache.alloc_device_pages(num_new)
+        except PoolExhaustedError as error:  # the pool has room for one whole request
+            raise SimulationError(f"instance {instance.index}: {error}") from error
+        job.match = match
+        instance.running = job
+        instance.free_at_s = end_s
+        instance.busy_s += end_s - matched_s
+        self._stats.record(
+            job.index,
+            arrival_s=job.request.arrival_s,
+            began_s=began_s,
+            matched_s=matched_s,
+            end_s=end_s,
+            match=match,
+            page_size=c.page_size,
+            computed_from=computed_from,
+            instance=instance.index,
+        )
+        heapq.heappush(self._events, (end_s, next(self._seq), _FINISH, instance))
+
+    def _finish(self, instance: _Instance, at_s: float) -> None:
+        job = instance.running
+        cache = instance.cache
+        instance.executor.advance_to(at_s)
+        cache.insert(job.data, job.match.device_page_ids + job.new_page_ids, self._namespace)
+        cache.release(job.match)
+        self._trim_l1(instance)
+        instance.running = None
+        if instance.queue:
+            following = instance.queue.popleft()
+            instance.queued_s = max(0.0, instance.queued_s - following.estimate_s)
+            self._start(instance, following, at_s)
+        else:
+            self._schedule_tick(instance)
+
+    def _schedule_tick(self, instance: _Instance) -> None:
+        """An idle instance looks at its cache again when its next transfer ends.
+
+        The controller applies finished transfers (and starts the L3 writes that follow a
+        backup) whenever it is called; a busy engine calls it all the time, an idle one
+        would not. Without these ticks an idle instance's backups would reach L3 only with
+        its next request, and the other instances would miss them meanwhile.
+        """
+        next_s = instance.executor.next_done_s()
+        if next_s is None or instance.tick_pending:
+            return
+        instance.tick_pending = True
+        at_s = max(next_s, instance.executor.now())
+        heapq.heappush(self._events, (at_s, next(self._seq), _TICK, instance))
+
+    def _tick(self, instance: _Instance, at_s: float) -> None:
+        instance.tick_pending = False
+        if instance.running is not None:
+            return  # busy: its own calls apply what finished
+        instance.executor.advance_to(at_s)
+        instance.cache.poll()  # applies finished transfers, changes nothing else
+        self._schedule_tick(instance)
+
+    def _trim_l1(self, instance: _Instance) -> None:
+        used = instance.cache.pages_in_use("l1")
+        over = used - instance.l1_capacity_pages
+        if over > 0:
+            instance.cache.evict("l1", over)
+
+    # ------------------------------------------------------------------ routing
+
+    def _route(self, job: _Job, now_s: float) -> _Instance:
+        """The live router's choice (`hicache.routing`), from the instances' own indexes
+        (probed without side effects) and their backlogs in seconds."""
+        instances = self._instances
+        if len(instances) == 1:
+            return instances[0]
+        candidates = [
+            Candidate(
+                instance.index,
+                _cached_prefix(instance.cache, job.data, self._namespace)
+                if self.config.routing == "prefix"
+                else NOTHING_CACHED,
+                instance.backlog_s(now_s),
+                instance.num_routed,
+            )
+            for instance in instances
+        ]
+        num_pages = job.request.input_length // self.config.page_size
+        chosen = instances[self._router.choose(candidates, num_pages).index]
+        chosen.num_routed += 1
+        return chosen
+
+
+def _cached_prefix(cache: HiCache, data: bytes, namespace: Namespace) -> CachedPrefix:
+    """The prompt's prefix the instance holds, per tier, by its index.
+
+    A match that neither touches (no eviction-order or hit-count change), nor counts, nor
+    moves anything: routing must not change what the caches do.
+    """
+    return cache.cached_prefix(data, namespace)
+
+
+__all__ = ["TracePlayer"]

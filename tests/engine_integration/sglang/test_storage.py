@@ -1,0 +1,491 @@
+"""The SGLang storage backend against SGLang 0.5.23's real classes and real L3 stores.
+
+Built as SGLang builds it: `StorageBackendFactory.create_backend("dynamic", config, pool)`
+from the extra-config JSON given on the command line, then `register_mem_pool_host`. The host
+pool is `tests.support.sglang_pools.HostPool` (its docstring says why SGLang's own cannot be
+imported on the CPU); a test here checks the adapter uses only the pool attributes named there.
+Stores: files, a real redis-server and a real cache-server daemon, on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sglang", reason="install tests/engine_integration/requirements-sglang.txt")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+
+from engine_integration.sglang.storage import HiCacheSGLangStorage  # noqa: E402
+from storage_backends import BackendConfigError, BackendUnavailableError  # noqa: E402
+from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.deadline import WITHIN_S, within_deadline  # noqa: E402
+from tests.support.servers import RedisProcess, free_port  # noqa: E402
+from tests.support.sglang_pools import HostPool  # noqa: E402
+
+LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+PAGE = 4  # tokens per page
+NUM_PAGES = 8  # pages in each test pool
+POOL_SURFACE = {"layout", "page_size", "dtype", "kv_buffer", "get_data_page"}
+
+
+def command_line_config(url: str) -> dict:
+    """--hicache-storage-backend-extra-config, parsed as SGLang parses it (json.loads)."""
+    text = (
+        '{"backend_name": "hicache", "module_path": "engine_integration.sglang.storage", '
+        '"class_name": "HiCacheSGLangStorage", "interface_v1": 1, "url": "' + url + '"}'
+    )
+    return json.loads(text)
+
+
+def storage_config(extra: dict, *, mla=False, tp=(0, 1), model="org/model-8b", metrics=False):
+    return HiCacheStorageConfig(
+        tp_rank=tp[0], tp_size=tp[1], pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
+        model_name=model, extra_config=extra,
+    )  # fmt: skip
+
+
+def host_pool(attention="mha", layout="page_first", dtype=torch.bfloat16, seed=0) -> HostPool:
+    pool = HostPool(
+        attention, layout, layer_num=3, page_size=PAGE, num_pages=NUM_PAGES, dtype=dtype,
+        head_num=2, head_dim=8, kv_cache_dim=12,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
+    return pool
+
+
+def attach(url: str, pool: HostPool, **config) -> HiCacheSGLangStorage:
+    """What SGLang's cache_controller.attach_storage_backend does."""
+    cfg = storage_config(command_line_config(url), **config)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def indices(*pages: int) -> torch.Tensor:
+    """Host token indices of whole pages, as SGLang allocates them."""
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+def page_bits(pool: HostPool, page: int) -> torch.Tensor:
+    return pool.get_data_page(page * PAGE).view(torch.int16).clone()
+
+
+def keys_of(*names: object) -> list[str]:
+    """SGLang's own page hashes (chained) of a fresh random prompt, one per name."""
+    generator = torch.Generator().manual_seed(uuid.uuid4().int % 2**63)
+    tokens = torch.randint(0, 128_000, (len(names) * PAGE,), generator=generator).tolist()
+    return get_storage_hash_str(tokens, None, page_size=PAGE)
+
+
+# -- stores -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path_factory.mktemp("redis"), free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    server = DaemonProcess("--capacity", "64MiB").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def file_url(tmp_path: Path) -> Callable[[], str]:
+    return lambda: f"file://{tmp_path / uuid.uuid4().hex[:8]}?capacity=64MiB"
+
+
+@pytest.fixture(params=["file", "redis", "grpc", "mooncake"])
+def make_url(request, tmp_path) -> Callable[[], str]:
+    """A fresh store of each kind: its own directory, Redis or Mooncake key prefix, or daemon
+    namespace."""
+    if request.param == "file":
+        return lambda: f"file://{tmp_path / uuid.uuid4().hex[:8]}?capacity=64MiB"
+    if request.param == "redis":
+        port = request.getfixturevalue("redis_server").port
+        return lambda: f"redis://127.0.0.1:{port}/0?prefix={uuid.uuid4().hex[:8]}:"
+    if request.param == "mooncake":
+        address = request.getfixturevalue("mooncake_store").address
+        return lambda: f"mooncake://{address}?prefix={uuid.uuid4().hex[:8]}:&buffer=8MiB"
+    address = request.getfixturevalue("daemon").address
+    return lambda: f"grpc://{address}"
+
+
+# -- round trips --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_pages_round_trip_bitwise_through_each_store(make_url, attention, layout):
+    url = make_url()
+    writer_pool = host_pool(attention, layout, seed=1)
+    writer = attach(url, writer_pool, mla=attention == "mla")
+    keys = keys_of(0, 1, 2)
+    assert writer.batch_set_v1(keys, indices(5, 0, 3)) == [True, True, True]
+    expected = [page_bits(writer_pool, p) for p in (5, 0, 3)]
+    writer.close()
+
+    reader_pool = host_pool(attention, layout, seed=2)  # another engine, other bytes
+    untouched = [page_bits(reader_pool, p) for p in (0, 7)]
+    reader = attach(url, reader_pool, mla=attention == "mla")
+    assert reader.batch_exists(keys) == 3
+    assert reader.batch_get_v1(keys, indices(2, 6, 4)) == [True, True, True]
+    for page, bits in zip((2, 6, 4), expected, strict=True):
+        assert torch.equal(page_bits(reader_pool, page), bits)
+    assert [page_bits(reader_pool, p) for p in (0, 7)][0].equal(untouched[0])
+    assert torch.equal(page_bits(reader_pool, 7), untouched[1])  # only the pages asked for
+
+    # SGLang's flat-page path (interface_v1 off) reads the same objects.
+    flats = reader.batch_get(keys, [reader_pool.get_dummy_flat_data_page() for _ in keys])
+    assert all(torch.equal(f.view(torch.int16), b) for f, b in zip(flats, expected, strict=True))
+    stats = reader.backend_stats()
+    assert stats.num_hits > 0 and stats.num_corrupt_total == 0
+    reader.close()
+
+
+def test_flat_page_calls_and_zero_copy_calls_store_the_same_objects(file_url):
+    url = file_url()
+    pool = host_pool("mha", "page_first", seed=3)
+    backend = attach(url, pool)
+    key, other = keys_of("flat", "missing")
+    assert backend.set(key, pool.get_data_page(2 * PAGE))  # non-contiguous view, flattened
+    assert backend.exists(key) and not backend.exists(other)
+    assert backend.batch_get_v1([key], indices(6)) == [True]
+    assert torch.equal(page_bits(pool, 6), page_bits(pool, 2))
+    assert torch.equal(backend.get(key).view(torch.int16), page_bits(pool, 2))
+    assert backend.get(other) is None
+    assert backend.batch_set([other], [pool.get_data_page(1 * PAGE)])
+    assert backend.batch_exists([key, other]) == 2
+    backend.close()
+
+
+def test_calls_from_sglang_style_threads_at_once(file_url):
+    """SGLang's prefetch, prefetch-I/O and backup threads call at the same time."""
+    pool = host_pool("mha", "page_first", seed=4)
+    backend = attach(file_url(), pool)
+    written = keys_of(*range(4))
+    assert all(backend.batch_set_v1(written, indices(0, 1, 2, 3)))
+    errors: list[BaseException] = []
+    results: dict[str, object] = {}
+
+    def run(name: str, call: Callable[[], object]) -> None:
+        try:
+            results[name] = [call() for _ in range(20)][-1]
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    calls = {
+        "exists": lambda: backend.batch_exists(written),
+        "get": lambda: backend.batch_get_v1(written[:2], indices(4, 5)),
+        "set": lambda: backend.batch_set_v1(keys_of(7), indices(7)),
+    }
+    threads = [threading.Thread(target=run, args=item) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    assert results == {"exists": 4, "get": [True, True], "set": [True]}
+    assert torch.equal(page_bits(pool, 4), page_bits(pool, 0))
+    backend.close()
+
+
+def test_adapter_uses_only_the_named_pool_attributes(file_url):
+    seen: set[str] = set()
+
+    class Recording:
+        def __init__(self, pool: HostPool) -> None:
+            object.__setattr__(self, "_pool", pool)
+
+        def __getattr__(self, name: str):
+            seen.add(name)
+            return getattr(self._pool, name)
+
+    pool = host_pool("mla", "layer_first", seed=5)
+    backend = attach(file_url(), Recording(pool), mla=True)
+    keys = keys_of(0, 1)
+    assert backend.batch_set_v1(keys, indices(0, 1)) == [True, True]
+    assert backend.batch_get_v1(keys, indices(2, 3)) == [True, True]
+    assert backend.batch_get(keys)[0] is not None
+    backend.close()
+    assert seen <= POOL_SURFACE, seen - POOL_SURFACE
+
+
+# -- prefix semantics, shards, wrong pages ---------------------------------------------------
+
+
+def test_batch_exists_counts_the_leading_run_of_whole_pages(file_url):
+    pool = host_pool("mha", "page_first", seed=6)
+    backend = attach(file_url(), pool)
+    keys = keys_of(*range(5))
+    assert backend.batch_set_v1(keys[:3], indices(0, 1, 2)) == [True] * 3
+    assert backend.batch_set_v1(keys[4:], indices(4)) == [True]
+    assert backend.batch_exists(keys) == 3  # stops at the first absent page
+    assert backend.batch_exists(keys[3:]) == 0
+    assert backend.batch_exists([]) == 0
+    # A page with one part (its V) gone is absent, and so is everything after it.
+    store = backend._attached
+    assert store.store.delete(store.object_keys([keys[1]])[1:]) == 1
+    assert backend.batch_exists(keys) == 1
+    assert backend.batch_get_v1(keys[:3], indices(5, 6, 7)) == [True, False, True]
+    backend.close()
+
+
+def test_tp_ranks_do_not_see_each_others_shards(file_url):
+    url = file_url()
+    rank0 = attach(url, host_pool(seed=7), tp=(0, 2))
+    rank1_pool = host_pool(seed=8)
+    rank1 = attach(url, rank1_pool, tp=(1, 2))
+    keys = keys_of(0, 1)
+    assert rank0.batch_set_v1(keys, indices(0, 1)) == [True, True]
+    before = page_bits(rank1_pool, 3)
+    assert rank1.batch_exists(keys) == 0
+    assert rank1.batch_get_v1(keys, indices(3, 4)) == [False, False]
+    assert torch.equal(page_bits(rank1_pool, 3), before)
+    alone = attach(url, host_pool(seed=9), tp=(0, 1))
+    assert alone.batch_exists(keys) == 0  # the tp size is part of the shard too
+    for backend in (rank0, rank1, alone):
+        backend.close()
+
+
+def test_mla_pages_have_one_writer_and_every_rank_reads_them(file_url):
+    url = file_url()
+    writer_pool = host_pool("mla", seed=10)
+    writer = attach(url, writer_pool, mla=True, tp=(0, 4))
+    replica = attach(url, host_pool("mla", seed=11), mla=True, tp=(3, 4))
+    keys, theirs = keys_of(0, 1), keys_of(2)
+    assert replica.batch_set_v1(theirs, indices(2)) == [False]  # not this rank's to write
+    assert replica.num_refused_writes == 1 and writer.batch_exists(theirs) == 0
+    assert writer.batch_set_v1(keys, indices(0, 1)) == [True, True]
+    assert replica.batch_get_v1(keys, indices(5, 6)) == [True, True]
+    assert torch.equal(page_bits(replica.mem_pool_host, 5), page_bits(writer_pool, 0))
+    writer.close()
+    replica.close()
+
+
+def test_another_model_or_dtype_does_not_see_the_pages(file_url):
+    url = file_url()
+    writer = attach(url, host_pool(seed=12), model="org/model-a")
+    keys = keys_of(0)
+    assert writer.batch_set_v1(keys, indices(0)) == [True]
+    other_model = attach(url, host_pool(seed=13), model="org/model-b")
+    other_dtype = attach(url, host_pool(dtype=torch.float16, seed=14), model="org/model-a")
+    other_layout = attach(url, host_pool(layout="layer_first", seed=15), model="org/model-a")
+    for backend in (other_model, other_dtype, other_layout):
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys, indices(1)) == [False]
+        backend.close()
+    writer.close()
+
+
+def _damage(blob: bytes, how: str, forged_key: bytes) -> bytes:
+    if how == "corrupt":
+        damaged = bytearray(blob)
+        damaged[-7] ^= 0x10  # a bit of the payload
+        return bytes(damaged)
+    if how == "truncated":
+        return blob[:-100]
+    return blob  # "foreign": another model's page, stored under our key
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "foreign"])
+@pytest.mark.parametrize("store_kind", ["file", "redis"])
+def test_a_damaged_or_foreign_page_is_a_miss(how, store_kind, file_url, request):
+    if store_kind == "file":
+        url = file_url()
+    else:
+        url = f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}/0?prefix=d{how}:"
+    foreign = attach(url, host_pool(seed=16), model="org/other-model")
+    ours_pool = host_pool(seed=17)
+    ours = attach(url, ours_pool)
+    keys = keys_of(0, 1)
+    assert ours.batch_set_v1(keys, indices(0, 1)) == [True, True]
+    assert foreign.batch_set_v1(keys, indices(0, 1)) == [True, True]
+    target = ours._attached.object_keys(keys[:1])[0]  # page 0's first part
+    source = (foreign if how == "foreign" else ours)._attached.object_keys(keys[:1])[0]
+    store = ours._attached.store
+    blob = store.batch_get_objects([source], verify=False)[0]
+    assert store.batch_put_objects([target], [_damage(blob, how, target)], verify=False) == [True]
+    # A miss: SGLang uses none of page 5 (it keeps the leading run of hits, here none).
+    assert ours.batch_get_v1(keys, indices(5, 6)) == [False, True]
+    assert torch.equal(page_bits(ours_pool, 6), page_bits(ours_pool, 1))
+    assert ours.get(keys[0]) is None
+    assert ours.backend_stats().num_corrupt_total == 2
+    foreign.close()
+    ours.close()
+
+
+# -- a slow or dead store --------------------------------------------------------------------
+
+
+def test_a_stalled_then_killed_redis_gives_misses_within_the_timeout(tmp_path):
+    server = RedisProcess(tmp_path / "redis", free_port()).start()
+    try:
+        pool = host_pool(seed=18)
+        url = f"redis://127.0.0.1:{server.port}/0?timeout=300ms"
+        backend = attach(url, pool)
+        keys = keys_of(*range(4))
+        assert backend.batch_set_v1(keys, indices(0, 1, 2, 3)) == [True] * 4
+        server.proc.send_signal(signal.SIGSTOP)  # alive, answering nothing: the worst case
+        try:
+            # (answering nothing, the server leaves only the calls' own timeouts to end them)
+            found = within_deadline(backend.batch_get_v1, keys, indices(4, 5, 6, 7))
+            assert found == [False] * 4
+            assert within_deadline(backend.batch_exists, keys) == 0
+            assert within_deadline(backend.batch_set_v1, keys_of(1), indices(0)) == [False]
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        server.kill()
+        assert within_deadline(backend.batch_get_v1, keys, indices(4, 5, 6, 7)) == [False] * 4
+        assert backend.backend_stats().num_timeouts >= 3
+        backend.close()
+    finally:
+        server.stop()
+
+
+def test_a_daemon_killed_mid_batch_gives_misses_within_the_timeout():
+    server = DaemonProcess("--capacity", "64MiB").start()
+    try:
+        pool = host_pool(seed=19)
+        backend = attach(f"grpc://{server.address}?timeout=500ms", pool)
+        keys = keys_of(*range(6))
+        assert backend.batch_set_v1(keys, indices(*range(6))) == [True] * 6
+        outcomes: list[list[bool]] = []
+        stop = threading.Event()
+
+        def prefetch_io() -> None:  # SGLang's prefetch-I/O thread, reading on and on
+            while not stop.is_set():
+                outcomes.append(backend.batch_get_v1(keys[:2], indices(6, 7)))
+
+        reader = threading.Thread(target=prefetch_io)
+        reader.start()
+        time.sleep(0.3)
+        server.kill()
+        time.sleep(1.5)
+        stop.set()
+        reader.join(WITHIN_S)
+        assert not reader.is_alive()  # no call hung (each ends by its own timeout)
+        assert outcomes[0] == [True, True]
+        assert outcomes[-1] == [False, False]
+        backend.close()
+    finally:
+        server.stop()
+
+
+# -- configuration errors -------------------------------------------------------------------
+
+
+def _create(extra: dict, pool: HostPool | None = None, **config):
+    cfg = storage_config(extra, **config)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    if pool is not None:
+        backend.register_mem_pool_host(pool)
+    return backend
+
+
+def test_config_errors_name_the_field(file_url, monkeypatch):
+    monkeypatch.delenv("HICACHE_L3_URL", raising=False)
+    base = command_line_config(file_url())
+    with pytest.raises(BackendConfigError, match="'prefix_size'"):
+        _create({**base, "prefix_size": 3})
+    without_url = {k: v for k, v in base.items() if k != "url"}
+    with pytest.raises(BackendConfigError, match="'url' is missing"):
+        _create(without_url)
+    with pytest.raises(BackendConfigError, match="'url': .*unknown storage backend 'ftp'"):
+        _create({**base, "url": "ftp://host/kv"})
+    with pytest.raises(BackendConfigError, match="'url': .*unknown option 'capacty'"):
+        _create({**base, "url": file_url().replace("capacity", "capacty")})
+    with pytest.raises(BackendConfigError, match="'model_id'"):
+        _create(base, model=None)
+    with pytest.raises(BackendConfigError, match="tp_lcm_size"):
+        cfg = storage_config(base)
+        cfg.tp_lcm_size = 4
+        HiCacheSGLangStorage(cfg, {})
+    with pytest.raises(BackendConfigError, match="host layout 'page_head'"):
+        pool = host_pool()
+        pool.layout = "page_head"
+        _create(base, pool)
+    backend = _create(base)
+    with pytest.raises(BackendConfigError, match="host pool 'mamba'"):
+        backend.register_mem_host_pool_v2(host_pool(), "mamba")
+    monkeypatch.setenv("HICACHE_L3_URL", file_url())
+    assert _create(without_url, host_pool()).batch_exists(keys_of(0)) == 0
+
+
+def test_an_unreachable_store_fails_the_attach_naming_the_url():
+    url = f"redis://127.0.0.1:{free_port()}/0?timeout=500ms"
+    with pytest.raises(BackendUnavailableError, match="extra config 'url'"):
+        _create(command_line_config(url), host_pool())
+
+
+def test_misuse_of_the_calls_is_an_error_that_says_what(file_url):
+    backend = _create(command_line_config(file_url()))
+    with pytest.raises(RuntimeError, match="register_mem_pool_host"):
+        backend.batch_exists(["k"])
+    backend.register_mem_pool_host(host_pool())
+    with pytest.raises(ValueError, match="host_indices has 4 entries for 2 keys"):
+        backend.batch_get_v1(keys_of(0, 1), indices(0))
+    with pytest.raises(ValueError, match="page-aligned"):
+        backend.batch_get_v1(keys_of(0), indices(0) + 1)
+    with pytest.raises(ValueError, match="outside the host pool"):
+        backend.batch_set_v1(keys_of(0), indices(NUM_PAGES))
+    with pytest.raises(ValueError, match=r"keys\[1\] must be a str"):
+        backend.batch_exists(["a", b"b"])
+    assert backend.clear() is False  # a shared store is not one engine's to wipe
+    backend.close()
+
+
+def test_throughput_metrics_in_the_form_sglang_reads(file_url):
+    backend = attach(file_url(), host_pool(seed=20), metrics=True)
+    keys = keys_of(0, 1)
+    backend.batch_set_v1(keys, indices(0, 1))
+    backend.batch_get_v1(keys, indices(2, 3))
+    taken = backend.take_throughput()
+    assert taken["backup_pgs"] == [2] and taken["prefetch_pgs"] == [2]
+    assert taken["prefetch_bandwidth"][0] > 0 and taken["backup_bandwidth"][0] > 0
+    assert backend.take_throughput()["prefetch_pgs"] == []  # since the last read, as SGLang's
+    pytest.importorskip(
+        "sglang.srt.observability.metrics_collector",
+        reason="SGLang's metrics module imports torchvision (see tests/support/sglang_pools.py)",
+    )
+    backend.batch_get_v1(keys, indices(2, 3))
+    metrics = backend.get_stats()
+    assert metrics.prefetch_pgs == [2] and metrics.hicache.num_hits == 6
+    backend.close()
+
+
+def test_bench_sglang_storage_smoke(tmp_path, monkeypatch, capsys):
+    """The benchmark end to end at its --smoke sizes, in this process (SGLang is imported
+    already: a second interpreter would spend most of the run importing it again)."""
+    from benchmarks import bench_sglang_storage
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr("sys.argv", ["bench", "--smoke", "--dir", str(tmp_path)])
+    try:
+        bench_sglang_storage.main()
+    finally:
+        torch.set_num_threads(threads)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    records = [json.loads(line) for line in lines]
+    assert {r["case"] for r in records} == {"mha_llama_8b", "mla_deepseek_v3"}
+    for record in records:
+        assert record["pages_verified"] == record["pages"] > 0
+        assert record["get_ratio"] > 0 and record["set_ratio"] > 0
+    assert list(tmp_path.iterdir()) == []  # it removes what it wrote
