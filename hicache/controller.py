@@ -1,13 +1,16 @@
 """`HiCache`: the one object an engine talks to.
 
-It owns the radix index, the page accounting of L1 and L2, and the policies (write,
-L2->L3, prefetch, eviction). It decides what moves where and describes each move as a
-transfer op (`hicache.ops`); an executor carries the ops out. The real executor moves
-bytes with the tiers' kernels and the storage backends; the simulator's advances a
-virtual clock. Everything in this module is torch-free, so both run the same policy code.
+It owns the radix index, the page accounting of L1 and L2, the lock, and the policies
+(write, L2->L3, prefetch, eviction), and it runs the match: which runs of the index a
+request uses, what to look up and fetch from L3, what to wait for. The moving itself is its
+`PageMover`'s (`hicache.mover`): fitting runs into a tier, making room, submitting transfer
+ops (`hicache.ops`) and applying their completions. An executor carries the ops out: the
+real one moves bytes with the tiers' kernels and the storage backends; the simulator's
+advances a virtual clock. Everything here is torch-free, so both run the same policy code.
 
-How ops are recorded in the index, and what their completion changes, is
-`hicache.transfers`' part (a mixin of `HiCache`).
+A match holds its node: the lookup from the root runs once per request, and every later
+step of it (the L3 lookup past the match, loading each landed read batch, locking what it
+hands out) walks up from the deepest node of the request's path (`RadixTree.held_end`).
 
 Thread safety: every public method takes the cache's lock, except `wait_layer`, and the
 lock is let go while a match waits for an L3 prefetch.
@@ -16,91 +19,24 @@ lock is let go while a match waits for an L3 prefetch.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from hicache.config import HiCacheConfig
 from hicache.errors import BackgroundTransferError, HiCacheError
 from hicache.fetch_plan import FetchRates, FetchRatesSnapshot, RunToFetch
+from hicache.match import CachedPrefix, Landed, Match
 from hicache.metrics import HiCacheStats, Metrics
-from hicache.ops import Executor, LoadOp, OpKind, PrefetchOp, TransferOp
-from hicache.transfers import FAILED_LOAD, INDEX, Landed, PageMovement, op_owner
+from hicache.mover import PageMover, usable_prefix
+from hicache.ops import Executor, LoadOp, PrefetchOp, RunStatus, filling_op, status_of
+from hicache.ownership import INDEX, REQUEST, NoPool, check_ownership
 from radix.keys import Namespace, encode_tokens
 from radix.node import Node, Tier
 from radix.tree import MatchResult, RadixTree
 from tiers.allocator import PageAllocator
 from tiers.errors import PageIdError, PoolExhaustedError
 
-# Owners of L1 / L2 page ids (besides an op in flight, `op_owner(op)`): every allocated
-# page is held by exactly one of these, and the pools record which (`PageAllocator`).
-REQUEST = "a request"  # allocated by alloc_device_pages, not inserted or freed yet
 
-
-@dataclass(eq=False)
-class Match:
-    """A request's cached prefix, locked until `HiCache.release(match)`.
-
-    `device_page_ids` hold the first `num_tokens` tokens' KV in L1. Pages that came from
-    L2 or L3 may still be loading: call `HiCache.wait_layer(match, i)` before reading
-    layer i. The engine must not write to these pages.
-    """
-
-    namespace: Namespace
-    num_tokens: int
-    num_pages: int
-    num_l1_pages: int  # already in L1
-    num_l2_pages: int  # loaded from L2 for this match
-    num_l3_pages: int  # fetched from L3 (through L2) for this match
-    _node: Node | None = field(default=None, repr=False)
-    _loads: list[LoadOp] = field(default_factory=list, repr=False)
-    released: bool = False
-
-    @property
-    def has_loads(self) -> bool:
-        """Whether any of its pages came (or are coming) into L1 by a load: a step that
-        waits for them times the load as well as its compute."""
-        return bool(self._loads)
-
-    @property
-    def device_page_ids(self) -> list[int]:
-        """The L1 page of each matched page, in order, read off the locked run now.
-
-        The locked runs' pages never move, so the list stays right until `release`; it is
-        computed from the index when asked (a run split since the match changes nothing).
-        """
-        if self.released:
-            raise HiCacheError("this match was released: its pages are no longer held")
-        if self._node is None:
-            return []
-        return [page for run in RadixTree.path(self._node) for page in run.device_page_ids]
-
-
-class CachedPrefix(NamedTuple):
-    """Pages of a prompt's prefix held in each tier (the fastest one that holds each)."""
-
-    num_l1_pages: int
-    num_l2_pages: int
-    num_l3_pages: int
-
-
-class _NoPool:
-    """The L2 allocator of a cache configured without L2: it never has a page."""
-
-    num_pages = num_free = num_used = 0
-
-    def alloc(self, num_pages: int, owner: object = None) -> list[int]:
-        raise PoolExhaustedError("L2", num_pages, 0, 0)
-
-    def free(self, page_ids, owner: object = None) -> None:
-        if list(page_ids):
-            raise HiCacheError("freeing L2 pages in a cache without L2")
-
-    def check_invariants(self) -> None:
-        pass
-
-
-class HiCache(PageMovement):
-    """Tiered KV cache controller. See the module docstring for the bookkeeping rules."""
+class HiCache:
+    """Tiered KV cache controller: the public API, the lock, the match (module doc)."""
 
     def __init__(self, config: HiCacheConfig, executor: Executor | None = None) -> None:
         self.config = config
@@ -116,15 +52,11 @@ class HiCache(PageMovement):
         self._host = (
             PageAllocator(executor.num_host_pages, name="L2")
             if executor.num_host_pages
-            else _NoPool()
+            else NoPool()
         )
         self._lock = threading.RLock()
-        self._inflight: dict[int, TransferOp] = {}
-        self._failed_loads: list[Node] = []  # runs whose L1 copy a failed load left wrong
-        self._error: BaseException | None = None
         self._metrics = Metrics()
         self._policy = config.policy
-        self._max_l3_pages = 0  # L3-only pages the index keeps (set when L3 is attached)
         self._rates = FetchRates(
             l3_read_prior_bytes_per_s=config.policy.l3_read_prior_bytes_per_s,
             l2_load_prior_bytes_per_s=config.policy.l2_load_prior_bytes_per_s,
@@ -132,9 +64,12 @@ class HiCache(PageMovement):
         link = executor.link_sample()
         if link is not None:
             self._rates.record_load(*link)
+        self._mover = PageMover(
+            config, executor, self._tree, self._device, self._host, self._metrics, self._rates
+        )
         if config.l3.url:
             executor.attach_l3(config.l3.url)
-            self._max_l3_pages = self._l3_index_limit()
+            self._mover.max_l3_pages = self._l3_index_limit()
 
     # ------------------------------------------------------------------ engine API
 
@@ -156,20 +91,20 @@ class HiCache(PageMovement):
         data = _request_tokens(tokens, namespace)
         with self._lock:
             self._check_background()
-            self._apply_completions()
+            self._mover.apply_completions()
             first = self._tree.match_prefix(data, namespace)
             self._metrics.requests += 1
             self._metrics.requested_tokens += len(data) // 4 // self.page_size * self.page_size
-            prefetch = self._start_prefetch(data, namespace, first)
+            end, prefetch = self._start_prefetch(data, first)
         landed = Landed()
         if prefetch is not None:
-            landed = self._wait_prefetch(prefetch, data, namespace)
+            landed = self._wait_prefetch(prefetch, end)
         with self._lock:
             try:
-                self._apply_completions()
+                self._mover.apply_completions()
                 if prefetch is not None and not prefetch.done:
                     self._metrics.prefetches_cut_short += 1
-                return self._finish_match(data, namespace, priority, landed)
+                return self._finish_match(end, namespace, priority, landed)
             finally:
                 landed.let_go(self._tree)
 
@@ -182,9 +117,9 @@ class HiCache(PageMovement):
         data = _request_tokens(tokens, namespace)
         with self._lock:
             self._check_background()
-            self._apply_completions()
+            self._mover.apply_completions()
             first = self._tree.match_prefix(data, namespace, touch=False)
-            op = self._start_prefetch(data, namespace, first)
+            _, op = self._start_prefetch(data, first)
             return op.num_pages if op is not None else 0
 
     def cached_prefix(self, tokens, namespace: Namespace) -> CachedPrefix:
@@ -212,7 +147,7 @@ class HiCache(PageMovement):
         """
         with self._lock:
             self._check_background()
-            self._apply_completions()
+            self._mover.apply_completions()
 
     def record_compute(self, num_rows: int, num_pairs: int, seconds: float) -> None:
         """The engine reports one step it ran without waiting for a load: `num_rows` rows
@@ -261,7 +196,7 @@ class HiCache(PageMovement):
         ids = list(device_page_ids[:num_pages])
         with self._lock:
             self._check_background()
-            self._apply_completions()
+            self._mover.apply_completions()
             self._check_insert_ids(data, namespace, ids)
             result = self._tree.insert(data, ids, namespace)
             duplicates = set(result.duplicate_device_page_ids)
@@ -278,7 +213,7 @@ class HiCache(PageMovement):
             self._metrics.inserted_pages += result.num_new_pages
             self._metrics.duplicate_pages += len(duplicates)
             if self._policy.write_policy == "write_through" and self._host.num_pages:
-                self._backup_path(result.last_node)
+                self._mover.backup_path(result.last_node)
             return result.num_new_pages
 
     def release(self, match: Match) -> None:
@@ -289,7 +224,7 @@ class HiCache(PageMovement):
             match.released = True
             if match._node is not None:
                 self._tree.unlock(match._node)
-            self._apply_completions()
+            self._mover.apply_completions()
 
     def alloc_device_pages(self, num_pages: int) -> list[int]:
         """L1 pages for a request's new KV, evicting cached pages as needed.
@@ -298,8 +233,8 @@ class HiCache(PageMovement):
         """
         with self._lock:
             self._check_background()
-            self._apply_completions()
-            self._make_room(Tier.L1, num_pages)
+            self._mover.apply_completions()
+            self._mover.make_room(Tier.L1, num_pages)
             return self._device.alloc(num_pages, REQUEST)
 
     def free_device_pages(self, device_page_ids) -> None:
@@ -319,9 +254,9 @@ class HiCache(PageMovement):
         level, pool = tiers[tier]
         with self._lock:
             self._check_background()
-            self._apply_completions()
+            self._mover.apply_completions()
             before = pool.num_free
-            self._make_room(level, pool.num_free + num_pages)
+            self._mover.make_room(level, pool.num_free + num_pages)
             return pool.num_free - before
 
     @property
@@ -332,22 +267,11 @@ class HiCache(PageMovement):
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every backup and L3 write submitted so far has finished."""
         with self._lock:
-            while True:
-                self._apply_completions()
-                writes = [
-                    op
-                    for op in self._inflight.values()
-                    if op.kind in (OpKind.BACKUP, OpKind.WRITE_L3)
-                ]
-                if not writes:
-                    return
-                for op in writes:
-                    if not self._executor.wait(op, timeout_s):
-                        raise HiCacheError(f"flush: a {op.kind.value} op is still running")
+            self._mover.flush(timeout_s)
 
     def stats(self) -> HiCacheStats:
         with self._lock:
-            self._apply_completions()
+            self._mover.apply_completions()
             l3 = self._executor.l3_stats()
             return self._metrics.snapshot(
                 l3_errors=l3.num_errors + l3.num_timeouts if l3 else 0,
@@ -364,9 +288,9 @@ class HiCache(PageMovement):
         if not self._host.num_pages:
             raise HiCacheError("an L3 backend needs an L2 pool: pages reach L3 through L2")
         with self._lock:
-            self._drain()
+            self._mover.drain()
             self._executor.attach_l3(url)
-            self._max_l3_pages = self._l3_index_limit()
+            self._mover.max_l3_pages = self._l3_index_limit()
 
     def detach_l3(self) -> None:
         """Stop using L3 (waits for in-flight transfers); the index forgets L3 copies.
@@ -374,15 +298,15 @@ class HiCache(PageMovement):
         Matches may be held meanwhile: the pages they use stay where they are.
         """
         with self._lock:
-            self._drain()
+            self._mover.drain()
             self._tree.forget_all_l3()
             self._executor.attach_l3(None)
-            self._max_l3_pages = 0
+            self._mover.max_l3_pages = 0
 
     def close(self) -> None:
         with self._lock:
             try:
-                self._drain()
+                self._mover.drain()
             finally:
                 self._executor.close()
 
@@ -394,44 +318,36 @@ class HiCache(PageMovement):
             self._tree.check_invariants()
             self._device.check_invariants()
             self._host.check_invariants()
-            mapped: dict[Tier, list[int]] = {Tier.L1: [], Tier.L2: []}
-            for node in self._tree.nodes():
-                if node.device_page_ids is not None:
-                    mapped[Tier.L1].extend(node.device_page_ids)
-                if node.host_page_ids is not None:
-                    mapped[Tier.L2].extend(node.host_page_ids)
-            ops = {op_owner(op) for op in self._inflight.values()}
-            for tier, pool in ((Tier.L1, self._device), (Tier.L2, self._host)):
-                _check_ownership(tier, pool, mapped[tier], ops)
+            check_ownership(self._tree, self._device, self._host, self._mover.owners_in_flight())
 
     # ------------------------------------------------------------------ match internals
 
     def _finish_match(
-        self, data: bytes, namespace: Namespace, priority: int, landed: Landed
+        self, end: Node, namespace: Namespace, priority: int, landed: Landed
     ) -> Match:
-        """Load the L2 part of the (now current) match into L1, lock it, count the hits
-        (with those `landed` loaded while its prefetch ran).
+        """Load the L2 part of the request's usable prefix (read up from `end`, the node the
+        request holds) into L1, lock it, count the hits (with those `landed` loaded while
+        its prefetch ran).
 
         The match's run is locked first, so nothing it holds can leave a tier while room
         is made; its page ids are read off the locked run afterwards (`Match`), never off
         a list of runs taken before pages moved.
         """
-        current = self._tree.match_prefix(data, namespace, touch=False)
-        usable = current.l1_nodes + current.l2_nodes
-        usable = usable[: self._first_failed(usable)]
+        usable = self._usable_runs(end)
         node = usable[-1] if usable else None
         num_loaded = num_from_l3 = 0
         loads: list[LoadOp] = []
         if node is not None:
             self._tree.lock(node)
-            node, load, num_from_l3 = self._load_into_l1(node)
+            node, load, num_from_l3 = self._mover.load_into_l1(node)
             if load is not None:
                 loads.append(load)
                 num_loaded = load.num_pages
         path = RadixTree.path(node) if node is not None else []
         for run in path:
-            if isinstance(run.meta, LoadOp) and run.meta not in loads:
-                loads.append(run.meta)
+            op = filling_op(run)
+            if isinstance(op, LoadOp) and op not in loads:
+                loads.append(op)
         if node is not None and priority:
             self._tree.raise_priority(node, priority)
         num_pages = sum(run.num_pages for run in path)
@@ -449,7 +365,7 @@ class HiCache(PageMovement):
                     run.host_page_ids is None
                     and run.hit_count >= self._policy.write_through_threshold
                 ):
-                    self._backup(run)
+                    self._mover.backup(run)
         return Match(
             namespace=namespace,
             num_tokens=num_pages * self.page_size,
@@ -461,13 +377,13 @@ class HiCache(PageMovement):
             _loads=loads,
         )
 
-    def _first_failed(self, runs: list[Node]) -> int:
-        """How many leading runs are usable: a run a failed load left wrong, and every run
-        below it, are not (they are dropped as soon as nothing holds them)."""
-        for index, run in enumerate(runs):
-            if run.meta is FAILED_LOAD:
-                return index
-        return len(runs)
+    @staticmethod
+    def _usable_runs(end: Node) -> list[Node]:
+        """The runs a match can use now, read up from `end`, the deepest node of the
+        request's path (or, when that has left the index, its deepest ancestor still in it):
+        those in L1 or L2, down to the first a failed load left wrong (`usable_prefix`)."""
+        path = RadixTree.path(RadixTree.held_end(end))
+        return usable_prefix([run for run in path if run.level <= Tier.L2])
 
     def _check_insert_ids(self, data: bytes, namespace: Namespace, ids: list[int]) -> None:
         """Validate before anything changes: each id is the caller's own (from
@@ -488,43 +404,41 @@ class HiCache(PageMovement):
                     f"caller's to insert: {owner or 'nobody'} holds it"
                 )
 
-    # ------------------------------------------------------------------ L3 lookup
+    # ------------------------------------------------------------------ L3 lookup and wait
 
-    def _start_prefetch(
-        self, data: bytes, namespace: Namespace, match: MatchResult
-    ) -> PrefetchOp | None:
-        """Look past the match in L3 and start fetching the L3 part of the prefix into L2.
+    def _start_prefetch(self, data: bytes, first: MatchResult) -> tuple[Node, PrefetchOp | None]:
+        """Look past the match `first` in L3, index what L3 holds, and start fetching the L3
+        part of the prefix into L2.
 
-        Returns the op this request should wait for (its own, or one already running for
-        the same pages), or None when L3 has nothing for it.
+        Returns the deepest node of the request's path now, which the request's later steps
+        walk up from, and the op to wait for (its own, or one already running for the same
+        pages), or None when L3 has nothing for it.
         """
+        end = first.last_node
         if not self._executor.has_l3 or not self._host.num_pages:
-            return None
-        for run in match.l3_nodes:
-            if isinstance(run.meta, PrefetchOp):
-                return run.meta  # another request is fetching these pages already
+            return end, None
+        for run in first.l3_nodes:
+            if status_of(run) is RunStatus.FETCHING:
+                return end, filling_op(run)  # another request is fetching these pages already
         total_pages = len(data) // 4 // self.page_size
-        unmatched = total_pages - match.matched_pages
-        if match.num_l3_pages + unmatched < self._policy.prefetch_min_pages:
-            return None
+        unmatched = total_pages - first.matched_pages
+        if first.num_l3_pages + unmatched < self._policy.prefetch_min_pages:
+            return end, None
         found = 0
         if unmatched:
-            keys = self._tree.match_prefix(
-                data, namespace, remainder_keys=True, touch=False
-            ).remainder_keys
+            keys = self._tree.keys_after(end, data)
             began = self._executor.now()
             found = self._executor.l3_exists(keys, self.config.l3.exists_timeout_s)
             self._rates.record_lookup(self._executor.now() - began)
             if found:
-                self._tree.insert_l3(data, namespace, num_pages=match.matched_pages + found)
-        num_pages = self._pages_worth_fetching(data, match, match.num_l3_pages + found)
+                end = self._tree.extend_l3(end, data, first.matched_pages + found).last_node
+        num_pages = self._pages_worth_fetching(data, first, first.num_l3_pages + found)
         if num_pages < self._policy.prefetch_min_pages:
-            return None
-        current = self._tree.match_prefix(data, namespace, touch=False)
-        tail = self._l3_cut(current.l3_nodes, num_pages)
-        op = self._submit_prefetch(tail) if tail is not None else None
-        self._trim_l3_index()
-        return op
+            return end, None
+        tail = self._l3_cut(RadixTree.trailing(end, Tier.L3), num_pages)
+        op = self._mover.submit_prefetch(tail) if tail is not None else None
+        self._mover.trim_l3_index()
+        return end, op
 
     def _pages_worth_fetching(self, data: bytes, match: MatchResult, num_l3_pages: int) -> int:
         """How many of the L3 pages past the L1/L2 hit to fetch: all (`always`), or the
@@ -550,6 +464,52 @@ class HiCache(PageMovement):
             num_pages -= node.num_pages
         return l3_nodes[-1] if l3_nodes else None
 
+    def _wait_prefetch(self, op: PrefetchOp, end: Node) -> Landed:
+        """Wait for an L3 prefetch as the policy says, the cache's lock not held, and load
+        each part into L1 as soon as it lands in L2: the L2 -> L1 copy of one read batch
+        overlaps the L3 read of the next (and the match's L2 pages go first, at once).
+
+        Returns what was loaded meanwhile; its runs stay locked for the match (`Landed`).
+        """
+        landed = Landed()
+        deadline = self._prefetch_deadline(op)
+        seen = -1
+        while True:
+            with self._lock:
+                self._mover.apply_completions()
+                if op.num_ready > seen:
+                    seen = op.num_ready
+                    self._load_landed(end, landed)
+            if op.done:
+                return landed
+            remaining = None if deadline is None else deadline - self._executor.now()
+            if remaining is not None and remaining <= 0:
+                return landed
+            self._executor.wait_ready(op, seen + 1, remaining)
+
+    def _prefetch_deadline(self, op: PrefetchOp) -> float | None:
+        """Until when (executor clock) a match waits for `op`; None: until it is done."""
+        policy = self._policy.prefetch_policy
+        if policy == "best_effort":
+            return self._executor.now()
+        if policy == "wait_complete":
+            return None
+        return op.submitted_s + self._policy.prefetch_budget_s(op.num_pages * self.page_size)
+
+    def _load_landed(self, end: Node, landed: Landed) -> None:
+        """Start loading the L2 runs that end the request's usable prefix now into L1, and
+        hold the run that ends the loaded part for the match (the caller holds the lock)."""
+        usable = self._usable_runs(end)
+        if not usable or usable[-1].level != Tier.L2:
+            return
+        self._tree.lock(usable[-1])
+        node, load, from_l3 = self._mover.load_into_l1(usable[-1])
+        if node is not None:
+            landed.held.append(node)
+        if load is not None:
+            landed.num_loaded += load.num_pages
+            landed.num_from_l3 += from_l3
+
     def _l3_index_limit(self) -> int:
         """L3-only pages the index may keep: the configured number, else as many pages as
         the backend says it can hold, else a million. Past it the index forgets the least
@@ -559,14 +519,9 @@ class HiCache(PageMovement):
         capacity = self._executor.l3_capacity_pages()
         return capacity if capacity else 1 << 20
 
-    def _trim_l3_index(self) -> None:
-        excess = self._tree.num_pages_at_level(Tier.L3) - self._max_l3_pages
-        if excess > 0 and self._max_l3_pages:
-            self._tree.forget_l3(excess)
-
     def _check_background(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
+        error = self._mover.take_error()
+        if error is not None:
             raise BackgroundTransferError(
                 f"a background transfer failed (its pages were dropped): {error!r}"
             ) from error
@@ -579,31 +534,6 @@ def _request_tokens(tokens, namespace) -> bytes:
             f"namespace must be a radix.keys.Namespace (model, layout, tenant), got {namespace!r}"
         )
     return encode_tokens(tokens)
-
-
-def _check_ownership(tier: Tier, pool, mapped: list[int], ops: set[str]) -> None:
-    """Page by page: the index maps exactly the pages the index owns; ops own only while
-    in flight; everything else is a request's or free."""
-    if isinstance(pool, _NoPool):
-        if mapped:
-            raise HiCacheError(f"the index maps {len(mapped)} {tier.name} pages, and no L2")
-        return
-    owned = set(pool.owned_by(INDEX))
-    for page in mapped:
-        if pool.owner_of(page) != INDEX:
-            raise HiCacheError(
-                f"{tier.name} page {page} is mapped by the index but owned by "
-                f"{pool.owner_of(page) or 'nobody (free)'}"
-            )
-    unmapped = owned.difference(mapped)
-    if unmapped:
-        raise HiCacheError(
-            f"{tier.name} pages {sorted(unmapped)[:5]} are owned by the index, which maps none"
-        )
-    for page in range(pool.num_pages):
-        owner = pool.owner_of(page)
-        if owner not in (None, INDEX, REQUEST) and owner not in ops:
-            raise HiCacheError(f"{tier.name} page {page} is owned by {owner}, not in flight")
 
 
 __all__ = ["CachedPrefix", "HiCache", "Match", "PoolExhaustedError"]

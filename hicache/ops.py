@@ -3,8 +3,9 @@
 The controller decides *what* moves (policy) and describes each move as an op; an
 `Executor` does the moving. The real executor (`hicache.executor`) drives the tiers'
 kernels and streams and runs L3 I/O on a background asyncio loop; the simulator supplies
-one that advances a virtual clock. Ops never hold nodes of the radix tree: the controller
-keeps that bookkeeping, so an executor only sees page ids and keys.
+one that advances a virtual clock. An executor only sees page ids and keys: the run of the
+radix tree an op works on is the controller's bookkeeping (`OpRun`, in `op.context`), and so
+is the state the controller keeps on a run while ops fill it (`RunState`, in `Node.meta`).
 
 Completion: an executor marks an op done (`op.done = True`, plus the op's result fields)
 and hands it back from `poll()`, which never blocks. The controller applies completions
@@ -17,6 +18,8 @@ import abc
 import enum
 import itertools
 from dataclasses import dataclass, field
+
+from radix.node import Node
 
 _op_ids = itertools.count()
 
@@ -39,7 +42,7 @@ class TransferOp:
     finished_s: float = 0.0
     error: BaseException | None = None  # a failure the executor caught; the op's pages are lost
     busy_s: float | None = None  # the copy's own time on its link, where the executor timed it
-    context: object = None  # the controller's bookkeeping; executors never read it
+    context: OpRun | None = None  # the controller's bookkeeping; executors never read it
 
 
 @dataclass(eq=False)
@@ -66,6 +69,65 @@ class PrefetchOp(TransferOp):
     keys: list[bytes] = field(default_factory=list)
     host_page_ids: list[int] = field(default_factory=list)
     num_ready: int = 0  # progress: leading pages verified and in L2 (grows while running)
+
+
+@dataclass(eq=False)
+class OpRun:
+    """The run of the index an op works on, named by its deepest node and its page count.
+
+    A match may split the run while the op is in flight; the pieces are then `tail` and its
+    ancestors, `num_pages` pages in all (`PageMover` walks up from `tail` to find them).
+    """
+
+    tail: Node
+    num_pages: int
+    num_applied: int = 0  # PREFETCH: leading pages already recorded as in L2
+    chain_l3: bool = True  # BACKUP: write the run on to L3 when done (`on_backup` policy)
+
+
+class RunStatus(enum.Enum):
+    LOADING = "loading into L1"  # `op` is the LOAD filling its L1 copy; matches wait on it
+    FETCHING = "fetching from L3"  # `op` is the PREFETCH filling its L2 copy
+    LANDED = "landed from L3"  # in L2 by a prefetch; no match has loaded it yet
+    LOAD_FAILED = "load failed"  # its L1 copy is wrong: no match hands it out
+
+
+@dataclass(frozen=True, eq=False)
+class RunState:
+    """What the controller keeps on a run of the index (`Node.meta`) while ops fill it.
+
+    None on a run means nothing is moving into it. Immutable: a split hands both halves the
+    same object, and the controller replaces it (never edits it) to change a run's state.
+    """
+
+    status: RunStatus
+    op: LoadOp | PrefetchOp | None = None
+
+    @staticmethod
+    def loading(op: LoadOp) -> RunState:
+        return RunState(RunStatus.LOADING, op)
+
+    @staticmethod
+    def fetching(op: PrefetchOp) -> RunState:
+        return RunState(RunStatus.FETCHING, op)
+
+
+LANDED_FROM_L3 = RunState(RunStatus.LANDED)
+LOAD_FAILED = RunState(RunStatus.LOAD_FAILED)
+
+
+# The controller's reads of a run's state (`Node.meta`, which the index keeps opaque).
+
+
+def status_of(node: Node) -> RunStatus | None:
+    state: RunState | None = node.meta  # type: ignore[assignment]
+    return None if state is None else state.status
+
+
+def filling_op(node: Node) -> LoadOp | PrefetchOp | None:
+    """The LOAD or PREFETCH filling the run now, if any."""
+    state: RunState | None = node.meta  # type: ignore[assignment]
+    return None if state is None else state.op
 
 
 class Executor(abc.ABC):

@@ -11,7 +11,6 @@ root, and the pages in L1 or L2 form another. That is what lets a match report i
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Any
 
 
 class Tier(IntEnum):
@@ -28,8 +27,12 @@ class Node:
 
     `data` is the run's tokens in the index encoding (`radix.keys.encode_tokens`).
     `device_page_ids` / `host_page_ids` are per-page ids in the L1 / L2 pools, or None when
-    the run is not in that tier. `meta` is free for the owner of the tree (the controller
-    keeps in-flight transfer state there); the index never reads it.
+    the run is not in that tier. `meta` belongs to the owner of the tree (hicache keeps a
+    `hicache.ops.RunState` there, the transfer filling the run); the index never reads it, and
+    a split gives both halves the same object, so the owner replaces it rather than edits it.
+
+    A node that leaves the tree (no tier holds it) keeps its `parent` link, so a handle on it
+    still leads to the part of its prefix the index holds (`RadixTree.held_end`).
     """
 
     __slots__ = (
@@ -73,7 +76,7 @@ class Node:
         self.in_heap = [False, False, False, False]  # indexed by Tier
         self.heap_gen = [0, 0, 0, 0]
         self.namespace_digest: bytes = parent.namespace_digest if parent is not None else b""
-        self.meta: Any = None
+        self.meta: object | None = None  # the tree owner's, opaque here (see above)
 
     @property
     def level(self) -> int:

@@ -13,6 +13,9 @@ Contracts:
 - Node objects returned by the tree stay valid while locked: `lock(node)` pins the node and
   every ancestor in every tier, and a split never replaces the deeper half of a run, so a
   locked node keeps its identity and its pages.
+- A node is a handle on its prefix: a split keeps it as the deeper half, and a node that
+  leaves the tree keeps its parent link, so walking up from it (`held_end`, `path`) finds
+  the part of the prefix the index holds now, without a lookup from the root.
 - The tree is not thread-safe; its owner serialises calls.
 """
 
@@ -129,6 +132,24 @@ class RadixTree:
                 stack.extend(node.children.values())
 
     @staticmethod
+    def held_end(node: Node) -> Node:
+        """`node` while it is in the tree, else its deepest ancestor still in it (a node that
+        leaves the tree keeps its parent link; splits since change nothing)."""
+        while node.num_pages and node.level == NO_TIER:
+            node = node.parent
+        return node
+
+    @staticmethod
+    def trailing(node: Node, level: Tier) -> list[Node]:
+        """The runs at `level` that end the path to `node`, first to last."""
+        runs = []
+        while node.num_pages and node.level == level:
+            runs.append(node)
+            node = node.parent
+        runs.reverse()
+        return runs
+
+    @staticmethod
     def path(node: Node) -> list[Node]:
         """The runs from the top of `node`'s namespace down to `node` (no root)."""
         runs = []
@@ -227,6 +248,31 @@ class RadixTree:
             remainder_keys=keys,
         )
 
+    def keys_after(self, node: Node, tokens: Tokens) -> list[bytes]:
+        """The keys of the full pages of `tokens` past `node`, a node on their path (a match's
+        `last_node`): read on from `node`, not looked up from the root."""
+        data = encode_tokens(tokens)
+        offset = self._offset_of(node, data)
+        limit = len(data) - len(data) % self._page_bytes
+        return chain_keys(
+            self._last_key(node),
+            data[offset:limit],
+            self.page_size,
+            (limit - offset) // self._page_bytes,
+        )
+
+    def _offset_of(self, node: Node, data: bytes) -> int:
+        """Where `node`'s run ends in `data` (bytes), checking that the run is that part of
+        `data`: a node is only ever read on from along its own prefix."""
+        offset = 0
+        walk = node
+        while walk.num_pages:
+            offset += len(walk.data)
+            walk = walk.parent
+        if offset > len(data) or not data.startswith(node.data, offset - len(node.data)):
+            raise RadixError(f"{node} does not end a prefix of these tokens")
+        return offset
+
     def keys(self, node: Node) -> list[bytes]:
         """The page keys of a run (computed once, then kept on the node)."""
         pending = []
@@ -289,6 +335,24 @@ class RadixTree:
             raise RadixError(f"num_pages must be in [0, {available}], got {num_pages}")
         return self._insert(data, num_pages, namespace, Tier.L3, None)
 
+    def extend_l3(self, node: Node, tokens: Tokens, num_pages: int) -> InsertResult:
+        """`insert_l3` of the first `num_pages` full pages of `tokens`, read on from `node`, a
+        node on their path (a match's `last_node`) instead of from the root. The runs above
+        `node` count as accessed, as an insert from the root counts them."""
+        data = encode_tokens(tokens)
+        available = len(data) // self._page_bytes
+        if not 0 <= num_pages <= available:
+            raise RadixError(f"num_pages must be in [0, {available}], got {num_pages}")
+        offset = self._offset_of(node, data)
+        if offset > num_pages * self._page_bytes:
+            raise RadixError(f"{node} ends past the first {num_pages} pages of these tokens")
+        self._clock += 1
+        walk = node
+        while walk.num_pages:
+            walk.last_access = self._clock
+            walk = walk.parent
+        return self._insert_below(node, offset, data, num_pages, Tier.L3, None)
+
     def _insert(
         self,
         data: bytes,
@@ -297,12 +361,22 @@ class RadixTree:
         tier: Tier,
         ids: list[int] | None,
     ) -> InsertResult:
+        self._clock += 1
+        return self._insert_below(self.root(namespace), 0, data, num_pages, tier, ids)
+
+    def _insert_below(
+        self,
+        node: Node,
+        offset: int,
+        data: bytes,
+        num_pages: int,
+        tier: Tier,
+        ids: list[int] | None,
+    ) -> InsertResult:
+        """Index `data`'s first `num_pages` pages from `node`, which ends at byte `offset`."""
         page_bytes = self._page_bytes
         limit = num_pages * page_bytes
-        node = self.root(namespace)
-        self._clock += 1
         duplicates: list[int] = []
-        offset = 0
         while offset < limit:
             child = node.children.get(data[offset : offset + page_bytes])
             if child is None:
@@ -701,8 +775,7 @@ class RadixTree:
         del parent.children[node.data[: self._page_bytes]]
         parent.children_at_level[NO_TIER] -= 1
         self._level_pages[NO_TIER] -= node.num_pages
-        self._num_nodes -= 1
-        node.parent = None
+        self._num_nodes -= 1  # `node.parent` stays: a handle on it still leads up (`held_end`)
 
     # ------------------------------------------------------------------ checks
 

@@ -313,3 +313,56 @@ def test_there_is_no_default_namespace():
         tree.insert(seq(1, 2), [0, 1])
     with pytest.raises(TypeError, match="Namespace"):
         tree.match_prefix(seq(1, 2), None)
+
+
+# ---------------------------------------------------------------------- reading on from a node
+
+
+def test_keys_after_a_node_are_the_keys_a_lookup_from_the_root_gives(tree):
+    tree.insert(seq(1, 2), [0, 1], NS)
+    tokens = seq(1, 2, 3, 4, tail=1)
+    match = tree.match_prefix(tokens, NS, remainder_keys=True)
+    assert tree.keys_after(match.last_node, tokens) == match.remainder_keys
+    assert match.remainder_keys == page_keys(tokens, NS, P)[2:]
+    root = tree.root(NS)
+    assert tree.keys_after(root, tokens) == page_keys(tokens, NS, P)
+
+
+def test_extend_l3_from_a_node_indexes_what_insert_l3_from_the_root_would():
+    by_root, by_node = RadixTree(page_size=P), RadixTree(page_size=P)
+    tokens = seq(1, 2, 3, 4, 5)
+    for tree in (by_root, by_node):
+        tree.insert(seq(1, 2), [0, 1], NS)
+    by_root.insert_l3(tokens, NS, num_pages=4)
+    last = by_node.match_prefix(tokens, NS, touch=False).last_node
+    result = by_node.extend_l3(last, tokens, 4)
+    assert result.num_present_pages == 2 and result.num_new_pages == 2
+    for tree in (by_root, by_node):
+        match = tree.match_prefix(tokens, NS, touch=False)
+        assert (match.num_l1_pages, match.num_l3_pages, match.matched_pages) == (2, 2, 4)
+        assert [n.last_access for n in RadixTree.path(match.last_node)] == [2, 2]
+        tree.check_invariants()
+    assert RadixTree.trailing(result.last_node, Tier.L3) == [result.last_node]
+    assert RadixTree.trailing(result.last_node, Tier.L1) == []
+
+
+def test_reading_on_from_a_node_off_the_tokens_path_is_refused(tree):
+    node = tree.insert(seq(1, 2), [0, 1], NS).last_node
+    with pytest.raises(RadixError, match="does not end a prefix"):
+        tree.keys_after(node, seq(1, 7, 8))
+    with pytest.raises(RadixError, match="does not end a prefix"):
+        tree.extend_l3(node, seq(1), 1)
+    with pytest.raises(RadixError, match="ends past"):
+        tree.extend_l3(node, seq(1, 2, 3), 1)
+
+
+def test_a_node_that_leaves_the_tree_still_leads_up_to_what_is_left(tree):
+    tree.insert(seq(1, 2, 3), [0, 1, 2], NS)
+    tokens = seq(1, 2, 3, 4, 5)
+    deep = tree.insert_l3(tokens, NS).last_node  # pages 4-5, only in L3
+    tree.split(deep, 1)  # a split meanwhile: `deep` stays the deeper half
+    top = tree.match_prefix(seq(1, 2, 3), NS, touch=False).last_node
+    tree.forget_l3(2)  # the index forgets both L3-only runs
+    assert deep.level > Tier.L3 and deep not in set(tree.nodes())
+    assert RadixTree.held_end(deep) is top
+    assert RadixTree.held_end(top) is top

@@ -1,6 +1,16 @@
-"""How the controller moves pages: the transfer ops it submits, and what their completion
-records in the index. A mixin of `HiCache`, kept apart so that the engine-facing API and
-the match path (`hicache.controller`) read on their own.
+"""`PageMover`: how the controller moves pages between tiers. `HiCache` owns one.
+
+It fits runs of the index into a faster tier, makes room there (evicting, writing back
+first where the policy says), submits the transfer ops (`hicache.ops`) to the executor, and
+applies their completions to the index. `HiCache` decides *which* runs a request uses and
+keeps the lock, the public API and the match; the mover never calls back into it.
+
+What it owns: the ops in flight, the runs a failed load left wrong, the first background
+failure (until `take_error`), and how many L3-only pages the index keeps. What it works on,
+given at construction and owned by `HiCache`: the radix tree, the L1 and L2 allocators, the
+executor, the metrics and the measured rates. Every method is called with the cache's lock
+held; the mover never takes it, and a method that waits (`make_room`, `drain`, `flush`)
+waits holding it.
 
 Bookkeeping rules:
 - A copy *out of* a run (backup to L2, write to L3) records the new copy when it is
@@ -8,12 +18,13 @@ Bookkeeping rules:
   it completes: the run can't be evicted from any tier meanwhile, while the runs above it
   stay evictable.
 - A copy *into* a run records it when the bytes have arrived (a prefetch into L2, chunk by
-  chunk) or, for a load into L1, at once, with the run's `meta` holding the load until it
-  completes: every match that uses the run waits on it layer by layer. Copies into runs
-  lock the whole path, so the runs above stay where the new pages need them.
-- An op names its run by the run's deepest node and its page count: a match may split the
-  run while the op is in flight, and the pieces are the node and its ancestors.
-- Completions are applied only on the caller's thread, in `_apply_completions`.
+  chunk) or, for a load into L1, at once, with the run's state (`RunState`, in `Node.meta`)
+  naming the load until it completes: every match that uses the run waits on it layer by
+  layer. Copies into runs lock the whole path, so the runs above stay where the new pages
+  need them.
+- An op names its run by the run's deepest node and its page count (`OpRun`): a match may
+  split the run while the op is in flight, and the pieces are the node and its ancestors.
+- Completions are applied only on the caller's thread, in `apply_completions`.
 
 Torch-free: the simulator runs this code with its virtual-time executor.
 """
@@ -21,29 +32,43 @@ Torch-free: the simulator runs this code with its virtual-time executor.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from hicache.config import HiCacheConfig
+from hicache.errors import HiCacheError
+from hicache.fetch_plan import FetchRates
+from hicache.metrics import Metrics
 from hicache.ops import (
+    LANDED_FROM_L3,
+    LOAD_FAILED,
     BackupOp,
+    Executor,
     LoadOp,
     OpKind,
+    OpRun,
     PrefetchOp,
+    RunState,
+    RunStatus,
     TransferOp,
     WriteL3Op,
+    filling_op,
+    status_of,
 )
+from hicache.ownership import INDEX, op_owner
 from radix.node import Node, Tier
 from radix.tree import RadixTree
+from tiers.allocator import PageAllocator
 
 logger = logging.getLogger(__name__)
 
-LANDED_FROM_L3 = "landed from L3"  # a run's meta: in L2 by prefetch, not yet used by a match
-FAILED_LOAD = "failed load"  # a run's meta: its L1 copy is wrong (its load failed)
-INDEX = "the index"  # the owner of the L1 / L2 pages the index maps (as in the controller)
 
-
-def op_owner(op: TransferOp) -> str:
-    """The owner of pages an op holds that the index does not map yet."""
-    return f"{op.kind.value} op {op.op_id}"
+def usable_prefix(runs: list[Node]) -> list[Node]:
+    """The leading runs a match may hand out: a run a failed load left wrong, and every run
+    below it, are not (they are dropped as soon as nothing holds them)."""
+    for index, run in enumerate(runs):
+        if status_of(run) is RunStatus.LOAD_FAILED:
+            return runs[:index]
+    return runs
 
 
 _DIRECTION = {
@@ -54,38 +79,68 @@ _DIRECTION = {
 }
 
 
-@dataclass(eq=False)
-class _Run:
-    """The run an op works on: its deepest node and its page count (see module doc)."""
+class Loaded(NamedTuple):
+    """What `load_into_l1` did: the run the caller holds now (the lock moves up when not
+    all of the runs fit; None when nothing is left), the load (None if none), and how many
+    of its pages a prefetch had brought from L3."""
 
-    tail: Node
-    num_pages: int
-    applied: int = 0  # prefetch: leading pages already recorded as in L2
-    chain_l3: bool = True  # backup: write the run on to L3 when done (on_backup policy)
-
-
-@dataclass(eq=False)
-class Landed:
-    """What a match loaded into L1 while its prefetch was still reading: the runs it holds
-    locked meanwhile (let go once the match holds its own), and the pages it loaded."""
-
-    held: list[Node] = field(default_factory=list)
-    num_loaded: int = 0
-    num_from_l3: int = 0
-
-    def let_go(self, tree: RadixTree) -> None:
-        for node in self.held:
-            tree.unlock(node)
-        self.held.clear()
+    node: Node | None
+    load: LoadOp | None
+    num_from_l3: int
 
 
-class PageMovement:
-    """Loads, prefetches, backups, L3 writes and eviction for `HiCache`.
+class PageMover:
+    """Fits runs into tiers, makes room, submits ops, applies completions (module doc).
 
-    Uses the cache's `_tree`, `_device` / `_host` allocators, `_executor`, `_inflight`,
-    `_metrics`, `_rates`, `_policy`, `config`, `layout` and `_error`; the caller holds the
-    cache's lock.
+    The interface `HiCache` calls, always holding its lock:
+    - `load_into_l1(tail)`: the caller holds `tail` locked; the lock comes back moved to
+      the run ending what it can use now (`Loaded`), never released for it.
+    - `submit_prefetch(tail)`: fetch the L3-only runs ending the path to `tail` into L2;
+      the op holds the path until it completes.
+    - `backup(run)` / `backup_path(node)`: copy L1 runs to L2 (write policies).
+    - `make_room(tier, num_pages)`: evict, waiting for the write-backs it starts.
+    - `apply_completions()`: apply what the executor finished; never blocks.
+    - `drain()`, `flush(timeout_s)`: wait for every op / every write in flight.
+    - `take_error()`, `owners_in_flight()`, `trim_l3_index()`, `max_l3_pages`.
+    All but `take_error` and `owners_in_flight` may split runs and drop or move the pages
+    of runs nobody holds locked: a caller reads page ids off a locked node afterwards,
+    never off a list of runs taken before. The mover never calls back into `HiCache`.
     """
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        executor: Executor,
+        tree: RadixTree,
+        device: PageAllocator,
+        host,  # a PageAllocator, or the controller's stand-in for "no L2"
+        metrics: Metrics,
+        rates: FetchRates,
+    ) -> None:
+        self._config = config
+        self._policy = config.policy
+        self._page_bytes = config.layout.bytes_per_page
+        self._executor = executor
+        self._tree = tree
+        self._device = device
+        self._host = host
+        self._metrics = metrics
+        self._rates = rates
+        self._inflight: dict[int, TransferOp] = {}
+        self._failed_loads: list[Node] = []  # runs whose L1 copy a failed load left wrong
+        self._error: BaseException | None = None
+        self.max_l3_pages = 0  # L3-only pages the index keeps (0: no L3 attached)
+
+    # ------------------------------------------------------------------ state
+
+    def take_error(self) -> BaseException | None:
+        """The first background failure since the last call (then forgotten), or None."""
+        error, self._error = self._error, None
+        return error
+
+    def owners_in_flight(self) -> set[str]:
+        """The page owners (`op_owner`) of the ops in flight, for the ownership check."""
+        return {op_owner(op) for op in self._inflight.values()}
 
     # ------------------------------------------------------------------ loads
 
@@ -96,11 +151,11 @@ class PageMovement:
         applies finished ops, and a partial L3 write splits runs."""
         tier = Tier(level - 1)
         pool = self._device if tier == Tier.L1 else self._host
-        wanted = sum(run.num_pages for run in self._trailing(tail, level))
-        self._make_room(tier, wanted)
+        wanted = sum(run.num_pages for run in RadixTree.trailing(tail, level))
+        self.make_room(tier, wanted)
         available = min(wanted, pool.num_free)
         fitting: list[Node] = []
-        for run in self._trailing(tail, level):
+        for run in RadixTree.trailing(tail, level):
             if available <= 0:
                 break
             if run.num_pages > available:
@@ -108,17 +163,6 @@ class PageMovement:
             fitting.append(run)
             available -= run.num_pages
         return fitting
-
-    @staticmethod
-    def _trailing(tail: Node, level: Tier) -> list[Node]:
-        """The runs at `level` that end the path to `tail`, first to last."""
-        runs = []
-        node = tail
-        while node.num_pages and node.level == level:
-            runs.append(node)
-            node = node.parent
-        runs.reverse()
-        return runs
 
     def _move_lock(self, old: Node, new: Node | None) -> Node | None:
         """Hold `new` (an ancestor of `old`, or None for nothing) instead of `old`."""
@@ -128,43 +172,41 @@ class PageMovement:
             self._tree.unlock(old)
         return new
 
-    def _load_into_l1(self, tail: Node) -> tuple[Node | None, LoadOp | None, int]:
-        """Load the L2 runs at the end of the locked path to `tail` into L1.
-
-        Returns the run the match holds now (the lock moves up when not all of them fit;
-        None when nothing is left), the load (None if none), and how many of its pages a
-        prefetch had brought from L3.
-        """
+    def load_into_l1(self, tail: Node) -> Loaded:
+        """Load the L2 runs at the end of the path to `tail`, which the caller holds locked,
+        into L1 (as many as fit), and move the caller's lock to the run ending the part it
+        can use now (`Loaded`)."""
         if tail.level != Tier.L2:
-            return tail, None, 0
+            return Loaded(tail, None, 0)
         loaded = self._fit_chain(tail, Tier.L2)
         if not loaded:
-            parent = self._trailing(tail, Tier.L2)[0].parent
-            return self._move_lock(tail, parent if parent.num_pages else None), None, 0
+            parent = RadixTree.trailing(tail, Tier.L2)[0].parent
+            return Loaded(self._move_lock(tail, parent if parent.num_pages else None), None, 0)
         num_pages = sum(run.num_pages for run in loaded)
-        from_l3 = sum(run.num_pages for run in loaded if run.meta is LANDED_FROM_L3)
+        from_l3 = sum(run.num_pages for run in loaded if status_of(run) is RunStatus.LANDED)
         device_ids = self._device.alloc(num_pages, INDEX)
         op = LoadOp(
             kind=OpKind.LOAD,
             num_pages=num_pages,
-            num_bytes=num_pages * self.layout.bytes_per_page,
+            num_bytes=num_pages * self._page_bytes,
             host_page_ids=[page for run in loaded for page in run.host_page_ids],
             device_page_ids=device_ids,
         )
         if not self._submit(op, loaded):
             self._device.free(device_ids, INDEX)
             parent = loaded[0].parent
-            return self._move_lock(tail, parent if parent.num_pages else None), None, 0
+            return Loaded(self._move_lock(tail, parent if parent.num_pages else None), None, 0)
         offset = 0
+        state = RunState.loading(op)
         for run in loaded:
             self._tree.set_device(run, device_ids[offset : offset + run.num_pages])
-            run.meta = op
+            run.meta = state
             offset += run.num_pages
-        return self._move_lock(tail, loaded[-1]), op, from_l3
+        return Loaded(self._move_lock(tail, loaded[-1]), op, from_l3)
 
     # ------------------------------------------------------------------ L3 prefetch
 
-    def _submit_prefetch(self, tail: Node) -> PrefetchOp | None:
+    def submit_prefetch(self, tail: Node) -> PrefetchOp | None:
         """Fetch the L3-only runs that end the path to `tail` into L2 (as many as fit)."""
         self._tree.lock(tail)
         try:
@@ -178,65 +220,18 @@ class PageMovement:
         op = PrefetchOp(
             kind=OpKind.PREFETCH,
             num_pages=len(keys),
-            num_bytes=len(keys) * self.layout.bytes_per_page,
+            num_bytes=len(keys) * self._page_bytes,
             keys=keys,
         )
         op.host_page_ids = self._host.alloc(len(keys), op_owner(op))
         if not self._submit(op, chosen):
             self._host.free(op.host_page_ids, op_owner(op))
             return None
+        state = RunState.fetching(op)
         for run in chosen:
-            run.meta = op
+            run.meta = state
         self._metrics.prefetches_issued += 1
         return op
-
-    def _wait_prefetch(self, op: PrefetchOp, data: bytes, namespace) -> Landed:
-        """Wait for an L3 prefetch as the policy says, the cache's lock not held, and load
-        each part into L1 as soon as it lands in L2: the L2 -> L1 copy of one read batch
-        overlaps the L3 read of the next (and the match's L2 pages go first, at once).
-
-        Returns what was loaded meanwhile; its runs stay locked for the match (`Landed`).
-        """
-        landed = Landed()
-        deadline = self._prefetch_deadline(op)
-        seen = -1
-        while True:
-            with self._lock:
-                self._apply_completions()
-                if op.num_ready > seen:
-                    seen = op.num_ready
-                    self._load_landed(data, namespace, landed)
-            if op.done:
-                return landed
-            remaining = None if deadline is None else deadline - self._executor.now()
-            if remaining is not None and remaining <= 0:
-                return landed
-            self._executor.wait_ready(op, seen + 1, remaining)
-
-    def _prefetch_deadline(self, op: PrefetchOp) -> float | None:
-        """Until when (executor clock) a match waits for `op`; None: until it is done."""
-        policy = self._policy.prefetch_policy
-        if policy == "best_effort":
-            return self._executor.now()
-        if policy == "wait_complete":
-            return None
-        return op.submitted_s + self._policy.prefetch_budget_s(op.num_pages * self.page_size)
-
-    def _load_landed(self, data: bytes, namespace, landed: Landed) -> None:
-        """Start loading the L2 runs that end the request's usable prefix now into L1, and
-        hold the run that ends the loaded part for the match (the caller holds the lock)."""
-        current = self._tree.match_prefix(data, namespace, touch=False)
-        usable = current.l1_nodes + current.l2_nodes
-        usable = usable[: self._first_failed(usable)]
-        if not usable or usable[-1].level != Tier.L2:
-            return
-        self._tree.lock(usable[-1])
-        node, load, from_l3 = self._load_into_l1(usable[-1])
-        if node is not None:
-            landed.held.append(node)
-        if load is not None:
-            landed.num_loaded += load.num_pages
-            landed.num_from_l3 += from_l3
 
     def _advance_prefetch(self, op: PrefetchOp) -> None:
         """Record the pages of a prefetch that have landed in L2 (leading ones, verified).
@@ -245,14 +240,14 @@ class PageMovement:
         have a write-through backup of its own by now: it keeps that, and the prefetch's
         copy of it goes back to the pool.
         """
-        run: _Run = op.context
+        run = op.context
         ready = op.num_ready
-        if ready <= run.applied:
+        if ready <= run.num_applied:
             return
         offset = 0
         for piece in self._pieces(run):
             end = offset + piece.num_pages
-            if end <= run.applied:
+            if end <= run.num_applied:
                 offset = end
                 continue
             if offset >= ready:
@@ -269,14 +264,14 @@ class PageMovement:
                     piece.meta = LANDED_FROM_L3
             else:
                 self._host.free(landed, op_owner(op))
-            if piece.meta is op:
+            if filling_op(piece) is op:
                 piece.meta = None
             offset = end
-        run.applied = ready
+        run.num_applied = ready
 
     # ------------------------------------------------------------------ writes
 
-    def _backup_path(self, node: Node) -> None:
+    def backup_path(self, node: Node) -> None:
         """Back up every run on the path to `node` that L2 does not hold yet
         (write-through), top first. The path is locked meanwhile and read again after
         each backup, which may make room in L2."""
@@ -292,20 +287,20 @@ class PageMovement:
                 if not todo:
                     return
                 tried.add(id(todo[0]))
-                self._backup(todo[0])
+                self.backup(todo[0])
         finally:
             self._tree.unlock(node)
 
-    def _backup(self, run: Node) -> BackupOp | None:
+    def backup(self, run: Node) -> BackupOp | None:
         """Copy one L1 run to L2 (allocating host pages, evicting L2 if needed).
 
         A run a prefetch is filling from L3 is not backed up: that prefetch is its L2 copy.
         """
-        if isinstance(run.meta, PrefetchOp) or run.meta is FAILED_LOAD:
+        if status_of(run) in (RunStatus.FETCHING, RunStatus.LOAD_FAILED):
             return None
         self._tree.lock(run)
         try:
-            self._make_room(Tier.L2, run.num_pages)
+            self.make_room(Tier.L2, run.num_pages)
         finally:
             self._tree.unlock(run)
         if self._host.num_free < run.num_pages or run.host_page_ids is not None:
@@ -315,7 +310,7 @@ class PageMovement:
         op = BackupOp(
             kind=OpKind.BACKUP,
             num_pages=run.num_pages,
-            num_bytes=run.num_pages * self.layout.bytes_per_page,
+            num_bytes=run.num_pages * self._page_bytes,
             device_page_ids=list(run.device_page_ids),
             host_page_ids=host_ids,
         )
@@ -346,15 +341,22 @@ class PageMovement:
         op = WriteL3Op(
             kind=OpKind.WRITE_L3,
             num_pages=len(keys),
-            num_bytes=len(keys) * self.layout.bytes_per_page,
+            num_bytes=len(keys) * self._page_bytes,
             keys=keys,
             host_page_ids=[page for run in runs for page in run.host_page_ids],
         )
         return op if self._submit(op, runs) else None
 
+    def trim_l3_index(self) -> None:
+        """Forget the least recently used L3-only pages past `max_l3_pages` (a lookup past
+        a match finds them again if L3 still has them)."""
+        excess = self._tree.num_pages_at_level(Tier.L3) - self.max_l3_pages
+        if excess > 0 and self.max_l3_pages:
+            self._tree.forget_l3(excess)
+
     # ------------------------------------------------------------------ eviction
 
-    def _make_room(self, tier: Tier, num_pages: int) -> None:
+    def make_room(self, tier: Tier, num_pages: int) -> None:
         """Evict from `tier` until `num_pages` pages are free there, or nothing is left.
 
         L1: a run without an L2 copy is written back first under `write_back`. L2: a run
@@ -393,10 +395,10 @@ class PageMovement:
             backed_up = self._write_back(victim)
         if not self._tree.can_clear(victim, Tier.L1):
             return None
-        if victim.meta is FAILED_LOAD:
+        if status_of(victim) is RunStatus.LOAD_FAILED:
             victim.meta = None
         freed = self._tree.clear_device(victim)
-        if backed_up and self.config.l3.write_policy == "on_backup":
+        if backed_up and self._config.l3.write_policy == "on_backup":
             self._write_l3([victim])  # deferred: it pins the run, L1 copy included
         return freed
 
@@ -420,7 +422,7 @@ class PageMovement:
         """Back a victim up to L2 now (waiting for it); whether it worked."""
         if not self._host.num_pages:
             return False
-        op = self._backup(victim)
+        op = self.backup(victim)
         if op is None:
             return False
         op.context.chain_l3 = False
@@ -434,7 +436,7 @@ class PageMovement:
 
     def _wait_and_apply(self, op: TransferOp) -> None:
         self._executor.wait(op, None)
-        self._apply_completions()
+        self.apply_completions()
         if op.op_id in self._inflight:  # the executor has not handed it back yet
             del self._inflight[op.op_id]
             self._complete(op)
@@ -450,7 +452,7 @@ class PageMovement:
         stay for the new pages to be reachable. Copies out of runs (BACKUP, WRITE_L3) pin
         just those runs, so the pages above them stay evictable meanwhile.
         """
-        op.context = _Run(tail=runs[-1], num_pages=op.num_pages)
+        op.context = OpRun(tail=runs[-1], num_pages=op.num_pages)
         op.submitted_s = self._executor.now()
         try:
             self._executor.submit(op)
@@ -471,14 +473,15 @@ class PageMovement:
             self._error = error
         logger.error("%s failed: %r", op.kind.value, error)
 
-    def _let_go(self, op: TransferOp, run: _Run) -> None:
+    def _let_go(self, op: TransferOp, run: OpRun) -> None:
         if op.kind in (OpKind.LOAD, OpKind.PREFETCH):
             self._tree.unlock(run.tail)
         else:
             for piece in self._pieces(run):
                 self._tree.unpin(piece)
 
-    def _pieces(self, run: _Run) -> list[Node]:
+    @staticmethod
+    def _pieces(run: OpRun) -> list[Node]:
         """The nodes an op's run is made of now, first to last (splits add ancestors)."""
         pieces = []
         node, remaining = run.tail, run.num_pages
@@ -489,7 +492,8 @@ class PageMovement:
         pieces.reverse()
         return pieces
 
-    def _apply_completions(self) -> None:
+    def apply_completions(self) -> None:
+        """Apply every op the executor has finished, and the progress of prefetches."""
         for op in self._executor.poll():
             if self._inflight.pop(op.op_id, None) is not None:
                 self._complete(op)
@@ -500,7 +504,7 @@ class PageMovement:
             self._drop_failed_loads()
 
     def _complete(self, op: TransferOp) -> None:
-        run: _Run = op.context
+        run = op.context
         direction = _DIRECTION[op.kind]
         moved_pages = op.num_pages
         if op.error is not None:
@@ -509,11 +513,11 @@ class PageMovement:
         if isinstance(op, PrefetchOp):
             moved_pages = op.num_ready
             self._advance_prefetch(op)
-            self._rates.record_read(moved_pages * self.layout.bytes_per_page, seconds)
+            self._rates.record_read(moved_pages * self._page_bytes, seconds)
         elif isinstance(op, LoadOp) and op.error is None:
             self._rates.record_load(op.num_bytes, seconds if op.busy_s is None else op.busy_s)
         self._metrics.record_transfer(
-            direction, moved_pages, moved_pages * self.layout.bytes_per_page, seconds
+            direction, moved_pages, moved_pages * self._page_bytes, seconds
         )
         self._let_go(op, run)
         if isinstance(op, LoadOp):
@@ -525,10 +529,10 @@ class PageMovement:
         else:
             self._finish_prefetch(op, run)
 
-    def _finish_load(self, op: LoadOp, run: _Run) -> None:
+    def _finish_load(self, op: LoadOp, run: OpRun) -> None:
         for piece in self._pieces(run):
-            if piece.meta is op:
-                piece.meta = None if op.error is None else FAILED_LOAD
+            if filling_op(piece) is op:
+                piece.meta = None if op.error is None else LOAD_FAILED
                 if op.error is not None:
                     self._failed_loads.append(piece)
         if op.error is not None:
@@ -536,11 +540,11 @@ class PageMovement:
 
     def _drop_failed_loads(self) -> None:
         """Drop the L1 copy of runs a failed load left wrong, once nothing holds them
-        (until then no match hands them out: `_first_failed`). Their L2 copy is intact."""
+        (until then no match hands them out: `usable_prefix`). Their L2 copy is intact."""
         waiting = []
         for piece in self._failed_loads:
-            if piece.parent is None or piece.device_page_ids is None:
-                continue  # evicted or gone meanwhile
+            if piece.device_page_ids is None:
+                continue  # evicted, or gone from the tree, meanwhile
             if not self._tree.can_clear(piece, Tier.L1):
                 waiting.append(piece)
                 continue
@@ -548,17 +552,17 @@ class PageMovement:
             self._device.free(self._tree.clear_device(piece), INDEX)
         self._failed_loads = waiting
 
-    def _finish_backup(self, op: BackupOp, run: _Run) -> None:
+    def _finish_backup(self, op: BackupOp, run: OpRun) -> None:
         pieces = self._pieces(run)
         if op.error is not None:
             # Its host pages hold garbage: the runs lose their L2 copy, locked or not.
             for piece in reversed(pieces):
                 self._host.free(self._tree.invalidate(piece, Tier.L2), INDEX)
             return
-        if run.chain_l3 and self._executor.has_l3 and self.config.l3.write_policy == "on_backup":
+        if run.chain_l3 and self._executor.has_l3 and self._config.l3.write_policy == "on_backup":
             self._write_l3(pieces)
 
-    def _finish_write_l3(self, op: WriteL3Op, run: _Run) -> None:
+    def _finish_write_l3(self, op: WriteL3Op, run: OpRun) -> None:
         written = 0 if op.error is not None else op.num_written
         offset = 0
         for piece in self._pieces(run):
@@ -568,9 +572,9 @@ class PageMovement:
                 piece = self._tree.split(piece, written - offset)
             self._tree.set_l3(piece)
             offset += piece.num_pages
-        self._trim_l3_index()
+        self.trim_l3_index()
 
-    def _finish_prefetch(self, op: PrefetchOp, run: _Run) -> None:
+    def _finish_prefetch(self, op: PrefetchOp, run: OpRun) -> None:
         self._metrics.prefetches_completed += 1
         missing = op.num_pages - op.num_ready
         if not missing:
@@ -579,15 +583,30 @@ class PageMovement:
         # stops believing L3 holds them (where nothing else holds them open).
         self._metrics.prefetch_pages_missing += missing
         self._host.free(op.host_page_ids[op.num_ready :], op_owner(op))
-        pieces = [p for p in self._pieces(run) if p.meta is op]
+        pieces = [p for p in self._pieces(run) if filling_op(p) is op]
         for piece in reversed(pieces):
             piece.meta = None
             if not piece.children and not piece.lock_ref and piece.level == Tier.L3:
                 self._tree.clear_l3(piece)
 
-    def _drain(self) -> None:
+    # ------------------------------------------------------------------ waiting
+
+    def drain(self) -> None:
         """Wait for every op in flight and apply it."""
         while self._inflight:
             for op in list(self._inflight.values()):
                 self._executor.wait(op, None)
-            self._apply_completions()
+            self.apply_completions()
+
+    def flush(self, timeout_s: float | None) -> None:
+        """Wait until every backup and L3 write submitted so far has finished."""
+        while True:
+            self.apply_completions()
+            writes = [
+                op for op in self._inflight.values() if op.kind in (OpKind.BACKUP, OpKind.WRITE_L3)
+            ]
+            if not writes:
+                return
+            for op in writes:
+                if not self._executor.wait(op, timeout_s):
+                    raise HiCacheError(f"flush: a {op.kind.value} op is still running")
