@@ -12,11 +12,12 @@ All four import `hicache` and the packages below it, never the other way round: 
 subcommands of `hicache` are registered as entry points (pyproject.toml). The contract is
 in pyproject.toml and checked by tests/test_layering.py.
 
-Where to look:
-    what happens to a request         engine/core.py, engine/scheduler.py, engine/pages.py
+Where to look (one module each):
+    what happens in match()           hicache/controller.py (`HiCache.match`; hicache/match.py)
     the load-or-recompute decision    hicache/fetch_plan.py (the engine asks through pages.py)
+    where a batch is written to L3    hicache/mover.py (`PageMover`: every op it submits)
     where a page is verified          storage_backends/verify.py (every backend reads through it)
-    where a batch is written to L3    hicache/transfers.py (WRITE_L3), storage_backends/*_store.py
+    what happens to a request         engine/core.py, engine/scheduler.py, engine/pages.py
 
 `vllm_connector.py` and `sglang_storage.py` are the 0.1 paths of the two adapters, kept for
 one release with a DeprecationWarning. Importing the package does not import torch.
