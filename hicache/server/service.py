@@ -162,6 +162,7 @@ class KVStoreService:
         self, request_iterator: AsyncIterator[bytes], context, tenant: Tenant
     ) -> bytes:
         with self.streams.stream(context.peer(), tenant):
+            deadline = _deadline(context)
             pages = PutPages(self.config)
             namespace: NamespaceStore | None = None
             charged = 0  # bytes of this stream charged to its namespace
@@ -175,7 +176,7 @@ class KVStoreService:
                         if pages.pending_bytes >= flush_bytes:
                             keys, blobs = pages.take()
                             charged = await self._release(namespace, pages, charged)
-                            outcomes += await self._store(namespace, keys, blobs)
+                            outcomes += await self._store(namespace, keys, blobs, deadline)
                     pages.end_message()
                     # What outlives the message: charged to the namespace, or refused.
                     charged = await self._charge(namespace, pages.held_bytes, charged)
@@ -183,7 +184,7 @@ class KVStoreService:
                 if namespace is not None and pages.pending_keys:
                     keys, blobs = pages.take()
                     charged = await self._release(namespace, pages, charged)
-                    outcomes += await self._store(namespace, keys, blobs)
+                    outcomes += await self._store(namespace, keys, blobs, deadline)
             finally:
                 if namespace is not None and charged:
                     await namespace.charge(-charged)
@@ -251,9 +252,14 @@ class KVStoreService:
         return held
 
     async def _store(
-        self, namespace: NamespaceStore, keys: list[bytes], blobs: list[Buffer]
+        self,
+        namespace: NamespaceStore,
+        keys: list[bytes],
+        blobs: list[Buffer],
+        deadline: float | None,
     ) -> list[PutOutcome]:
-        outcomes = await namespace.put(keys, blobs)
+        left_s = None if deadline is None else deadline - time.monotonic()
+        outcomes = await namespace.put(keys, blobs, left_s)
         counters = self.metrics.pages[namespace.name]
         for outcome, blob in zip(outcomes, blobs, strict=True):
             if outcome.stored:
@@ -388,9 +394,9 @@ class KVStoreService:
 
 
 def _deadline(context) -> float | None:
-    """When the call's spill reads must be done (monotonic), so that its answer, misses
-    included, still reaches the client: its deadline less a margin for sending; None
-    without one."""
+    """When the call's spill reads and writes must be done (monotonic), so that its answer,
+    misses and unstored pages included, still reaches the client: its deadline less a margin
+    for sending; None without one."""
     left_s = context.time_remaining()
     if left_s is None or left_s > 1e9:
         return None

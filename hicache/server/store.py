@@ -74,7 +74,7 @@ class NamespaceStore:
         self.memory = MemoryBackend(options, None, name=f"memory:{name}", spill=memory_spill)
         self.capacity_bytes = capacity_bytes
         self.in_flight_bytes = 0  # held by unfinished BatchPut streams (charged to the quota)
-        self.num_spill_timeouts = 0  # gets whose spill read missed the caller's deadline
+        self.num_spill_timeouts = 0  # gets and puts whose spill missed the caller's deadline
         self.events = None  # hicache.server.events.DaemonEvents, when the daemon publishes
 
     def publish_events(self, events) -> None:
@@ -142,9 +142,17 @@ class NamespaceStore:
                 )
         return blobs
 
-    async def put(self, keys: Sequence[bytes], blobs: Sequence[Buffer]) -> list[PutOutcome]:
+    async def put(
+        self, keys: Sequence[bytes], blobs: Sequence[Buffer], timeout_s: float | None = None
+    ) -> list[PutOutcome]:
         """Verify each object against its key, then store the good ones (see the module doc
-        for what a "stored" outcome promises)."""
+        for what a "stored" outcome promises).
+
+        `timeout_s`: the caller's deadline (the gRPC call's time left). Where storing waits on
+        a spill that has not answered by then (a write-through put, or the spill of what a
+        put evicts, to a hung mount), those objects are answered "error", never "stored",
+        counted in `num_spill_timeouts`; the spill's own writes finish or fail on their own.
+        """
         outcomes: list[PutOutcome | None] = []
         good: list[int] = []
         for i, (key, blob) in enumerate(zip(keys, blobs, strict=True)):
@@ -158,13 +166,25 @@ class NamespaceStore:
         if good:
             good_keys = [keys[i] for i in good]
             good_blobs = [blobs[i] for i in good]
-            stored = await self._store(good_keys, good_blobs)
+            stored = await self._store_within(good_keys, good_blobs, timeout_s)
             for i, outcome in zip(good, stored, strict=True):
                 outcomes[i] = outcome
             if self.events is not None:
                 kept = [i for i, outcome in zip(good, stored, strict=True) if outcome.stored]
                 self.events.stored([keys[i] for i in kept], [blobs[i] for i in kept])
         return outcomes  # type: ignore[return-value]
+
+    async def _store_within(
+        self, keys: list[bytes], blobs: list[Buffer], timeout_s: float | None
+    ) -> list[PutOutcome]:
+        if timeout_s is None or self.spill is None:
+            return await self._store(keys, blobs)
+        try:
+            return await asyncio.wait_for(self._store(keys, blobs), max(timeout_s, 0.0))
+        except asyncio.TimeoutError:
+            self.num_spill_timeouts += 1
+            why = "the spill did not answer within the call's deadline"
+            return [PutOutcome(False, "error", why)] * len(keys)
 
     async def _store(self, keys: list[bytes], blobs: list[Buffer]) -> list[PutOutcome]:
         if not self.write_through:

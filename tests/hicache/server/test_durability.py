@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -23,11 +24,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from storage_backends import open_backend
+from storage_backends import encode_object, open_backend
 from storage_backends.file_pack import read_table
 from storage_backends.pieces import decode_get_response
 from storage_backends.proto import kvstore_pb2 as pb
 from storage_backends.protocol import method_path
+from tests.support.servers import RedisProcess, free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from client_worker import LAYOUT, key_of, page_of  # noqa: E402
@@ -327,9 +329,7 @@ def _answer_fifos(spill: Path) -> None:
         path.unlink()
 
 
-def test_a_hung_spill_answers_misses_within_the_call_deadline_and_recovers(
-    start_daemon, tmp_path
-):
+def test_a_hung_spill_answers_misses_within_the_call_deadline_and_recovers(start_daemon, tmp_path):
     """(Reads of a hung spill used to hold each call until the client gave up.)"""
     spill = tmp_path / "spill"
     daemon = start_daemon("--capacity", "2MiB", "--spill-dir", str(spill))
@@ -352,7 +352,56 @@ def test_a_hung_spill_answers_misses_within_the_call_deadline_and_recovers(
         while _get_raw(channel, healthy, timeout_s=10.0):  # the stuck reads drain, then hits
             assert time.monotonic() < deadline, "the spill did not serve again"
             time.sleep(0.1)
-    assert _read_back(url, healthy, [len(pages[k]) for k in healthy]) == [
-        pages[k] for k in healthy
+    assert _read_back(url, healthy, [len(pages[k]) for k in healthy]) == [pages[k] for k in healthy]
+    assert daemon.stop() == 0, daemon.log
+
+
+def _put_raw(channel, keys: list[bytes], pages: list[bytes], timeout_s: float) -> list[int]:
+    """A BatchPut of `pages` under a deadline; the daemon's status of each (an RpcError,
+    such as DEADLINE_EXCEEDED, fails the caller)."""
+    pieces = [
+        pb.Piece(index=i, key=key, object_bytes=len(blob), offset=0, data=blob)
+        for i, (key, blob) in enumerate(
+            (key, encode_object(key, LAYOUT, page)) for key, page in zip(keys, pages, strict=True)
+        )
     ]
+    request = pb.BatchPutRequest(namespace="default", pieces=pieces).SerializeToString()
+    call = channel.stream_unary(method_path("BatchPut"))
+    return list(pb.BatchPutResponse.FromString(call(iter([request]), timeout=timeout_s)).statuses)
+
+
+@pytest.fixture
+def redis_spill(tmp_path):
+    server = RedisProcess(tmp_path / "redis", free_port()).start()
+    yield server
+    server.proc.send_signal(signal.SIGCONT)  # a test that failed while it was stopped
+    server.stop()
+
+
+def test_a_hung_write_through_spill_answers_puts_within_the_call_deadline(
+    start_daemon, redis_spill
+):
+    """(Write-through puts to a hung spill used to hold each call for the spill's own
+    timeout, past the client's deadline.) A redis-server stopped with SIGSTOP keeps its
+    connections and never answers: each put is answered within its deadline, not stored
+    (never acknowledged), and once the spill answers again puts are stored and read back."""
+    redis = redis_spill
+    daemon = start_daemon(
+        "--capacity", "8MiB", "--spill-url", f"{redis.url}?timeout=60s",
+        "--spill-mode", "write-through",
+    )  # fmt: skip
+    url = f"grpc://{daemon.address}?namespace=default"
+    keys = [key_of("through", i) for i in range(4)]
+    pages = [os.urandom(64 << 10) for _ in keys]
+    with grpc.insecure_channel(daemon.address) as channel:
+        assert _put_raw(channel, keys[:1], pages[:1], timeout_s=10.0) == [pb.PUT_STATUS_STORED]
+        redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            for key, page in zip(keys[1:3], pages[1:3], strict=True):
+                assert _put_raw(channel, [key], [page], timeout_s=3.0) == [pb.PUT_STATUS_ERROR]
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+        assert _put_raw(channel, keys[3:], pages[3:], timeout_s=30.0) == [pb.PUT_STATUS_STORED]
+    got = _read_back(url, [keys[0], keys[3]], [len(pages[0]), len(pages[3])])
+    assert got == [pages[0], pages[3]]
     assert daemon.stop() == 0, daemon.log
