@@ -7,10 +7,11 @@ llama3.
 
 The hybrid plan is read from, in this order: `layer_types` (a run of "full_attention" then a
 run of "sliding_attention": late layers; Gemma 3's any mix: interleaved, the sliding ones
-become `windowed_layers`; other architectures' interleaving is refused), Gemma 3's `sliding_window_pattern` (every n-th layer full, when it has no
-`layer_types`), Qwen2's `use_sliding_window` + `max_window_layers`, Mistral's
-`sliding_window` (every layer sliding: refused unless overridden, since the cache needs at
-least one full-attention layer). A model with none of these has only source layers.
+become `windowed_layers`; other architectures' interleaving is refused), Gemma 3's
+`sliding_window_pattern` (every n-th layer full, when it has no `layer_types`), Qwen2's
+`use_sliding_window` + `max_window_layers`, Mistral's `sliding_window` (every layer sliding:
+refused unless overridden, since the cache needs at least one full-attention layer). A model
+with none of these has only source layers.
 
 Gemma 3 (`Gemma3ForCausalLM`) brings its block (`config.BLOCKS`), `query_pre_attn_scalar`,
 `final_logit_softcapping` and a rotary base per layer type (`rope_parameters` by layer type,
