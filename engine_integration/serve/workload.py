@@ -99,7 +99,7 @@ class ChatHistory:
                 "the chat template does not render a conversation as a prefix of its continuation"
             )
         added = self._after_answer(before) + after[len(before) :]
-        return self.token_ids + self.tokenizer.encode(added)
+        return self.token_ids + self.tokenizer.encode(added, continuation=True)
 
     def add_answer(self, prompt: list[int], output: list[int]) -> str:
         """Record the model's answer (its tokens, as generated); returns its text."""

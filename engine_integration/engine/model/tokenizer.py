@@ -54,7 +54,8 @@ class Tokenizer(Protocol):
     bos_id: int | None
     eos_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    # continuation: the text continues a sequence already begun (no <bos> before it)
+    def encode(self, text: str, *, continuation: bool = False) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -66,7 +67,7 @@ class ByteTokenizer:
     bos_id = 256
     eos_id = 257
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, continuation: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -100,12 +101,12 @@ class HFTokenizer:
     def from_file(cls, path: str | Path, **kwargs: Any) -> HFTokenizer:
         return cls(_tokenizers().Tokenizer.from_file(str(path)), **kwargs)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, continuation: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in it (`<|im_start|>`) are matched.
-        With `add_bos`, `<bos>` first unless the text begins with it already (a chat
-        template that writes it)."""
+        With `add_bos`, `<bos>` first, unless the text begins with it already (a chat
+        template that writes it) or is a `continuation` of a sequence begun before."""
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        if self.add_bos and ids[:1] != [self.bos_id]:
+        if self.add_bos and not continuation and ids[:1] != [self.bos_id]:
             return [self.bos_id, *ids]
         return ids
 
