@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BUILTIN = "builtin"  # --model builtin: the built-in random model
+GEMMA3 = "gemma3"  # --model gemma3: Gemma 3 270M (base) from its package
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class DemoConfig:
     l3_capacity: str = "512MiB"  # for the default L3 directory
     turns: int = 4
     users: int = 4
-    max_new_tokens: int = 32
+    max_new_tokens: int | None = None  # None: 32; 128 for Gemma 3 (histories pass its window)
     concurrency: int = 1  # requests in flight at once (continuous batching)
     # None: 10 (SmolLM2), 32 (the built-in byte-level model), times concurrency
     l1_pages: int | None = None
@@ -38,7 +39,6 @@ class DemoConfig:
         positive = (
             "turns",
             "users",
-            "max_new_tokens",
             "concurrency",
             "page_size",
             "window",
@@ -49,6 +49,8 @@ class DemoConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.window_layers is not None and self.window_layers < 0:
             raise ValueError(f"--window-layers must be >= 0, got {self.window_layers}")
         if self.l1_pages is not None and self.l1_pages < 1:
