@@ -15,7 +15,8 @@ changes the model's math (it was not trained that way): the cache-off run uses t
 plan, so the two must still agree. Gemma 3 runs as trained: its own sliding-window layers
 (5 of every 6, 512 tokens) interleaved with full-attention ones, every layer's KV cached. As
 a base model it has no chat template: its prompts are the plain "System: / User: /
-Assistant:" transcript, which it continues.
+Assistant:" transcript, which it continues, with the help desk's reference notes after the
+system prompt: its prompts pass the 512-token window from the first turn.
 
 This module is the command line only and does not import torch (`hicache --help` imports
 every subcommand); the work is in `engine_integration.serve.demo_runner`.
@@ -75,8 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens",
         type=int,
         default=d.max_new_tokens,
-        help="answer length in tokens (default: 32; 128 for Gemma 3, so that histories pass "
-        "its 512-token window)",
+        help="answer length in tokens (default: %(default)s)",
     )
     add(
         "--concurrency",
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--l1-pages",
         type=int,
-        help="L1 pool pages (default: 10; 16 for Gemma 3, 32 for the built-in model; times "
+        help="L1 pool pages (default: 10; 20 for Gemma 3, 32 for the built-in model; times "
         "--concurrency)",
     )
     add(

@@ -24,7 +24,7 @@ class DemoConfig:
     l3_capacity: str = "512MiB"  # for the default L3 directory
     turns: int = 4
     users: int = 4
-    max_new_tokens: int | None = None  # None: 32; 128 for Gemma 3 (histories pass its window)
+    max_new_tokens: int = 32
     concurrency: int = 1  # requests in flight at once (continuous batching)
     # None: 10 (SmolLM2), 32 (the built-in byte-level model), times concurrency
     l1_pages: int | None = None
@@ -39,6 +39,7 @@ class DemoConfig:
         positive = (
             "turns",
             "users",
+            "max_new_tokens",
             "concurrency",
             "page_size",
             "window",
@@ -49,8 +50,6 @@ class DemoConfig:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.window_layers is not None and self.window_layers < 0:
             raise ValueError(f"--window-layers must be >= 0, got {self.window_layers}")
         if self.l1_pages is not None and self.l1_pages < 1:

@@ -43,15 +43,15 @@ from engine_integration.serve.demo_config import (
     default_l3_dir,
     step,
 )
-from engine_integration.serve.workload import ChatHistory, make_conversations
+from engine_integration.serve.workload import REFERENCE_NOTES, ChatHistory, make_conversations
 from hicache.config import PolicyConfig
 
 DEFAULT_WINDOW_LAYERS = 2
 # L1 / L2 pages when not given: small enough that histories spill to L2 and L3. The built-in
 # model's byte-level tokens make its prompts about five times longer than SmolLM2's.
-# Gemma 3's histories grow past its 512-token window: a request needs up to 13 pages.
-DEFAULT_PAGES = {"checkpoint": (10, 12), "gemma3": (16, 24), "builtin": (32, 48)}
-DEFAULT_NEW_TOKENS = {"checkpoint": 32, "gemma3": 128, "builtin": 32}
+# Gemma 3's prompts carry the reference notes (~900 tokens by the first turn): a request
+# needs up to 18 pages.
+DEFAULT_PAGES = {"checkpoint": (10, 12), "gemma3": (20, 24), "builtin": (32, 48)}
 EXCERPT_CHARS = 90
 
 
@@ -147,7 +147,6 @@ def run_demo(config: DemoConfig) -> int:
         config,
         l1_pages=config.l1_pages or l1_default,
         l2_pages=l2_default if config.l2_pages is None else config.l2_pages,
-        max_new_tokens=config.max_new_tokens or DEFAULT_NEW_TOKENS[kind],
     )
     l3_url = config.l3_url or _default_l3_url(config)
     sizes = CacheSizes(
@@ -161,7 +160,9 @@ def run_demo(config: DemoConfig) -> int:
     with step("opening the cache"):
         cache = build_cache(model, engine_config, sizes)
     _print_header(config, model, sizes)
-    conversations = make_conversations(config.users, config.turns)
+    # A base model answers from the help desk's notes (which make its prompts pass its window).
+    notes = REFERENCE_NOTES if kind == "gemma3" else None
+    conversations = make_conversations(config.users, config.turns, notes=notes)
     params = _params(tokenizer, config)
     with step("warming up (untimed requests, so first-call costs miss turn 0)"):
         warm_up(model, engine_config)

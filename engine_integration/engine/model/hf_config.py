@@ -366,7 +366,8 @@ def _write_gemma3(config) -> dict[str, Any]:
         "head_dim": config.head_dim,
         "rms_norm_eps": config.rms_norm_eps,
         "hidden_activation": GEMMA_ACTIVATIONS[0],
-        "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
+        # (an int where it is one: transformers' Gemma3TextConfig takes no float here)
+        "query_pre_attn_scalar": _int_if_whole(config.query_pre_attn_scalar or config.head_dim),
         "sliding_window": config.window_tokens,
         "layer_types": [
             "sliding_attention" if i in windowed else "full_attention"
@@ -378,6 +379,10 @@ def _write_gemma3(config) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": False,
     }
+
+
+def _int_if_whole(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else value
 
 
 def _write_rope(config) -> dict[str, Any]:
