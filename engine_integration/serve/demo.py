@@ -153,6 +153,11 @@ def check_before_loading(config: DemoConfig) -> None:
 
         if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
             raise DemoMistake(f"--model gemma3: the package is not installed ({GEMMA3_INSTALL})")
+        if config.window_layers is not None:
+            raise DemoMistake(
+                "--window-layers re-plans a full-attention model; Gemma 3 interleaves its own "
+                "sliding-window layers"
+            )
     elif config.model not in (None, BUILTIN) and not Path(config.model).exists():
         raise DemoMistake(f"--model {config.model}: no such file or directory")
     if config.l3_url:
