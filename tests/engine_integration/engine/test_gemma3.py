@@ -278,9 +278,6 @@ def test_gemma3_270m_tokenizer_matches_transformers(gemma3_270m):
 
 def test_gemma3_27b_gguf_is_named(tmp_path):
     """llama.cpp scales the 27B's attention by a rule its file does not state."""
-    from tests.engine_integration.gguf_files import write_gguf
-
-    del write_gguf  # (the small files here are Llama-shaped: checked on the metadata)
     from engine_integration.engine.model import gguf_checkpoint
 
     with pytest.raises(CheckpointError, match="27B"):
