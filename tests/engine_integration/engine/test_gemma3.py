@@ -284,3 +284,42 @@ def test_gemma3_27b_gguf_is_named(tmp_path):
         gguf_checkpoint._gemma3_plan(
             gguf_checkpoint.GGUFFile(tmp_path / "x.gguf", {}, None), 62, None, None, None
         )
+
+
+def _tiny_sentencepiece():
+    """A GGUF-style SentencePiece vocabulary of a few pieces (Gemma's layout of specials)."""
+    from engine_integration.engine.model.tokenizer import gguf_tokenizer
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", "a", "b", "ab", "\u2581ab", "  "]
+    tokens += [f"<0x{byte:02X}>" for byte in range(256)]
+    metadata = {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3, 2] + [1] * 6 + [6] * 256,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    return gguf_tokenizer(metadata), {token: i for i, token in enumerate(tokens)}
+
+
+def test_sentencepiece_merges_recovered_and_bos_once():
+    """Merges come from the vocabulary (no merges in Gemma's files); `<bos>` goes first
+    once: not before a continuation, nor twice where the text writes it."""
+    from engine_integration.serve.workload import ChatHistory
+
+    tokenizer, ids = _tiny_sentencepiece()
+    assert tokenizer.encode("ab ab") == [2, ids["ab"], ids["\u2581ab"]]
+    assert tokenizer.encode("ab", continuation=True) == [ids["ab"]]
+    assert tokenizer.encode("<bos>ab") == [2, ids["ab"]]
+    assert tokenizer.encode("  ") == [2, ids["  "]]  # a stored run of spaces is found
+    assert tokenizer.encode("  ab") == [2, ids["\u2581"], ids["\u2581ab"]]  # earlier piece first
+    assert tokenizer.encode("c")[1:] == [ids["<0x63>"]]  # byte fallback
+    assert tokenizer.decode(tokenizer.encode("ab ab c")) == "ab ab c"
+    history = ChatHistory(tokenizer, "a")
+    first = history.prompt_for("b")
+    history.add_answer(first, [ids["ab"]])
+    second = history.prompt_for("ab")
+    assert second[: len(first)] == first and second.count(2) == 1
