@@ -136,6 +136,21 @@ def _projection_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
+def check_dense_cuda(config: ModelConfig) -> None:
+    """Refuse, by name, what the dense CUDA path (fused norm and RoPE kernels, paged
+    attention, CUDA graphs of whole layers) does not implement, rather than run it wrong."""
+    missing = []
+    if config.gemma:
+        missing.append("Gemma 3's block (1 + w norms, query/key norms, GELU gating)")
+    if config.windowed_layers:
+        missing.append("windowed source layers (interleaved sliding windows)")
+    if missing:
+        raise ValueError(
+            f"{config.model_id}: the dense CUDA path does not implement "
+            f"{' or '.join(missing)}; run it with batch_invariant=True or on the CPU"
+        )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMS norm over the last dim. A float32 weight on lower-precision x (Gemma 3's 1 + w)
     scales in float32 before the cast back, as Gemma's norm does; otherwise (Llama) the
@@ -211,13 +226,8 @@ class Model:
                 config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
             )
         dense_cuda = block_rows is None and self.device.type == "cuda"
-        if dense_cuda and (config.gemma or config.windowed_layers):
-            raise ValueError(
-                f"{config.model_id}: the dense CUDA path (fused norm/RoPE kernels, paged "
-                "attention, CUDA graphs) does not implement Gemma 3's block (1 + w norms, "
-                "query/key norms, GELU) or windowed source layers; run it with "
-                "batch_invariant=True or on the CPU"
-            )
+        if dense_cuda:
+            check_dense_cuda(config)
         # The last layer computes only the rows whose output is read (`logits_runs`); False:
         # every row, the reference the tests compare it with.
         self.skip_unread_rows = True

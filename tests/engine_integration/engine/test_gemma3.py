@@ -323,3 +323,16 @@ def test_sentencepiece_merges_recovered_and_bos_once():
     history.add_answer(first, [ids["ab"]])
     second = history.prompt_for("ab")
     assert second[: len(first)] == first and second.count(2) == 1
+
+
+def test_dense_cuda_refuses_what_its_kernels_do_not_implement(gemma_dir):
+    """The dense CUDA path's fused kernels and graphs know the Llama block only: a Gemma 3
+    model there is a named refusal (checked on the config: no GPU needed)."""
+    from engine_integration.engine.model.forward import check_dense_cuda
+
+    model, _ = load_model(gemma_dir, CONFIG)
+    with pytest.raises(ValueError, match="Gemma 3's block .* windowed source layers"):
+        check_dense_cuda(model.config)
+    with pytest.raises(ValueError, match="windowed source layers"):
+        check_dense_cuda(model.config.replace(block="llama"))
+    check_dense_cuda(model.config.replace(block="llama", windowed_layers=()))
