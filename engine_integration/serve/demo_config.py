@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BUILTIN = "builtin"  # --model builtin: the built-in random model
+GEMMA3 = "gemma3"  # --model gemma3: Gemma 3 270M (base) from its package
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,10 @@ import torch
 
 from engine_integration.engine.core import Engine
 from engine_integration.engine.embedded import (
+    GEMMA3_INSTALL,
     CacheSizes,
     build_cache,
+    gemma3_path,
     load_model,
     smollm2_path,
     warm_up,
@@ -34,14 +36,22 @@ from engine_integration.engine.model.forward import Model
 from engine_integration.engine.request import RequestOutput
 from engine_integration.engine.sampling import SamplingParams
 from engine_integration.engine.scheduler import replay_reach
-from engine_integration.serve.demo_config import BUILTIN, DemoConfig, default_l3_dir, step
-from engine_integration.serve.workload import ChatHistory, make_conversations
+from engine_integration.serve.demo_config import (
+    BUILTIN,
+    GEMMA3,
+    DemoConfig,
+    default_l3_dir,
+    step,
+)
+from engine_integration.serve.workload import REFERENCE_NOTES, ChatHistory, make_conversations
 from hicache.config import PolicyConfig
 
 DEFAULT_WINDOW_LAYERS = 2
 # L1 / L2 pages when not given: small enough that histories spill to L2 and L3. The built-in
 # model's byte-level tokens make its prompts about five times longer than SmolLM2's.
-DEFAULT_PAGES = {"checkpoint": (10, 12), "builtin": (32, 48)}
+# Gemma 3's prompts carry the reference notes (~900 tokens by the first turn): a request
+# needs up to 18 pages.
+DEFAULT_PAGES = {"checkpoint": (10, 12), "gemma3": (20, 24), "builtin": (32, 48)}
 EXCERPT_CHARS = 90
 
 
@@ -131,10 +141,8 @@ def run_demo(config: DemoConfig) -> int:
     # their reservation, and the rest queue behind whole answers, while the cache-off run
     # gets room for all of them (mean TTFT 0.6x at --concurrency 4 for that alone; 1.3x
     # with 40 pages).
-    l1_default, l2_default = (
-        pages * config.concurrency
-        for pages in DEFAULT_PAGES["checkpoint" if model_path else "builtin"]
-    )
+    kind = _kind(config, model_path)
+    l1_default, l2_default = (pages * config.concurrency for pages in DEFAULT_PAGES[kind])
     config = dataclasses.replace(
         config,
         l1_pages=config.l1_pages or l1_default,
@@ -152,7 +160,9 @@ def run_demo(config: DemoConfig) -> int:
     with step("opening the cache"):
         cache = build_cache(model, engine_config, sizes)
     _print_header(config, model, sizes)
-    conversations = make_conversations(config.users, config.turns)
+    # A base model answers from the help desk's notes (which make its prompts pass its window).
+    notes = REFERENCE_NOTES if kind == "gemma3" else None
+    conversations = make_conversations(config.users, config.turns, notes=notes)
     params = _params(tokenizer, config)
     with step("warming up (untimed requests, so first-call costs miss turn 0)"):
         warm_up(model, engine_config)
@@ -185,9 +195,20 @@ def _model_name(model_path: str | None) -> str:
     return f"{Path(model_path).name} ({kind})"
 
 
+def _kind(config: DemoConfig, model_path: str | None) -> str:
+    if model_path is None:
+        return "builtin"
+    return "gemma3" if config.model == GEMMA3 else "checkpoint"
+
+
 def _model_path(config: DemoConfig) -> str | None:
     if config.model == BUILTIN:
         return None
+    if config.model == GEMMA3:
+        path = gemma3_path()
+        if path is None:
+            raise ValueError(f"--model gemma3: the package is not installed ({GEMMA3_INSTALL})")
+        return str(path)
     if config.model is not None:
         return config.model
     path = smollm2_path()
@@ -204,6 +225,13 @@ def _with_window_layers(model: Model, config: DemoConfig, checkpoint: bool) -> M
     """The demo's attention plan: `--window-layers` K, or by default K = 2 on a checkpoint
     with full attention only (the same weights, the last K layers on a window)."""
     layers = config.window_layers
+    if model.config.windowed_layers:  # an interleaved model runs its own plan, as trained
+        if layers is not None:
+            raise ValueError(
+                "--window-layers re-plans a full-attention model; this one interleaves its "
+                "own sliding-window layers"
+            )
+        return model
     if layers is None:
         if not checkpoint or model.config.num_late_layers:
             return model
@@ -223,6 +251,12 @@ def _print_header(config: DemoConfig, model: Model, sizes: CacheSizes) -> None:
         if c.num_late_layers
         else f"{c.num_layers} full-attention layers"
     )
+    if c.windowed_layers:
+        plan = (
+            f"{len(c.windowed_layers)} layers on a {c.window_tokens}-token window interleaved "
+            f"with {c.num_layers - len(c.windowed_layers)} full-attention layers, every "
+            "layer's KV cached"
+        )
     _say(
         f"hicache demo: {config.users} users x {config.turns} turns, {c.model_id} "
         f"({c.num_parameters / 1e6:.0f}M parameters; {plan}) on {config.device}, "

@@ -9,7 +9,9 @@ has: one user's growing history, and a prefix common to many users.
 the next prompt is those ids plus the tokens of what the chat template adds for the new
 turn, never a re-tokenization of the whole text (which could tokenize the model's answer
 differently and so miss the cache). Models without a chat template (the built-in random one)
-get a plain "User: ... / Assistant:" format. Torch-free.
+get a plain "User: ... / Assistant:" format. A base model (Gemma 3 in the demo) reads the
+help desk's `REFERENCE_NOTES` after its system prompt: a transcript it can continue, and
+prompts long enough to pass a 512-token sliding window from the first turn. Torch-free.
 """
 
 from __future__ import annotations
@@ -50,6 +52,42 @@ TOPICS = (
     ("How do plants make food?", "Why are leaves green?",
      "What happens to plants at night?", "Why do leaves change colour in autumn?"),
 )  # fmt: skip
+# The help desk's notes on the demo's topics, for a base model to answer from (~600 tokens).
+REFERENCE_NOTES = (
+    "Paris is the capital and largest city of France, on the river Seine. It is famous for "
+    "its art, food, fashion and architecture, and for landmarks such as the Eiffel Tower, "
+    "the cathedral of Notre-Dame and the Arc de Triomphe. The Louvre, once a royal palace, "
+    "is the most visited art museum in the world and holds the Mona Lisa; the Musee d'Orsay "
+    "shows Impressionist paintings in a former railway station. The Eiffel Tower was built "
+    "for the world's fair of 1889 and is about 330 metres tall with its antennas.\n"
+    "The sky looks blue because air molecules scatter short, blue wavelengths of sunlight "
+    "far more than long, red ones (Rayleigh scattering). At sunrise and sunset the light "
+    "crosses much more air, most of the blue is scattered away before it reaches us, and the "
+    "reds and oranges remain. On Mars the thin, dusty air makes the daytime sky look "
+    "butterscotch, while its sunsets look blue.\n"
+    "To boil an egg, lower it into water that is already simmering. About six minutes gives "
+    "a soft, runny yolk, and nine to twelve minutes a firm one. Cooling the egg in cold water "
+    "straight away stops the cooking and makes it easier to peel; older eggs peel more "
+    "easily than very fresh ones. Never microwave an egg in its shell: steam builds up inside "
+    "and it can burst.\n"
+    "A computer's memory cache is a small, very fast memory close to the processor that "
+    "keeps copies of recently used data. When the processor finds what it needs there, that "
+    "is a cache hit, and it avoids a slow trip to main memory; when it does not, it is a "
+    "miss. A cache is like keeping the books you use most on your desk instead of walking to "
+    "the library shelves each time.\n"
+    "Marie Curie (1867-1934) was a Polish-born physicist and chemist who worked in Paris. "
+    "With her husband Pierre she discovered the elements polonium and radium, and she coined "
+    "the word radioactivity. She was the first woman to win a Nobel Prize and the only "
+    "person to win Nobel Prizes in two sciences, physics and chemistry. Her work was "
+    "dangerous because nobody yet knew that radiation damages living cells; she carried "
+    "radioactive samples in her pockets, and her notebooks are still radioactive today.\n"
+    "Plants make their food by photosynthesis: in their leaves, the green pigment "
+    "chlorophyll captures sunlight and uses its energy to turn water and carbon dioxide into "
+    "sugar, releasing oxygen. Leaves look green because chlorophyll reflects green light. At "
+    "night there is no light for photosynthesis, so plants only respire, using some of the "
+    "sugar they made by day. In autumn many trees stop making chlorophyll, and the yellow and "
+    "orange pigments that were hidden underneath show through."
+)
 FOLLOW_UPS = ("Can you explain that more simply?", "Tell me one more interesting fact about it.")
 
 
@@ -60,10 +98,15 @@ class Conversation:
     questions: tuple[str, ...]  # one per turn
 
 
-def make_conversations(num_users: int, num_turns: int) -> list[Conversation]:
+def make_conversations(
+    num_users: int, num_turns: int, *, notes: str | None = None
+) -> list[Conversation]:
+    """`notes`: text every system prompt ends with (`REFERENCE_NOTES` for a base model)."""
     conversations = []
     for user in range(num_users):
         system = OWN_SYSTEM if user % 3 == 2 else SHARED_SYSTEM
+        if notes:
+            system = f"{system}\n\nReference notes:\n{notes}"
         topic = TOPICS[2] if user % 3 == 2 else TOPICS[[0, 1, 3, 4, 5][(user - user // 3) % 5]]
         questions = [*topic, *FOLLOW_UPS]
         turns = tuple(questions[t % len(questions)] for t in range(num_turns))
@@ -99,7 +142,7 @@ class ChatHistory:
                 "the chat template does not render a conversation as a prefix of its continuation"
             )
         added = self._after_answer(before) + after[len(before) :]
-        return self.token_ids + self.tokenizer.encode(added)
+        return self.token_ids + self.tokenizer.encode(added, continuation=True)
 
     def add_answer(self, prompt: list[int], output: list[int]) -> str:
         """Record the model's answer (its tokens, as generated); returns its text."""

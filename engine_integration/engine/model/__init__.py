@@ -6,7 +6,7 @@
     gguf_checkpoint.py  a GGUF file: its config and dequantized tensors (`gguf` package)
     tokenizer.py    byte-level, tokenizer.json, or a GGUF's metadata, through `tokenizers`
     forward.py      Model: the forward pass of one engine step
-    attention.py    attention over paged source KV and over the late window
+    attention.py    attention over paged source KV (full or windowed) and over the late window
     rows.py         RowLayout: rows in fixed groups by position (batch invariance on the CPU)
     window.py       LateWindow: the late layers' ring of W tokens per request
     paged_attention.py  CUDA: a few queries straight over a request's pages (Triton)

@@ -6,6 +6,11 @@ are *late* layers with sliding-window attention over `window_tokens` tokens, who
 in a per-request window and never leaves the engine (DESIGN.md, "Sliding-window layers").
 `hf_config.model_config_from_hf` makes one from a Hugging Face `config.json`.
 
+Interleaved models (Gemma 3: five sliding-window layers for each full-attention one) cannot
+put their window layers last: `windowed_layers` names source layers that attend over the
+last `window_tokens` positions only. Their KV sits in the pages with the full layers', so a
+hit at any page boundary holds every layer's KV (docs/architecture.md, "Interleaved layers").
+
 No torch here: the demo's argument parser imports this module.
 """
 
@@ -16,6 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 ROPE_SCALING_TYPES = ("linear", "llama3")
+# The transformer block: "llama" (pre-norm attention and SwiGLU MLP: Llama, Qwen2, Mistral) or
+# "gemma3" (Gemma 3: RMS norms scaling by 1 + weight in float32, norms before and after the
+# attention and the MLP, query/key norms per head, GELU (tanh) gating, the embedding scaled by
+# sqrt(hidden_size)).
+BLOCKS = ("llama", "gemma3")
 DEVICES_HELP = "'cpu' or 'cuda[:N]'"
 
 
@@ -56,11 +66,19 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+    """A decoder-only transformer: RMSNorm, RoPE, GQA attention, gated MLP.
 
-    num_source_layers: the leading full-attention layers; hicache caches their KV (and, with
-                       late layers, their output: `num_boundary_layers`).
-    window_tokens:     the late layers' sliding window W (used only when there are late layers).
+    num_source_layers: the leading layers whose KV hicache caches (and, with late layers,
+                       their output: `num_boundary_layers`).
+    window_tokens:     the sliding window W of the late layers and of `windowed_layers`: a
+                       query at t sees the keys in (t - W, t].
+    windowed_layers:   source layers that attend over the window only (interleaved models);
+                       the others attend over every position before them.
+    block:             the transformer block (`BLOCKS`).
+    local_rope_theta:  the rotary base of `windowed_layers` (None: `rope_theta`; they take
+                       no `rope_scaling`).
+    query_pre_attn_scalar: attention scores scale by its -1/2 power (None: head_dim's).
+    final_logit_softcapping: logits become cap * tanh(logits / cap) (None: unchanged).
     model_id:          names the weights in page keys: a different id never shares pages.
     """
 
@@ -79,6 +97,11 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     tie_word_embeddings: bool = False
+    windowed_layers: tuple[int, ...] = ()
+    block: str = "llama"
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     model_id: str = "unnamed"
 
     def __post_init__(self) -> None:
@@ -107,6 +130,33 @@ class ModelConfig:
             f"(the cache holds the source layers' KV), got {self.num_source_layers}",
         )
         _require(bool(self.model_id), "ModelConfig.model_id must not be empty")
+        _require(
+            self.block in BLOCKS, f"ModelConfig.block must be one of {BLOCKS}, got {self.block!r}"
+        )
+        windowed = self.windowed_layers
+        _require(
+            list(windowed) == sorted(set(windowed))
+            and all(0 <= i < self.num_source_layers for i in windowed),
+            f"ModelConfig.windowed_layers must be ascending source layers in "
+            f"[0, {self.num_source_layers}), got {windowed}",
+        )
+        _require(
+            not (windowed and self.num_late_layers),
+            "ModelConfig: windowed_layers (interleaved) and late window layers together are not "
+            "implemented",
+        )
+        for name in ("local_rope_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive("ModelConfig", **{name: value})
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def gemma(self) -> bool:
+        return self.block == "gemma3"
 
     @property
     def num_late_layers(self) -> int:
@@ -137,6 +187,8 @@ class ModelConfig:
         )
         mlp = 3 * self.hidden_size * self.intermediate_size
         per_layer = attention + mlp + 2 * self.hidden_size
+        if self.gemma:  # the norms after attention and after the MLP, the q/k norms
+            per_layer += 2 * self.hidden_size + 2 * self.head_dim
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + self.hidden_size
 

@@ -5,7 +5,8 @@ now; `late_runs` name the positions that go through the late (sliding-window) la
 request that wants logits gets them for its last row.
 
     source layers   every row writes K/V into the request's L1 pages, then each request
-                    attends over its pages (waiting for layer i's load first)
+                    attends over its pages (waiting for layer i's load first); a windowed
+                    layer (interleaved models) over the last `window_tokens` of them
     boundary        (a hybrid model) every row writes its source output, the boundary
                     residual, into the pages' boundary layers (`num_boundary_layers`)
     late layers     only the late positions, over the request's window ring; positions
@@ -34,6 +35,7 @@ from engine_integration.engine.model.attention import (
     page_slots,
     source_attention,
     window_attention,
+    windowed_source_attention,
     write_kv,
 )
 from engine_integration.engine.model.config import ModelConfig
@@ -74,8 +76,11 @@ class RotaryTable:
     depends on how large the table is), grown by doubling; the two halves of a row are the
     same frequencies, so hold the same values (`apply_rope` relies on it)."""
 
-    def __init__(self, config: ModelConfig, device, dtype: torch.dtype) -> None:
-        self._inv_freq = _inverse_frequencies(config)
+    def __init__(
+        self, config: ModelConfig, device, dtype: torch.dtype, *, local: bool = False
+    ) -> None:
+        """`local`: the windowed layers' table (`ModelConfig.local_rope_theta`)."""
+        self._inv_freq = _inverse_frequencies(config, local=local)
         self._device = device
         self._dtype = dtype
         self._cos = self._sin = torch.empty(0, config.head_dim, dtype=dtype, device=device)
@@ -97,10 +102,11 @@ def _flat(layer: torch.Tensor) -> torch.Tensor:
     return layer.view(-1, *layer.shape[2:])
 
 
-def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+def _inverse_frequencies(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    scaling = config.rope_scaling
+    theta = (config.local_rope_theta or config.rope_theta) if local else config.rope_theta
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
@@ -130,8 +136,28 @@ def _projection_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
+def check_dense_cuda(config: ModelConfig) -> None:
+    """Refuse, by name, what the dense CUDA path (fused norm and RoPE kernels, paged
+    attention, CUDA graphs of whole layers) does not implement, rather than run it wrong."""
+    missing = []
+    if config.gemma:
+        missing.append("Gemma 3's block (1 + w norms, query/key norms, GELU gating)")
+    if config.windowed_layers:
+        missing.append("windowed source layers (interleaved sliding windows)")
+    if missing:
+        raise ValueError(
+            f"{config.model_id}: the dense CUDA path does not implement "
+            f"{' or '.join(missing)}; run it with batch_invariant=True or on the CPU"
+        )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last dim. A float32 weight on lower-precision x (Gemma 3's 1 + w)
+    scales in float32 before the cast back, as Gemma's norm does; otherwise (Llama) the
+    normalised x is cast first."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
+    if weight.dtype != x.dtype:
+        return (weight * (x.float() * torch.rsqrt(variance + eps))).to(x.dtype)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
@@ -171,8 +197,21 @@ class Model:
         self.block_rows = block_rows
         self.device = weights.device
         self.dtype = weights.dtype
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.rope = RotaryTable(config, self.device, self.dtype)
+        # The windowed layers' rotary table, where their base differs (Gemma 3).
+        self.local_rope = (
+            RotaryTable(config, self.device, self.dtype, local=True)
+            if config.windowed_layers and config.local_rope_theta not in (None, config.rope_theta)
+            else None
+        )
+        self._windowed = frozenset(config.windowed_layers)
+        # Gemma scales the embedding by sqrt(hidden) in the weights' dtype.
+        self._embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=self.dtype, device=self.device)
+            if config.gemma
+            else None
+        )
         # Dense batches on CUDA replay the row-wise halves of each layer as CUDA graphs.
         # Batch invariance rests on measured properties of the CPU's gemm (rows.py) and of its
         # attention kernel (attention.py): checked at the model's shapes, once per process.
@@ -187,6 +226,8 @@ class Model:
                 config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
             )
         dense_cuda = block_rows is None and self.device.type == "cuda"
+        if dense_cuda:
+            check_dense_cuda(config)
         # The last layer computes only the rows whose output is read (`logits_runs`); False:
         # every row, the reference the tests compare it with.
         self.skip_unread_rows = True
@@ -220,22 +261,27 @@ class Model:
         per request with want_logits, in order)."""
         config = self.config
         layout = self._layout([(s.start, s.end) for s in seqs])
-        rope = self.rope.lookup(layout.positions, layout.max_position)
+        ropes = self._ropes(layout)
         ids = as_index([t for s in seqs for t in s.token_ids], self.device)
-        x = layout.pack(self.weights.embed.index_select(0, ids))  # (packed, hidden)
+        embedded = self.weights.embed.index_select(0, ids)
+        if self._embed_scale is not None:
+            embedded = embedded * self._embed_scale
+        x = layout.pack(embedded)  # (packed, hidden)
         page_size = page_layer(0).shape[1]
         slots = [page_slots(s.page_table, page_size, s.end) for s in seqs]
         every_row = [[(s.start, s.end)] for s in seqs]
         last = config.num_source_layers - 1
-        q, kv = self._project(self.weights.layers[0], x, layout, rope)
+        q, kv = self._project(self.weights.layers[0], x, layout, ropes[0])
         step = self._device_step(seqs, page_layer)
         if step is not None:  # one graph replay a layer; every K/V is in the pool after it
-            x, q = self._source_layers_on_device(x, q, kv, layout, rope, seqs[0], page_layer, step)
+            x, q = self._source_layers_on_device(
+                x, q, kv, layout, ropes[0], seqs[0], page_layer, step
+            )
             kv = None
         else:
             for i in range(last):
                 attn = self._source_attention(i, q, kv, seqs, slots, page_layer(i), every_row)
-                x, q, kv = self._finish_and_project(i, x, layout, attn, rope)
+                x, q, kv = self._finish_and_project(i, x, layout, attn, ropes[i + 1])
         # A hybrid model stores every row's source output (the boundary residual): its last
         # source layer computes every row; otherwise only the rows that want logits.
         if self.skip_unread_rows and not config.num_late_layers:
@@ -250,6 +296,16 @@ class Model:
         boundary = [_flat(page_layer(first + k)) for k in range(config.num_boundary_layers)]
         self._store_boundary(hidden, seqs, slots, boundary)
         return self._head(self._late_layers(hidden, held, seqs, slots, boundary), seqs)
+
+    def _ropes(self, layout: RowLayout) -> list:
+        """cos, sin of the step's rows for each source layer (its layer type's table)."""
+        rope = self.rope.lookup(layout.positions, layout.max_position)
+        if self.local_rope is None:
+            return [rope] * self.config.num_source_layers
+        local = self.local_rope.lookup(layout.positions, layout.max_position)
+        return [
+            local if i in self._windowed else rope for i in range(self.config.num_source_layers)
+        ]
 
     # ------------------------------------------------------------------ layers
 
@@ -333,7 +389,17 @@ class Model:
                 seq.wait_layer(i)
             for start, end in seq_runs:  # queries at [start, end) see the keys [0, end)
                 run_q = seq_q[start - seq.start : end - seq.start]
-                if self.attend_pages and paged_attention.takes(len(run_q), q.shape[1], kv_layer):
+                if i in self._windowed:  # ... or those of the last window_tokens
+                    out = windowed_source_attention(
+                        run_q,
+                        start,
+                        flat_kv,
+                        seq_slots[:end],
+                        self.config.window_tokens,
+                        scale=self.scale,
+                        block_rows=self.block_rows,
+                    )
+                elif self.attend_pages and paged_attention.takes(len(run_q), q.shape[1], kv_layer):
                     out = paged_attention.paged_attention(
                         run_q, start, kv_layer, seq.page_table, scale=self.scale
                     )
@@ -498,7 +564,11 @@ class Model:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         layout = RowLayout.build(runs, self.block_rows, self.device, align_rows=self.align_rows)
         normed = self._norm(layout, layout.pack(last), self.weights.final_norm)
-        return layout.unpack(layout.linear(normed, self.weights.lm_head)).float()
+        logits = layout.unpack(layout.linear(normed, self.weights.lm_head))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     # ------------------------------------------------------------------ row-wise parts
 
@@ -545,6 +615,9 @@ class Model:
             q = q.reshape(-1, config.num_heads, config.head_dim)
             k = k.reshape(-1, config.num_kv_heads, config.head_dim)
             v = v.reshape(-1, config.num_kv_heads, config.head_dim)
+            if weights.q_norm is not None:  # Gemma 3: each head normed before RoPE
+                q = rms_norm(q, weights.q_norm, config.rms_norm_eps)
+                k = rms_norm(k, weights.k_norm, config.rms_norm_eps)
             rotated_q = q.new_empty(q.shape)
             kv = k.new_empty((k.shape[0], 2, *k.shape[1:]))  # (rows, 2, H, D)
             apply_rope(q, cos, sin, out=rotated_q)
@@ -573,9 +646,10 @@ class Model:
 
     def _finish_rows(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
         attn = layout.pack(attn.flatten(1))
-        x = x + layout.linear(
-            attn, weights.o, weights.o_bias, out=self._buffer("o", attn, weights.o)
-        )
+        out = layout.linear(attn, weights.o, weights.o_bias, out=self._buffer("o", attn, weights.o))
+        if weights.attn_out_norm is not None:  # Gemma 3
+            out = self._norm(layout, out, weights.attn_out_norm)
+        x = x + out
         normed = self._norm(layout, x, weights.post_norm)
         gate_up = layout.linear(
             normed, weights.gate_up, out=self._buffer("gate_up", normed, weights.gate_up)
@@ -585,10 +659,18 @@ class Model:
             gate, up = block.chunk(2, dim=-1)
             return F.silu(gate, inplace=True).mul_(up)
 
-        activated = layout.pointwise(swiglu, gate_up, width=self.config.intermediate_size)
-        return x + layout.linear(
+        def geglu(block):  # Gemma's: GELU (tanh approximation) of the gate, times up
+            gate, up = block.chunk(2, dim=-1)
+            return gate.copy_(F.gelu(gate, approximate="tanh")).mul_(up)
+
+        gated = geglu if self.config.gemma else swiglu
+        activated = layout.pointwise(gated, gate_up, width=self.config.intermediate_size)
+        out = layout.linear(
             activated, weights.down, out=self._buffer("down", activated, weights.down)
         )
+        if weights.mlp_out_norm is not None:  # Gemma 3
+            out = self._norm(layout, out, weights.mlp_out_norm)
+        return x + out
 
 
 def logits_runs(seq: SeqRows) -> list[tuple[int, int]]:

@@ -2,14 +2,21 @@
 
 One file holds the hyper-parameters (metadata under `{arch}.*`), the tensors (llama.cpp names,
 `blk.{i}.attn_q.weight`, ..., quantized or not) and the tokenizer (`tokenizer.*`, turned into a
-`tokenizers` tokenizer by `tokenizer.py`). Architectures: `llama` (Llama,
-Mistral, SmolLM2, ...) and `qwen2`. Quantized tensors are dequantized at load by the `gguf`
-package (Q4_0, Q4_1, Q8_0, F16, BF16 and F32 are tested; it knows more), then cast to the
-engine's dtype: the engine computes on the dequantized weights, as transformers does.
+`tokenizers` tokenizer by `tokenizer.py`). Architectures: `llama` (Llama, Mistral, SmolLM2,
+...), `qwen2` and `gemma3` (its text model). Quantized tensors are dequantized at load by the
+`gguf` package (Q4_0, Q4_1, Q8_0, F16, BF16 and F32 are tested; it knows more), then cast to
+the engine's dtype: the engine computes on the dequantized weights, as transformers does.
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (its rotary
 embedding pairs adjacent dimensions; Hugging Face's pairs the two halves); `_unpermute`
 undoes that, so the weights are the Hugging Face model's again.
+
+Gemma 3: the file says less than the model needs, and llama.cpp fills the rest in by rule, as
+transformers does when it loads the file: every sixth layer is full attention, the others
+slide over `gemma3.attention.sliding_window` positions with a rotary base of 10,000 (the
+file's `rope.freq_base` is the full layers'), and scores scale by head_dim^-1/2 (except on
+the 27B model, 62 layers, which scales by (hidden / heads)^-1/2: refused by name). Its
+converter stores each norm's 1 + w; the loader takes the 1 off again.
 
 Like `hf_config`, a file whose math this engine does not implement (another architecture,
 partial rotary, a rope scaling other than linear, experts, a tensor the model does not
@@ -35,7 +42,11 @@ from engine_integration.engine.model.weights import (
     hf_tensor_shapes,
 )
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# llama.cpp's rules for what a Gemma 3 file does not say (see the module docstring).
+GEMMA3_FULL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_27B_LAYERS = 62
 # llama.cpp's name of each Hugging Face tensor, within one layer and outside the layers.
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -51,6 +62,15 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+}
+# Gemma 3's: four norms a layer (its ffn_norm is the pre-feed-forward one), and q/k norms.
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "post_attention_layernorm.weight"},
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -129,7 +149,10 @@ def read_gguf_config(
             raise CheckpointError(f"{gguf.path}: GGUF metadata lacks {arch}.{key}")
         return value
 
+    gemma = arch == "gemma3"
     for key in _UNSUPPORTED_KEYS:
+        if gemma and key == "attention.sliding_window":
+            continue
         if f"{arch}.{key}" in meta:
             raise CheckpointError(
                 f"{gguf.path}: GGUF metadata sets {arch}.{key}, which this engine does not "
@@ -146,6 +169,10 @@ def read_gguf_config(
     num_layers = int(get("block_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     names = {t.name for t in gguf.reader.tensors}
+    plan: dict[str, Any] = {}
+    if gemma:
+        plan = _gemma3_plan(gguf, num_layers, num_source_layers, window_tokens, get)
+        num_source_layers, window_tokens = num_layers, plan.pop("window_tokens")
     try:
         return ModelConfig(
             vocab_size=int(vocab),
@@ -164,9 +191,30 @@ def read_gguf_config(
             o_bias="blk.0.attn_output.bias" in names,
             tie_word_embeddings="output.weight" not in names,
             model_id=model_id or content_digest(gguf.path.parent, [gguf.path]),
+            **plan,
         )
     except ValueError as error:
         raise CheckpointError(f"{gguf.path}: {error}") from None
+
+
+def _gemma3_plan(gguf: GGUFFile, num_layers: int, num_source_layers, window_tokens, get):
+    """The ModelConfig fields of a Gemma 3 file that llama.cpp's rules supply."""
+    if num_source_layers is not None:
+        raise CheckpointError(
+            f"{gguf.path}: num_source_layers cannot re-plan Gemma 3 (its sliding-window "
+            "layers are interleaved with the full-attention ones)"
+        )
+    if num_layers == GEMMA3_27B_LAYERS:
+        raise CheckpointError(
+            f"{gguf.path}: Gemma 3 27B (62 layers) scales attention by (hidden / heads)^-1/2, "
+            "which the file does not say; not supported"
+        )
+    return {
+        "window_tokens": window_tokens or int(get("attention.sliding_window")),
+        "windowed_layers": tuple(i for i in range(num_layers) if (i + 1) % GEMMA3_FULL_EVERY != 0),
+        "block": "gemma3",
+        "local_rope_theta": GEMMA3_LOCAL_ROPE_THETA,
+    }
 
 
 def _rope_scaling(gguf: GGUFFile, arch: str) -> RopeScaling | None:
@@ -215,16 +263,19 @@ def load_gguf_weights(
         if gguf.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             values = _unpermute(values, heads)
+        if config.gemma and hf_name.endswith("norm.weight"):
+            values = values - 1.0  # the converter stored 1 + w
         out[hf_name] = values.to(device=device, dtype=dtype)
     return from_hf_tensors(config, out)
 
 
 def _gguf_names(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     out = {}
+    layer_names = _GEMMA3_LAYER_NAMES if config.gemma else _LAYER_NAMES
     for hf_name, shape in hf_tensor_shapes(config).items():
         if hf_name.startswith("model.layers."):
             _, _, index, rest = hf_name.split(".", 3)
-            out[f"blk.{index}.{_LAYER_NAMES[rest]}"] = (hf_name, shape)
+            out[f"blk.{index}.{layer_names[rest]}"] = (hf_name, shape)
         else:
             out[_GLOBAL_NAMES[hf_name]] = (hf_name, shape)
     return out

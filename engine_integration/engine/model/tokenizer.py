@@ -7,7 +7,11 @@ The byte tokenizer maps each UTF-8 byte to its value (0-255) and adds `<bos>` (2
 vocabulary (`tokenizer.ggml.model` "gpt2") as its tokens, merges, token types (control
 tokens become special tokens) and the name of its pre-tokenizer (`tokenizer.ggml.pre`):
 `gguf_tokenizer` rebuilds the `tokenizers` pipeline from those, refusing a pre-tokenizer or
-model it does not know by name. Chat templates (Jinja, from the GGUF metadata or
+model it does not know by name. Gemma's files store a SentencePiece BPE vocabulary instead
+(`tokenizer.ggml.model` "llama", architecture gemma*) with no merges: `_sentencepiece_bpe`
+recovers them from the vocabulary (see there), as transformers does when it loads the file.
+Such a tokenizer prepends `<bos>` when the file says so (`tokenizer.ggml.add_bos_token`):
+Gemma's text degenerates without it. Chat templates (Jinja, from the GGUF metadata or
 `tokenizer_config.json`) render in a sandbox, as transformers renders them.
 """
 
@@ -41,6 +45,8 @@ GGUF_PRE_TOKENIZERS: dict[str, str | None] = {
     "qwen2": _QWEN2_SPLIT,
 }
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+# Architectures whose "llama" (SentencePiece) vocabulary `_sentencepiece_bpe` rebuilds.
+SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
 class Tokenizer(Protocol):
@@ -48,7 +54,8 @@ class Tokenizer(Protocol):
     bos_id: int | None
     eos_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    # continuation: the text continues a sequence already begun (no <bos> before it)
+    def encode(self, text: str, *, continuation: bool = False) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -60,7 +67,7 @@ class ByteTokenizer:
     bos_id = 256
     eos_id = 257
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, continuation: bool = False) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -79,8 +86,10 @@ class HFTokenizer:
         bos_id: int | None = None,
         chat_template: str | None = None,
         special_tokens: Mapping[str, str | None] | None = None,
+        add_bos: bool = False,
     ):
         self._tokenizer = tokenizer
+        self.add_bos = add_bos and bos_id is not None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_id = eos_id
         self.bos_id = bos_id
@@ -92,9 +101,14 @@ class HFTokenizer:
     def from_file(cls, path: str | Path, **kwargs: Any) -> HFTokenizer:
         return cls(_tokenizers().Tokenizer.from_file(str(path)), **kwargs)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in it (`<|im_start|>`) are matched."""
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, continuation: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in it (`<|im_start|>`) are matched.
+        With `add_bos`, `<bos>` first, unless the text begins with it already (a chat
+        template that writes it) or is a `continuation` of a sequence begun before."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos and not continuation and ids[:1] != [self.bos_id]:
+            return [self.bos_id, *ids]
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -171,9 +185,14 @@ def gguf_tokenizer(metadata: Mapping[str, Any], source: str = "GGUF") -> HFToken
     """The tokenizer described by a GGUF file's `tokenizer.*` metadata."""
     tk = _tokenizers()
     kind = metadata.get("tokenizer.ggml.model")
+    arch = str(metadata.get("general.architecture", ""))
+    if kind == "llama" and arch in SENTENCEPIECE_ARCHITECTURES:
+        return _sentencepiece_bpe(tk, metadata)
     if kind != "gpt2":
         raise CheckpointError(
-            f"{source}: tokenizer.ggml.model {kind!r} is not supported (gpt2: byte-level BPE)"
+            f"{source}: tokenizer.ggml.model {kind!r} is not supported for architecture "
+            f"{arch!r} (gpt2: byte-level BPE; llama: SentencePiece BPE, for "
+            f"{', '.join(SENTENCEPIECE_ARCHITECTURES)})"
         )
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
@@ -182,7 +201,6 @@ def gguf_tokenizer(metadata: Mapping[str, Any], source: str = "GGUF") -> HFToken
             f"(supported: {', '.join(GGUF_PRE_TOKENIZERS)})"
         )
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
     model = tk.models.BPE(
         {token: i for i, token in enumerate(tokens)},
@@ -192,6 +210,13 @@ def gguf_tokenizer(metadata: Mapping[str, Any], source: str = "GGUF") -> HFToken
     tokenizer = tk.Tokenizer(model)
     tokenizer.pre_tokenizer = _pre_tokenizer(tk, GGUF_PRE_TOKENIZERS[pre])
     tokenizer.decoder = tk.decoders.ByteLevel()
+    return _finish(tk, tokenizer, tokens, metadata, add_bos=False)
+
+
+def _finish(tk, tokenizer, tokens: list[str], metadata, *, add_bos: bool) -> HFTokenizer:
+    """The file's control tokens (special) and user-defined ones (whole, not special) added
+    to `tokenizer`, and its specials and chat template."""
+    types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     tokenizer.add_tokens(
         [
             tk.AddedToken(tokens[i], special=t == _CONTROL, normalized=False)
@@ -214,7 +239,50 @@ def gguf_tokenizer(metadata: Mapping[str, Any], source: str = "GGUF") -> HFToken
             "bos_token": tokens[bos] if bos is not None else None,
             "eos_token": tokens[eos] if eos is not None else None,
         },
+        add_bos=add_bos,
     )
+
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _sentencepiece_bpe(tk, metadata: Mapping[str, Any]) -> HFTokenizer:
+    """Gemma's SentencePiece BPE: spaces become U+2581, no pre-split, byte fallback.
+
+    The file lists no merges. BPE merges a pair where the merged piece is in the
+    vocabulary, best piece first; for Gemma the best is the earliest in the file (its scores
+    do not follow the merge order). So every piece splits into each (left, right) pair of
+    pieces that are both in the vocabulary, ranked by the piece's position, and within one
+    piece longer left parts first. A piece of two or more plain spaces is stored with real
+    spaces; it is looked up after the normaliser, so it is renamed to U+2581s."""
+    tokens = [
+        _SPACE * len(t) if len(t) > 1 and not t.strip(" ") else t
+        for t in metadata["tokenizer.ggml.tokens"]
+    ]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for token in tokens:
+        for cut in range(len(token) - 1, 0, -1):  # longer left parts first
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    model = tk.models.BPE(
+        vocab, merges, unk_token=tokens[_unknown(metadata)], fuse_unk=True, byte_fallback=True
+    )
+    tokenizer = tk.Tokenizer(model)
+    tokenizer.normalizer = tk.normalizers.Replace(" ", _SPACE)
+    tokenizer.decoder = tk.decoders.Sequence(
+        [tk.decoders.Replace(_SPACE, " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
+    )
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    return _finish(tk, tokenizer, tokens, metadata, add_bos=add_bos)
+
+
+def _unknown(metadata: Mapping[str, Any]) -> int:
+    value = metadata.get("tokenizer.ggml.unknown_token_id")
+    if value is None or not 0 <= int(value) < len(metadata["tokenizer.ggml.tokens"]):
+        raise CheckpointError(f"GGUF tokenizer.ggml.unknown_token_id {value!r} is not a token")
+    return int(value)
 
 
 def _pre_tokenizer(tk, split: str | None):

