@@ -1,0 +1,120 @@
+"""HiCacheConnector under vLLM's real `Scheduler` (tests/support/vllm_scheduler.py): the
+scheduler decides admission, chunking, preemption and recovery; the runner checks every
+position every layer's attention reads, every step, against the model's own KV."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm==0.33.0 (tests/engine_integration/requirements-vllm.txt)")
+
+from engine_integration.vllm.config import kv_layout, namespace_for  # noqa: E402
+from radix.keys import page_keys  # noqa: E402
+from tests.hicache.test_faults import flip_byte, locate, page_names  # noqa: E402
+from tests.support.engines import random_prompt  # noqa: E402
+from tests.support.vllm_scheduler import EngineShape, ServingEngine  # noqa: E402
+
+BASE = {"l2_size": "4MiB", "l2_reserve": 0, "prefetch_policy": "wait_complete", "page_size": 16}
+
+
+@pytest.fixture
+def serving():
+    """make(extra, shape) -> a ServingEngine; every one is shut down afterwards."""
+    made = []
+
+    def make(extra=None, shape=None, **kwargs):
+        engine = ServingEngine(
+            {**BASE, **(extra or {})}, shape or EngineShape(), engine_id=f"s{len(made)}", **kwargs
+        )
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        if engine.worker._shared is not None:
+            engine.shutdown()
+
+
+def first_step(engine, req_id, prompt):
+    """Admit a request and run one step: (tokens computed before it, tokens it computed)."""
+    engine.add(req_id, prompt)
+    output = engine.step()
+    (new,) = [r for r in output.scheduled_new_reqs if r.req_id == req_id]
+    return new.num_computed_tokens, output.num_scheduled_tokens[req_id]
+
+
+def test_a_prefix_evicted_from_vllm_is_loaded_from_hicache(serving):
+    engine = serving()
+    prompt_a = random_prompt(1, 100, vocab=1000)
+    engine.add("a", prompt_a)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()  # vLLM forgets A; hicache still holds it
+    prompt_b = prompt_a[:90] + random_prompt(2, 7, vocab=1000)
+    computed, scheduled = first_step(engine, "b", prompt_b)
+    assert (computed, scheduled) == (80, len(prompt_b) - 80)  # 5 pages of 16 from hicache
+    engine.run()
+    assert engine.wrong_reads == []
+    assert engine.cache.stats().hit_pages["l1"] + engine.cache.stats().hit_pages["l2"] == 5
+    assert not any(engine.invalid_block_ids)
+
+
+def test_chunked_prefill_saves_once_complete_and_loads_in_the_first_chunk(serving):
+    engine = serving(shape=EngineShape(step_tokens=48))
+    prompt_a = random_prompt(3, 150, vocab=1000)
+    engine.add("a", prompt_a)
+    engine.run()
+    assert engine.cache.stats().inserted_pages == 9  # the whole prompt, in its last chunk
+    assert engine.scheduler.reset_prefix_cache()
+    computed, scheduled = first_step(engine, "b", prompt_a[:140] + [1, 2, 3])
+    assert computed == 128 and scheduled == 143 - 128
+    engine.run()
+    assert engine.wrong_reads == []
+
+
+def test_preempted_requests_resume_from_hicache(serving):
+    # 24 blocks of 16 (one is vLLM's null block): three requests that grow past it.
+    engine = serving(shape=EngineShape(num_blocks=24, max_num_seqs=3))
+    for i in range(3):
+        engine.add(f"r{i}", random_prompt(10 + i, 96, vocab=1000), max_tokens=60)
+    preempted = set()
+    resumed_with_hit = set()
+    for _ in range(400):
+        if not engine.scheduler.has_unfinished_requests():
+            break
+        output = engine.step()
+        preempted |= set(output.preempted_req_ids or ())
+        cached = output.scheduled_cached_reqs
+        resumed = [
+            (req_id, cached.num_computed_tokens[i])
+            for i, req_id in enumerate(cached.req_ids)
+            if req_id in cached.resumed_req_ids
+        ]
+        resumed += [(r.req_id, r.num_computed_tokens) for r in output.scheduled_new_reqs]
+        resumed_with_hit |= {r for r, computed in resumed if r in preempted and computed >= 96}
+    assert not engine.scheduler.has_unfinished_requests()
+    assert preempted, "the pool was meant to run out"
+    assert resumed_with_hit  # a resumed request skipped its prompt (vLLM's cache or ours)
+    assert engine.wrong_reads == []
+
+
+def test_a_failed_load_is_recomputed_by_vllm(serving, tmp_path):
+    directory = tmp_path / "l3"
+    url = f"file://{directory}?capacity=64MiB"
+    first = serving({"l3_url": url})
+    prompt = random_prompt(20, 5 * 16 + 1, vocab=1000)
+    first.add("a", prompt)
+    first.run()
+    first.shutdown()  # flushes A's pages to L3
+    layout = kv_layout(first.worker._spec, 2, 16)
+    third = page_keys(prompt, namespace_for("test/model", layout), 16)[2].hex()
+    (victim,) = [path for path in page_names(directory) if path.name == third]
+    offset, length = locate(victim)
+    flip_byte(victim, offset + length - 3)
+
+    second = serving({"l3_url": url})
+    computed, _ = first_step(second, "b", prompt)
+    assert computed == 80  # as far as L3's `exists` can tell
+    assert second.invalid_block_ids[-1]  # page 2 did not verify: reported, not copied in
+    second.run()
+    assert second.wrong_reads == []  # vLLM recomputed from the first bad block
+    assert second.cache.stats().l3_corrupt_pages >= 1
