@@ -93,6 +93,32 @@ class CacheLookup:
             )
 
 
+class ModelLookup:
+    """Answers lookups for every KV group of one worker (`groups.py`): the shortest prefix
+    the full-attention and MLA groups hold, served only if each sliding-window group holds
+    the window before it; else nothing."""
+
+    def __init__(self, groups, lookups: list[CacheLookup], page_size: int) -> None:
+        self.groups = groups
+        self.lookups = lookups
+        self.page_size = page_size
+
+    def find(self, tokens: list[int], extra_key: str) -> Found:
+        pairs = list(zip(self.groups, self.lookups, strict=True))
+        found = shortest(
+            [look.find(tokens, extra_key) for g, look in pairs if g.window_tokens == 0]
+        )
+        end = found.num_pages * self.page_size
+        for group, look in pairs:
+            if not group.window_tokens or not end:
+                continue
+            entry = group.extent(tokens, extra_key, self.page_size, end)
+            window = look.find(entry.token_ids, entry.extra_key)
+            if window.num_pages * self.page_size < len(entry.token_ids):
+                return NOTHING
+        return found
+
+
 def _l3_errors(cache) -> int:
     stats = cache.executor.l3_stats()
     return stats.num_errors + stats.num_timeouts if stats is not None else 0

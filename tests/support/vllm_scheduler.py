@@ -8,8 +8,8 @@ cache groups, KV tensors from vLLM's `create_kv_cache_views`, the worker's conne
 `KVConnectorFactory` and registered, and vLLM's `Scheduler`, which makes the scheduler's
 connector itself. `step()` is `EngineCore.step`: `schedule()`, the model runner's
 connector calls around a forward (`KVConnectorModelRunnerMixin`: bind, start_load_kv,
-per layer wait_for_layer_load -> attention -> save_kv_layer, wait_for_save, get_finished,
-get_block_ids_with_load_errors, clear), then `update_from_output`.
+per layer wait_for_layer_load -> attention -> save_kv_layer, wait_for_save,
+get_transfer_results, get_block_ids_with_load_errors, clear), then `update_from_output`.
 
 The "model" writes, for each token and layer, KV that depends only on the token prefix
 (`model_kv`), so any KV a layer reads can be checked: before each layer writes, the runner
@@ -208,6 +208,7 @@ class ServingEngine:
         self.wrong_reads: list[tuple] = []  # (req id, layer, first wrong position)
         self.invalid_block_ids: list[set[int]] = []  # what the worker reported, per step
         self.num_steps = 0
+        self.before_execute = None  # called with each SchedulerOutput, before the runner
         self.finished: dict[str, list[int]] = {}  # req id -> all its tokens
 
     @property
@@ -233,6 +234,8 @@ class ServingEngine:
     def step(self):
         """One engine step; returns the SchedulerOutput."""
         output = self.scheduler.schedule()
+        if self.before_execute is not None:
+            self.before_execute(output)
         runner_output = self._execute(output)
         self.scheduler.update_from_output(output, runner_output)
         self.num_steps += 1
@@ -275,12 +278,15 @@ class ServingEngine:
         before = len(self.wrong_reads)
         for layer in self.layers:
             worker.wait_for_layer_load(layer.name)
+            # As vLLM's layer does: the batch's new KV first (reshape_and_cache), then the
+            # attention; a request may read a block another one fills in this step.
             for req_id, computed in scheduled.items():
-                end = computed + output.num_scheduled_tokens[req_id]
-                self._attend_and_write(req_id, layer, computed, end)
+                self._write(req_id, layer, computed, output.num_scheduled_tokens[req_id])
+            for req_id, computed in scheduled.items():
+                self._check_reads(req_id, layer, computed)
             worker.save_kv_layer(layer.name, layer.view, None)
         worker.wait_for_save()
-        sending, recving = worker.get_finished(output.finished_req_ids)
+        results = worker.get_transfer_results(output.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
         self.invalid_block_ids.append(set(invalid))
         # A request whose load failed ran on blocks the load did not fill; vLLM drops that
@@ -301,28 +307,35 @@ class ServingEngine:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending or None,
-                finished_recving=recving or None,
+                finished_sending=results.finished_sending or None,
+                finished_recving=results.finished_recving or None,
                 invalid_block_ids=set(invalid),
+                failed_recving=results.failed_recving,
             ),
         )
 
-    def _attend_and_write(self, req_id: str, layer: _Layer, computed: int, end: int) -> None:
-        request = self.scheduler.requests[req_id]
-        tokens = request.all_token_ids
+    def _check_reads(self, req_id: str, layer: _Layer, computed: int) -> None:
+        """What the first new token's attention reads: [lo, computed)."""
         lo = 0 if not layer.window else max(0, computed - layer.window + 1)
+        if computed <= lo:
+            return
+        tokens = self.scheduler.requests[req_id].all_token_ids
         width = layer.view.shape[1] * layer.view.shape[3]
-        if computed > lo:
-            blocks, offsets = self._slots(req_id, layer.group, lo, computed)
-            read = layer.view[blocks, :, offsets].reshape(computed - lo, width)
-            want = model_kv(tokens, lo, computed, layer.index, width, read.dtype)
-            rows_ok = (read == want).all(dim=1)
-            if not bool(rows_ok.all()):
-                first = lo + int((~rows_ok).nonzero()[0])
-                self.wrong_reads.append((req_id, layer.name, first, self.num_steps))
+        blocks, offsets = self._slots(req_id, layer.group, lo, computed)
+        read = layer.view[blocks, :, offsets].reshape(computed - lo, width)
+        want = model_kv(tokens, lo, computed, layer.index, width, read.dtype)
+        rows_ok = (read == want).all(dim=1)
+        if not bool(rows_ok.all()):
+            first = lo + int((~rows_ok).nonzero()[0])
+            self.wrong_reads.append((req_id, layer.name, first, self.num_steps))
+
+    def _write(self, req_id: str, layer: _Layer, computed: int, num_new: int) -> None:
+        tokens = self.scheduler.requests[req_id].all_token_ids
+        end = computed + num_new
+        width = layer.view.shape[1] * layer.view.shape[3]
         blocks, offsets = self._slots(req_id, layer.group, computed, end)
         new = model_kv(tokens, computed, end, layer.index, width, layer.view.dtype)
-        layer.view[blocks, :, offsets] = new.view(end - computed, layer.view.shape[1], -1)
+        layer.view[blocks, :, offsets] = new.view(num_new, layer.view.shape[1], -1)
 
     def _slots(self, req_id: str, group: int, start: int, end: int):
         positions = torch.arange(start, end)

@@ -12,7 +12,7 @@ from engine_integration.vllm.config import kv_layout, namespace_for  # noqa: E40
 from radix.keys import page_keys  # noqa: E402
 from tests.hicache.test_faults import flip_byte, locate, page_names  # noqa: E402
 from tests.support.engines import random_prompt  # noqa: E402
-from tests.support.vllm_scheduler import EngineShape, ServingEngine  # noqa: E402
+from tests.support.vllm_scheduler import EngineShape, GroupShape, ServingEngine  # noqa: E402
 
 BASE = {"l2_size": "4MiB", "l2_reserve": 0, "prefetch_policy": "wait_complete", "page_size": 16}
 
@@ -118,3 +118,101 @@ def test_a_failed_load_is_recomputed_by_vllm(serving, tmp_path):
     second.run()
     assert second.wrong_reads == []  # vLLM recomputed from the first bad block
     assert second.cache.stats().l3_corrupt_pages >= 1
+
+
+HYBRID = EngineShape(groups=(GroupShape("full", 2), GroupShape("sliding", 2, window=40)))
+
+
+def admitted(engine, req_id, max_steps=4):
+    """Steps until the request is scheduled; returns the tokens computed before that step
+    (vLLM's own hit plus the connector's load)."""
+    for _ in range(max_steps):
+        output = engine.step()
+        for new in output.scheduled_new_reqs:
+            if new.req_id == req_id:
+                return new.num_computed_tokens
+    raise AssertionError(f"{req_id} was not scheduled in {max_steps} steps")
+
+
+def test_a_hybrid_model_loads_full_pages_and_only_the_window(serving):
+    engine = serving(shape=HYBRID)
+    full, sliding = engine.worker._shared.caches
+    prompt_a = random_prompt(30, 100, vocab=1000)
+    engine.add("a", prompt_a)
+    engine.run()
+    assert full.stats().inserted_pages == 6
+    # The window before 96: positions 57.. ; stored from the page boundary 48: 3 pages.
+    assert sliding.stats().inserted_pages == 3
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", prompt_a[:100] + [1, 2])
+    assert engine.step().num_scheduled_tokens == {}  # B waits for its asynchronous load
+    assert admitted(engine, "b") == 96
+    # C shares 4 pages with A, but no window was stored at 64: no hit, no wrong KV.
+    engine.add("c", prompt_a[:70] + [3])
+    assert admitted(engine, "c") == 0
+    engine.run()
+    assert engine.wrong_reads == []
+
+
+def test_a_hybrid_model_under_chunked_prefill_and_preemption(serving):
+    shape = EngineShape(groups=HYBRID.groups, step_tokens=48, num_blocks=40, max_num_seqs=3)
+    engine = serving(shape=shape)
+    prompt = random_prompt(31, 150, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", prompt + [9])
+    assert admitted(engine, "b") == 144  # the window at 144 was kept through the chunks
+    for i in range(3):
+        engine.add(f"r{i}", prompt[: 100 + i] + random_prompt(40 + i, 20, vocab=1000), 50)
+    engine.run(max_steps=600)
+    assert engine.wrong_reads == []
+
+
+def test_a_hybrid_load_that_fails_is_recomputed_from_the_start(serving):
+    engine = serving(shape=HYBRID)
+    _, sliding = engine.worker._shared.caches
+    prompt = random_prompt(32, 100, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+
+    def evict_the_windows(output):  # between the scheduler's lookup and the worker's load
+        if output.kv_connector_metadata.plan.loads:
+            sliding.evict("l1", 10**6)
+            sliding.evict("l2", 10**6)
+
+    engine.before_execute = evict_the_windows
+    engine.add("b", prompt + [5])
+    engine.step()  # the load fails: vLLM is told through failed_recving
+    engine.before_execute = None
+    assert admitted(engine, "b") == 0  # recomputed from token 0
+    engine.run()
+    assert engine.wrong_reads == []
+
+
+def test_mla_pages_hold_one_latent_per_token(serving):
+    engine = serving(shape=EngineShape(groups=(GroupShape("mla", 3),), head_size=24))
+    assert engine.cache.config.layout.kind == "mla"
+    prompt = random_prompt(33, 90, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", prompt[:85])
+    assert admitted(engine, "b") == 80
+    engine.run()
+    assert engine.wrong_reads == []
+    assert engine.cache.config.layout.bytes_per_token == 3 * 24 * 4  # no K/V pair, no heads
+
+
+def test_asynchronous_loads_of_one_group(serving):
+    engine = serving({"load_async": True})
+    prompt = random_prompt(34, 90, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", prompt + [4])
+    assert engine.step().num_scheduled_tokens == {}
+    assert admitted(engine, "b") == 80
+    engine.run()
+    assert engine.wrong_reads == []
