@@ -341,6 +341,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """Blocks kept for final saves come back within a step: worth waiting for."""
         return self._planner is not None and bool(self._planner.sending)
 
+    def reset_cache(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True): empty this engine's L1 and L2
+        (what is not yet in L3 is written there first, as any eviction does). L3 is shared
+        storage and stays; pages of other weights need another `model_id`. With the workers
+        in other processes the scheduler cannot reach their caches: False."""
+        if not self._in_process:
+            logger.warning("HiCacheConnector.reset_cache: the caches live in the workers")
+            return False
+        shared = self._shared or vllm_setup.find(self._engine_id)
+        if shared is None:
+            return False
+        if self._shared is None:
+            self._shared = shared  # keep the use find() took; shutdown gives it back
+        for cache in shared.caches:
+            cache.evict("l1", cache.config.l1.num_pages)
+            cache.evict("l2", cache.executor.num_host_pages)
+        return True
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._scheduler().finished(request, (block_ids,))
 

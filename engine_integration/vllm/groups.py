@@ -79,8 +79,10 @@ def kv_groups(kv_cache_config) -> list[KVGroup]:
         spec = group.kv_cache_spec
         name = type(spec).__name__
         kind = KINDS.get(name)
-        problems = [] if kind else [f"spec {name} (supported: {', '.join(KINDS)})"]
-        problems += _spec_problems(spec, kind)
+        if kind is None:
+            problems = [f"spec {name} (supported: {', '.join(KINDS)})"]
+        else:
+            problems = _spec_problems(spec, kind)
         if problems:
             raise ValueError(
                 f"HiCacheConnector cannot cache KV group {index} ({len(group.layer_names)} "
@@ -101,7 +103,7 @@ def kv_groups(kv_cache_config) -> list[KVGroup]:
     return groups
 
 
-def _spec_problems(spec, kind: str | None) -> list[str]:
+def _spec_problems(spec, kind: str) -> list[str]:
     problems = []
     if kind == "mla":
         if spec.num_kv_heads != 1:

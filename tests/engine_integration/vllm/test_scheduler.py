@@ -4,11 +4,25 @@ position every layer's attention reads, every step, against the model's own KV."
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vllm==0.33.0 (tests/engine_integration/requirements-vllm.txt)")
 
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVQuantMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
 from engine_integration.vllm.config import kv_layout, namespace_for  # noqa: E402
+from engine_integration.vllm.groups import kv_groups  # noqa: E402
 from radix.keys import page_keys  # noqa: E402
 from tests.hicache.test_faults import flip_byte, locate, page_names  # noqa: E402
 from tests.support.engines import random_prompt  # noqa: E402
@@ -216,3 +230,67 @@ def test_asynchronous_loads_of_one_group(serving):
     assert admitted(engine, "b") == 80
     engine.run()
     assert engine.wrong_reads == []
+
+
+def test_reset_prefix_cache_with_the_connector_empties_hicache(serving):
+    engine = serving()
+    prompt = random_prompt(35, 90, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    assert engine.cache.pages_in_use("l1") == engine.cache.pages_in_use("l2") == 0
+    engine.add("b", prompt)
+    assert admitted(engine, "b") == 0
+    engine.run()
+    assert engine.wrong_reads == []
+
+
+def _config_of(*specs):
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+REFUSED = [
+    pytest.param(
+        (FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float8_e4m3fn,
+            kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
+        ),),
+        "kv_quant_mode=FP8_PER_TENSOR",
+        id="scaled-fp8",
+    ),
+    pytest.param(
+        (FULL, MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,))),
+        "spec MambaSpec",
+        id="mamba",
+    ),
+    pytest.param(
+        (FULL, ChunkedLocalAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32,
+            attention_chunk_size=64,
+        )),
+        "spec ChunkedLocalAttentionSpec",
+        id="chunked-local",
+    ),
+    pytest.param(
+        (SlidingWindowSpec(
+            block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=64
+        ),),
+        "needs a full-attention or MLA KV group",
+        id="sliding-only",
+    ),
+    pytest.param(
+        (FullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=8, head_size_v=4, dtype=torch.float32
+        ),),
+        "head_size_v 4 != head_size 8",
+        id="head-size-v",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("specs", "named"), REFUSED)
+def test_kv_the_connector_cannot_cache_is_refused_by_name(specs, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        kv_groups(_config_of(*specs))
