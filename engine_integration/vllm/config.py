@@ -199,6 +199,7 @@ class SharedCache:
 
     caches: list  # hicache.controller.HiCache, per KV group
     lookup: Any  # engine_integration.vllm.lookup.ModelLookup
+    events: Any = None  # a deque of vLLM KV events (events.py), when vLLM publishes them
     users: int = 0
 
     @property

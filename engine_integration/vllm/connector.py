@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_integration.vllm import config as vllm_setup
+from engine_integration.vllm.events import GroupEvents, event_queue
 from engine_integration.vllm.groups import kv_groups
 from engine_integration.vllm.kv import VllmKV
 from engine_integration.vllm.lookup import (
@@ -177,6 +178,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             )
         lookup = ModelLookup(self._groups, lookups, self._layout.page_size)
         self._shared = vllm_setup.SharedCache(caches, lookup)
+        if self._in_process and _publishes_kv_events(self._vllm_config):
+            self._shared.events = event_queue()
+            for group, cache in zip(self._groups, caches, strict=True):
+                cache.set_residency_listener(
+                    GroupEvents(self._shared.events, group, self._layout.page_size)
+                )
         if self._in_process:
             vllm_setup.publish(self._engine_id, self._shared)
         else:
@@ -341,6 +348,17 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         """Blocks kept for final saves come back within a step: worth waiting for."""
         return self._planner is not None and bool(self._planner.sending)
 
+    def take_events(self):
+        """hicache's L2 and L3 residency since the last call, as vLLM's KV events
+        (events.py); nothing unless vLLM publishes KV events and the workers share this
+        process."""
+        self._scheduler()
+        queue = self._shared.events if self._shared is not None else None
+        taken = []
+        while queue:
+            taken.append(queue.popleft())
+        return taken
+
     def reset_cache(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True): empty this engine's L1 and L2
         (what is not yet in L3 is written there first, as any eviction does). L3 is shared
@@ -376,6 +394,11 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         host = max(0, min(host_end - lookup.first_token, num_external_tokens))
         sources = {CacheHitSource.HOST: host, CacheHitSource.DISK: num_external_tokens - host}
         return {source: count for source, count in sources.items() if count}
+
+
+def _publishes_kv_events(vllm_config) -> bool:
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and getattr(events, "enable_kv_cache_events", False))
 
 
 def _tensor_parallel_rank(parallel) -> int:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import xxhash
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config.kv_events import KVEventsConfig
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -109,8 +110,12 @@ def transfer_config(extra: dict, engine_id: str, policy: str = "recompute") -> K
     )
 
 
-def make_vllm_config(transfer: KVTransferConfig, shape: EngineShape) -> VllmConfig:
+def make_vllm_config(
+    transfer: KVTransferConfig, shape: EngineShape, kv_events: bool = False
+) -> VllmConfig:
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None
     config = VllmConfig(
+        kv_events_config=events,
         device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=shape.block_size, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(
@@ -188,10 +193,12 @@ class ServingEngine:
         *,
         engine_id: str = "engine",
         policy: str = "recompute",
+        kv_events: bool = False,
     ) -> None:
         init_none_hash(sha256)
         self.shape = shape
-        self.config = make_vllm_config(transfer_config(extra, engine_id, policy), shape)
+        transfer = transfer_config(extra, engine_id, policy)
+        self.config = make_vllm_config(transfer, shape, kv_events)
         self.kv_cache_config, self.layers = _kv_tensors(shape)
         self.worker = KVConnectorFactory.create_connector(
             self.config, KVConnectorRole.WORKER, self.kv_cache_config

@@ -294,3 +294,30 @@ REFUSED = [
 def test_kv_the_connector_cannot_cache_is_refused_by_name(specs, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         kv_groups(_config_of(*specs))
+
+
+def test_hicache_residency_reaches_vllm_kv_event_stream(serving, tmp_path):
+    url = f"file://{tmp_path / 'l3'}?capacity=64MiB"
+    engine = serving({"l3_url": url}, shape=HYBRID, kv_events=True)
+    published = []
+    engine.scheduler.kv_event_publisher.publish = published.append
+    prompt = random_prompt(36, 100, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    for cache in engine.worker._shared.caches:
+        cache.flush()  # L2 -> L3 done
+    engine.scheduler.reset_prefix_cache(reset_connector=True)  # L2 emptied: removals
+    engine.add("idle", [1, 2, 3], max_tokens=1)
+    engine.run()  # a step whose output carries the events
+    events = [event for batch in published for event in batch.events]
+    ours = [e for e in events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    stored = {(e.medium, e.group_idx): e for e in ours if type(e).__name__ == "BlockStored"}
+    assert set(stored) == {("CPU", 0), ("CPU", 1), ("STORAGE", 0), ("STORAGE", 1)}
+    full = stored[("CPU", 0)]
+    assert full.token_ids == prompt[:96] and full.block_size == 16
+    assert full.kv_cache_spec_kind == "full_attention" and len(full.block_hashes) == 6
+    window = stored[("CPU", 1)]
+    assert window.token_ids == prompt[48:96]  # the window entry only
+    assert window.kv_cache_spec_sliding_window == 40
+    removed = [e for e in ours if type(e).__name__ == "BlockRemoved" and e.medium == "CPU"]
+    assert {e.group_idx for e in removed} == {0, 1}
