@@ -249,6 +249,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         return failed if len(self._groups) == 1 else set()
 
     def shutdown(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
         for worker in self._workers:
             worker.close()
         self._workers, self._layer_worker = [], {}

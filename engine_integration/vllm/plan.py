@@ -9,7 +9,10 @@ per-step plan (loads and saves) it hands to the worker.
   step's forward pass, layer by layer; an asynchronous one (`load_async`, always for several
   groups: vLLM recovers their failed loads only through `failed_recving`) runs whole before
   the forward of the step that carries it, and the request waits in
-  WAITING_FOR_REMOTE_KVS until the worker reports it received.
+  WAITING_FOR_REMOTE_KVS until the worker reports it received. With asynchronous loads the
+  lookup itself runs on a thread of the planner: the scheduler waits for it at most
+  `LOOKUP_WAIT_S` (enough for an index-only answer), and otherwise gets None ("ask again
+  next step"), so an L3 `exists` never holds vLLM's scheduler loop.
 - `after_alloc` records the load against the blocks vLLM gave the request.
 - `build_metadata`: the step's loads, and a save for every request whose prompt is fully
   computed by this step (its full pages, from vLLM's blocks, during this forward).
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +37,8 @@ from engine_integration.vllm.config import request_extra_key
 from engine_integration.vllm.lookup import Found
 
 logger = logging.getLogger(__name__)
+
+LOOKUP_WAIT_S = 0.002  # how long the scheduler waits for an asynchronous lookup
 
 
 @dataclass(frozen=True)
@@ -109,15 +116,45 @@ class SchedulerPlanner:
         self._final_saves: list[SaveSpec] = []
         self.sending: set[str] = set()  # finished requests whose blocks wait for a save
         self._promised_pages = 0
+        self._finding: dict[str, Future] = {}
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="hicache-lookup") if load_async else None
+        )
 
-    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        tokens = list(request.all_token_ids[: request.num_tokens - 1])
-        found = self.find(tokens, request_extra_key(request))
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens hicache adds to vLLM's own hit, whether loaded asynchronously); None
+        while an asynchronous lookup is still running."""
+        found = self._find(request)
+        if found is None:
+            return None, False
         budget = self.l1_pages - self._promised_pages
         num_tokens = max(0, min(found.num_pages, budget)) * self.page_size
         self._lookups[request.request_id] = Lookup(num_computed_tokens, num_tokens, found)
         num_new = max(0, num_tokens - num_computed_tokens)
         return num_new, self.load_async and num_new > 0
+
+    def _find(self, request) -> Found | None:
+        tokens = list(request.all_token_ids[: request.num_tokens - 1])
+        extra_key = request_extra_key(request)
+        if self._pool is None:
+            return self.find(tokens, extra_key)
+        future = self._finding.get(request.request_id)
+        if future is None:
+            future = self._pool.submit(self.find, tokens, extra_key)
+            self._finding[request.request_id] = future
+        try:
+            found = future.result(timeout=LOOKUP_WAIT_S)
+        except FutureTimeout:
+            return None
+        except Exception as error:  # a failed lookup is a miss
+            logger.warning("hicache lookup failed: %r", error)
+            found = Found(0, 0, 0)
+        del self._finding[request.request_id]
+        return found
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     def lookup(self, req_id: str) -> Lookup | None:
         return self._lookups.get(req_id)
@@ -198,6 +235,7 @@ class SchedulerPlanner:
         in the next step, whole, and vLLM keeps the blocks until the worker reports it."""
         tracked = self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._finding.pop(request.request_id, None)
         if tracked is None:
             return False, None
         computed = min(request.num_computed_tokens, request.num_tokens - 1)  # KV in blocks

@@ -4,7 +4,10 @@ position every layer's attention reads, every step, against the model's own KV."
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
+from urllib.parse import unquote, urlsplit
 
 import pytest
 import torch
@@ -24,6 +27,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from engine_integration.vllm.config import kv_layout, namespace_for  # noqa: E402
 from engine_integration.vllm.groups import kv_groups  # noqa: E402
 from radix.keys import page_keys  # noqa: E402
+from storage_backends.file_store import FileBackend, FileOptions  # noqa: E402
+from storage_backends.options import options_from_query  # noqa: E402
+from storage_backends.registry import register_backend  # noqa: E402
 from tests.hicache.test_faults import flip_byte, locate, page_names  # noqa: E402
 from tests.support.engines import random_prompt  # noqa: E402
 from tests.support.vllm_scheduler import EngineShape, GroupShape, ServingEngine  # noqa: E402
@@ -321,3 +327,51 @@ def test_hicache_residency_reaches_vllm_kv_event_stream(serving, tmp_path):
     assert window.kv_cache_spec_sliding_window == 40
     removed = [e for e in ours if type(e).__name__ == "BlockRemoved" and e.medium == "CPU"]
     assert {e.group_idx for e in removed} == {0, 1}
+
+
+class GatedFileBackend(FileBackend):
+    """The real file backend whose lookups (`exists`) wait until the test opens `GATE`:
+    an L3 as slow as the test wants, without a timing in the test."""
+
+    GATE = threading.Event()
+
+    async def _exists(self, keys):
+        while not self.GATE.is_set():
+            await asyncio.sleep(0.005)
+        return await super()._exists(keys)
+
+
+def _open_gated(url: str, *, layout=None, name: str = "") -> GatedFileBackend:
+    parts = urlsplit(url)
+    options = options_from_query(FileOptions, parts.query, url=url, path=unquote(parts.path))
+    return GatedFileBackend(options, layout, name=name or url)
+
+
+register_backend("gatedfile", _open_gated, replace=True)
+
+
+def test_an_asynchronous_l3_lookup_never_holds_the_scheduler(serving, tmp_path):
+    directory = tmp_path / "l3"
+    first = serving({"l3_url": f"file://{directory}?capacity=64MiB"})
+    prompt = random_prompt(37, 90, vocab=1000)
+    first.add("a", prompt)
+    first.run()
+    first.shutdown()  # A's pages are in L3 only now
+
+    GatedFileBackend.GATE.set()
+    url = f"gatedfile://{directory}?capacity=64MiB&timeout=30s"
+    second = serving({"l3_url": url, "load_async": True, "l3_exists_timeout_s": 30})
+    second.add("c", random_prompt(38, 40, vocab=1000), max_tokens=20)
+    assert admitted(second, "c") == 0
+    GatedFileBackend.GATE.clear()
+    try:
+        second.add("b", prompt)
+        for _ in range(3):  # B's lookup is stuck in L3; the scheduler goes on with C
+            output = second.step()
+            assert "b" not in output.num_scheduled_tokens
+            assert output.num_scheduled_tokens.get("c") == 1
+    finally:
+        GatedFileBackend.GATE.set()
+    assert admitted(second, "b", max_steps=50) == 80
+    second.run()
+    assert second.wrong_reads == []
