@@ -54,6 +54,7 @@ from engine_integration.vllm.lookup import (
     ask_all,
     lookup_address,
 )
+from engine_integration.vllm.metrics import COUNTERS, HiCacheConnectorStats, HiCachePromMetrics
 from engine_integration.vllm.plan import SchedulerPlanner, StepPlan
 from engine_integration.vllm.worker import WorkerStep
 from hicache.controller import HiCache
@@ -247,6 +248,24 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         for worker in self._workers:
             failed |= worker.take_failed_blocks()
         return failed if len(self._groups) == 1 else set()
+
+    def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
+        """The worker's loads and saves since the last call (metrics.py)."""
+        if not self._workers:
+            return None
+        data = dict.fromkeys(COUNTERS, 0)
+        for worker in self._workers:
+            for name, value in worker.take_counters().items():
+                data[name] += value
+        return HiCacheConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return HiCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._planner is not None:

@@ -27,6 +27,7 @@ ranks past the first, whose latent is rank 0's) only loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -259,6 +260,11 @@ class WorkerStep:
         for layer in range(self.kv.num_layers):
             self.kv.copy_out(layer, self.cache.device_pool.kv[layer], save.slots)
         self._insert(save)
+
+    def take_counters(self) -> dict[str, int]:
+        """The counters since the last call, as a dict (then zeroed)."""
+        counters, self.counters = self.counters, WorkerCounters()
+        return dataclasses.asdict(counters)
 
     def take_finished_sending(self) -> set[str]:
         sent, self._sent = self._sent, set()

@@ -216,6 +216,7 @@ class ServingEngine:
         self.invalid_block_ids: list[set[int]] = []  # what the worker reported, per step
         self.num_steps = 0
         self.before_execute = None  # called with each SchedulerOutput, before the runner
+        self.connector_stats: list[dict] = []  # the worker's get_kv_connector_stats, per step
         self.finished: dict[str, list[int]] = {}  # req id -> all its tokens
 
     @property
@@ -295,6 +296,8 @@ class ServingEngine:
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
+        stats = worker.get_kv_connector_stats()
+        self.connector_stats.append(stats.data if stats is not None else {})
         self.invalid_block_ids.append(set(invalid))
         # A request whose load failed ran on blocks the load did not fill; vLLM drops that
         # step's output and recomputes from the first bad block, so those reads never count.
@@ -318,6 +321,7 @@ class ServingEngine:
                 finished_recving=results.finished_recving or None,
                 invalid_block_ids=set(invalid),
                 failed_recving=results.failed_recving,
+                kv_connector_stats=stats,
             ),
         )
 

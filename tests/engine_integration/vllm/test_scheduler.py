@@ -5,6 +5,7 @@ position every layer's attention reads, every step, against the model's own KV."
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import threading
 from urllib.parse import unquote, urlsplit
@@ -14,6 +15,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm==0.33.0 (tests/engine_integration/requirements-vllm.txt)")
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -25,6 +28,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from engine_integration.vllm.config import kv_layout, namespace_for  # noqa: E402
+from engine_integration.vllm.connector import HiCacheConnector  # noqa: E402
 from engine_integration.vllm.groups import kv_groups  # noqa: E402
 from radix.keys import page_keys  # noqa: E402
 from storage_backends.file_store import FileBackend, FileOptions  # noqa: E402
@@ -375,3 +379,32 @@ def test_an_asynchronous_l3_lookup_never_holds_the_scheduler(serving, tmp_path):
     assert admitted(second, "b", max_steps=50) == 80
     second.run()
     assert second.wrong_reads == []
+
+
+def test_connector_stats_reach_vllm_prometheus_counters(serving):
+    engine = serving()
+    prompt = random_prompt(39, 90, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", prompt + [1])
+    engine.run()
+    total = HiCacheConnector.build_kv_connector_stats()
+    for data in engine.connector_stats:
+        total = total.aggregate(HiCacheConnector.build_kv_connector_stats(data))
+    assert total.reduce() == {
+        "loaded_tokens": 80, "failed_tokens": 0, "saved_pages": 5, "saves_skipped": 0,
+    }  # fmt: skip
+
+    registry = CollectorRegistry()
+
+    class Prom(KVConnectorProm):  # vLLM's own, on a registry of the test's
+        _gauge_cls = functools.partial(Gauge, registry=registry)
+        _counter_cls = functools.partial(Counter, registry=registry)
+        _histogram_cls = functools.partial(Histogram, registry=registry)
+
+    prom = Prom(engine.config, ["model_name", "engine"], {0: ["test/model", "0"]})
+    prom.observe(total.reduce(), engine_idx=0)
+    labels = {"model_name": "test/model", "engine": "0"}
+    assert registry.get_sample_value("vllm:hicache_loaded_tokens_total", labels) == 80
+    assert registry.get_sample_value("vllm:hicache_saved_pages_total", labels) == 5
