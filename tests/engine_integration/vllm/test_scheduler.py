@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
-from engine_integration.vllm.config import kv_layout, namespace_for  # noqa: E402
+from engine_integration.vllm.config import namespace_for  # noqa: E402
 from engine_integration.vllm.connector import HiCacheConnector  # noqa: E402
 from engine_integration.vllm.groups import kv_groups  # noqa: E402
 from radix.keys import page_keys  # noqa: E402
@@ -67,8 +67,17 @@ def first_step(engine, req_id, prompt):
     return new.num_computed_tokens, output.num_scheduled_tokens[req_id]
 
 
-def test_a_prefix_evicted_from_vllm_is_loaded_from_hicache(serving):
-    engine = serving()
+# Each scenario on a model of one full-attention group and on an MLA model.
+ONE_GROUP = pytest.mark.parametrize(
+    "groups",
+    [(GroupShape("full", 2),), (GroupShape("mla", 2),)],
+    ids=["full", "mla"],
+)
+
+
+@ONE_GROUP
+def test_a_prefix_evicted_from_vllm_is_loaded_from_hicache(serving, groups):
+    engine = serving(shape=EngineShape(groups=groups))
     prompt_a = random_prompt(1, 100, vocab=1000)
     engine.add("a", prompt_a)
     engine.run()
@@ -82,8 +91,9 @@ def test_a_prefix_evicted_from_vllm_is_loaded_from_hicache(serving):
     assert not any(engine.invalid_block_ids)
 
 
-def test_chunked_prefill_saves_once_complete_and_loads_in_the_first_chunk(serving):
-    engine = serving(shape=EngineShape(step_tokens=48))
+@ONE_GROUP
+def test_chunked_prefill_saves_once_complete_and_loads_in_the_first_chunk(serving, groups):
+    engine = serving(shape=EngineShape(groups=groups, step_tokens=48))
     prompt_a = random_prompt(3, 150, vocab=1000)
     engine.add("a", prompt_a)
     engine.run()
@@ -95,9 +105,10 @@ def test_chunked_prefill_saves_once_complete_and_loads_in_the_first_chunk(servin
     assert engine.wrong_reads == []
 
 
-def test_preempted_requests_resume_from_hicache(serving):
+@ONE_GROUP
+def test_preempted_requests_resume_from_hicache(serving, groups):
     # 24 blocks of 16 (one is vLLM's null block): three requests that grow past it.
-    engine = serving(shape=EngineShape(num_blocks=24, max_num_seqs=3))
+    engine = serving(shape=EngineShape(groups=groups, num_blocks=24, max_num_seqs=3))
     for i in range(3):
         engine.add(f"r{i}", random_prompt(10 + i, 96, vocab=1000), max_tokens=60)
     preempted = set()
@@ -121,21 +132,22 @@ def test_preempted_requests_resume_from_hicache(serving):
     assert engine.wrong_reads == []
 
 
-def test_a_failed_load_is_recomputed_by_vllm(serving, tmp_path):
+@ONE_GROUP
+def test_a_failed_load_is_recomputed_by_vllm(serving, tmp_path, groups):
     directory = tmp_path / "l3"
     url = f"file://{directory}?capacity=64MiB"
-    first = serving({"l3_url": url})
+    first = serving({"l3_url": url}, shape=EngineShape(groups=groups))
     prompt = random_prompt(20, 5 * 16 + 1, vocab=1000)
     first.add("a", prompt)
     first.run()
     first.shutdown()  # flushes A's pages to L3
-    layout = kv_layout(first.worker._spec, 2, 16)
+    layout = first.worker._layout
     third = page_keys(prompt, namespace_for("test/model", layout), 16)[2].hex()
     (victim,) = [path for path in page_names(directory) if path.name == third]
     offset, length = locate(victim)
     flip_byte(victim, offset + length - 3)
 
-    second = serving({"l3_url": url})
+    second = serving({"l3_url": url}, shape=EngineShape(groups=groups))
     computed, _ = first_step(second, "b", prompt)
     assert computed == 80  # as far as L3's `exists` can tell
     assert second.invalid_block_ids[-1]  # page 2 did not verify: reported, not copied in
