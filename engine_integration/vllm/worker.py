@@ -31,7 +31,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from engine_integration.vllm.groups import Extent, KVGroup
+from engine_integration.vllm.groups import Extent, KVGroup, window_start
 from engine_integration.vllm.kv import TokenSlots, VllmKV
 from engine_integration.vllm.plan import LoadSpec, SaveSpec, StepPlan
 from hicache.errors import HiCacheError
@@ -209,14 +209,12 @@ class WorkerStep:
         or when vLLM has released a block the entry needs."""
         if not self.writes:
             return None
-        end = len(spec.token_ids)
-        extent = self.group.extent(spec.token_ids, spec.extra_key, self.page_size, end)
         block_ids = spec.block_ids[self.group.index]
-        block_size = self.kv.block_size
-        needed = block_ids[extent.origin // block_size : -(-end // block_size)]
-        if self.group.kind == "sliding" and NULL_BLOCK_ID in needed:
+        end = self._deepest_saved_end(block_ids, len(spec.token_ids))
+        if end is None:
             self.counters.saves_skipped += 1  # released: outside the window vLLM kept
             return None
+        extent = self.group.extent(spec.token_ids, spec.extra_key, self.page_size, end)
         num_pages = len(extent.token_ids) // self.page_size
         reused = reused[:num_pages] if not extent.origin else []
         try:
@@ -230,6 +228,21 @@ class WorkerStep:
         padded = [0] * (extent.origin // self.page_size) + page_ids  # pages before: never read
         slots = self.kv.slots(block_ids, padded, self.page_size, start, end)
         return _Save(spec, extent, page_ids, len(reused), slots)
+
+    def _deepest_saved_end(self, block_ids: list[int], end: int) -> int | None:
+        """Where this group's entry for a save of `end` tokens ends: `end`, or for a
+        sliding-window group whose blocks vLLM already released below the window (a
+        finished request's: it keeps only the last token's window) the deepest page
+        boundary whose window is still in blocks; None when there is none."""
+        if self.group.kind != "sliding":
+            return end
+        block_size, page_size = self.kv.block_size, self.page_size
+        while end > 0:
+            start = window_start(end, self.group.window_tokens, page_size)
+            if NULL_BLOCK_ID not in block_ids[start // block_size : -(-end // block_size)]:
+                return end
+            end -= page_size
+        return None
 
     # ------------------------------------------------------------------ end of step
 

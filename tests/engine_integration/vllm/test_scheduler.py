@@ -420,3 +420,20 @@ def test_connector_stats_reach_vllm_prometheus_counters(serving):
     labels = {"model_name": "test/model", "engine": "0"}
     assert registry.get_sample_value("vllm:hicache_loaded_tokens_total", labels) == 80
     assert registry.get_sample_value("vllm:hicache_saved_pages_total", labels) == 5
+
+
+def test_a_hybrid_conversation_hits_the_deepest_boundary_with_a_window(serving):
+    """A's answer ends with its window released below the last token's (vLLM keeps no
+    more): its full pages are saved to 128, its window only where the prompt saved it (96).
+    The next turn's lookup steps down from 128 to the deepest boundary with a window."""
+    engine = serving(shape=HYBRID)
+    full, sliding = engine.worker._shared.caches
+    a = engine.add("a", random_prompt(41, 100, vocab=1000), max_tokens=40)
+    engine.run()
+    assert full.stats().inserted_pages == 8  # the prompt's 6, then the answer's 2
+    turn = list(a.all_token_ids)
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", turn + random_prompt(42, 5, vocab=1000))
+    assert admitted(engine, "b") == 96
+    engine.run()
+    assert engine.wrong_reads == []
