@@ -12,10 +12,14 @@ way back. vLLM builds the class twice, through `KVConnectorFactory`, as
 load and save (`engine_integration.vllm.plan`), each WORKER one (one per tensor-parallel
 rank) moves the bytes (`engine_integration.vllm.worker`, `engine_integration.vllm.kv`) of
 its own `HiCache`, created when vLLM registers its KV tensors, under a namespace of its
-rank. The scheduler learns what the caches hold through `engine_integration.vllm.lookup`:
+rank (one `HiCache` per KV cache group of a hybrid model: `engine_integration.vllm.groups`).
+The scheduler learns what the caches hold through `engine_integration.vllm.lookup`:
 directly when the one worker shares its process (world size 1, vLLM's `uni` executor, its
 default for one GPU), else from every rank over a local socket. Pipeline parallelism is
-refused at construction.
+refused at construction. Loads run layer by layer inside the step, or whole before it
+(`load_async`, and always for several groups); hicache's L2/L3 residency goes out in vLLM's
+KV events (`engine_integration.vllm.events`), its counters in vLLM's stats and Prometheus
+registry (`engine_integration.vllm.metrics`).
 
 What the connector reads of `vllm_config`: `kv_transfer_config` (engine_id,
 kv_connector_extra_config, kv_load_failure_policy), `model_config.model`,
