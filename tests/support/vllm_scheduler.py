@@ -21,6 +21,7 @@ step, in any layer, fails it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -194,16 +195,31 @@ class ServingEngine:
         engine_id: str = "engine",
         policy: str = "recompute",
         kv_events: bool = False,
+        num_ranks: int = 1,
     ) -> None:
+        """`num_ranks` > 1: tensor-parallel workers, each with its own KV tensors and
+        connector, in vLLM's `mp` executor's arrangement (the scheduler asks them over their
+        sockets); each rank's KV differs (other heads) except MLA's, which ranks share."""
         init_none_hash(sha256)
         self.shape = shape
         transfer = transfer_config(extra, engine_id, policy)
         self.config = make_vllm_config(transfer, shape, kv_events)
-        self.kv_cache_config, self.layers = _kv_tensors(shape)
-        self.worker = KVConnectorFactory.create_connector(
-            self.config, KVConnectorRole.WORKER, self.kv_cache_config
-        )
-        self.worker.register_kv_caches({layer.name: layer.view for layer in self.layers})
+        if num_ranks > 1:
+            self.config.parallel_config.tensor_parallel_size = num_ranks
+            self.config.parallel_config.distributed_executor_backend = "mp"
+        self.workers, self.rank_layers = [], []
+        for rank in range(num_ranks):
+            self.kv_cache_config, layers = _kv_tensors(shape)
+            config = copy.copy(self.config)
+            config.parallel_config = copy.copy(self.config.parallel_config)
+            config.parallel_config.rank = rank
+            worker = KVConnectorFactory.create_connector(
+                config, KVConnectorRole.WORKER, self.kv_cache_config
+            )
+            worker.register_kv_caches({layer.name: layer.view for layer in layers})
+            self.workers.append(worker)
+            self.rank_layers.append(layers)
+        self.worker, self.layers = self.workers[0], self.rank_layers[0]
         self.scheduler = Scheduler(
             self.config,
             self.kv_cache_config,
@@ -280,23 +296,17 @@ class ServingEngine:
                 for group, ids in enumerate(new_ids):
                     self._block_ids[req_id][group].extend(ids)
             scheduled[req_id] = cached.num_computed_tokens[i]
-        worker = self.worker
-        worker.bind_connector_metadata(output.kv_connector_metadata)
-        worker.start_load_kv(None)
         before = len(self.wrong_reads)
-        for layer in self.layers:
-            worker.wait_for_layer_load(layer.name)
-            # As vLLM's layer does: the batch's new KV first (reshape_and_cache), then the
-            # attention; a request may read a block another one fills in this step.
-            for req_id, computed in scheduled.items():
-                self._write(req_id, layer, computed, output.num_scheduled_tokens[req_id])
-            for req_id, computed in scheduled.items():
-                self._check_reads(req_id, layer, computed)
-            worker.save_kv_layer(layer.name, layer.view, None)
-        worker.wait_for_save()
-        results = worker.get_transfer_results(output.finished_req_ids)
-        invalid = worker.get_block_ids_with_load_errors()
-        stats = worker.get_kv_connector_stats()
+        outputs = [self._execute_rank(rank, output, scheduled) for rank in range(len(self.workers))]
+        # vLLM's KVOutputAggregator: a transfer is done when every worker says so; errors
+        # from any worker count.
+        sending = set.intersection(*(set(o[0].finished_sending) for o in outputs))
+        recving = set.intersection(*(set(o[0].finished_recving) for o in outputs))
+        failed_recving = set().union(*(o[0].failed_recving for o in outputs))
+        invalid = set().union(*(o[1] for o in outputs))
+        stats = outputs[0][2]
+        for other in outputs[1:]:
+            stats = stats.aggregate(other[2]) if stats is not None else other[2]
         self.connector_stats.append(stats.data if stats is not None else {})
         self.invalid_block_ids.append(set(invalid))
         # A request whose load failed ran on blocks the load did not fill; vLLM drops that
@@ -304,7 +314,6 @@ class ServingEngine:
         failed = {r for r in scheduled if invalid & {b for ids in self._block_ids[r] for b in ids}}
         kept = [read for read in self.wrong_reads[before:] if read[0] not in failed]
         self.wrong_reads[before:] = kept
-        worker.clear_connector_metadata()
         req_ids = list(scheduled)
         sampled = []
         for req_id in req_ids:
@@ -317,15 +326,43 @@ class ServingEngine:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=KVConnectorOutput(
-                finished_sending=results.finished_sending or None,
-                finished_recving=results.finished_recving or None,
+                finished_sending=sending or None,
+                finished_recving=recving or None,
                 invalid_block_ids=set(invalid),
-                failed_recving=results.failed_recving,
+                failed_recving=failed_recving,
                 kv_connector_stats=stats,
             ),
         )
 
-    def _check_reads(self, req_id: str, layer: _Layer, computed: int) -> None:
+    def _execute_rank(self, rank: int, output, scheduled: dict):
+        """One worker's connector calls around its forward (the same metadata for every
+        rank, as vLLM sends it): (transfer results, failed blocks, stats)."""
+        worker = self.workers[rank]
+        worker.bind_connector_metadata(output.kv_connector_metadata)
+        worker.start_load_kv(None)
+        for layer in self.rank_layers[rank]:
+            worker.wait_for_layer_load(layer.name)
+            # As vLLM's layer does: the batch's new KV first (reshape_and_cache), then the
+            # attention; a request may read a block another one fills in this step.
+            for req_id, computed in scheduled.items():
+                num_new = output.num_scheduled_tokens[req_id]
+                self._write(req_id, layer, computed, num_new, rank)
+            for req_id, computed in scheduled.items():
+                self._check_reads(req_id, layer, computed, rank)
+            worker.save_kv_layer(layer.name, layer.view, None)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(output.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()
+        stats = worker.get_kv_connector_stats()
+        worker.clear_connector_metadata()
+        return results, set(invalid), stats
+
+    def _seed(self, layer: _Layer, rank: int) -> int:
+        """Each rank holds other heads, so other values; MLA's latent is every rank's."""
+        mla = self.shape.groups[layer.group].kind == "mla"
+        return layer.index + (0 if mla else 1000 * rank)
+
+    def _check_reads(self, req_id: str, layer: _Layer, computed: int, rank: int = 0) -> None:
         """What the first new token's attention reads: [lo, computed)."""
         lo = 0 if not layer.window else max(0, computed - layer.window + 1)
         if computed <= lo:
@@ -334,18 +371,18 @@ class ServingEngine:
         width = layer.view.shape[1] * layer.view.shape[3]
         blocks, offsets = self._slots(req_id, layer.group, lo, computed)
         read = layer.view[blocks, :, offsets].reshape(computed - lo, width)
-        want = model_kv(tokens, lo, computed, layer.index, width, read.dtype)
+        want = model_kv(tokens, lo, computed, self._seed(layer, rank), width, read.dtype)
         rows_ok = (read == want).all(dim=1)
         if not bool(rows_ok.all()):
             first = lo + int((~rows_ok).nonzero()[0])
-            self.wrong_reads.append((req_id, layer.name, first, self.num_steps))
+            self.wrong_reads.append((req_id, layer.name, first, self.num_steps, rank))
 
-    def _write(self, req_id: str, layer: _Layer, computed: int, num_new: int) -> None:
+    def _write(self, req_id: str, layer: _Layer, computed: int, num_new: int, rank: int) -> None:
         tokens = self.scheduler.requests[req_id].all_token_ids
         end = computed + num_new
         width = layer.view.shape[1] * layer.view.shape[3]
         blocks, offsets = self._slots(req_id, layer.group, computed, end)
-        new = model_kv(tokens, computed, end, layer.index, width, layer.view.dtype)
+        new = model_kv(tokens, computed, end, self._seed(layer, rank), width, layer.view.dtype)
         layer.view[blocks, :, offsets] = new.view(num_new, layer.view.shape[1], -1)
 
     def _slots(self, req_id: str, group: int, start: int, end: int):
@@ -355,7 +392,8 @@ class ServingEngine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
 
 
 def _kv_tensors(shape: EngineShape):

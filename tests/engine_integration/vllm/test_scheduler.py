@@ -8,6 +8,7 @@ import asyncio
 import functools
 import re
 import threading
+import uuid
 from urllib.parse import unquote, urlsplit
 
 import pytest
@@ -48,7 +49,10 @@ def serving():
 
     def make(extra=None, shape=None, **kwargs):
         engine = ServingEngine(
-            {**BASE, **(extra or {})}, shape or EngineShape(), engine_id=f"s{len(made)}", **kwargs
+            {**BASE, **(extra or {})},
+            shape or EngineShape(),
+            engine_id=f"s{len(made)}-{uuid.uuid4().hex[:8]}",  # its sockets' names
+            **kwargs,
         )
         made.append(engine)
         return engine
@@ -436,4 +440,35 @@ def test_a_hybrid_conversation_hits_the_deepest_boundary_with_a_window(serving):
     engine.add("b", turn + random_prompt(42, 5, vocab=1000))
     assert admitted(engine, "b") == 96
     engine.run()
+    assert engine.wrong_reads == []
+
+
+def test_tensor_parallel_hybrid_ranks_answer_over_their_sockets(serving):
+    engine = serving(shape=HYBRID, num_ranks=2)
+    prompt = random_prompt(43, 100, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", prompt + [6])
+    assert admitted(engine, "b") == 96  # every rank holds the full pages and the window
+    assert len(engine.connector._clients) == 2  # asked over the ranks' sockets
+    engine.run()
+    assert engine.wrong_reads == []
+
+
+def test_mla_under_tensor_parallelism_has_one_writer(serving, tmp_path):
+    url = f"file://{tmp_path / 'l3'}?capacity=64MiB"
+    mla = EngineShape(groups=(GroupShape("mla", 2),))
+    engine = serving({"l3_url": url}, shape=mla, num_ranks=2)
+    rank0, rank1 = (worker._shared.cache for worker in engine.workers)
+    prompt = random_prompt(44, 90, vocab=1000)
+    engine.add("a", prompt)
+    engine.run()
+    assert rank0.stats().inserted_pages == 5 and rank1.stats().inserted_pages == 0
+    rank0.flush()  # in L3: rank 1 finds rank 0's latent there
+    assert engine.scheduler.reset_prefix_cache()
+    engine.add("b", prompt + [6])
+    assert admitted(engine, "b") == 80
+    engine.run()
+    assert rank1.stats().hit_pages["l3"] == 5
     assert engine.wrong_reads == []
