@@ -59,6 +59,9 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # vLLM's: per block, what else its hash covers. Here the page's namespace extra key
+    # (a request's cache salt or LoRA adapter), so a router tells salted pages apart.
+    extra_keys: list[tuple | None] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -256,15 +259,22 @@ class TierEvents:
         self.page_size = page_size
 
     def pages_stored(
-        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes
+        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes, namespace
     ) -> None:
         tokens = np.frombuffer(data, dtype="<u4").tolist()
         event = BlockStored(
-            keys, parent_key, tokens, self.page_size, None, MEDIUM_OF_TIER[tier], None
+            keys,
+            parent_key,
+            tokens,
+            self.page_size,
+            None,
+            MEDIUM_OF_TIER[tier],
+            None,
+            extra_keys=extra_keys_of(namespace, len(keys)),
         )
         self.publisher.add((event,))
 
-    def pages_removed(self, tier: Tier, keys: list[bytes]) -> None:
+    def pages_removed(self, tier: Tier, keys: list[bytes], namespace=None) -> None:
         self.publisher.add((BlockRemoved(keys, MEDIUM_OF_TIER[tier]),))
 
 
@@ -406,6 +416,13 @@ class SglangEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     attn_dp_rank: int | None = None
 
 
+def extra_keys_of(namespace, num_pages: int) -> list[tuple | None] | None:
+    """vLLM's `extra_keys` for `num_pages` pages of `namespace`: its extra key (a cache
+    salt, a LoRA adapter) for each, or None for pages without one."""
+    extra_key = getattr(namespace, "extra_key", "")
+    return [(extra_key,)] * num_pages if extra_key else None
+
+
 def sglang_hash(key: bytes) -> int:
     """A page key as SGLang's int64 block hash: its first 8 bytes, big-endian, signed."""
     return int.from_bytes(key[:8], "big", signed=True)
@@ -421,6 +438,7 @@ def _to_sglang(event: KVEvent):
             event.block_size,
             event.lora_id,
             SGLANG_MEDIUM.get(event.medium, event.medium),
+            cache_salt=event.extra_keys[0][0] if event.extra_keys else None,
             lora_name=event.lora_name,
         )
     if isinstance(event, BlockRemoved):

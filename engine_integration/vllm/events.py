@@ -21,6 +21,7 @@ from collections import deque
 import numpy as np
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 
+from hicache.events import extra_keys_of
 from radix.node import Tier
 
 MEDIUM_OF_TIER = {Tier.L2: MEDIUM_CPU, Tier.L3: MEDIUM_STORAGE}
@@ -42,7 +43,7 @@ class GroupEvents:
         self.page_size = page_size
 
     def pages_stored(
-        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes
+        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes, namespace
     ) -> None:
         medium = MEDIUM_OF_TIER.get(tier)
         if medium is None:
@@ -56,13 +57,14 @@ class GroupEvents:
                 lora_id=None,
                 medium=medium,
                 lora_name=None,
+                extra_keys=extra_keys_of(namespace, len(keys)),
                 group_idx=self.group.index,
                 kv_cache_spec_kind=SPEC_KINDS[self.group.kind],
                 kv_cache_spec_sliding_window=self.group.window_tokens or None,
             )
         )
 
-    def pages_removed(self, tier: Tier, keys: list[bytes]) -> None:
+    def pages_removed(self, tier: Tier, keys: list[bytes], namespace=None) -> None:
         medium = MEDIUM_OF_TIER.get(tier)
         if medium is not None:
             self.queue.append(

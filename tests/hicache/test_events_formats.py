@@ -12,9 +12,14 @@ from hicache.events import (
     BlockStored,
     EventPublisher,
     EventsConfig,
+    KVEventBatch,
+    TierEvents,
     default_topic,
+    encode_batch,
     sglang_hash,
 )
+from radix.keys import Namespace
+from tests.support.caches import NS, fill_pages, make_cache, tokens_for
 
 KEYS = [bytes(range(i, i + 16)) for i in (0, 16, 32)]
 
@@ -74,3 +79,39 @@ def test_the_sglang_format_decodes_with_sglangs_own_classes():
 def test_an_unknown_format_is_refused_by_name():
     with pytest.raises(ValueError, match="EventsConfig.format"):
         EventsConfig("tcp://127.0.0.1:0", format="dynamo")
+
+
+class Recorder:
+    """A publisher that keeps what it is given."""
+
+    def __init__(self):
+        self.events = []
+
+    def add(self, events):
+        self.events.extend(events)
+
+
+def test_salted_pages_carry_their_extra_key_in_both_formats():
+    vllm_events = pytest.importorskip("vllm.distributed.kv_events")
+    kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+    cache = make_cache()
+    recorder = Recorder()
+    cache.set_residency_listener(TierEvents(recorder, cache.page_size))
+    salted = Namespace(NS.model_id, NS.layout, extra_key="salt=tenant-1")
+    tokens = tokens_for(1, 2)
+    for namespace in (NS, salted):
+        ids = cache.alloc_device_pages(2)
+        fill_pages(cache, ids, 1)
+        cache.insert(tokens, ids, namespace)
+    cache.close()
+    stored = [e for e in recorder.events if isinstance(e, BlockStored) and e.medium == "GPU"]
+    plain, salt = stored  # L1 first, for each namespace
+    assert plain.extra_keys is None and salt.extra_keys == [("salt=tenant-1",)] * 2
+    assert plain.block_hashes != salt.block_hashes  # the same tokens, told apart
+
+    batch = KVEventBatch(ts=0.0, events=[salt])
+    decoded = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(encode_batch(batch))
+    assert list(decoded.events[0].extra_keys) == [("salt=tenant-1",)] * 2
+    payload = encode_batch(batch, "sglang")
+    decoded = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(payload)
+    assert decoded.events[0].cache_salt == "salt=tenant-1"
