@@ -111,12 +111,17 @@ class CacheServer:
         return self.port
 
     def _start_events(self) -> None:
-        from hicache.events import EventPublisher, EventsConfig  # pyzmq, only when asked
+        from hicache.events import EventPublisher, EventsConfig, default_topic  # pyzmq
         from hicache.server.events import DaemonEvents
 
         config = self.config
         self.events = EventPublisher(
-            EventsConfig(config.events_endpoint, config.events_replay_endpoint)
+            EventsConfig(
+                config.events_endpoint,
+                config.events_replay_endpoint,
+                topic=config.events_topic or default_topic("hicache-serve"),
+                format=config.events_format,
+            )
         )
         events = DaemonEvents(self.events)
         for namespace in self.store.namespaces.values():

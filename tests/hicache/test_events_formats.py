@@ -115,3 +115,15 @@ def test_salted_pages_carry_their_extra_key_in_both_formats():
     payload = encode_batch(batch, "sglang")
     decoded = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(payload)
     assert decoded.events[0].cache_salt == "salt=tenant-1"
+
+
+def test_the_daemon_and_the_replica_take_a_topic_and_refuse_an_unknown_format():
+    from engine_integration.serve.replica_config import ReplicaConfig
+    from hicache.server.config import ServerConfig
+
+    daemon = ServerConfig(events_endpoint="tcp://127.0.0.1:5557", events_topic="kv@h@m")
+    assert daemon.events_topic == "kv@h@m"
+    with pytest.raises(ValueError, match="--events-format"):
+        ServerConfig(events_endpoint="tcp://127.0.0.1:5557", events_format="dynamo")
+    with pytest.raises(ValueError, match="--events-format"):
+        ReplicaConfig(events_endpoint="tcp://127.0.0.1:5557", events_format="dynamo")
