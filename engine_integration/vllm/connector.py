@@ -87,6 +87,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 "HiCacheConnector: pipeline parallelism is not supported yet "
                 f"(pipeline_parallel_size {parallel.pipeline_parallel_size})"
             )
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if (getattr(parallel, name, 1) or 1) > 1:  # each rank holds other tokens' KV
+                raise ValueError(
+                    f"HiCacheConnector: context parallelism is not supported yet "
+                    f"({name} {getattr(parallel, name)})"
+                )
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "HiCacheConnector: kv_load_failure_policy=%r fails a request whose cached "

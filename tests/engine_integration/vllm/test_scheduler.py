@@ -17,6 +17,8 @@ import torch
 pytest.importorskip("vllm", reason="vllm==0.33.0 (tests/engine_integration/requirements-vllm.txt)")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec,
@@ -37,7 +39,13 @@ from storage_backends.options import options_from_query  # noqa: E402
 from storage_backends.registry import register_backend  # noqa: E402
 from tests.hicache.test_faults import flip_byte, locate, page_names  # noqa: E402
 from tests.support.engines import random_prompt  # noqa: E402
-from tests.support.vllm_scheduler import EngineShape, GroupShape, ServingEngine  # noqa: E402
+from tests.support.vllm_scheduler import (  # noqa: E402
+    EngineShape,
+    GroupShape,
+    ServingEngine,
+    make_vllm_config,
+    transfer_config,
+)
 
 BASE = {"l2_size": "4MiB", "l2_reserve": 0, "prefetch_policy": "wait_complete", "page_size": 16}
 
@@ -472,3 +480,12 @@ def test_mla_under_tensor_parallelism_has_one_writer(serving, tmp_path):
     engine.run()
     assert rank1.stats().hit_pages["l3"] == 5
     assert engine.wrong_reads == []
+
+
+@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_by_name(name):
+    config = make_vllm_config(transfer_config(BASE, "cp"), EngineShape())
+    setattr(config.parallel_config, name, 2)
+    kv_cache_config = _config_of(FULL)
+    with pytest.raises(ValueError, match=name):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
