@@ -292,6 +292,7 @@ ENV_VARIABLES = {
     "HICACHE_L3_SECRET_FILE": ("l3", "secret_file", str),
     "HICACHE_L3_READ_BATCHES": ("l3", "read_batches", int),
     "HICACHE_L3_READ_CHUNK": ("l3", "read_chunk_bytes", parse_size),
+    "HICACHE_L3_EXISTS_TIMEOUT_S": ("l3", "exists_timeout_s", float),
     "HICACHE_L3_FETCH_POLICY": ("policy", "l3_fetch_policy", str),
     "HICACHE_WRITE_POLICY": ("policy", "write_policy", str),
     "HICACHE_WRITE_THROUGH_THRESHOLD": ("policy", "write_through_threshold", int),

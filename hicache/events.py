@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -59,6 +60,9 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # vLLM's: per block, what else its hash covers. Here the page's namespace extra key
+    # (a request's cache salt or LoRA adapter), so a router tells salted pages apart.
+    extra_keys: list[tuple | None] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -100,8 +104,11 @@ class EventsConfig:
     buffer_bytes:     ... and their bytes, all channels together (each an equal share).
     batch_interval_s: how long an event may wait for others to share its batch.
     max_batch_events: a batch is sent as soon as this many events are queued.
-    topic:            the first frame of every message (with credentials: its prefix, the
-                      channel's name and "/" follow)."""
+    topic:            the first frame of every message (`default_topic`: llm-d's
+                      `kv@<pod>@<model>`, which it reads the replica's identity from; with
+                      credentials: its prefix, the channel's name and "/" follow).
+    format:           "vllm" (vLLM's schema, as above) or "sglang" (SGLang 0.5.23's:
+                      `encode_batch`)."""
 
     endpoint: str
     replay_endpoint: str | None = None
@@ -110,8 +117,13 @@ class EventsConfig:
     batch_interval_s: float = 0.01
     max_batch_events: int = 1024
     topic: str = ""
+    format: str = "vllm"
 
     def __post_init__(self) -> None:
+        if self.format not in EVENT_FORMATS:
+            raise ValueError(
+                f"EventsConfig.format must be one of {EVENT_FORMATS}, got {self.format!r}"
+            )
         if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"EventsConfig.endpoint must be a ZMQ address, got {self.endpoint!r}")
         if self.buffer_batches < 1:
@@ -325,7 +337,8 @@ class EventPublisher:
                         break
                     events = channel.pending[:limit]
                     channel.pending = channel.pending[limit:]
-                payload = _encode(KVEventBatch(ts=time.time(), events=events))
+                batch = KVEventBatch(ts=time.time(), events=events)
+                payload = encode_batch(batch, self.config.format)
                 seq = channel.next_seq
                 self._pub.send_multipart((channel.topic, seq.to_bytes(8, "big"), payload))
                 with self._lock:
@@ -381,15 +394,22 @@ class TierEvents:
         self.page_size = page_size
 
     def pages_stored(
-        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes
+        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes, namespace
     ) -> None:
         tokens = np.frombuffer(data, dtype="<u4").tolist()
         event = BlockStored(
-            keys, parent_key, tokens, self.page_size, None, MEDIUM_OF_TIER[tier], None
+            keys,
+            parent_key,
+            tokens,
+            self.page_size,
+            None,
+            MEDIUM_OF_TIER[tier],
+            None,
+            extra_keys=extra_keys_of(namespace, len(keys)),
         )
         self.publisher.add((event,))
 
-    def pages_removed(self, tier: Tier, keys: list[bytes]) -> None:
+    def pages_removed(self, tier: Tier, keys: list[bytes], namespace=None) -> None:
         self.publisher.add((BlockRemoved(keys, MEDIUM_OF_TIER[tier]),))
 
 
@@ -503,7 +523,93 @@ def _starts_clean(batch: KVEventBatch) -> bool:
     return bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
 
 
+# ---------------------------------------------------------------------------- formats
+
+EVENT_FORMATS = ("vllm", "sglang")
+
+
+def default_topic(model: str, host: str | None = None) -> str:
+    """llm-d's topic for a replica: `kv@<host>@<model>` (each replica its own)."""
+    return f"kv@{host or socket.gethostname()}@{model}"
+
+
+# SGLang 0.5.23's schema (sglang/srt/disaggregation/kv_events.py): the same tagged maps in
+# an array-like batch, but block hashes are int64 and the media are its own names.
+SGLANG_MEDIUM = {MEDIUM_GPU: "GPU", MEDIUM_CPU: "CPU_PINNED", MEDIUM_STORAGE: "EXTERNAL"}
+
+
+class SglangBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class SglangBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class SglangAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
+    pass
+
+
+class SglangEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[SglangBlockStored | SglangBlockRemoved | SglangAllBlocksCleared]
+    attn_dp_rank: int | None = None
+
+
+def extra_keys_of(namespace, num_pages: int) -> list[tuple | None] | None:
+    """vLLM's `extra_keys` for `num_pages` pages of `namespace`: its extra key (a cache
+    salt, a LoRA adapter) for each, or None for pages without one."""
+    extra_key = getattr(namespace, "extra_key", "")
+    return [(extra_key,)] * num_pages if extra_key else None
+
+
+def sglang_hash(key: bytes) -> int:
+    """A page key as SGLang's int64 block hash: its first 8 bytes, big-endian, signed."""
+    return int.from_bytes(key[:8], "big", signed=True)
+
+
+def _to_sglang(event: KVEvent):
+    if isinstance(event, BlockStored):
+        parent = event.parent_block_hash
+        return SglangBlockStored(
+            [sglang_hash(key) for key in event.block_hashes],
+            sglang_hash(parent) if parent is not None else None,
+            event.token_ids,
+            event.block_size,
+            event.lora_id,
+            SGLANG_MEDIUM.get(event.medium, event.medium),
+            cache_salt=event.extra_keys[0][0] if event.extra_keys else None,
+            lora_name=event.lora_name,
+        )
+    if isinstance(event, BlockRemoved):
+        return SglangBlockRemoved(
+            [sglang_hash(key) for key in event.block_hashes],
+            SGLANG_MEDIUM.get(event.medium, event.medium),
+        )
+    return SglangAllBlocksCleared()
+
+
+def encode_batch(batch: KVEventBatch, format: str = "vllm") -> bytes:
+    """A batch in the wire format `format` names (`EVENT_FORMATS`)."""
+    if format == "sglang":
+        events = [_to_sglang(event) for event in batch.events]
+        return _encode(SglangEventBatch(batch.ts, events, batch.data_parallel_rank))
+    return _encode(batch)
+
+
 __all__ = [
+    "EVENT_FORMATS",
+    "default_topic",
+    "encode_batch",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",

@@ -84,13 +84,19 @@ class ResidencyListener(Protocol):
     """Told of every change of a run's residency in one tier, as it happens (under the
     tree owner's serialisation). `keys` are the run's page keys; `parent_key` is the key of
     the page before the run (None at the top of a namespace); `data` the run's tokens in
-    the index encoding. A run that is split keeps its pages where they are: no call."""
+    the index encoding; `namespace` the run's. A run that is split keeps its pages where
+    they are: no call."""
 
     def pages_stored(
-        self, tier: Tier, keys: list[bytes], parent_key: bytes | None, data: bytes
+        self,
+        tier: Tier,
+        keys: list[bytes],
+        parent_key: bytes | None,
+        data: bytes,
+        namespace: Namespace,
     ) -> None: ...
 
-    def pages_removed(self, tier: Tier, keys: list[bytes]) -> None: ...
+    def pages_removed(self, tier: Tier, keys: list[bytes], namespace: Namespace) -> None: ...
 
 
 class RadixTree:
@@ -103,6 +109,7 @@ class RadixTree:
         self.eviction_policy = eviction_policy
         self._page_bytes = page_size * TOKEN_BYTES
         self._roots: dict[bytes, Node] = {}
+        self._namespaces: dict[bytes, Namespace] = {}  # digest -> namespace, for listeners
         self._clock = 0
         self._num_nodes = 0
         self._pages = [0, 0, 0, 0]  # pages held per Tier
@@ -177,6 +184,7 @@ class RadixTree:
             root = Node(None, b"", 0)
             root.namespace_digest = digest
             self._roots[digest] = root
+            self._namespaces[digest] = namespace
         return root
 
     def match_prefix(
@@ -542,12 +550,13 @@ class RadixTree:
         if was_held == will_hold:
             return
         keys = self.keys(node)
+        namespace = self._namespaces[node.namespace_digest]
         if will_hold:
             parent = node.parent
             parent_key = self._last_key(parent) if parent.num_pages else None
-            self.listener.pages_stored(tier, list(keys), parent_key, node.data)
+            self.listener.pages_stored(tier, list(keys), parent_key, node.data, namespace)
         else:
-            self.listener.pages_removed(tier, list(keys))
+            self.listener.pages_removed(tier, list(keys), namespace)
 
     @staticmethod
     def _assign(node: Node, tier: Tier, value: list[int] | bool | None) -> None:

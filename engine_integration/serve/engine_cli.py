@@ -72,6 +72,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve replays of recent event batches on this ZMQ ROUTER address (default: none)",
     )
     a(
+        "--events-topic",
+        default=None,
+        help="the first frame of every event message (default: kv@<host>@<model>, llm-d's)",
+    )
+    a(
+        "--events-format",
+        default="vllm",
+        choices=("vllm", "sglang"),
+        help="the events' schema: vLLM's or SGLang's (int64 hashes, its media names) "
+        "(default: %(default)s)",
+    )
+    a(
         "--threads",
         type=int,
         default=0,
@@ -98,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             l3_url=args.l3_url,
             events_endpoint=args.events_endpoint,
             events_replay_endpoint=args.events_replay_endpoint,
+            events_topic=args.events_topic,
+            events_format=args.events_format,
             threads=args.threads,
         )
     except ValueError as error:

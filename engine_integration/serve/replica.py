@@ -168,10 +168,16 @@ class Replica:
         self.engine = Engine(self.model, engine_config, cache=self.cache)
         self.publisher = None
         if config.events_endpoint:
-            from hicache.events import EventPublisher, EventsConfig, TierEvents
+            from hicache.events import EventPublisher, EventsConfig, TierEvents, default_topic
 
+            topic = config.events_topic or default_topic(self.model.config.model_id)
             self.publisher = EventPublisher(
-                EventsConfig(config.events_endpoint, config.events_replay_endpoint)
+                EventsConfig(
+                    config.events_endpoint,
+                    config.events_replay_endpoint,
+                    topic=topic,
+                    format=config.events_format,
+                )
             )
             self.cache.set_residency_listener(TierEvents(self.publisher, config.page_size))
         self.loop = EngineLoop(self.engine)

@@ -25,6 +25,8 @@ class ReplicaConfig:
     l3_url: str | None = None
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
+    events_topic: str | None = None  # None: kv@<host>@<model>
+    events_format: str = "vllm"  # or "sglang"
     threads: int = 0  # torch's CPU threads (0: torch's default)
 
     def __post_init__(self) -> None:
@@ -40,3 +42,5 @@ class ReplicaConfig:
             raise ValueError(f"--l1-pages must be >= 1, got {self.l1_pages}")
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("--events-replay-endpoint needs --events-endpoint")
+        if self.events_format not in ("vllm", "sglang"):
+            raise ValueError(f"--events-format must be vllm or sglang, got {self.events_format!r}")

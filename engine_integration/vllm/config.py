@@ -4,10 +4,12 @@
 Settings come from `kv_connector_extra_config` under the names of the `HICACHE_*`
 variables, lower-cased and without the prefix (`l2_size` is HICACHE_L2_SIZE, `l3_url` is
 HICACHE_L3_URL, ...), on top of any `HICACHE_*` variables in the environment; both go
-through `HiCacheConfig.from_env`, the one place their defaults and checks live. Two keys
-are the connector's own: `page_size` (tokens per hicache page) and `model_id` (the model
-part of every page key; default vLLM's model name). L1's device and the layout are vLLM's
-(its KV tensors say them), so `device` and `layout` are refused.
+through `HiCacheConfig.from_env`, the one place their defaults and checks live. Three keys
+are the connector's own: `page_size` (tokens per hicache page), `model_id` (the model
+part of every page key; default vLLM's model name) and `load_async` (load a hit whole
+before the step that uses it, the request waiting in vLLM meanwhile, instead of layer by
+layer inside the step; always on for a model of several KV groups). L1's device and the
+layout are vLLM's (its KV tensors say them), so `device` and `layout` are refused.
 
 vLLM's scheduler and its worker each construct a connector; with one worker in the
 scheduler's process (vLLM's `uni` executor, world size 1) they share one `HiCache`, found
@@ -43,7 +45,7 @@ EXTRA_KEYS = {
     for variable in ENV_VARIABLES
     if variable not in SET_BY_VLLM
 }
-CONNECTOR_KEYS = ("page_size", "model_id")
+CONNECTOR_KEYS = ("page_size", "model_id", "load_async")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ConnectorSettings:
     page_size: int
     model_id: str
     environ: Mapping[str, str]  # HICACHE_* name -> text, for HiCacheConfig.from_env
+    load_async: bool = False  # load whole before the step (a model of several groups: always)
 
 
 def read_settings(
@@ -84,7 +87,12 @@ def read_settings(
     model_id = extra.get("model_id", default_model_id)
     if not isinstance(model_id, str) or not model_id:
         raise ValueError(f"kv_connector_extra_config.model_id must be a name, got {model_id!r}")
-    return ConnectorSettings(page_size=page_size, model_id=model_id, environ=variables)
+    load_async = extra.get("load_async", False)
+    if not isinstance(load_async, bool):
+        raise ValueError(
+            f"kv_connector_extra_config.load_async must be true or false, got {load_async!r}"
+        )
+    return ConnectorSettings(page_size, model_id, variables, load_async)
 
 
 def _as_text(key: str, value: Any) -> str:
@@ -97,39 +105,22 @@ def _as_text(key: str, value: Any) -> str:
     )
 
 
-def attention_group(kv_cache_config) -> tuple[Any, list[str]]:
-    """The one full-attention KV cache group's spec and layer names, or an error naming
-    what this connector does not handle."""
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(
-            f"HiCacheConnector handles one KV cache group (full attention), this model has "
-            f"{len(groups)}; start vLLM with --disable-hybrid-kv-cache-manager"
-        )
-    spec = groups[0].kv_cache_spec
-    problems = []
-    if type(spec).__name__ != "FullAttentionSpec":
-        problems.append(f"spec {type(spec).__name__} (only FullAttentionSpec)")
-    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-        problems.append(f"head_size_v {spec.head_size_v} != head_size {spec.head_size}")
-    for name, plain in (("num_head_slots", None), ("state_content_bytes", None)):
-        if getattr(spec, name, plain) != plain:
-            problems.append(f"{name}={getattr(spec, name)!r} (packed pages)")
-    if getattr(spec, "tokens_per_state", 1) != 1:
-        problems.append(f"tokens_per_state={spec.tokens_per_state!r}")
-    mode = getattr(spec, "kv_quant_mode", None)
-    if mode is not None and getattr(mode, "name", str(mode)) != "NONE":
-        problems.append(f"kv_quant_mode={mode} (scaled KV)")
-    if problems:
-        raise ValueError("HiCacheConnector cannot cache this KV: " + "; ".join(problems))
-    return spec, list(groups[0].layer_names)
-
-
 def kv_layout(spec, num_layers: int, page_size: int) -> KVLayout:
-    """hicache's layout for vLLM's attention spec: K and V of every KV head, per token."""
+    """hicache's layout for vLLM's attention spec: K and V of every KV head per token, or
+    for MLA one latent of `head_size` values (vLLM's spec does not split it into the
+    compressed KV and the rope part, so the descriptor names it all `kv_lora_rank`)."""
     dtype = str(spec.dtype).removeprefix("torch.")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"HiCacheConnector: KV dtype {spec.dtype} is not one hicache stores")
+    if type(spec).__name__ == "MLAAttentionSpec":
+        return KVLayout(
+            kind="mla",
+            num_layers=num_layers,
+            page_size=page_size,
+            dtype=dtype,
+            kv_lora_rank=spec.head_size,
+            rope_dim=0,
+        )
     return KVLayout(
         kind="mha",
         num_layers=num_layers,
@@ -141,9 +132,14 @@ def kv_layout(spec, num_layers: int, page_size: int) -> KVLayout:
 
 
 def cache_config(
-    settings: ConnectorSettings, layout: KVLayout, device: str, step_tokens: int
+    settings: ConnectorSettings,
+    layout: KVLayout,
+    device: str,
+    step_tokens: int,
+    l2_share: float = 1.0,
 ) -> HiCacheConfig:
-    """The HiCache config: the settings, on vLLM's device, with L1 sized for staging."""
+    """The HiCache config: the settings, on vLLM's device, with L1 sized for staging and
+    `l2_share` of the L2 budget (a model's KV groups split it by their bytes per token)."""
     config = HiCacheConfig.from_env(layout, environ=settings.environ)
     if not config.l2.budget_bytes:
         raise ValueError(
@@ -154,7 +150,7 @@ def cache_config(
         max(DEFAULT_L1_TOKENS, step_tokens) / layout.page_size
     )
     l1 = dataclasses.replace(config.l1, device=device, num_pages=num_pages)
-    l2 = config.l2
+    l2 = dataclasses.replace(config.l2, budget_bytes=int(config.l2.budget_bytes * l2_share))
     if device == "cpu" and "HICACHE_L2_PIN" not in settings.environ:
         l2 = dataclasses.replace(l2, pin_memory=False)  # nothing to pin for on a CPU
     return config.replace(l1=l1, l2=l2)
@@ -172,6 +168,11 @@ def request_extra_key(request) -> str:
     return ";".join(parts)
 
 
+def group_model_id(model_id: str, group: int, num_groups: int) -> str:
+    """The model part of a KV group's keys: the model's own id when it has one group."""
+    return model_id if num_groups == 1 else f"{model_id}#kv{group}"
+
+
 def namespace_for(
     model_id: str, layout: KVLayout, *, rank: int = 0, world_size: int = 1, extra_key: str = ""
 ) -> Namespace:
@@ -181,9 +182,9 @@ def namespace_for(
     the shard when vLLM splits the KV over several tensor-parallel workers (each holds
     other heads); the request's `request_extra_key`. With one worker and no salt or LoRA
     this is the namespace hicache's own engine uses for the same model, and pages are
-    shared with it.
+    shared with it. MLA's latent is the same on every rank: one namespace for all.
     """
-    if world_size > 1:
+    if world_size > 1 and layout.kind != "mla":
         model_id = f"{model_id}@rank{rank}of{world_size}"
     return Namespace(model_id=model_id, layout=layout.descriptor(), extra_key=extra_key)
 
@@ -193,11 +194,18 @@ def namespace_for(
 
 @dataclass
 class SharedCache:
-    """The HiCache of one vLLM engine's worker, and its lookup for the scheduler."""
+    """The HiCaches of one vLLM engine's worker (one per KV group), and its lookup for the
+    scheduler."""
 
-    cache: Any  # hicache.controller.HiCache
-    lookup: Any  # engine_integration.vllm.lookup.CacheLookup
+    caches: list  # hicache.controller.HiCache, per KV group
+    lookup: Any  # engine_integration.vllm.lookup.ModelLookup
+    events: Any = None  # a deque of vLLM KV events (events.py), when vLLM publishes them
     users: int = 0
+
+    @property
+    def cache(self):
+        """The first group's cache (the only one of a model with one group)."""
+        return self.caches[0]
 
 
 _shared: dict[str, SharedCache] = {}

@@ -12,7 +12,8 @@ indexing follows the strides, so every layout vLLM allocates is read the same wa
 
 hicache's L1 pool holds the same KV page by page, layer-first:
 
-    l1_kv  (L, P, S, 2, H, D)
+    l1_kv  (L, P, S, 2, H, D)     MHA/GQA
+    l1_kv  (L, P, S, 1, R)        MLA: vLLM's (B, 1, N, R), one latent of R per token
 
 Tokens are mapped one by one: token t of a request is at vLLM block `block_ids[t // B]`,
 offset `t % B`, and at hicache page `page_ids[t // S]`, offset `t % S`. A block size other
@@ -73,12 +74,13 @@ class VllmKV:
         self.block_size = spec.block_size
         self.num_heads = spec.num_kv_heads
         self.head_size = spec.head_size
+        self.mla = type(spec).__name__ == "MLAAttentionSpec"
         self.kernel_block_size = first.shape[2]
         expected = (
             num_blocks * (self.block_size // self.kernel_block_size),
             self.num_heads,
             self.kernel_block_size,
-            2 * self.head_size,
+            self.head_size if self.mla else 2 * self.head_size,
         )
         for name, tensor in zip(layer_names, self.layers, strict=True):
             if (
@@ -96,6 +98,7 @@ class VllmKV:
                 )
         on_cuda = self.device.type == "cuda"
         self.use_kernel = on_cuda if use_kernel is None else use_kernel
+        self.use_kernel &= not self.mla  # the kernel moves (K or V, head) pairs; MLA: indexing
         self._uploader = OffsetUploader(self.device) if on_cuda and self.use_kernel else None
 
     @property
@@ -147,9 +150,10 @@ class VllmKV:
         if slots.l1_starts is not None:
             copy_tokens(l1_layer, kv, slots.l1_starts, slots.kv_starts, to_vllm=True)
             return
-        values = l1_layer[slots.page_ids, slots.page_offsets]  # (n, 2, H, D)
-        values = values.transpose(1, 2).reshape(slots.num_tokens, self.num_heads, -1)  # (n, H, C)
-        kv[slots.kernel_blocks, :, slots.kernel_offsets] = values
+        values = l1_layer[slots.page_ids, slots.page_offsets]  # (n, 2, H, D) or MLA (n, 1, R)
+        if not self.mla:
+            values = values.transpose(1, 2).reshape(slots.num_tokens, self.num_heads, -1)
+        kv[slots.kernel_blocks, :, slots.kernel_offsets] = values  # (n, H, C)
 
     def copy_out(self, layer: int, l1_layer: torch.Tensor, slots: TokenSlots) -> None:
         """hicache L1 (one layer) <- vLLM layer `layer`, at `slots`."""
@@ -160,5 +164,7 @@ class VllmKV:
             copy_tokens(l1_layer, kv, slots.l1_starts, slots.kv_starts, to_vllm=False)
             return
         values = kv[slots.kernel_blocks, :, slots.kernel_offsets]  # (n, H, C)
-        values = values.view(slots.num_tokens, self.num_heads, 2, self.head_size)
-        l1_layer[slots.page_ids, slots.page_offsets] = values.transpose(1, 2)  # (n, 2, H, D)
+        if not self.mla:
+            values = values.view(slots.num_tokens, self.num_heads, 2, self.head_size)
+            values = values.transpose(1, 2)  # (n, 2, H, D)
+        l1_layer[slots.page_ids, slots.page_offsets] = values

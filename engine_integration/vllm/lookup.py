@@ -93,6 +93,42 @@ class CacheLookup:
             )
 
 
+MAX_WINDOW_PROBES = 4  # boundaries below the full groups' hit a lookup tries for windows
+
+
+class ModelLookup:
+    """Answers lookups for every KV group of one worker (`groups.py`): the shortest prefix
+    the full-attention and MLA groups hold, cut to the deepest page boundary, at most
+    `MAX_WINDOW_PROBES` pages below it, where every sliding-window group holds the window
+    before it (a finished request's window may end a page or two before its last full
+    page: worker.py); nothing if there is none."""
+
+    def __init__(self, groups, lookups: list[CacheLookup], page_size: int) -> None:
+        self.groups = groups
+        self.lookups = lookups
+        self.page_size = page_size
+
+    def find(self, tokens: list[int], extra_key: str) -> Found:
+        pairs = list(zip(self.groups, self.lookups, strict=True))
+        found = shortest(
+            [look.find(tokens, extra_key) for g, look in pairs if g.window_tokens == 0]
+        )
+        windows = [(group, look) for group, look in pairs if group.window_tokens]
+        if not windows:
+            return found
+        lowest = max(0, found.num_pages - MAX_WINDOW_PROBES)
+        for num_pages in range(found.num_pages, lowest, -1):
+            end = num_pages * self.page_size
+            if all(self._holds_window(g, look, tokens, extra_key, end) for g, look in windows):
+                return shortest([found, Found(num_pages, 0, 0)])
+        return NOTHING
+
+    def _holds_window(self, group, look, tokens, extra_key: str, end: int) -> bool:
+        entry = group.extent(tokens, extra_key, self.page_size, end)
+        window = look.find(entry.token_ids, entry.extra_key)
+        return window.num_pages * self.page_size >= len(entry.token_ids)
+
+
 def _l3_errors(cache) -> int:
     stats = cache.executor.l3_stats()
     return stats.num_errors + stats.num_timeouts if stats is not None else 0

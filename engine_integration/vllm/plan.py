@@ -5,8 +5,14 @@ per-step plan (loads and saves) it hands to the worker.
   token (vLLM must compute at least one), through `engine_integration.vllm.lookup` (the
   index, and one batched L3 `exists` past it, which also starts fetching those pages into
   L2 for the load). The answer is whole hicache pages, capped by the L1 staging pages left
-  this step. Loads are synchronous in vLLM's sense: they run inside the step's forward pass,
-  layer by layer, so the second value is always False.
+  this step. A synchronous load (the default for a model of one KV group) runs inside the
+  step's forward pass, layer by layer; an asynchronous one (`load_async`, always for several
+  groups: vLLM recovers their failed loads only through `failed_recving`) runs whole before
+  the forward of the step that carries it, and the request waits in
+  WAITING_FOR_REMOTE_KVS until the worker reports it received. With asynchronous loads the
+  lookup itself runs on a thread of the planner: the scheduler waits for it at most
+  `LOOKUP_WAIT_S` (enough for an index-only answer), and otherwise gets None ("ask again
+  next step"), so an L3 `exists` never holds vLLM's scheduler loop.
 - `after_alloc` records the load against the blocks vLLM gave the request.
 - `build_metadata`: the step's loads, and a save for every request whose prompt is fully
   computed by this step (its full pages, from vLLM's blocks, during this forward).
@@ -22,6 +28,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +37,8 @@ from engine_integration.vllm.config import request_extra_key
 from engine_integration.vllm.lookup import Found
 
 logger = logging.getLogger(__name__)
+
+LOOKUP_WAIT_S = 0.002  # how long the scheduler waits for an asynchronous lookup
 
 
 @dataclass(frozen=True)
@@ -39,7 +49,8 @@ class LoadSpec:
     token_ids: list[int]  # the prefix to match: whole pages
     extra_key: str  # the request's part of the namespace (each worker adds its rank)
     first_token: int  # vLLM's own prefix hit ends here
-    block_ids: list[int]  # the request's blocks, from token 0
+    block_ids: tuple[list[int], ...]  # the request's blocks per KV group, from token 0
+    is_async: bool = False  # loaded whole before the forward, reported as received
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ class SaveSpec:
     req_id: str
     token_ids: list[int]  # whole pages
     extra_key: str
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV group
 
 
 @dataclass
@@ -85,8 +96,16 @@ Finder = Callable[[list[int], str], Found]  # (tokens, extra key) -> what the ca
 class SchedulerPlanner:
     """Scheduler-side state of the connector, over `find` (the workers' caches)."""
 
-    def __init__(self, find: Finder, page_size: int, block_size: int, l1_pages: int) -> None:
+    def __init__(
+        self,
+        find: Finder,
+        page_size: int,
+        block_size: int,
+        l1_pages: int,
+        load_async: bool = False,
+    ) -> None:
         self.find = find
+        self.load_async = load_async
         self.page_size = page_size
         self.block_size = block_size
         self.l1_pages = l1_pages
@@ -97,19 +116,52 @@ class SchedulerPlanner:
         self._final_saves: list[SaveSpec] = []
         self.sending: set[str] = set()  # finished requests whose blocks wait for a save
         self._promised_pages = 0
+        self._finding: dict[str, Future] = {}
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="hicache-lookup") if load_async else None
+        )
 
-    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        tokens = list(request.all_token_ids[: request.num_tokens - 1])
-        found = self.find(tokens, request_extra_key(request))
+    def num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens hicache adds to vLLM's own hit, whether loaded asynchronously); None
+        while an asynchronous lookup is still running."""
+        found = self._find(request)
+        if found is None:
+            return None, False
         budget = self.l1_pages - self._promised_pages
         num_tokens = max(0, min(found.num_pages, budget)) * self.page_size
         self._lookups[request.request_id] = Lookup(num_computed_tokens, num_tokens, found)
-        return max(0, num_tokens - num_computed_tokens), False
+        num_new = max(0, num_tokens - num_computed_tokens)
+        return num_new, self.load_async and num_new > 0
+
+    def _find(self, request) -> Found | None:
+        tokens = list(request.all_token_ids[: request.num_tokens - 1])
+        extra_key = request_extra_key(request)
+        if self._pool is None:
+            return self.find(tokens, extra_key)
+        future = self._finding.get(request.request_id)
+        if future is None:
+            future = self._pool.submit(self.find, tokens, extra_key)
+            self._finding[request.request_id] = future
+        try:
+            found = future.result(timeout=LOOKUP_WAIT_S)
+        except FutureTimeout:
+            return None
+        except Exception as error:  # a failed lookup is a miss
+            logger.warning("hicache lookup failed: %r", error)
+            found = Found(0, 0, 0)
+        del self._finding[request.request_id]
+        return found
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     def lookup(self, req_id: str) -> Lookup | None:
         return self._lookups.get(req_id)
 
-    def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
         req_id = request.request_id
         self._tracked.setdefault(req_id, _Tracked(request, request_extra_key(request)))
         lookup = self._lookups.get(req_id)
@@ -123,14 +175,17 @@ class SchedulerPlanner:
                 token_ids=list(request.all_token_ids[:end]),
                 extra_key=self._tracked[req_id].extra_key,
                 first_token=lookup.first_token,
-                block_ids=list(block_ids),
+                block_ids=tuple(list(ids) for ids in block_ids),
+                is_async=self.load_async,
             )
         )
 
     def build_metadata(self, scheduler_output, block_ids_of) -> StepPlan:
-        """The step's plan; `block_ids_of(req_id)` gives a request's blocks (group 0)."""
+        """The step's plan; `block_ids_of(req_id)` gives a request's blocks per group."""
         plan = StepPlan(loads=self._loads, final_saves=self._final_saves)
-        self._loading = {load.req_id: set(load.block_ids) for load in self._loads}
+        self._loading = {
+            load.req_id: {b for ids in load.block_ids for b in ids} for load in self._loads
+        }
         self._loads, self._final_saves = [], []
         self._promised_pages = 0
         page_size = self.page_size
@@ -152,7 +207,7 @@ class SchedulerPlanner:
                     req_id=req_id,
                     token_ids=list(request.prompt_token_ids[:num_tokens]),
                     extra_key=tracked.extra_key,
-                    block_ids=list(block_ids_of(req_id)[:num_blocks]),
+                    block_ids=tuple(list(ids[:num_blocks]) for ids in block_ids_of(req_id)),
                 )
             )
         return plan
@@ -167,11 +222,20 @@ class SchedulerPlanner:
                 tracked.saved = False
                 self._lookups.pop(req_id, None)
 
-    def finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def failed_loads(self, req_ids) -> None:
+        """Asynchronous loads that failed: vLLM recomputes those requests from token 0."""
+        for req_id in req_ids:
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.saved = False
+            self._lookups.pop(req_id, None)
+
+    def finished(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         """The request ended. With full pages past its prompt (its answer), they are saved
         in the next step, whole, and vLLM keeps the blocks until the worker reports it."""
         tracked = self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._finding.pop(request.request_id, None)
         if tracked is None:
             return False, None
         computed = min(request.num_computed_tokens, request.num_tokens - 1)  # KV in blocks
@@ -183,7 +247,9 @@ class SchedulerPlanner:
                 req_id=request.request_id,
                 token_ids=list(request.all_token_ids[:num_tokens]),
                 extra_key=tracked.extra_key,
-                block_ids=list(block_ids[: -(-num_tokens // self.block_size)]),
+                block_ids=tuple(
+                    list(ids[: -(-num_tokens // self.block_size)]) for ids in block_ids
+                ),
             )
         )
         self.sending.add(request.request_id)

@@ -138,6 +138,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dropped, on this ZMQ PUB address, e.g. tcp://127.0.0.1:5557 (default: none)",
     )  # fmt: skip
     parser.add_argument(
+        "--events-topic", default=d.events_topic, metavar="TOPIC",
+        help="the first frame of every event message (default: kv@<host>@hicache-serve)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--events-format", default=d.events_format, choices=("vllm", "sglang"),
+        help="the events' schema: vLLM's or SGLang's (int64 hashes, its media names) "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--events-replay-endpoint", default=d.events_replay_endpoint, metavar="ZMQ_ADDRESS",
         help="serve replays of recent event batches to a reconnecting subscriber on this "
         "ZMQ ROUTER address (default: none)",
@@ -178,6 +187,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         flush_timeout_s=args.flush_timeout,
         events_endpoint=args.events_endpoint,
         events_replay_endpoint=args.events_replay_endpoint,
+        events_topic=args.events_topic,
+        events_format=args.events_format,
         **extra,
     )
 

@@ -104,6 +104,8 @@ class ServerConfig:
     spill_timeout_s: float = 60.0  # one spill read or write batch
     events_endpoint: str | None = None  # publish L3 KV events on this ZMQ PUB address
     events_replay_endpoint: str | None = None  # ... and serve replays on this ROUTER address
+    events_topic: str | None = None  # the events' first frame; None: kv@<host>@hicache-serve
+    events_format: str = "vllm"  # or "sglang": the schema of the events
 
     def __post_init__(self) -> None:
         _check(bool(self.host), "--host must not be empty")
@@ -196,6 +198,10 @@ class ServerConfig:
         _check(
             self.events_replay_endpoint is None or self.events_endpoint is not None,
             "--events-replay-endpoint needs --events-endpoint",
+        )
+        _check(
+            self.events_format in ("vllm", "sglang"),
+            f"--events-format must be vllm or sglang, got {self.events_format!r}",
         )
 
     def _resolve_budget(self) -> None:

@@ -107,7 +107,7 @@ class CacheServer:
         return self.port
 
     def _start_events(self) -> None:
-        from hicache.events import EventPublisher, EventsConfig  # pyzmq, only when asked
+        from hicache.events import EventPublisher, EventsConfig, default_topic  # pyzmq
         from hicache.server.events import DaemonEvents, channels
 
         config = self.config
@@ -119,7 +119,12 @@ class CacheServer:
             tokens.append((read_token_file(config.auth_token_file, "--auth-token-file"), None))
         credentials, audiences = channels(tokens)
         self.events = EventPublisher(
-            EventsConfig(config.events_endpoint, config.events_replay_endpoint),
+            EventsConfig(
+                config.events_endpoint,
+                config.events_replay_endpoint,
+                topic=config.events_topic or default_topic("hicache-serve"),
+                format=config.events_format,
+            ),
             credentials or None,
         )
         for name, namespace in self.store.namespaces.items():
