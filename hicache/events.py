@@ -267,15 +267,15 @@ class EventPublisher:
         """Publish what is queued, then close the sockets."""
         self._stop.set()
         self._thread.join(timeout=5.0)
-        for socket in (self._pub, self._replay, self._zap):
-            if socket is not None:
-                socket.close(linger=0)
+        for sock in (self._pub, self._replay, self._zap):
+            if sock is not None:
+                sock.close(linger=0)
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        for socket in (self._replay, self._zap, self._pub):
-            if socket is not None:
-                poller.register(socket, zmq.POLLIN)
+        for sock in (self._replay, self._zap, self._pub):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         interval_ms = self.config.batch_interval_s * 1000
         while True:
             stopping = self._stop.is_set()
