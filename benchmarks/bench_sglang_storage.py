@@ -44,6 +44,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from tests.support import sglang_cpu  # noqa: E402
+
+sglang_cpu.install()  # SGLang's real host pools on a CPU-only machine (see its docstring)
+
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     STORAGE_BATCH_SIZE,
     HiCacheFile,
@@ -52,11 +57,10 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from benchmarks.common import device_name, emit  # noqa: E402
-from tests.support.sglang_pools import HostPool  # noqa: E402
 
 CASES = {
     "mha_llama_8b": dict(attention="mha", layer_num=32, head_num=8, head_dim=128),
-    "mla_deepseek_v3": dict(attention="mla", layer_num=61, kv_cache_dim=576),
+    "mla_deepseek_v3": dict(attention="mla", layer_num=61, kv_lora_rank=512, qk_rope_head_dim=64),
 }
 TARGET_GET_RATIO = 1.5
 
@@ -89,12 +93,12 @@ def storage_config(mla: bool, extra: dict) -> HiCacheStorageConfig:
     )  # fmt: skip
 
 
-def build_pool(case: dict, args: argparse.Namespace) -> HostPool:
+def build_pool(case: dict, args: argparse.Namespace):
     """Room for two batches: the pages written (first half) and the pages read (second)."""
     dims = dict(case)
     if args.smoke:
         dims["layer_num"] = 2
-    pool = HostPool(
+    pool = sglang_cpu.host_pool(
         dims.pop("attention"), "page_first", page_size=args.page_size,
         num_pages=2 * args.batch_pages, **dims,
     )  # fmt: skip
@@ -104,7 +108,7 @@ def build_pool(case: dict, args: argparse.Namespace) -> HostPool:
     return pool
 
 
-def token_span(pool: HostPool, attention: str, start: int, num_tokens: int) -> torch.Tensor:
+def token_span(pool, attention: str, start: int, num_tokens: int) -> torch.Tensor:
     """The KV of `num_tokens` tokens from `start` (page_first: tokens are axis 1 for MHA,
     after K/V, and axis 0 for MLA)."""
     return pool.kv_buffer.narrow(1 if attention == "mha" else 0, start, num_tokens)
@@ -113,7 +117,7 @@ def token_span(pool: HostPool, attention: str, start: int, num_tokens: int) -> t
 class Sides:
     """The two backends on one pool, and the sequence SGLang runs for each."""
 
-    def __init__(self, pool: HostPool, mla: bool, root: Path, page_size: int) -> None:
+    def __init__(self, pool, mla: bool, root: Path, page_size: int) -> None:
         self.pool = pool
         self.page_size = page_size
         hicache_extra = {

@@ -2,8 +2,10 @@
 
 Built as SGLang builds it: `StorageBackendFactory.create_backend("dynamic", config, pool)`
 from the extra-config JSON given on the command line, then `register_mem_pool_host`. The host
-pool is `tests.support.sglang_pools.HostPool` (its docstring says why SGLang's own cannot be
-imported on the CPU); a test here checks the adapter uses only the pool attributes named there.
+pools are SGLang's own `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost`, built on the CPU by
+`tests.support.sglang_cpu` (this folder's conftest applies its two guards: torchvision's
+missing operators, CUDA host pinning); a test here checks the adapter reads only the pool
+attributes it names.
 Stores: files, a real redis-server and a real cache-server daemon, on loopback.
 """
 
@@ -30,7 +32,7 @@ from engine_integration.sglang.storage import HiCacheSGLangStorage  # noqa: E402
 from storage_backends import BackendConfigError, BackendUnavailableError  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
-from tests.support.sglang_pools import HostPool  # noqa: E402
+from tests.support.sglang_cpu import host_pool as real_host_pool  # noqa: E402
 
 LAYOUTS = ("page_first", "layer_first", "page_first_direct")
 PAGE = 4  # tokens per page
@@ -55,17 +57,17 @@ def storage_config(extra: dict, *, mla=False, tp=(0, 1), model="org/model-8b", m
     )  # fmt: skip
 
 
-def host_pool(attention="mha", layout="page_first", dtype=torch.bfloat16, seed=0) -> HostPool:
-    pool = HostPool(
+def host_pool(attention="mha", layout="page_first", dtype=torch.bfloat16, seed=0):
+    """SGLang's real host pool (MLA: kv_lora_rank 8 + rope 4), filled with random bits."""
+    pool = real_host_pool(
         attention, layout, layer_num=3, page_size=PAGE, num_pages=NUM_PAGES, dtype=dtype,
-        head_num=2, head_dim=8, kv_cache_dim=12,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
     return pool
 
 
-def attach(url: str, pool: HostPool, **config) -> HiCacheSGLangStorage:
+def attach(url: str, pool, **config) -> HiCacheSGLangStorage:
     """What SGLang's cache_controller.attach_storage_backend does."""
     cfg = storage_config(command_line_config(url), **config)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
@@ -78,7 +80,7 @@ def indices(*pages: int) -> torch.Tensor:
     return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 
 
-def page_bits(pool: HostPool, page: int) -> torch.Tensor:
+def page_bits(pool, page: int) -> torch.Tensor:
     return pool.get_data_page(page * PAGE).view(torch.int16).clone()
 
 
@@ -206,7 +208,7 @@ def test_adapter_uses_only_the_named_pool_attributes(file_url):
     seen: set[str] = set()
 
     class Recording:
-        def __init__(self, pool: HostPool) -> None:
+        def __init__(self, pool) -> None:
             object.__setattr__(self, "_pool", pool)
 
         def __getattr__(self, name: str):
@@ -396,7 +398,7 @@ def test_a_daemon_killed_mid_batch_gives_misses_within_the_timeout():
 # -- configuration errors -------------------------------------------------------------------
 
 
-def _create(extra: dict, pool: HostPool | None = None, **config):
+def _create(extra: dict, pool=None, **config):
     cfg = storage_config(extra, **config)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     if pool is not None:
@@ -449,7 +451,7 @@ def test_misuse_of_the_calls_is_an_error_that_says_what(file_url):
     with pytest.raises(ValueError, match="page-aligned"):
         backend.batch_get_v1(keys_of(0), indices(0) + 1)
     with pytest.raises(ValueError, match="outside the host pool"):
-        backend.batch_set_v1(keys_of(0), indices(NUM_PAGES))
+        backend.batch_set_v1(keys_of(0), indices(backend._attached.geometry.num_pages))
     with pytest.raises(ValueError, match=r"keys\[1\] must be a str"):
         backend.batch_exists(["a", b"b"])
     assert backend.clear() is False  # a shared store is not one engine's to wipe
@@ -465,13 +467,9 @@ def test_throughput_metrics_in_the_form_sglang_reads(file_url):
     assert taken["backup_pgs"] == [2] and taken["prefetch_pgs"] == [2]
     assert taken["prefetch_bandwidth"][0] > 0 and taken["backup_bandwidth"][0] > 0
     assert backend.take_throughput()["prefetch_pgs"] == []  # since the last read, as SGLang's
-    pytest.importorskip(
-        "sglang.srt.observability.metrics_collector",
-        reason="SGLang's metrics module imports torchvision (see tests/support/sglang_pools.py)",
-    )
     backend.batch_get_v1(keys, indices(2, 3))
     metrics = backend.get_stats()
-    assert metrics.prefetch_pgs == [2] and metrics.hicache.num_hits == 6
+    assert metrics.prefetch_pgs == [2] and metrics.hicache.num_hits == 8  # 2 gets x 2 pages x K,V
     backend.close()
 
 
