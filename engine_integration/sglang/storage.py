@@ -23,9 +23,17 @@ goes through one `SyncBackend` (its own event loop on its own thread), so no eve
 the caller is assumed, and no call blocks longer than the backend URL's `timeout`: a slow or
 dead backend gives misses (and False), counted, never a hang.
 
-Not supported, refused at attach with an error naming the setting: extra host pools (Mamba,
-SWA, DSA indexer: `register_mem_host_pool_v2`), host layouts other than page_first,
-layer_first and page_first_direct, `tp_lcm_size` and DCP.
+Hybrid models (SGLang's v2 API): the extra host pools SGLang registers through
+`register_mem_host_pool_v2` (sliding-window KV, Mamba state, DSA indexer, DeepSeek-V4's
+compressed and state pools, the draft model's KV) are stored beside the KV pages, one
+verified object per page and pool (`sidecars.py`); `batch_exists_v2` applies SGLang's
+per-pool hit policies (all_pages, trailing_pages), `batch_get_v2` / `batch_set_v2` move each
+pool's pages. Extra pools of an MLA model are tp-replicated (one writer) except Mamba state
+and MHA pools, which are per tp rank.
+
+Not supported, refused with an error naming the setting: host layouts other than page_first,
+layer_first and page_first_direct, `tp_lcm_size`, DCP, a pool without bytes of its own (a
+logical anchor such as DeepSeek-V4's) and the block_groups hit policy.
 """
 
 from __future__ import annotations
@@ -44,10 +52,19 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from engine_integration.sglang.pages import PageGeometry, byte_buffer
+from engine_integration.sglang.sidecars import (
+    SidecarPool,
+    is_tp_sharded,
+    pool_descriptor,
+    restorable_prefixes,
+)
 from radix.keys import Namespace
 from storage_backends import (
     BackendConfigError,
@@ -110,10 +127,11 @@ class StorageSettings:
         return cls(url=url, model_id=model_id)
 
 
-def shard_of(config: HiCacheStorageConfig) -> str:
+def shard_of(config: HiCacheStorageConfig, *, tp_sharded: bool = False) -> str:
     """The part of the namespace that tells one rank's KV from another's.
 
-    MLA KV is the same on every tp rank (SGLang lets one writer store it): tp is left out.
+    MLA KV is the same on every tp rank (SGLang lets one writer store it): tp is left out,
+    unless `tp_sharded` (an extra pool split by tp rank even for an MLA model: Mamba state).
     """
     if config.dcp_size > 1:
         raise BackendConfigError(
@@ -124,7 +142,8 @@ def shard_of(config: HiCacheStorageConfig) -> str:
             f"extra config: tp_lcm_size={config.tp_lcm_size} (heads split across unequal tp "
             "sizes) is not supported"
         )
-    parts = [] if config.is_mla_model else [f"tp={config.tp_rank}/{config.tp_size}"]
+    replicated = config.is_mla_model and not tp_sharded
+    parts = [] if replicated else [f"tp={config.tp_rank}/{config.tp_size}"]
     parts.append(f"pp={config.pp_rank}/{config.pp_size}")
     if config.attn_cp_size > 1:
         parts.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
@@ -212,6 +231,7 @@ class HiCacheSGLangStorage(HiCacheStorage):
         self._throughput = _Throughput()
         self._metrics = storage_config.enable_storage_metrics
         self.num_refused_writes = 0  # set calls refused: not this rank's to write (MLA)
+        self._sidecars: dict[str, SidecarPool] = {}  # extra host pools, by SGLang's pool name
 
     # -- attach ---------------------------------------------------------------------------
 
@@ -244,12 +264,98 @@ class HiCacheSGLangStorage(HiCacheStorage):
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        if str(host_pool_name) != PoolName.KV.value:
-            raise BackendConfigError(
-                f"host pool {str(host_pool_name)!r}: hicache's SGLang backend stores KV pages "
-                "only (no Mamba, SWA or indexer pools)"
-            )
+        """An extra host pool (window KV, Mamba state, DSA indexer, DeepSeek-V4 pools, the
+        draft model's): stored page by page, one verified object per page, in a namespace
+        of its own. The KV pool itself may come this way too (as the anchor)."""
+        name = str(host_pool_name)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if name == PoolName.KV.value:
+            attached = self._attached
+            if attached is None:
+                self.register_mem_pool_host(host_pool)
+            elif attached.pool is not host_pool:
+                raise BackendConfigError(
+                    "host pool 'kv' registered through v2 is not the pool given to "
+                    "register_mem_pool_host"
+                )
+            return
+        shard = shard_of(self.storage_config, tp_sharded=is_tp_sharded(host_pool))
+        store = SyncBackend(
+            open_backend(self.settings.url, layout=pool_descriptor(name, host_pool))
+        )
+        try:
+            store.connect()
+        except BackendUnavailableError as exc:
+            store.close()
+            raise BackendUnavailableError(f"extra config 'url': {exc}") from None
+        sidecar = SidecarPool(
+            name, host_pool, model_id=self.settings.model_id, shard=shard, store=store
+        )
+        with self._attach_lock:
+            previous, self._sidecars[name] = self._sidecars.get(name), sidecar
+        if previous is not None:
+            previous.close()
+        logger.info("hicache L3: extra host pool %s attached: %s", name, sidecar.descriptor)
+
+    # -- v2: the KV pages and the extra pools' pages of one batch ------------------------------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest KV prefix whose pages, and every extra pool's pages under its hit
+        policy, are stored; each pool's own boundary; every restorable prefix length."""
+        kv_pages = self.batch_exists(keys, extra_info)
+        transfers = list(pool_transfers or ())
+        for transfer in transfers:
+            self._sidecar(transfer.name)
+
+        def present(transfer: PoolTransfer, num_pages: int) -> list[bool]:
+            sidecar = self._sidecar(transfer.name)
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                run = sidecar.leading_run(keys[:num_pages])
+                return [i < run for i in range(num_pages)]
+            return sidecar.exists_each(keys[:num_pages])
+
+        restorable, boundaries = restorable_prefixes(kv_pages, transfers, present)
+        hits = {PoolName.KV: kv_pages} if kv_pages else {}
+        hits.update({PoolName(name): pages for name, pages in boundaries.items()})
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Read each transfer's pages into its pool; True per verified page, per pool."""
+        return {t.name: self._transfer_v2("prefetch", t) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's pages from its pool; True per stored page, per pool."""
+        return {t.name: self._transfer_v2("backup", t) for t in transfers}
+
+    def _transfer_v2(self, kind: str, transfer: PoolTransfer) -> list[bool]:
+        keys = list(transfer.keys or ())
+        if str(transfer.name) == PoolName.KV.value:
+            return self._move(kind, keys, transfer.host_indices)
+        sidecar = self._sidecar(transfer.name)
+        if kind == "prefetch":
+            return sidecar.get(keys, transfer.host_indices)
+        replicated = self.attention == "mla" and not is_tp_sharded(sidecar.pool)
+        if replicated and keys and not self._may_write(len(keys)):
+            sidecar.page_starts(keys, transfer.host_indices)  # still a checked call
+            return [False] * len(keys)
+        return sidecar.put(keys, transfer.host_indices)
+
+    def _sidecar(self, name: Any) -> SidecarPool:
+        sidecar = self._sidecars.get(str(name))
+        if sidecar is None:
+            raise ValueError(
+                f"host pool {str(name)!r} was not registered (register_mem_host_pool_v2)"
+            )
+        return sidecar
 
     def _pool(self) -> _Attached:
         attached = self._attached
@@ -396,8 +502,11 @@ class HiCacheSGLangStorage(HiCacheStorage):
     def close(self) -> None:
         with self._attach_lock:
             attached, self._attached = self._attached, None
+            sidecars, self._sidecars = list(self._sidecars.values()), {}
         if attached is not None:
             attached.store.close()
+        for sidecar in sidecars:
+            sidecar.close()
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ the CPU build of torch, and `install()` guards exactly those, nothing of the poo
 2. With `pin_memory=True` (SGLang's default), a host pool's buffer is registered with
    `cudaHostRegister`, and its staging and dummy flat pages are allocated pinned; CPU torch
    has neither. Pinning only speeds GPU<->host copies, which a CPU machine has none of:
-   `HostKVCache.__init__` is given pin_memory=False (counted), everything else unchanged.
+   every host pool class's `__init__` is given pin_memory=False (counted), nothing else
+   changes.
 
 The pools are built the way SGLang builds a draft model's host pool: a real device pool
 (`MHATokenToKVPool` / `MLATokenToKVPool`) on device "cpu", then SGLang's own
@@ -71,22 +72,38 @@ def guard_torchvision_ops() -> None:
 
 
 def _unpin_host_pools() -> None:
-    """Every SGLang host pool is built with pin_memory=False: no cudaHostRegister of its
-    buffer, no pinned staging or dummy pages (which CPU torch cannot allocate)."""
+    """Every SGLang host pool class is built with pin_memory=False: no cudaHostRegister of
+    its buffers, no pinned staging or dummy pages (which CPU torch cannot allocate)."""
+    import inspect
+
+    import sglang.srt.mem_cache.memory_pool_host  # noqa: F401 (defines the DeepSeek-V4 pools)
+    from sglang.srt.mem_cache.pool_host import dsa, mamba, mha, mla  # noqa: F401
     from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
-    init = HostKVCache.__init__
-    if getattr(init, "unpinned", False):
-        return
+    classes, todo = [], [HostKVCache]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    for cls in classes:
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "unpinned", False):
+            continue
+        if "pin_memory" not in inspect.signature(init).parameters:
+            continue
+        cls.__init__ = _unpinned(init)
 
+
+def _unpinned(init):
     def unpinned_init(self, *args, **kwargs):
-        if kwargs.get("pin_memory"):
+        if kwargs.get("pin_memory", True):
             num_unpinned_pools[0] += 1
         kwargs["pin_memory"] = False
         init(self, *args, **kwargs)
 
     unpinned_init.unpinned = True
-    HostKVCache.__init__ = unpinned_init
+    unpinned_init.__wrapped__ = init
+    return unpinned_init
 
 
 def _server_args(page_size: int) -> None:
@@ -135,3 +152,117 @@ def host_pool(
         pool=device, host_to_device_ratio=2.0, page_size=page_size, layout=layout,
         allocator_type="default", pool_label="kv",
     )  # fmt: skip
+
+
+# -- the extra host pools of hybrid models (SGLang's v2 storage API) -------------------------
+
+
+def swa_group(*, page_size: int, num_pages: int, head_num: int = 2, head_dim: int = 8):
+    """SGLang's `HostPoolGroup` of a sliding-window hybrid (full layers 0, 2; window layers
+    1, 3): entries "kv" and "swa", both `MHATokenToKVPoolHost`, from a real `SWAKVPool`."""
+    install()
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_hybrid_swa_group
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    _server_args(page_size)
+    device = SWAKVPool(
+        size=num_pages * page_size // 2, size_swa=num_pages * page_size // 2,
+        page_size=page_size, dtype=torch.bfloat16, head_num=head_num, head_dim=head_dim,
+        swa_attention_layer_ids=[1, 3], full_attention_layer_ids=[0, 2], device="cpu",
+    )  # fmt: skip
+    return build_hybrid_swa_group(
+        page_size=page_size, full_kv_pool=device.full_kv_pool, swa_kv_pool=device.swa_kv_pool,
+        full_layer_mapping={0: 0, 2: 1}, swa_layer_mapping={1: 0, 3: 1}, use_mla=False,
+    )  # fmt: skip
+
+
+DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages
+
+
+def dsa_group(*, num_pages: int):
+    """SGLang's `HostPoolGroup` of a DeepSeek-V3.2 (DSA) model: "kv" (MLA) and "indexer"
+    (`DSAIndexerPoolHost`), from a real `DSATokenToKVPool` through its own declarations;
+    pages of `DSA_PAGE_SIZE` tokens."""
+    install()
+    page_size = DSA_PAGE_SIZE
+    from sglang.srt.mem_cache.hybrid_cache.host_pool_config import prepare_host_pool_config
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_host_pool_group
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    _server_args(page_size)
+    device = DSATokenToKVPool(
+        size=num_pages * page_size // 2, page_size=page_size, kv_lora_rank=8,
+        dtype=torch.bfloat16, qk_rope_head_dim=4, layer_num=2, device="cpu",
+        index_head_dim=128, enable_memory_saver=False, kv_cache_dim=12,
+    )  # fmt: skip
+    config = prepare_host_pool_config(
+        decls=device.host_pool_decls(), full_layer_mapping={0: 0, 1: 1},
+        transfer_layer_id_max=2, transfer_page_size=page_size,
+    )  # fmt: skip
+    return build_host_pool_group(config=config)
+
+
+def mamba_pool(*, num_slots: int = 8):
+    """SGLang's `MambaPoolHost` (Mamba2 conv + SSM state of layers 1 and 3; one slot a
+    page), from the real device `MambaPool` of a `HybridReqToTokenPool`."""
+    install()
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_mamba_host_pool
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    _server_args(1)
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=16,
+            state_size=8, conv_kernel=4,
+        )  # fmt: skip
+        params = Mamba2CacheParams(shape=shape, layers=[1, 3])
+    requests = HybridReqToTokenPool(
+        size=4, mamba_size=num_slots, mamba_spec_state_size=4, max_context_len=64,
+        device="cpu", enable_memory_saver=False, cache_params=params, mamba_layer_ids=[1, 3],
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3,
+    )  # fmt: skip
+    (info,) = requests.mamba_pool.get_device_pool_infos()
+    return build_mamba_host_pool(requests.mamba_pool, info, host_size=0, layout="page_first")
+
+
+def deepseek_v4_pools(*, page_size: int, num_pages: int) -> dict:
+    """DeepSeek-V4's compressed pools as SGLang's assembler builds them: c4 and c128 main
+    KV (`DeepSeekV4PagedHostPool` over per-layer device page rows) and the c4 compress state
+    (`DeepSeekV4StateHostPool` over real `CompressStatePool`s), two layers each."""
+    install()
+    from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
+    from sglang.srt.mem_cache.memory_pool_host import (
+        DeepSeekV4PagedHostPool,
+        DeepSeekV4StateHostPool,
+    )
+
+    _server_args(page_size)
+    pools = {}
+    for name, item_bytes in (("deepseek_v4_c4", 96), ("deepseek_v4_c128", 48)):
+        rows = [torch.zeros(num_pages // 2, item_bytes, dtype=torch.uint8) for _ in range(2)]
+        pools[name] = DeepSeekV4PagedHostPool(
+            pool_name=name, device_buffers=rows, item_bytes=item_bytes,
+            num_host_pages=num_pages, slot_page_size=page_size, layout="page_first",
+            page_aligned_only=True,
+        )  # fmt: skip
+    states = [
+        CompressStatePool(
+            size=num_pages * page_size,
+            ring_size=8,
+            overlap=False,
+            head_dim=16,
+            dtype=torch.float32,
+            device="cpu",
+            enable_memory_saver=False,
+            ratio=4,
+            swa_page_size=page_size,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    pools["deepseek_v4_c4_state"] = DeepSeekV4StateHostPool(
+        pool_name="deepseek_v4_c4_state", state_pools=states, num_host_pages=num_pages,
+        swa_page_size=page_size, layout="page_first",
+    )  # fmt: skip
+    return pools
