@@ -68,7 +68,12 @@ class PageGeometry:
                 f"SGLang host layout {layout!r} is not supported by hicache's storage backend; "
                 f"use --hicache-mem-layout {' or '.join(HOST_LAYOUTS)}"
             )
-        buffer = pool.kv_buffer
+        buffer = getattr(pool, "kv_buffer", None)
+        if buffer is None:
+            raise BackendConfigError(
+                f"SGLang host pool {type(pool).__name__} holds no KV bytes of its own (a "
+                "logical anchor, as DeepSeek-V4's): hicache's SGLang backend needs a KV pool"
+            )
         if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
             raise BackendConfigError("the SGLang host pool has no CPU kv_buffer tensor")
         if not buffer.is_contiguous():

@@ -106,6 +106,15 @@ def _unpinned(init):
     return unpinned_init
 
 
+def _budget():
+    """SGLang sizes host pools against free memory less a 10 GiB reserve for a serving host;
+    a test machine (24 GiB, shared) may have less free than that. Pools built inside are
+    booked against SGLang's own `host_memory_budget_scope` of 64 GiB instead."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    return host_memory_budget_scope(64 << 30)
+
+
 def _server_args(page_size: int) -> None:
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
@@ -148,10 +157,11 @@ def host_pool(
         )  # fmt: skip
     else:
         raise ValueError(f"attention must be 'mha' or 'mla', got {attention!r}")
-    return _build_mha_mla_host_pool(
-        pool=device, host_to_device_ratio=2.0, page_size=page_size, layout=layout,
-        allocator_type="default", pool_label="kv",
-    )  # fmt: skip
+    with _budget():
+        return _build_mha_mla_host_pool(
+            pool=device, host_to_device_ratio=2.0, page_size=page_size, layout=layout,
+            allocator_type="default", pool_label="kv",
+        )  # fmt: skip
 
 
 # -- the extra host pools of hybrid models (SGLang's v2 storage API) -------------------------
@@ -170,10 +180,12 @@ def swa_group(*, page_size: int, num_pages: int, head_num: int = 2, head_dim: in
         page_size=page_size, dtype=torch.bfloat16, head_num=head_num, head_dim=head_dim,
         swa_attention_layer_ids=[1, 3], full_attention_layer_ids=[0, 2], device="cpu",
     )  # fmt: skip
-    return build_hybrid_swa_group(
-        page_size=page_size, full_kv_pool=device.full_kv_pool, swa_kv_pool=device.swa_kv_pool,
-        full_layer_mapping={0: 0, 2: 1}, swa_layer_mapping={1: 0, 3: 1}, use_mla=False,
-    )  # fmt: skip
+    with _budget():
+        return build_hybrid_swa_group(
+            page_size=page_size, full_kv_pool=device.full_kv_pool,
+            swa_kv_pool=device.swa_kv_pool, full_layer_mapping={0: 0, 2: 1},
+            swa_layer_mapping={1: 0, 3: 1}, use_mla=False,
+        )  # fmt: skip
 
 
 DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages
@@ -199,7 +211,8 @@ def dsa_group(*, num_pages: int):
         decls=device.host_pool_decls(), full_layer_mapping={0: 0, 1: 1},
         transfer_layer_id_max=2, transfer_page_size=page_size,
     )  # fmt: skip
-    return build_host_pool_group(config=config)
+    with _budget():
+        return build_host_pool_group(config=config)
 
 
 def mamba_pool(*, num_slots: int = 8):
@@ -224,7 +237,8 @@ def mamba_pool(*, num_slots: int = 8):
         enable_mamba_extra_buffer=False, speculative_num_draft_tokens=3,
     )  # fmt: skip
     (info,) = requests.mamba_pool.get_device_pool_infos()
-    return build_mamba_host_pool(requests.mamba_pool, info, host_size=0, layout="page_first")
+    with _budget():
+        return build_mamba_host_pool(requests.mamba_pool, info, host_size=0, layout="page_first")
 
 
 def deepseek_v4_pools(*, page_size: int, num_pages: int) -> dict:
@@ -239,30 +253,31 @@ def deepseek_v4_pools(*, page_size: int, num_pages: int) -> dict:
     )
 
     _server_args(page_size)
-    pools = {}
-    for name, item_bytes in (("deepseek_v4_c4", 96), ("deepseek_v4_c128", 48)):
-        rows = [torch.zeros(num_pages // 2, item_bytes, dtype=torch.uint8) for _ in range(2)]
-        pools[name] = DeepSeekV4PagedHostPool(
-            pool_name=name, device_buffers=rows, item_bytes=item_bytes,
-            num_host_pages=num_pages, slot_page_size=page_size, layout="page_first",
-            page_aligned_only=True,
+    with _budget():
+        pools = {}
+        for name, item_bytes in (("deepseek_v4_c4", 96), ("deepseek_v4_c128", 48)):
+            rows = [torch.zeros(num_pages // 2, item_bytes, dtype=torch.uint8) for _ in range(2)]
+            pools[name] = DeepSeekV4PagedHostPool(
+                pool_name=name, device_buffers=rows, item_bytes=item_bytes,
+                num_host_pages=num_pages, slot_page_size=page_size, layout="page_first",
+                page_aligned_only=True,
+            )  # fmt: skip
+        states = [
+            CompressStatePool(
+                size=num_pages * page_size,
+                ring_size=8,
+                overlap=False,
+                head_dim=16,
+                dtype=torch.float32,
+                device="cpu",
+                enable_memory_saver=False,
+                ratio=4,
+                swa_page_size=page_size,
+            )  # fmt: skip
+            for _ in range(2)
+        ]
+        pools["deepseek_v4_c4_state"] = DeepSeekV4StateHostPool(
+            pool_name="deepseek_v4_c4_state", state_pools=states, num_host_pages=num_pages,
+            swa_page_size=page_size, layout="page_first",
         )  # fmt: skip
-    states = [
-        CompressStatePool(
-            size=num_pages * page_size,
-            ring_size=8,
-            overlap=False,
-            head_dim=16,
-            dtype=torch.float32,
-            device="cpu",
-            enable_memory_saver=False,
-            ratio=4,
-            swa_page_size=page_size,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
-    pools["deepseek_v4_c4_state"] = DeepSeekV4StateHostPool(
-        pool_name="deepseek_v4_c4_state", state_pools=states, num_host_pages=num_pages,
-        swa_page_size=page_size, layout="page_first",
-    )  # fmt: skip
     return pools

@@ -486,7 +486,9 @@ def test_bench_sglang_storage_smoke(tmp_path, monkeypatch, capsys):
         torch.set_num_threads(threads)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     records = [json.loads(line) for line in lines]
-    assert {r["case"] for r in records} == {"mha_llama_8b", "mla_deepseek_v3"}
+    assert {r["model"] for r in records} == {"mha_llama_8b", "mla_deepseek_v3"}
+    assert {r["layout"] for r in records} == {"page_first", "layer_first", "page_first_direct"}
+    assert len(records) == 6
     for record in records:
         assert record["pages_verified"] == record["pages"] > 0
         assert record["get_ratio"] > 0 and record["set_ratio"] > 0
