@@ -281,3 +281,48 @@ def deepseek_v4_pools(*, page_size: int, num_pages: int) -> dict:
             swa_page_size=page_size, layout="page_first",
         )  # fmt: skip
     return pools
+
+
+# -- SGLang's own storage kit on the CPU -----------------------------------------------------
+
+
+def install_kit_shims() -> None:
+    """For SGLang's unified-radix-cache storage kit (`sglang.test.kits.unified_radix_cache`),
+    beyond `install()`: its fixtures run on device "cpu" (their `get_device()` raises without
+    an accelerator), and the MHA host pool's device<->host copies (CUDA kernels from
+    sgl_kernel) become plain index copies between the same tensors. Nothing else is shimmed:
+    the radix cache, the cache controller, its threads and the storage factory are SGLang's."""
+    install()
+    import sglang.test.kits.unified_radix_cache.fixtures as fixtures
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    fixtures.get_device = lambda: "cpu"
+    if getattr(MHATokenToKVPoolHost.backup_from_device_all_layer, "on_cpu", False):
+        return
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io):
+        for layer in range(self.layer_num):
+            for refs, device in ((self.k_data_refs, self.device_k_buffers),
+                                 (self.v_data_refs, self.device_v_buffers)):  # fmt: skip
+                refs[layer][_host_rows(self, host_indices)] = device[layer][device_indices]
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io, *, is_draft=False
+    ):
+        if not is_draft and not 0 <= layer_id < self.target_layer_num:
+            return
+        for refs, device in ((self.k_data_refs, self.device_k_buffers),
+                             (self.v_data_refs, self.device_v_buffers)):  # fmt: skip
+            device[layer_id][device_indices] = refs[layer_id][_host_rows(self, host_indices)]
+
+    backup_from_device_all_layer.on_cpu = True
+    MHATokenToKVPoolHost.backup_from_device_all_layer = backup_from_device_all_layer
+    MHATokenToKVPoolHost.load_to_device_per_layer = load_to_device_per_layer
+
+
+def _host_rows(pool, host_indices: torch.Tensor):
+    """The index of host token rows in one layer's view (page_first_direct: page, offset)."""
+    indices = host_indices.to(torch.int64)
+    if pool.layout == "page_first_direct":
+        return indices // pool.page_size, indices % pool.page_size
+    return indices
