@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
@@ -169,7 +170,7 @@ class _Attached:
         out = []
         for key in keys:
             raw = key.encode()
-            for part in range(self.geometry.num_parts):
+            for part in range(self.geometry.num_objects):
                 hasher.reset()
                 hasher.update(self.digest)
                 hasher.update(len(raw).to_bytes(4, "little"))
@@ -180,7 +181,7 @@ class _Attached:
 
     def per_page(self, found: Sequence[bool]) -> list[bool]:
         """Per-object outcomes -> per-page: a page is there only if all its parts are."""
-        n = self.geometry.num_parts
+        n = self.geometry.num_objects
         if n == 1:
             return list(found)
         return [all(found[i : i + n]) for i in range(0, len(found), n)]
@@ -373,7 +374,7 @@ class HiCacheSGLangStorage(HiCacheStorage):
         if not keys:
             return 0
         found = attached.store.batch_exists(attached.object_keys(keys))
-        return found // attached.geometry.num_parts
+        return found // attached.geometry.num_objects
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -398,15 +399,28 @@ class HiCacheSGLangStorage(HiCacheStorage):
 
     def _move(self, kind: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         """One batch between L3 and the pool's own pages: read in ("prefetch") or written
-        out ("backup"), each page as the views of its parts (no staging copy)."""
+        out ("backup"), each page as the views of its parts (no staging copy), or, where a
+        page has many parts (`PageGeometry.gathered`), as one object through a staging copy
+        that reaches the pool only for the pages read whole and verified."""
         attached = self._pool()
-        pages = attached.geometry.page_numbers(host_indices, len(keys))
+        geometry = attached.geometry
+        pages = geometry.page_numbers(host_indices, len(keys))
         if not keys or (kind == "backup" and not self._may_write(len(keys))):
             return [False] * len(keys)
-        views = attached.geometry.page_views(attached.buffer, pages)
-        call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
         start = time.perf_counter()
-        done = attached.per_page(call(attached.object_keys(keys), views))
+        object_keys = attached.object_keys(keys)
+        if not geometry.gathered:
+            views = geometry.page_views(attached.buffer, pages)
+            call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
+            done = attached.per_page(call(object_keys, views))
+        elif kind == "backup":
+            staging = geometry.gather(attached.buffer, pages)  # (pages, page_bytes)
+            done = list(attached.store.batch_put(object_keys, list(staging)))
+        else:
+            staging = np.empty((len(keys), geometry.page_bytes), dtype=np.uint8)
+            done = list(attached.store.batch_get(object_keys, list(staging)))
+            whole = np.flatnonzero(done)
+            geometry.scatter(attached.buffer, pages[whole], staging[whole])
         self._record(kind, attached, sum(done), start)
         return done
 

@@ -493,3 +493,33 @@ def test_bench_sglang_storage_smoke(tmp_path, monkeypatch, capsys):
         assert record["pages_verified"] == record["pages"] > 0
         assert record["get_ratio"] > 0 and record["set_ratio"] > 0
     assert list(tmp_path.iterdir()) == []  # it removes what it wrote
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_a_gathered_page_loads_whole_or_not_at_all(file_url, attention):
+    """layer_first pages (one part per layer) are one object each, through a staging copy:
+    a damaged one leaves its target page untouched, and its neighbours land bitwise."""
+    url = file_url()
+    writer_pool = host_pool(attention, "layer_first", seed=21)
+    writer = attach(url, writer_pool, mla=attention == "mla")
+    assert writer._attached.geometry.gathered and writer._attached.geometry.num_objects == 1
+    keys = keys_of(0, 1, 2)
+    assert writer.batch_set_v1(keys, indices(0, 1, 2)) == [True] * 3
+    expected = [page_bits(writer_pool, p) for p in (0, 1, 2)]
+    store = writer._attached.store
+    target = writer._attached.object_keys(keys[1:2])
+    damaged = bytearray(store.batch_get_objects(target, verify=False)[0])
+    damaged[-5] ^= 0x20
+    assert store.batch_put_objects(target, [bytes(damaged)], verify=False) == [True]
+    writer.close()
+
+    reader_pool = host_pool(attention, "layer_first", seed=22)
+    before = page_bits(reader_pool, 6)
+    reader = attach(url, reader_pool, mla=attention == "mla")
+    assert reader.batch_get_v1(keys, indices(5, 6, 7)) == [True, False, True]
+    assert torch.equal(page_bits(reader_pool, 6), before)
+    assert torch.equal(page_bits(reader_pool, 5), expected[0])
+    assert torch.equal(page_bits(reader_pool, 7), expected[2])
+    flat = reader.batch_get(keys[:1], [reader_pool.get_dummy_flat_data_page()])[0]
+    assert torch.equal(flat.view(torch.int16), expected[0])  # the flat page is the object
+    reader.close()
