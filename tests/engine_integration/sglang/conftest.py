@@ -1,12 +1,10 @@
-"""SGLang's real host pools on the CPU: apply tests.support.sglang_cpu's two guards (the
-torchvision operators CPU torch lacks, CUDA host pinning) before any test imports SGLang."""
+"""SGLang's real host pools on the CPU: apply tests.support.sglang_cpu's guards (the
+torchvision operators CPU torch lacks, CUDA host pinning) before any test imports SGLang's
+pools. Without sglang or torchvision installed, the test modules skip themselves."""
 
-import pytest
+import importlib.util
 
-sglang = pytest.importorskip(
-    "sglang", reason="install tests/engine_integration/requirements-sglang.txt"
-)
+if importlib.util.find_spec("sglang") and importlib.util.find_spec("torchvision"):
+    from tests.support import sglang_cpu
 
-from tests.support import sglang_cpu  # noqa: E402
-
-sglang_cpu.install()
+    sglang_cpu.install()

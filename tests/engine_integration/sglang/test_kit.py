@@ -16,8 +16,12 @@ import unittest
 
 import pytest
 
-from tests.support import sglang_cpu
+pytest.importorskip("sglang", reason="install tests/engine_integration/requirements-sglang.txt")
+pytest.importorskip("torchvision", reason="pip install --no-deps torchvision==0.28.0 (.ci/run)")
 
+from tests.support import sglang_cpu  # noqa: E402
+
+pytest.importorskip("datasets", reason="SGLang's test kit imports it: requirements-sglang.txt")
 sglang_cpu.install_kit_shims()
 
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle  # noqa: E402

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 pytest.importorskip("sglang", reason="install tests/engine_integration/requirements-sglang.txt")
+pytest.importorskip("torchvision", reason="pip install --no-deps torchvision==0.28.0 (.ci/run)")
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+pytest.importorskip("sglang", reason="install tests/engine_integration/requirements-sglang.txt")
+pytest.importorskip("torchvision", reason="pip install --no-deps torchvision==0.28.0 (.ci/run)")
+
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     PoolHitPolicy,
