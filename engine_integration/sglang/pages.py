@@ -155,12 +155,11 @@ class PageGeometry:
             for start, size in zip(row, sizes, strict=True)
         ]
 
-    def gather(self, buffer: memoryview, pages: np.ndarray) -> np.ndarray:
-        """The flat pages of `pages`, copied out of `buffer`: (len(pages), page_bytes)."""
-        staging = np.empty((len(pages), self.page_bytes), dtype=np.uint8)
+    def gather(self, buffer: memoryview, pages: np.ndarray, out: np.ndarray) -> None:
+        """Copy the flat pages of `pages` out of `buffer` into `out`'s rows
+        (len(pages), page_bytes)."""
         for part, (start, stop) in zip(self._part_rows(buffer), self._bounds(), strict=True):
-            staging[:, start:stop] = part[pages]
-        return staging
+            np.take(part, pages, axis=0, out=out[:, start:stop])
 
     def scatter(self, buffer: memoryview, pages: np.ndarray, staging: np.ndarray) -> None:
         """Copy flat pages (rows of `staging`) into their parts in `buffer`."""

@@ -81,6 +81,7 @@ URL_VARIABLE = "HICACHE_L3_URL"
 # Keys of the extra config that SGLang reads itself (it removes its prefetch_* keys first).
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 OWN_KEYS = frozenset({"url", "model_id"})
+STAGING_BYTES = 64 << 20  # per SGLang I/O thread, for pages gathered into one object
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,17 @@ class _Attached:
         self.buffer = byte_buffer(pool.kv_buffer)
         self.store = store
         self.digest = digest  # the namespace's seed: model, layout, shard
+        self._local = threading.local()  # each SGLang I/O thread's staging rows
+
+    def staging_rows(self) -> np.ndarray:
+        """This thread's staging pages for gathered pages: (rows, page_bytes), at most
+        STAGING_BYTES (at least one page), allocated once and touched once."""
+        rows = getattr(self._local, "rows", None)
+        if rows is None:
+            count = max(1, STAGING_BYTES // self.geometry.page_bytes)
+            rows = np.zeros((count, self.geometry.page_bytes), dtype=np.uint8)
+            self._local.rows = rows
+        return rows
 
     def object_keys(self, keys: Sequence[str]) -> list[bytes]:
         """The 16-byte keys of every part of every page, page by page."""
@@ -413,15 +425,34 @@ class HiCacheSGLangStorage(HiCacheStorage):
             views = geometry.page_views(attached.buffer, pages)
             call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
             done = attached.per_page(call(object_keys, views))
-        elif kind == "backup":
-            staging = geometry.gather(attached.buffer, pages)  # (pages, page_bytes)
-            done = list(attached.store.batch_put(object_keys, list(staging)))
         else:
-            staging = np.empty((len(keys), geometry.page_bytes), dtype=np.uint8)
-            done = list(attached.store.batch_get(object_keys, list(staging)))
-            whole = np.flatnonzero(done)
-            geometry.scatter(attached.buffer, pages[whole], staging[whole])
+            done = self._move_gathered(kind, attached, pages, object_keys)
         self._record(kind, attached, sum(done), start)
+        return done
+
+    def _move_gathered(
+        self, kind: str, attached: _Attached, pages: np.ndarray, object_keys: list[bytes]
+    ) -> list[bool]:
+        """Pages of one object each, through this thread's staging rows, a chunk of pages at
+        a time: gathered then stored, or read then scattered (only the pages read whole)."""
+        geometry = attached.geometry
+        staging = attached.staging_rows()  # (rows, page_bytes), reused: no fresh memory
+        done: list[bool] = []
+        for first in range(0, len(pages), len(staging)):
+            chunk = pages[first : first + len(staging)]
+            rows = staging[: len(chunk)]
+            chunk_keys = object_keys[first : first + len(chunk)]
+            if kind == "backup":
+                geometry.gather(attached.buffer, chunk, out=rows)
+                done.extend(attached.store.batch_put(chunk_keys, list(rows)))
+                continue
+            found = list(attached.store.batch_get(chunk_keys, list(rows)))
+            if all(found):
+                geometry.scatter(attached.buffer, chunk, rows)
+            else:
+                whole = np.flatnonzero(found)
+                geometry.scatter(attached.buffer, chunk[whole], rows[whole])
+            done.extend(found)
         return done
 
     # -- flat pages (SGLang's path without interface_v1) ------------------------------------
