@@ -425,6 +425,15 @@ def test_config_errors_name_the_field(file_url, monkeypatch):
         cfg = storage_config(base)
         cfg.tp_lcm_size = 4
         HiCacheSGLangStorage(cfg, {})
+    with pytest.raises(BackendConfigError, match="dcp_size=2: decode context parallelism"):
+        cfg = storage_config(base, mla=True)
+        cfg.dcp_size = 2
+        HiCacheSGLangStorage(cfg, {})
+    # No model name from SGLang, but model_id set: attaches, and files pages under it.
+    named = _create({**base, "model_id": "org/by-id"}, host_pool(seed=23), model=None)
+    assert named.settings.model_id == "org/by-id"
+    assert named.batch_set_v1(keys_of(0), indices(0)) == [True]
+    named.close()
     with pytest.raises(BackendConfigError, match="host layout 'page_head'"):
         pool = host_pool()
         pool.layout = "page_head"
