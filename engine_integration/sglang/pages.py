@@ -194,6 +194,11 @@ class PageGeometry:
         return [page[a:b] for a, b in itertools.pairwise(bounds)]
 
 
+def is_logical_anchor(pool: object) -> bool:
+    """A KV pool of page slots but no bytes (DeepSeek-V4's `LogicalHostPool`)."""
+    return getattr(pool, "kv_buffer", False) is None and getattr(pool, "size_per_token", 1) == 0
+
+
 def byte_buffer(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy; any dtype)."""
     flat = tensor.detach().reshape(-1)

@@ -32,8 +32,10 @@ pool's pages. Extra pools of an MLA model are tp-replicated (one writer) except 
 and MHA pools, which are per tp rank.
 
 Not supported, refused with an error naming the setting: host layouts other than page_first,
-layer_first and page_first_direct, `tp_lcm_size`, DCP, a pool without bytes of its own (a
-logical anchor such as DeepSeek-V4's) and the block_groups hit policy.
+layer_first and page_first_direct, `tp_lcm_size`, DCP, an extra pool without bytes of its
+own and the block_groups hit policy. A KV anchor without bytes (DeepSeek-V4's logical pool)
+is accepted: its pages are wholly in the extra pools, so only `batch_exists_v2` with those
+pools reports a hit (v1 `batch_exists` reports none), as SGLang's Mooncake backend does.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from engine_integration.sglang.pages import PageGeometry, byte_buffer
+from engine_integration.sglang.pages import PageGeometry, byte_buffer, is_logical_anchor
 from engine_integration.sglang.sidecars import (
     SidecarPool,
     is_tp_sharded,
@@ -245,12 +247,22 @@ class HiCacheSGLangStorage(HiCacheStorage):
         self._metrics = storage_config.enable_storage_metrics
         self.num_refused_writes = 0  # set calls refused: not this rank's to write (MLA)
         self._sidecars: dict[str, SidecarPool] = {}  # extra host pools, by SGLang's pool name
+        self._logical_anchor: Any = None  # a KV anchor without bytes (DeepSeek-V4), if so
 
     # -- attach ---------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Take the host pool, derive its page geometry and namespace, connect the store."""
+        """Take the host pool, derive its page geometry and namespace, connect the store.
+        A logical anchor (DeepSeek-V4's `LogicalHostPool`: page slots, no KV bytes) is
+        taken as such: its pages are carried whole by the extra pools registered next."""
         super().register_mem_pool_host(mem_pool_host)
+        if is_logical_anchor(mem_pool_host):
+            with self._attach_lock:
+                previous, self._attached = self._attached, None
+                self._logical_anchor = mem_pool_host
+            if previous is not None:
+                previous.store.close()
+            return
         geometry = PageGeometry.of_host_pool(mem_pool_host, attention=self.attention)
         namespace = Namespace(
             model_id=self.settings.model_id, layout=geometry.descriptor, extra_key=self.shard
@@ -284,6 +296,8 @@ class HiCacheSGLangStorage(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if name == PoolName.KV.value:
             attached = self._attached
+            if self._logical_anchor is not None and host_pool is self._logical_anchor:
+                return
             if attached is None:
                 self.register_mem_pool_host(host_pool)
             elif attached.pool is not host_pool:
@@ -320,8 +334,11 @@ class HiCacheSGLangStorage(HiCacheStorage):
     ) -> PoolTransferResult:
         """The longest KV prefix whose pages, and every extra pool's pages under its hit
         policy, are stored; each pool's own boundary; every restorable prefix length."""
-        kv_pages = self.batch_exists(keys, extra_info)
         transfers = list(pool_transfers or ())
+        if self._logical_anchor is not None:  # the pools alone hold the pages
+            kv_pages = len(keys) if transfers else 0
+        else:
+            kv_pages = self.batch_exists(keys, extra_info)
         for transfer in transfers:
             self._sidecar(transfer.name)
 
@@ -372,6 +389,11 @@ class HiCacheSGLangStorage(HiCacheStorage):
 
     def _pool(self) -> _Attached:
         attached = self._attached
+        if attached is None and self._logical_anchor is not None:
+            raise BackendConfigError(
+                "the KV host pool is logical (DeepSeek-V4: no KV bytes): flat-page calls "
+                "have nothing to move; its pages go through batch_get_v2 / batch_set_v2"
+            )
         if attached is None:
             raise RuntimeError("HiCacheSGLangStorage: register_mem_pool_host was not called")
         return attached
@@ -382,6 +404,8 @@ class HiCacheSGLangStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many pages, from the first, are stored (every part of each)."""
+        if self._logical_anchor is not None:
+            return 0  # no KV objects: only batch_exists_v2, with the pools, can say
         attached = self._pool()
         if not keys:
             return 0
@@ -414,6 +438,8 @@ class HiCacheSGLangStorage(HiCacheStorage):
         out ("backup"), each page as the views of its parts (no staging copy), or, where a
         page has many parts (`PageGeometry.gathered`), as one object through a staging copy
         that reaches the pool only for the pages read whole and verified."""
+        if self._logical_anchor is not None:
+            return [True] * len(keys)  # no KV bytes: the extra pools carry the pages
         attached = self._pool()
         geometry = attached.geometry
         pages = geometry.page_numbers(host_indices, len(keys))

@@ -244,12 +244,14 @@ def mamba_pool(*, num_slots: int = 8):
 def deepseek_v4_pools(*, page_size: int, num_pages: int) -> dict:
     """DeepSeek-V4's compressed pools as SGLang's assembler builds them: c4 and c128 main
     KV (`DeepSeekV4PagedHostPool` over per-layer device page rows) and the c4 compress state
-    (`DeepSeekV4StateHostPool` over real `CompressStatePool`s), two layers each."""
+    (`DeepSeekV4StateHostPool` over real `CompressStatePool`s), two layers each, and the
+    KV anchor "kv", a `LogicalHostPool` (page slots, no bytes)."""
     install()
     from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
     from sglang.srt.mem_cache.memory_pool_host import (
         DeepSeekV4PagedHostPool,
         DeepSeekV4StateHostPool,
+        LogicalHostPool,
     )
 
     _server_args(page_size)
@@ -280,6 +282,7 @@ def deepseek_v4_pools(*, page_size: int, num_pages: int) -> dict:
             pool_name="deepseek_v4_c4_state", state_pools=states, num_host_pages=num_pages,
             swa_page_size=page_size, layout="page_first",
         )  # fmt: skip
+        pools["kv"] = LogicalHostPool(size=num_pages * page_size, page_size=page_size)
     return pools
 
 

@@ -266,3 +266,50 @@ def test_v2_misuse_is_an_error_naming_the_pool(url):
     with pytest.raises(BackendConfigError, match="not the pool given to register_mem_pool_host"):
         backend.register_mem_host_pool_v2(_plain("mha"), PoolName.KV)
     backend.close()
+
+
+def test_deepseek_v4_logical_anchor_with_its_compressed_pools(url):
+    """DeepSeek-V4: the KV anchor has no bytes; c4, c128 and the c4 state carry each page."""
+    store = url()
+    names = ("deepseek_v4_c4", "deepseek_v4_c128", "deepseek_v4_c4_state")
+
+    def engine(seed: int):
+        pools = sglang_cpu.deepseek_v4_pools(page_size=PAGE, num_pages=NUM_PAGES)
+        cfg = storage_config(store, mla=True)
+        backend = StorageBackendFactory.create_backend("dynamic", cfg, pools["kv"])
+        backend.register_mem_pool_host(pools["kv"])
+        backend.register_mem_host_pool_v2(pools["kv"], PoolName.KV)
+        for name in names:
+            fill(pools[name], range(NUM_PAGES), seed=seed)
+            backend.register_mem_host_pool_v2(pools[name], PoolName(name))
+        return pools, backend
+
+    def transfers(pools, keys, *pages):
+        return [
+            PoolTransfer(name=PoolName(n), host_indices=slots(pools[n], *pages), keys=keys)
+            for n in names
+        ]
+
+    writer_pools, writer = engine(seed=6)
+    keys = keys_of(3, PAGE)
+    assert writer.batch_exists(keys) == 0  # no KV objects: v1 claims nothing
+    assert writer.batch_set_v1(keys, slots(writer_pools["kv"], 0, 1, 2)) == [True] * 3
+    done = writer.batch_set_v2(transfers(writer_pools, keys, 0, 1, 2))
+    assert done == {PoolName(n): [True] * 3 for n in names}
+    expected = {n: [bits(writer_pools[n], p) for p in (0, 1, 2)] for n in names}
+    writer.close()
+
+    reader_pools, reader = engine(seed=7)
+    sidecar = reader._sidecars["deepseek_v4_c128"]
+    assert sidecar.store.delete(sidecar.object_keys(keys[2:])) == 1  # c128 lacks page 2
+    hit = reader.batch_exists_v2(keys, [PoolTransfer(name=PoolName(n), keys=keys) for n in names])
+    assert hit.kv_hit_pages == 2 and hit.restorable_prefix_pages == [1, 2]
+    assert reader.batch_exists_v2(keys, []).kv_hit_pages == 0  # no pool, no claim
+    got = reader.batch_get_v2(transfers(reader_pools, keys[:2], 4, 5))
+    assert got == {PoolName(n): [True, True] for n in names}
+    for n in names:
+        for page, want in zip((4, 5), expected[n][:2], strict=True):
+            assert torch.equal(bits(reader_pools[n], page), want)
+    with pytest.raises(BackendConfigError, match="logical"):
+        reader.batch_get(keys[:1])
+    reader.close()
