@@ -113,14 +113,22 @@ def build_pool(case: Case, args: argparse.Namespace):
     if args.smoke:
         dims["layer_num"] = 2
     attention = dims.pop("attention")
-    probe = sglang_cpu.host_pool(
-        attention, case.layout, page_size=case.page_size, num_pages=2, **dims
-    )  # fmt: skip
-    page_bytes = _page_bytes(probe)
+    if attention == "mha":  # K and V: layers x tokens x heads x head_dim, bf16
+        page_bytes = (
+            2 * dims["layer_num"] * case.page_size * dims["head_num"] * dims["head_dim"] * 2
+        )
+    else:  # one latent row of kv_lora_rank + rope per layer and token, bf16
+        width = dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
+        page_bytes = dims["layer_num"] * case.page_size * width * 2
     batch_pages = max(4, (args.batch_mib << 20) // page_bytes)
+    # SGLang 0.5.23's MLA page_first_direct pool indexes its page axis by layer while it
+    # builds per-layer views: it needs at least as many pages as layers.
+    num_pages = max(2 * batch_pages, dims["layer_num"] + 1)
     pool = sglang_cpu.host_pool(
-        attention, case.layout, page_size=case.page_size, num_pages=2 * batch_pages, **dims
+        attention, case.layout, page_size=case.page_size, num_pages=num_pages, **dims
     )  # fmt: skip
+    if _page_bytes(pool) != page_bytes:
+        raise RuntimeError(f"{case.name}: a page is {_page_bytes(pool)} bytes, not {page_bytes}")
     generator = torch.Generator().manual_seed(args.seed)
     for page in range(batch_pages):
         dummy = pool.get_dummy_flat_data_page()
