@@ -16,6 +16,13 @@ from tests.support.servers import MooncakeHolder, MooncakeMaster
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# torchvision (installed for SGLang's real host pools) is a CUDA build whose operators do not
+# load against CPU torch; guard the two registrations that then fail, before anything (SGLang,
+# transformers' image utilities) imports it. See tests/support/sglang_cpu.py.
+from tests.support.sglang_cpu import guard_torchvision_ops  # noqa: E402
+
+guard_torchvision_ops()
+
 
 @pytest.fixture(scope="session")
 def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:

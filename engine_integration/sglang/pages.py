@@ -33,6 +33,11 @@ import torch
 from storage_backends import BackendConfigError
 
 HOST_LAYOUTS = ("page_first", "layer_first", "page_first_direct")
+# A page of more parts than this is stored as ONE object, gathered through a staging copy:
+# one object per layer (layer_first: 61 for DeepSeek-V3's MLA, 64 for Llama-8B's K and V)
+# made many small files and requests, slower than SGLang's one file per page; a memcpy of
+# the page costs far less than the objects it saves. Up to this many, parts move zero-copy.
+MAX_ZERO_COPY_PARTS = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,16 @@ class PageGeometry:
     def page_bytes(self) -> int:
         return sum(self.part_bytes)
 
+    @property
+    def gathered(self) -> bool:
+        """Whether a page is one object (its parts gathered) rather than one per part."""
+        return self.num_parts > MAX_ZERO_COPY_PARTS
+
+    @property
+    def num_objects(self) -> int:
+        """Objects per page in L3."""
+        return 1 if self.gathered else self.num_parts
+
     @classmethod
     def of_host_pool(cls, pool: object, *, attention: str) -> PageGeometry:
         """The geometry of `pool` (an SGLang host pool; attributes used: `layout`,
@@ -68,7 +83,12 @@ class PageGeometry:
                 f"SGLang host layout {layout!r} is not supported by hicache's storage backend; "
                 f"use --hicache-mem-layout {' or '.join(HOST_LAYOUTS)}"
             )
-        buffer = pool.kv_buffer
+        buffer = getattr(pool, "kv_buffer", None)
+        if buffer is None:
+            raise BackendConfigError(
+                f"SGLang host pool {type(pool).__name__} holds no KV bytes of its own (a "
+                "logical anchor, as DeepSeek-V4's): hicache's SGLang backend needs a KV pool"
+            )
         if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
             raise BackendConfigError("the SGLang host pool has no CPU kv_buffer tensor")
         if not buffer.is_contiguous():
@@ -92,6 +112,8 @@ class PageGeometry:
             f"sglang;attn={attention};host_layout={layout};dtype={_dtype_name(pool.dtype)};"
             f"page={page_size};page_shape={page_shape};parts={len(first)}"
         )
+        if len(first) > MAX_ZERO_COPY_PARTS:
+            descriptor += ";objects=1"
         return cls(
             page_size=page_size,
             first_offsets=tuple(o * item for o, _ in first),
@@ -133,12 +155,48 @@ class PageGeometry:
             for start, size in zip(row, sizes, strict=True)
         ]
 
+    def gather(self, buffer: memoryview, pages: np.ndarray, out: np.ndarray) -> None:
+        """Copy the flat pages of `pages` out of `buffer` into `out`'s rows
+        (len(pages), page_bytes)."""
+        for part, (start, stop) in zip(self._part_rows(buffer), self._bounds(), strict=True):
+            np.take(part, pages, axis=0, out=out[:, start:stop])
+
+    def scatter(self, buffer: memoryview, pages: np.ndarray, staging: np.ndarray) -> None:
+        """Copy flat pages (rows of `staging`) into their parts in `buffer`."""
+        for part, (start, stop) in zip(self._part_rows(buffer), self._bounds(), strict=True):
+            part[pages] = staging[:, start:stop]
+
+    def _part_rows(self, buffer: memoryview) -> list[np.ndarray]:
+        """Per part, a (num_pages, part_bytes) strided view of `buffer` (page p: row p);
+        in bounds: the geometry checked the last page against the buffer."""
+        whole = np.frombuffer(buffer, dtype=np.uint8)
+        return [
+            np.lib.stride_tricks.as_strided(
+                whole[offset:],
+                shape=(self.num_pages, size),
+                strides=(self.page_stride_bytes, 1),
+            )  # fmt: skip
+            for offset, size in zip(self.first_offsets, self.part_bytes, strict=True)
+        ]
+
+    def _bounds(self) -> list[tuple[int, int]]:
+        edges = list(itertools.accumulate(self.part_bytes, initial=0))
+        return list(itertools.pairwise(edges))
+
     def split_flat_page(self, page: memoryview) -> list[memoryview]:
-        """A flat page (SGLang's `get_data_page(i, flat=True)`) cut into its parts."""
+        """A flat page (SGLang's `get_data_page(i, flat=True)`) cut into its objects: its
+        parts, or itself whole where the page is gathered into one object."""
         if len(page) != self.page_bytes:
             raise ValueError(f"a flat page must be {self.page_bytes} bytes, got {len(page)}")
+        if self.gathered:
+            return [page]
         bounds = list(itertools.accumulate(self.part_bytes, initial=0))
         return [page[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def is_logical_anchor(pool: object) -> bool:
+    """A KV pool of page slots but no bytes (DeepSeek-V4's `LogicalHostPool`)."""
+    return getattr(pool, "kv_buffer", False) is None and getattr(pool, "size_per_token", 1) == 0
 
 
 def byte_buffer(tensor: torch.Tensor) -> memoryview:

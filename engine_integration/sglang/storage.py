@@ -23,9 +23,19 @@ goes through one `SyncBackend` (its own event loop on its own thread), so no eve
 the caller is assumed, and no call blocks longer than the backend URL's `timeout`: a slow or
 dead backend gives misses (and False), counted, never a hang.
 
-Not supported, refused at attach with an error naming the setting: extra host pools (Mamba,
-SWA, DSA indexer: `register_mem_host_pool_v2`), host layouts other than page_first,
-layer_first and page_first_direct, `tp_lcm_size` and DCP.
+Hybrid models (SGLang's v2 API): the extra host pools SGLang registers through
+`register_mem_host_pool_v2` (sliding-window KV, Mamba state, DSA indexer, DeepSeek-V4's
+compressed and state pools, the draft model's KV) are stored beside the KV pages, one
+verified object per page and pool (`sidecars.py`); `batch_exists_v2` applies SGLang's
+per-pool hit policies (all_pages, trailing_pages), `batch_get_v2` / `batch_set_v2` move each
+pool's pages. Extra pools of an MLA model are tp-replicated (one writer) except Mamba state
+and MHA pools, which are per tp rank.
+
+Not supported, refused with an error naming the setting: host layouts other than page_first,
+layer_first and page_first_direct, `tp_lcm_size`, DCP, an extra pool without bytes of its
+own and the block_groups hit policy. A KV anchor without bytes (DeepSeek-V4's logical pool)
+is accepted: its pages are wholly in the extra pools, so only `batch_exists_v2` with those
+pools reports a hit (v1 `batch_exists` reports none), as SGLang's Mooncake backend does.
 """
 
 from __future__ import annotations
@@ -38,16 +48,26 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
-from engine_integration.sglang.pages import PageGeometry, byte_buffer
+from engine_integration.sglang.pages import PageGeometry, byte_buffer, is_logical_anchor
+from engine_integration.sglang.sidecars import (
+    SidecarPool,
+    is_tp_sharded,
+    pool_descriptor,
+    restorable_prefixes,
+)
 from radix.keys import Namespace
 from storage_backends import (
     BackendConfigError,
@@ -63,6 +83,7 @@ URL_VARIABLE = "HICACHE_L3_URL"
 # Keys of the extra config that SGLang reads itself (it removes its prefetch_* keys first).
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 OWN_KEYS = frozenset({"url", "model_id"})
+STAGING_BYTES = 64 << 20  # per SGLang I/O thread, for pages gathered into one object
 
 
 @dataclass(frozen=True)
@@ -110,10 +131,11 @@ class StorageSettings:
         return cls(url=url, model_id=model_id)
 
 
-def shard_of(config: HiCacheStorageConfig) -> str:
+def shard_of(config: HiCacheStorageConfig, *, tp_sharded: bool = False) -> str:
     """The part of the namespace that tells one rank's KV from another's.
 
-    MLA KV is the same on every tp rank (SGLang lets one writer store it): tp is left out.
+    MLA KV is the same on every tp rank (SGLang lets one writer store it): tp is left out,
+    unless `tp_sharded` (an extra pool split by tp rank even for an MLA model: Mamba state).
     """
     if config.dcp_size > 1:
         raise BackendConfigError(
@@ -124,7 +146,8 @@ def shard_of(config: HiCacheStorageConfig) -> str:
             f"extra config: tp_lcm_size={config.tp_lcm_size} (heads split across unequal tp "
             "sizes) is not supported"
         )
-    parts = [] if config.is_mla_model else [f"tp={config.tp_rank}/{config.tp_size}"]
+    replicated = config.is_mla_model and not tp_sharded
+    parts = [] if replicated else [f"tp={config.tp_rank}/{config.tp_size}"]
     parts.append(f"pp={config.pp_rank}/{config.pp_size}")
     if config.attn_cp_size > 1:
         parts.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
@@ -140,6 +163,17 @@ class _Attached:
         self.buffer = byte_buffer(pool.kv_buffer)
         self.store = store
         self.digest = digest  # the namespace's seed: model, layout, shard
+        self._local = threading.local()  # each SGLang I/O thread's staging rows
+
+    def staging_rows(self) -> np.ndarray:
+        """This thread's staging pages for gathered pages: (rows, page_bytes), at most
+        STAGING_BYTES (at least one page), allocated once and touched once."""
+        rows = getattr(self._local, "rows", None)
+        if rows is None:
+            count = max(1, STAGING_BYTES // self.geometry.page_bytes)
+            rows = np.zeros((count, self.geometry.page_bytes), dtype=np.uint8)
+            self._local.rows = rows
+        return rows
 
     def object_keys(self, keys: Sequence[str]) -> list[bytes]:
         """The 16-byte keys of every part of every page, page by page."""
@@ -150,7 +184,7 @@ class _Attached:
         out = []
         for key in keys:
             raw = key.encode()
-            for part in range(self.geometry.num_parts):
+            for part in range(self.geometry.num_objects):
                 hasher.reset()
                 hasher.update(self.digest)
                 hasher.update(len(raw).to_bytes(4, "little"))
@@ -161,7 +195,7 @@ class _Attached:
 
     def per_page(self, found: Sequence[bool]) -> list[bool]:
         """Per-object outcomes -> per-page: a page is there only if all its parts are."""
-        n = self.geometry.num_parts
+        n = self.geometry.num_objects
         if n == 1:
             return list(found)
         return [all(found[i : i + n]) for i in range(0, len(found), n)]
@@ -212,12 +246,23 @@ class HiCacheSGLangStorage(HiCacheStorage):
         self._throughput = _Throughput()
         self._metrics = storage_config.enable_storage_metrics
         self.num_refused_writes = 0  # set calls refused: not this rank's to write (MLA)
+        self._sidecars: dict[str, SidecarPool] = {}  # extra host pools, by SGLang's pool name
+        self._logical_anchor: Any = None  # a KV anchor without bytes (DeepSeek-V4), if so
 
     # -- attach ---------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Take the host pool, derive its page geometry and namespace, connect the store."""
+        """Take the host pool, derive its page geometry and namespace, connect the store.
+        A logical anchor (DeepSeek-V4's `LogicalHostPool`: page slots, no KV bytes) is
+        taken as such: its pages are carried whole by the extra pools registered next."""
         super().register_mem_pool_host(mem_pool_host)
+        if is_logical_anchor(mem_pool_host):
+            with self._attach_lock:
+                previous, self._attached = self._attached, None
+                self._logical_anchor = mem_pool_host
+            if previous is not None:
+                previous.store.close()
+            return
         geometry = PageGeometry.of_host_pool(mem_pool_host, attention=self.attention)
         namespace = Namespace(
             model_id=self.settings.model_id, layout=geometry.descriptor, extra_key=self.shard
@@ -244,15 +289,111 @@ class HiCacheSGLangStorage(HiCacheStorage):
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        if str(host_pool_name) != PoolName.KV.value:
-            raise BackendConfigError(
-                f"host pool {str(host_pool_name)!r}: hicache's SGLang backend stores KV pages "
-                "only (no Mamba, SWA or indexer pools)"
-            )
+        """An extra host pool (window KV, Mamba state, DSA indexer, DeepSeek-V4 pools, the
+        draft model's): stored page by page, one verified object per page, in a namespace
+        of its own. The KV pool itself may come this way too (as the anchor)."""
+        name = str(host_pool_name)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if name == PoolName.KV.value:
+            attached = self._attached
+            if self._logical_anchor is not None and host_pool is self._logical_anchor:
+                return
+            if attached is None:
+                self.register_mem_pool_host(host_pool)
+            elif attached.pool is not host_pool:
+                raise BackendConfigError(
+                    "host pool 'kv' registered through v2 is not the pool given to "
+                    "register_mem_pool_host"
+                )
+            return
+        shard = shard_of(self.storage_config, tp_sharded=is_tp_sharded(host_pool))
+        store = SyncBackend(
+            open_backend(self.settings.url, layout=pool_descriptor(name, host_pool))
+        )
+        try:
+            store.connect()
+        except BackendUnavailableError as exc:
+            store.close()
+            raise BackendUnavailableError(f"extra config 'url': {exc}") from None
+        sidecar = SidecarPool(
+            name, host_pool, model_id=self.settings.model_id, shard=shard, store=store
+        )
+        with self._attach_lock:
+            previous, self._sidecars[name] = self._sidecars.get(name), sidecar
+        if previous is not None:
+            previous.close()
+        logger.info("hicache L3: extra host pool %s attached: %s", name, sidecar.descriptor)
+
+    # -- v2: the KV pages and the extra pools' pages of one batch ------------------------------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """The longest KV prefix whose pages, and every extra pool's pages under its hit
+        policy, are stored; each pool's own boundary; every restorable prefix length."""
+        transfers = list(pool_transfers or ())
+        if self._logical_anchor is not None:  # the pools alone hold the pages
+            kv_pages = len(keys) if transfers else 0
+        else:
+            kv_pages = self.batch_exists(keys, extra_info)
+        for transfer in transfers:
+            self._sidecar(transfer.name)
+
+        def present(transfer: PoolTransfer, num_pages: int) -> list[bool]:
+            sidecar = self._sidecar(transfer.name)
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                run = sidecar.leading_run(keys[:num_pages])
+                return [i < run for i in range(num_pages)]
+            return sidecar.exists_each(keys[:num_pages])
+
+        restorable, boundaries = restorable_prefixes(kv_pages, transfers, present)
+        hits = {PoolName.KV: kv_pages} if kv_pages else {}
+        hits.update({PoolName(name): pages for name, pages in boundaries.items()})
+        return PoolTransferResult(restorable[-1] if restorable else 0, hits, restorable)
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Read each transfer's pages into its pool; True per verified page, per pool."""
+        return {t.name: self._transfer_v2("prefetch", t) for t in transfers}
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        """Store each transfer's pages from its pool; True per stored page, per pool."""
+        return {t.name: self._transfer_v2("backup", t) for t in transfers}
+
+    def _transfer_v2(self, kind: str, transfer: PoolTransfer) -> list[bool]:
+        keys = list(transfer.keys or ())
+        if str(transfer.name) == PoolName.KV.value:
+            return self._move(kind, keys, transfer.host_indices)
+        sidecar = self._sidecar(transfer.name)
+        if kind == "prefetch":
+            return sidecar.get(keys, transfer.host_indices)
+        replicated = self.attention == "mla" and not is_tp_sharded(sidecar.pool)
+        if replicated and keys and not self._may_write(len(keys)):
+            sidecar.page_starts(keys, transfer.host_indices)  # still a checked call
+            return [False] * len(keys)
+        return sidecar.put(keys, transfer.host_indices)
+
+    def _sidecar(self, name: Any) -> SidecarPool:
+        sidecar = self._sidecars.get(str(name))
+        if sidecar is None:
+            raise ValueError(
+                f"host pool {str(name)!r} was not registered (register_mem_host_pool_v2)"
+            )
+        return sidecar
 
     def _pool(self) -> _Attached:
         attached = self._attached
+        if attached is None and self._logical_anchor is not None:
+            raise BackendConfigError(
+                "the KV host pool is logical (DeepSeek-V4: no KV bytes): flat-page calls "
+                "have nothing to move; its pages go through batch_get_v2 / batch_set_v2"
+            )
         if attached is None:
             raise RuntimeError("HiCacheSGLangStorage: register_mem_pool_host was not called")
         return attached
@@ -263,11 +404,13 @@ class HiCacheSGLangStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many pages, from the first, are stored (every part of each)."""
+        if self._logical_anchor is not None:
+            return 0  # no KV objects: only batch_exists_v2, with the pools, can say
         attached = self._pool()
         if not keys:
             return 0
         found = attached.store.batch_exists(attached.object_keys(keys))
-        return found // attached.geometry.num_parts
+        return found // attached.geometry.num_objects
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -292,16 +435,50 @@ class HiCacheSGLangStorage(HiCacheStorage):
 
     def _move(self, kind: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         """One batch between L3 and the pool's own pages: read in ("prefetch") or written
-        out ("backup"), each page as the views of its parts (no staging copy)."""
+        out ("backup"), each page as the views of its parts (no staging copy), or, where a
+        page has many parts (`PageGeometry.gathered`), as one object through a staging copy
+        that reaches the pool only for the pages read whole and verified."""
+        if self._logical_anchor is not None:
+            return [True] * len(keys)  # no KV bytes: the extra pools carry the pages
         attached = self._pool()
-        pages = attached.geometry.page_numbers(host_indices, len(keys))
+        geometry = attached.geometry
+        pages = geometry.page_numbers(host_indices, len(keys))
         if not keys or (kind == "backup" and not self._may_write(len(keys))):
             return [False] * len(keys)
-        views = attached.geometry.page_views(attached.buffer, pages)
-        call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
         start = time.perf_counter()
-        done = attached.per_page(call(attached.object_keys(keys), views))
+        object_keys = attached.object_keys(keys)
+        if not geometry.gathered:
+            views = geometry.page_views(attached.buffer, pages)
+            call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
+            done = attached.per_page(call(object_keys, views))
+        else:
+            done = self._move_gathered(kind, attached, pages, object_keys)
         self._record(kind, attached, sum(done), start)
+        return done
+
+    def _move_gathered(
+        self, kind: str, attached: _Attached, pages: np.ndarray, object_keys: list[bytes]
+    ) -> list[bool]:
+        """Pages of one object each, through this thread's staging rows, a chunk of pages at
+        a time: gathered then stored, or read then scattered (only the pages read whole)."""
+        geometry = attached.geometry
+        staging = attached.staging_rows()  # (rows, page_bytes), reused: no fresh memory
+        done: list[bool] = []
+        for first in range(0, len(pages), len(staging)):
+            chunk = pages[first : first + len(staging)]
+            rows = staging[: len(chunk)]
+            chunk_keys = object_keys[first : first + len(chunk)]
+            if kind == "backup":
+                geometry.gather(attached.buffer, chunk, out=rows)
+                done.extend(attached.store.batch_put(chunk_keys, list(rows)))
+                continue
+            found = list(attached.store.batch_get(chunk_keys, list(rows)))
+            if all(found):
+                geometry.scatter(attached.buffer, chunk, rows)
+            else:
+                whole = np.flatnonzero(found)
+                geometry.scatter(attached.buffer, chunk[whole], rows[whole])
+            done.extend(found)
         return done
 
     # -- flat pages (SGLang's path without interface_v1) ------------------------------------
@@ -396,8 +573,11 @@ class HiCacheSGLangStorage(HiCacheStorage):
     def close(self) -> None:
         with self._attach_lock:
             attached, self._attached = self._attached, None
+            sidecars, self._sidecars = list(self._sidecars.values()), {}
         if attached is not None:
             attached.store.close()
+        for sidecar in sidecars:
+            sidecar.close()
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -2,8 +2,10 @@
 
 Built as SGLang builds it: `StorageBackendFactory.create_backend("dynamic", config, pool)`
 from the extra-config JSON given on the command line, then `register_mem_pool_host`. The host
-pool is `tests.support.sglang_pools.HostPool` (its docstring says why SGLang's own cannot be
-imported on the CPU); a test here checks the adapter uses only the pool attributes named there.
+pools are SGLang's own `MHATokenToKVPoolHost` / `MLATokenToKVPoolHost`, built on the CPU by
+`tests.support.sglang_cpu` (this folder's conftest applies its two guards: torchvision's
+missing operators, CUDA host pinning); a test here checks the adapter reads only the pool
+attributes it names.
 Stores: files, a real redis-server and a real cache-server daemon, on loopback.
 """
 
@@ -26,6 +28,7 @@ import pytest
 import torch
 
 pytest.importorskip("sglang", reason="install tests/engine_integration/requirements-sglang.txt")
+pytest.importorskip("torchvision", reason="pip install --no-deps torchvision==0.28.0 (.ci/run)")
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
@@ -36,7 +39,7 @@ from storage_backends import BackendConfigError, BackendUnavailableError  # noqa
 from tests.support.daemon import DaemonProcess  # noqa: E402
 from tests.support.deadline import WITHIN_S, within_deadline  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
-from tests.support.sglang_pools import HostPool  # noqa: E402
+from tests.support.sglang_cpu import host_pool as real_host_pool  # noqa: E402
 
 LAYOUTS = ("page_first", "layer_first", "page_first_direct")
 PAGE = 4  # tokens per page
@@ -61,17 +64,17 @@ def storage_config(extra: dict, *, mla=False, tp=(0, 1), model="org/model-8b", m
     )  # fmt: skip
 
 
-def host_pool(attention="mha", layout="page_first", dtype=torch.bfloat16, seed=0) -> HostPool:
-    pool = HostPool(
+def host_pool(attention="mha", layout="page_first", dtype=torch.bfloat16, seed=0):
+    """SGLang's real host pool (MLA: kv_lora_rank 8 + rope 4), filled with random bits."""
+    pool = real_host_pool(
         attention, layout, layer_num=3, page_size=PAGE, num_pages=NUM_PAGES, dtype=dtype,
-        head_num=2, head_dim=8, kv_cache_dim=12,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
     return pool
 
 
-def attach(url: str, pool: HostPool, **config) -> HiCacheSGLangStorage:
+def attach(url: str, pool, **config) -> HiCacheSGLangStorage:
     """What SGLang's cache_controller.attach_storage_backend does."""
     cfg = storage_config(command_line_config(url), **config)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
@@ -84,7 +87,7 @@ def indices(*pages: int) -> torch.Tensor:
     return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 
 
-def page_bits(pool: HostPool, page: int) -> torch.Tensor:
+def page_bits(pool, page: int) -> torch.Tensor:
     return pool.get_data_page(page * PAGE).view(torch.int16).clone()
 
 
@@ -216,7 +219,7 @@ def test_adapter_uses_only_the_named_pool_attributes(file_url):
     seen: set[str] = set()
 
     class Recording:
-        def __init__(self, pool: HostPool) -> None:
+        def __init__(self, pool) -> None:
             object.__setattr__(self, "_pool", pool)
 
         def __getattr__(self, name: str):
@@ -397,7 +400,7 @@ def test_a_daemon_killed_mid_batch_gives_misses_within_the_timeout():
 # -- configuration errors -------------------------------------------------------------------
 
 
-def _create(extra: dict, pool: HostPool | None = None, **config):
+def _create(extra: dict, pool=None, **config):
     cfg = storage_config(extra, **config)
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     if pool is not None:
@@ -423,13 +426,22 @@ def test_config_errors_name_the_field(file_url, monkeypatch):
         cfg = storage_config(base)
         cfg.tp_lcm_size = 4
         HiCacheSGLangStorage(cfg, {})
+    with pytest.raises(BackendConfigError, match="dcp_size=2: decode context parallelism"):
+        cfg = storage_config(base, mla=True)
+        cfg.dcp_size = 2
+        HiCacheSGLangStorage(cfg, {})
+    # No model name from SGLang, but model_id set: attaches, and files pages under it.
+    named = _create({**base, "model_id": "org/by-id"}, host_pool(seed=23), model=None)
+    assert named.settings.model_id == "org/by-id"
+    assert named.batch_set_v1(keys_of(0), indices(0)) == [True]
+    named.close()
     with pytest.raises(BackendConfigError, match="host layout 'page_head'"):
         pool = host_pool()
         pool.layout = "page_head"
         _create(base, pool)
     backend = _create(base)
-    with pytest.raises(BackendConfigError, match="host pool 'mamba'"):
-        backend.register_mem_host_pool_v2(host_pool(), "mamba")
+    with pytest.raises(BackendConfigError, match="host pool 'mamba' .* has no get_data_page"):
+        backend.register_mem_host_pool_v2(object(), "mamba")
     monkeypatch.setenv("HICACHE_L3_URL", file_url())
     assert _create(without_url, host_pool()).batch_exists(keys_of(0)) == 0
 
@@ -450,7 +462,7 @@ def test_misuse_of_the_calls_is_an_error_that_says_what(file_url):
     with pytest.raises(ValueError, match="page-aligned"):
         backend.batch_get_v1(keys_of(0), indices(0) + 1)
     with pytest.raises(ValueError, match="outside the host pool"):
-        backend.batch_set_v1(keys_of(0), indices(NUM_PAGES))
+        backend.batch_set_v1(keys_of(0), indices(backend._attached.geometry.num_pages))
     with pytest.raises(ValueError, match=r"keys\[1\] must be a str"):
         backend.batch_exists(["a", b"b"])
     assert backend.clear() is False  # a shared store is not one engine's to wipe
@@ -515,8 +527,40 @@ def test_bench_sglang_storage_smoke(tmp_path, monkeypatch, capsys):
         torch.set_num_threads(threads)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     records = [json.loads(line) for line in lines]
-    assert {r["case"] for r in records} == {"mha_llama_8b", "mla_deepseek_v3"}
+    assert {r["model"] for r in records} == {"mha_llama_8b", "mla_deepseek_v3"}
+    assert {r["layout"] for r in records} == {"page_first", "layer_first", "page_first_direct"}
+    assert len(records) == 6
     for record in records:
         assert record["pages_verified"] == record["pages"] > 0
         assert record["get_ratio"] > 0 and record["set_ratio"] > 0
     assert list(tmp_path.iterdir()) == []  # it removes what it wrote
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_a_gathered_page_loads_whole_or_not_at_all(file_url, attention):
+    """layer_first pages (one part per layer) are one object each, through a staging copy:
+    a damaged one leaves its target page untouched, and its neighbours land bitwise."""
+    url = file_url()
+    writer_pool = host_pool(attention, "layer_first", seed=21)
+    writer = attach(url, writer_pool, mla=attention == "mla")
+    assert writer._attached.geometry.gathered and writer._attached.geometry.num_objects == 1
+    keys = keys_of(0, 1, 2)
+    assert writer.batch_set_v1(keys, indices(0, 1, 2)) == [True] * 3
+    expected = [page_bits(writer_pool, p) for p in (0, 1, 2)]
+    store = writer._attached.store
+    target = writer._attached.object_keys(keys[1:2])
+    damaged = bytearray(store.batch_get_objects(target, verify=False)[0])
+    damaged[-5] ^= 0x20
+    assert store.batch_put_objects(target, [bytes(damaged)], verify=False) == [True]
+    writer.close()
+
+    reader_pool = host_pool(attention, "layer_first", seed=22)
+    before = page_bits(reader_pool, 6)
+    reader = attach(url, reader_pool, mla=attention == "mla")
+    assert reader.batch_get_v1(keys, indices(5, 6, 7)) == [True, False, True]
+    assert torch.equal(page_bits(reader_pool, 6), before)
+    assert torch.equal(page_bits(reader_pool, 5), expected[0])
+    assert torch.equal(page_bits(reader_pool, 7), expected[2])
+    flat = reader.batch_get(keys[:1], [reader_pool.get_dummy_flat_data_page()])[0]
+    assert torch.equal(flat.view(torch.int16), expected[0])  # the flat page is the object
+    reader.close()
