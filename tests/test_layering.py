@@ -147,6 +147,9 @@ def test_old_adapter_paths_still_load_with_a_deprecation_warning():
         ),
     ]:
         code = (
+            # SGLang imports torchvision, whose CUDA build needs the tests' guard on CPU torch
+            "from tests.support.sglang_cpu import guard_torchvision_ops\n"
+            "guard_torchvision_ops()\n"
             "import importlib, warnings\n"
             "with warnings.catch_warnings(record=True) as caught:\n"
             "    warnings.simplefilter('always')\n"
