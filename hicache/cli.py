@@ -34,7 +34,15 @@ CONFIGURABLE = {"serve": "HICACHE_SERVE_", "demo": "HICACHE_DEMO_"}
 
 
 class _Parser(argparse.ArgumentParser):
-    """A mistake in the flags is one line (argparse's usage block would bury it), exit 2."""
+    """A mistake in the flags is one line (argparse's usage block would bury it), exit 2.
+
+    No abbreviations: argparse would take `--turn 2` for `--turns 2` silently, and a flag
+    added later could change what an abbreviation means. Subparsers are built with the
+    parser's own class, so this holds for every subcommand."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
