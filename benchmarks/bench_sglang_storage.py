@@ -51,7 +51,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from benchmarks.common import device_name, emit  # noqa: E402
+from benchmarks.common import device_name, emit, met_target  # noqa: E402
 from tests.support.sglang_pools import HostPool  # noqa: E402
 
 CASES = {
@@ -217,7 +217,7 @@ def run_case(name: str, case: dict, args: argparse.Namespace, root: Path) -> dic
     }
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.torch_threads)
@@ -240,7 +240,12 @@ def main() -> None:
                 f"{r['case']:<18}{op:<5}{r[f'hicache_{op}_gbps']:>14.3f}"
                 f"{r[f'sglang_file_{op}_gbps']:>18.3f}{r[f'{op}_ratio']:>8.2f}"
             )
+    met = [
+        met_target(f"{r['case']}: hicache / sglang file get", r["get_ratio"], TARGET_GET_RATIO)
+        for r in records
+    ]
+    return 0 if all(met) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -38,6 +38,15 @@ def emit(result: dict) -> None:
     print(json.dumps({"git": git_revision(), **result}), flush=True)
 
 
+def met_target(what: str, value: float, target: float) -> bool:
+    """Say in one line whether `value` met its `target` (a ratio, higher is better), and
+    return it: a benchmark that names a target exits 1 when any is missed."""
+    met = value >= target
+    verdict = "met" if met else "MISSED"
+    print(f"{what} {value:.2f}x, target >= {target:g}x: {verdict}", flush=True)
+    return met
+
+
 def write_random_file(path: Path, num_bytes: int) -> None:
     """`path` with at least `num_bytes` of random bytes (whole MiB), in the page cache now."""
     block = os.urandom(1 << 20)
