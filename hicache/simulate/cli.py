@@ -274,6 +274,10 @@ def check_flags(args: argparse.Namespace) -> None:
             _capacity(args, name)
     if args.sweep and args.out.exists() and not args.out.is_dir():
         raise SimulationError(f"--out {args.out}: exists and is not a directory")
+    if args.sweep:
+        from hicache.simulate.plots import require_matplotlib
+
+        require_matplotlib()  # before the sweep runs, not after
 
 
 def _capacity(args: argparse.Namespace, tier: str) -> float:
