@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
+DEFAULT_TRACE = REPO / "hicache" / "simulate" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def git_revision() -> str:

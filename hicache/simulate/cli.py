@@ -76,8 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--trace",
         default=CONVERSATIONS,
-        help="a Mooncake JSONL trace, or 'conversations[:sessions=N,turns=T,seed=S,...]' "
-        "for the built-in conversation generator",
+        help="a Mooncake JSONL trace, 'mooncake' for the synthetic one bundled with hicache, "
+        "or 'conversations[:sessions=N,turns=T,seed=S,...]' for the built-in conversation "
+        "generator",
     )
     work.add_argument("--limit", type=int, help="replay only the first N requests")
     work.add_argument(

@@ -42,4 +42,3 @@ def test_the_readme_states_the_demos_defaults():
     assert number(r"spill to L2 \((\d+) pages of host memory\)", text) == l2_pages * d.concurrency
     assert f"({d.l3_capacity.replace('MiB', ' MiB')} at most)" in text
     assert number(r"a first run, (\d+) thread", text) == d.threads
-
