@@ -9,6 +9,14 @@ Claim (issue 4): with batches of 32 pages of 64 KiB, 256 KiB and 2 MiB,
   fsync after each batch (what answering every batch durably costs without hicache);
 - `redis` puts and gets at >= 90 % of plain redis-py pipelined SET / GET of the same payloads
   on the same server (no framing, no verification, GET returning bytes).
+- `mooncake` (issue 37) puts and gets at >= 90 % of the raw Mooncake client putting and getting
+  the same bytes on the same store (`batch_put_from` / `batch_get_into` between registered
+  buffers: no framing, no verification), with verification on. The store is a
+  `mooncake_master` and a `mooncake_client` holding the pages, on loopback, started here;
+  both clients lend it nothing, as an engine's would. (SGLang's own Mooncake backend cannot
+  be measured on a CPU-only host: it imports SGLang's host pools, whose import chain needs a
+  torchvision that loads against the CPU torch, and none does; see
+  tests/support/sglang_pools.py.)
 
 Also measured, as context: `memory` against a Python memcpy of the same bytes, and the file
 backend's way of doing I/O against `aiofiles` with one await per open/write/read/rename
@@ -16,7 +24,8 @@ backend's way of doing I/O against `aiofiles` with one await per open/write/read
 its own pool instead.
 
 Each case interleaves backend and ceiling over several repetitions after a warm-up and
-reports medians. The script starts its own redis-server on a free loopback port. Pages are
+reports medians. The script starts its own redis-server (and Mooncake master and holder) on
+free loopback ports. Pages are
 random (seeded), so lz4 is off as it is by default. Prints one JSON line per case, then a table.
 
     python benchmarks/bench_backends.py                       # all cases
@@ -49,17 +58,19 @@ import xxhash  # noqa: E402
 
 from benchmarks.common import device_name, emit  # noqa: E402
 from storage_backends import open_backend  # noqa: E402
-from storage_backends.native import pageio  # noqa: E402
+from storage_backends.native import checks  # noqa: E402
 from storage_backends.objects import header_size  # noqa: E402
 
 LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"  # an opaque label here
-TARGETS = {"file": 0.70, "file_fsync": 0.70, "redis": 0.90}
+TARGETS = {"file": 0.70, "file_fsync": 0.70, "redis": 0.90, "mooncake": 0.90}
 CEILINGS = {
     "memory": "python memcpy of the same bytes",
     "file": "python write / read of one large file, same directory, no fsync",
     "file_fsync": "python write + fsync / read of one large file, same directory",
     "file_aiofiles": "the file backend (this row: aiofiles, one await per file call)",
     "redis": "redis-py pipelined SET / GET of the same payloads, same server",
+    "mooncake": "raw Mooncake client batch_put_from / batch_get_into of the same bytes, "
+    "registered buffers, same store",
 }
 
 Timed = Callable[[], Awaitable[None]]
@@ -262,7 +273,7 @@ def per_file_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
 
 def bare_pack_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
     """A file per batch read as the file backend reads a pack (one preadv of headers and pages
-    per 512 KiB, the C extension's xxh3 over every page, one thread) with bare os calls and
+    per 512 KiB, hicache's xxh3 (native.checks) over every page, one thread) with bare os calls and
     nothing else: the floor of a verified read through packs on this machine (context, not a
     ceiling)."""
     header = bytes(header_size(LAYOUT))
@@ -285,7 +296,7 @@ def bare_pack_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
                 pages = range(start, min(start + per_stretch, len(work.into)))
                 os.preadv(fd, [x for i in pages for x in (heads[i], work.into[i])], start * record)
                 for i in pages:
-                    pageio.xxh3_64(heads[i], work.into[i])  # the page checksum hicache uses
+                    checks.xxh3_64(heads[i], work.into[i])  # the page checksum hicache uses
             os.close(fd)
 
     return put, get
@@ -354,6 +365,97 @@ def plain_redis_ops(port: int, work: Workload) -> tuple[Timed, Timed, Timed]:
     return put, get, close
 
 
+def raw_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]:
+    """The Mooncake client alone: the batch's pages in one registered buffer, put with
+    `batch_put_from` under fresh names each repetition, read back with `batch_get_into` into
+    the workload's pool (registered too)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
+        raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
+    source = np.frombuffer(b"".join(work.pages), dtype=np.uint8).copy()
+    target = np.frombuffer(work.pool, dtype=np.uint8)
+    for array in (source, target):
+        if client.register_buffer(array.ctypes.data, array.nbytes) != 0:
+            raise RuntimeError("the raw Mooncake client could not register a buffer")
+    size = work.page_bytes
+    sources = [source.ctypes.data + i * size for i in range(len(work.pages))]
+    targets = [target.ctypes.data + i * size for i in range(len(work.pages))]
+    sizes = [size] * len(work.pages)
+
+    def names(keys: list[bytes]) -> list[str]:
+        return ["raw:" + key.hex() for key in keys]
+
+    async def put() -> None:
+        for keys in work.batches:
+            codes = client.batch_put_from(names(keys), sources, sizes)
+            assert all(code == 0 for code in codes), f"raw put failed: {codes}"
+
+    async def get() -> None:
+        for keys in work.batches:
+            codes = client.batch_get_into(names(keys), targets, sizes)
+            assert all(code == size for code in codes), f"raw get failed: {codes}"
+
+    async def close() -> None:
+        for keys in work.all_batches:
+            client.batch_remove(names(keys), True)
+        client.unregister_buffer(source.ctypes.data)
+        client.unregister_buffer(target.ctypes.data)
+        client.close()
+
+    return put, get, close
+
+
+async def mooncake_latency(url: str, address: str, work: Workload, num: int = 50) -> dict:
+    """Median seconds of a one-page `batch_get` through the backend and of the raw client's
+    `batch_get_into` of the same page: the per-request latency `hicache simulate` models."""
+    from mooncake.store import MooncakeDistributedStore
+
+    key, page, view = work.batches[0][0], work.pages[0], work.into[0]
+    backend = open_backend(url, layout=LAYOUT)
+    raw = MooncakeDistributedStore()
+    try:
+        await backend.connect()
+        assert await backend.batch_put([key], [page]) == [True]
+        if raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
+            raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
+        target = np.frombuffer(work.pool, dtype=np.uint8)
+        raw.register_buffer(target.ctypes.data, target.nbytes)
+        name = "latency:" + key.hex()
+        raw.batch_put_from([name], [np.frombuffer(page, np.uint8).ctypes.data], [len(page)])
+        ours, theirs = [], []
+        for _ in range(num):
+            started = time.perf_counter()
+            assert await backend.batch_get([key], [view]) == [True]
+            ours.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            assert raw.batch_get_into([name], [target.ctypes.data], [len(page)]) == [len(page)]
+            theirs.append(time.perf_counter() - started)
+        raw.batch_remove([name], True)
+        await backend.delete([key])
+    finally:
+        await backend.close()
+        raw.close()
+    return {
+        "one_page_get_us": _sig(statistics.median(ours) * 1e6),
+        "raw_one_page_get_us": _sig(statistics.median(theirs) * 1e6),
+    }
+
+
+def start_mooncake(workdir: Path, segment_bytes: int):
+    """A master and one holder lending `segment_bytes`, on loopback (tests/support/servers)."""
+    from tests.support.servers import MooncakeHolder, MooncakeMaster
+
+    master = MooncakeMaster(workdir / "mooncake", client_ttl_s=10).start()
+    try:
+        holder = MooncakeHolder(master, segment_bytes).start()
+    except BaseException:
+        master.stop()
+        raise
+    return master, holder
+
+
 # -- running one case ------------------------------------------------------------------------
 
 
@@ -371,6 +473,8 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
             ceiling_put, ceiling_get = raw_file_ops(
                 env["dir"], work, fsync="end" if name == "file_fsync" else "none"
             )
+        elif name == "mooncake":
+            ceiling_put, ceiling_get, close_plain = raw_mooncake_ops(env["mooncake"].address, work)
         else:
             ceiling_put, ceiling_get, close_plain = plain_redis_ops(env["redis_port"], work)
     # More ceilings of the puts, timed in turn with the first: for `file` the issue's own
@@ -414,14 +518,16 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
             for key, value in rows.items():
                 rates.setdefault(key, []).append(value)
     await teardown()
-    if name == "redis":
+    if name in ("redis", "mooncake"):
         await close_plain()
+    context = {}
+    if name == "mooncake":
+        context = await mooncake_latency(env["mooncake_url"](), env["mooncake"].address, work)
     med = {key: statistics.median(values) for key, values in rates.items()}
     for leftover in ("per-file", "aio", "bare-packs"):
         shutil.rmtree(env["dir"] / leftover, ignore_errors=True)
     for ceiling_file in env["dir"].glob("ceiling-*.bin"):
         ceiling_file.unlink()
-    context = {}
     for label in more_put_ceilings:
         context[f"{label}_ceiling_gbps"] = _sig(med[label])
         context[f"put_ratio_vs_{label}"] = _sig(_median_ratio(rates["put"], rates[label]))
@@ -536,6 +642,12 @@ def missing_requirement(name: str) -> str | None:
             return "no redis-server on PATH"
         if importlib.util.find_spec("redis") is None:
             return "the redis package is not installed"
+    if name == "mooncake":
+        for binary in ("mooncake_master", "mooncake_client"):
+            if shutil.which(binary) is None:
+                return f"no {binary} on PATH (pip install mooncake-transfer-engine-non-cuda)"
+        if importlib.util.find_spec("mooncake") is None:
+            return "the mooncake-transfer-engine-non-cuda package is not installed"
     if name == "file_aiofiles" and importlib.util.find_spec("aiofiles") is None:
         return "the aiofiles package is not installed"
     return None
@@ -571,8 +683,15 @@ async def main_async(args: argparse.Namespace) -> None:
     if "redis" in names:
         redis_proc, port = start_redis(scratch)
         env["redis_port"] = port
+    holder = None
     rows = []
     try:
+        if "mooncake" in names:
+            # Room for every repetition of the largest case, both clients' pages: no eviction.
+            largest = max(int(size) for size in args.page_sizes.split(","))
+            per_rep = args.total_bytes * (largest + header_size(LAYOUT) + 64) // largest
+            segment = max(64 << 20, 2 * (args.reps + 2) * per_rep)
+            env["mooncake"], holder = start_mooncake(scratch, segment)
         for page_bytes in [int(s) for s in args.page_sizes.split(",")]:
             work = Workload(page_bytes, args.batch_pages, args.total_bytes, args.seed)
             per_rep = work.total_bytes * (page_bytes + header_size(LAYOUT)) // page_bytes
@@ -583,6 +702,13 @@ async def main_async(args: argparse.Namespace) -> None:
             env["file_fsync_url"] = lambda c=capacity: f"{env['file_url'](c)}&fsync=1"
             if redis_proc is not None:
                 env["redis_url"] = lambda: f"redis://127.0.0.1:{env['redis_port']}/0?timeout=30s"
+            if holder is not None:
+                buffer = max(
+                    1 << 20, 2 * args.batch_pages * (page_bytes + header_size(LAYOUT) + 128)
+                )
+                env["mooncake_url"] = lambda b=buffer: (
+                    f"mooncake://{env['mooncake'].address}?timeout=30s&buffer={b}"
+                )
             for name in names:
                 row = await run_case(args, name, work, env)
                 emit(row)
@@ -591,6 +717,9 @@ async def main_async(args: argparse.Namespace) -> None:
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait()
+        if holder is not None:
+            holder.stop()
+            env["mooncake"].stop()
         shutil.rmtree(scratch, ignore_errors=True)
     print_table(rows)
 

@@ -1,4 +1,4 @@
-"""How fast `hicache simulate` replays: the whole synthetic Mooncake trace with three tiers
+"""How fast `hicache simulate` plays a trace: the whole synthetic Mooncake trace with three tiers
 on one core, and a 10-point capacity sweep, against the issue's budgets (10 s and 60 s).
 
 DeepSeek-V3 on one 8 x H200 instance; L1 100 GB and L2 300 GB per instance, a 3 TB L3, so

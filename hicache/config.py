@@ -26,6 +26,12 @@ EVICTION_POLICIES = ("lru", "lfu", "priority")
 L3_FETCH_POLICIES = ("measured", "always")
 
 
+# The longest wait a setting may ask for. Far longer ones are mistakes, and past about 2**33 s
+# the waits themselves (threading, asyncio) raise OverflowError. A prefetch's budget is
+# base + per-1k x tokens/1000: even at this bound and 10**6 tokens, 3.6e6 s, in range.
+MAX_WAIT_S = 3600.0
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -92,8 +98,7 @@ class L3Config:
     # long prefetch reads at the host's memory speed and lands in L2 chunk by chunk. The
     # backends' native readers share their threads between the batches in flight, so a few
     # large batches use the cores as well as many small ones, with less Python between
-    # them; on the H200 host (16 cores, 1.5 MiB pages) 4 batches of 48 MiB read a 32K-token
-    # L3 hit at 23.5 GB/s against 18.4 for 16 of 16 MiB (bench_engine --read-batches).
+    # them (bench_engine --read-batches; figures in docs/performance.md).
     read_chunk_bytes: int = 48 << 20
     read_batches: int = 0
     # Pages known only to L3 that the index keeps (least recently used forgotten first; a
@@ -114,8 +119,9 @@ class L3Config:
             f"L3Config.url must be a backend URL like file:///path, got {self.url!r}",
         )
         _require(
-            math.isfinite(self.exists_timeout_s) and self.exists_timeout_s > 0,
-            f"L3Config.exists_timeout_s must be finite and > 0, got {self.exists_timeout_s}",
+            0 < self.exists_timeout_s <= MAX_WAIT_S,
+            f"L3Config.exists_timeout_s must be in (0, {MAX_WAIT_S:g}] seconds, got "
+            f"{self.exists_timeout_s}",
         )
         _require(
             self.secret_file is None or (self.url is not None and bool(self.secret_file)),
@@ -185,9 +191,9 @@ class PolicyConfig:
         )
         for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s"):
             value = getattr(self, name)
-            _require(
-                math.isfinite(value) and value >= 0,  # (a budget of inf overflows the wait)
-                f"PolicyConfig.{name} must be finite and >= 0, got {value}",
+            _require(  # (a huge budget overflows the wait: a stated range, not just finite)
+                0 <= value <= MAX_WAIT_S,
+                f"PolicyConfig.{name} must be in [0, {MAX_WAIT_S:g}] seconds, got {value}",
             )
         _require(
             self.prefetch_min_pages >= 1,

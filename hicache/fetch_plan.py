@@ -20,10 +20,11 @@ Until the compute rate has been measured it fetches the whole run (what a cache 
 choice does). Before L3 has been read once it plans as if the store cost nothing, neither
 latency nor bandwidth, so that only the L2 -> L1 link stands between the pages and the
 engine: a run not worth fetching even then is declined (a small model, whose step costs the
-same whatever its rows: on an H200, SmolLM2-135M's first L3 hit of a new cache took 0.5-0.6x
-of recomputing), and the rest fetch what that bound says is worth it (a read measures the
-store). A run it has declined many times in a row is probed with one read batch, so a store
-that got faster is seen again.
+same whatever its rows, recomputes faster than it loads), and the rest fetch what that
+bound says is worth it (a read measures the store). A run it has declined many times in a
+row is probed with one read batch, so a store that got faster is seen again. Measured end to
+end by benchmarks/bench_engine.py (an L3 hit against recomputing it); the figures are in
+docs/performance.md.
 
 Torch-free, clock-free: every time is given in seconds by the caller.
 """
@@ -143,9 +144,7 @@ class FetchRates:
         """A finished prefetch: the bytes that arrived, submit to done. The first one is no
         sample: it pays what a backend's first read costs once (its reader's threads
         starting, the packs' tables read), and one low sample would have every later run
-        declined until a probe (bench_engine on the H200, in two runs of five: the 4K-token
-        L3 hit recomputed, 1.0x, after its cache's first read timed 7 GB/s; where that read
-        timed 21-25 GB/s, it fetched, 1.7-2.0x)."""
+        declined until a probe (seen in bench_engine: docs/performance.md)."""
         if num_bytes < _MIN_READ_BYTES:
             return
         if not self._first_read_seen:

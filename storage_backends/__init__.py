@@ -11,12 +11,13 @@ Every stored page is a self-describing object (`objects`), verified on every rea
 
 Client libraries (redis) are imported only when a URL of their scheme is opened.
 
-Where things live: a page is verified in one place, the C check `check_parts` of
-`_pageio.c`, reached through `verify.check_object` (every backend's reads, the daemon's
-puts and gets; it names the reason and checks the MAC of a tenant secret) and, for a batch,
-through the C reader and `check_copy`, which call the same check. A `file://` batch is read
-by `file_read.BatchRead` and written by `file_write.BatchWrite`, whose bytes reach the disk
-in one place, the C writer `write_packs` (`write_one` in `_pageio.c`).
+Where things live: a page is verified by `verify.check_object` (every backend's reads, the
+daemon's puts and gets; it names the reason and checks the MAC of a tenant secret), whose
+check is `native.checks`: the C check `check_parts` of `_pageio.c` (also run by the C reader
+and `check_copy` for a batch), or where the C extension is not built `portable`, which
+answers the same. A `file://` batch is read by `file_read.BatchRead` and written by
+`file_write.BatchWrite`, whose bytes reach the disk in one place, the C writer `write_packs`
+(`write_one` in `_pageio.c`); `file://` needs the extension and says so when it is missing.
 """
 
 from .base import PageStatus, StorageBackend

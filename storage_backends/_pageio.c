@@ -1,16 +1,19 @@
-/* storage_backends._pageio: the one implementation of the page checksum, of the object
- * check, and of the file backend's batch reads and writes, run without the GIL.
+/* storage_backends._pageio: the file backend's batch reads and writes, and the check and
+ * framing of pages, run without the GIL. Optional: without it memory://, redis:// and grpc://
+ * run on the same checks in Python (portable.py, which answers the same), and file:// says
+ * what to install (native.py).
  *
  * What it does, and nothing more:
- *   - xxh3_64(a, b): the XXH3 64-bit hash (seed 0, default secret) of a + b, written here from
- *     the published algorithm (the tests hold it to the `xxhash` package's numbers): every
- *     page checksum of the project is this hash;
- *   - check_object(): the one check of a stored object (check_parts below: header, lengths,
- *     checksum), answering 1 or the number of the reason; objects.check_object names it;
+ *   - xxh3_64(a, b): XXH3-64 (seed 0) of a + b, the checksum of every page: the xxHash
+ *     library's, from its header (libxxhash-dev), with its AVX2 and AVX-512 kernels where the
+ *     CPU has them (_xxh3_wide.h); this file has no hash of its own;
+ *   - check_object(): the check of a stored object (check_parts below: header, lengths,
+ *     checksum), answering 1 or the number of the reason; verify.check_object names it;
  *   - read_stretches(): read runs of neighbouring pages of packs with reads that never wait
  *     (RWF_NOWAIT: page-cache hits only) straight into the caller's buffers, a window at a
  *     time, and check each page as it lands (check_head, then its checksum a window at a
- *     time), on this thread and up to `threads - 1` pool threads;
+ *     time, through the library's streaming state), on this thread and up to `threads - 1`
+ *     pool threads;
  *   - check_copy(): check whole objects held in memory (a network backend's replies) and copy
  *     each payload into its page, several at once;
  *   - frame_headers(): build the object headers (checksum included) of a batch of pages;
@@ -24,13 +27,14 @@
  * given back. The object format is the one in objects.py; `PLAIN_BYTES` etc. below must match
  * it (checked by the tests against objects.py).
  *
- * Why C: in Python a 64 KiB page read from the page cache costs a copy, an xxh3 and a few
+ * Why C: in Python a page read from the page cache costs a copy, an xxh3 and a few
  * microseconds of interpreter, and threads cannot share a batch because they take turns on
- * the GIL between copies of a few microseconds. Here a batch's stretches are shared by
- * threads that never touch the interpreter. Writes likewise: a pack per thread, each framed
- * (the xxh3 of every page) and written with no interpreter between the system calls. On a
- * 16-core H200 host this XXH3 ran at 44 GB/s on one thread (1.5 MiB pages) against the
- * `xxhash` package's 21, and the reader read 28 GB/s of cached pages on 16 threads.
+ * the GIL between copies. Here a batch's stretches are shared by threads that never touch the
+ * interpreter. Writes likewise: a pack per thread, each framed (the xxh3 of every page) and
+ * written with no interpreter between the system calls. Measured by
+ * benchmarks/bench_file_read.py (reads against the host's plain parallel read),
+ * benchmarks/bench_backends.py (file:// against bare Python file I/O) and
+ * benchmarks/bench_checksum.py (the hash); the figures are in docs/performance.md.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -47,11 +51,6 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define PAGEIO_X86 1
-#endif
-
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the object format is little-endian and so is this implementation"
 #endif
@@ -67,222 +66,24 @@
 #define MAX_IOV 1024
 #define MAX_LAYOUT_BYTES 0xFFFF /* the layout length is a u16 */
 
-/* -- XXH3-64 ---------------------------------------------------------------------------------- */
+/* -- XXH3-64: the xxHash library's (its header, inlined) --------------------------------------- */
 
-static const uint8_t SECRET[192] = {
-    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
-    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
-    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
-    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
-    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
-    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
-    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
-    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
-    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
-    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
-    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
-    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
-};
+/* Every checksum is XXH3-64 (seed 0) from the xxHash library's own header, compiled into this
+ * module (Debian/Ubuntu: libxxhash-dev). Its one-shot hash is fixed at compile time to the
+ * build's baseline vector unit (SSE2 on x86-64), so the bytes are taken in by its streaming
+ * update, which runs with the widest unit the CPU has: the library's AVX2 and AVX-512 kernels,
+ * compiled for those units in _xxh3_avx2.c and _xxh3_avx512.c and picked at module init. */
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#include "_xxh3_wide.h"
 
-#define P32_1 0x9E3779B1U
-#define P32_2 0x85EBCA77U
-#define P32_3 0xC2B2AE3DU
-#define P64_1 0x9E3779B185EBCA87ULL
-#define P64_2 0xC2B2AE3D27D4EB4FULL
-#define P64_3 0x165667B19E3779F9ULL
-#define P64_4 0x85EBCA77C2B2AE63ULL
-#define P64_5 0x27D4EB2F165667C5ULL
-#define MIX_1 0x165667919E3779F9ULL
-#define MIX_2 0x9FB21C651E98DF25ULL
+typedef int (*update_fn)(void *state, const void *in, size_t len);
 
-#define STRIPE 64                  /* bytes the accumulators take in per step */
-#define STRIPES_PER_BLOCK 16       /* (secret bytes - STRIPE) / 8 */
-#define SCRAMBLE_KEY (SECRET + 128) /* secret bytes - STRIPE */
-#define LAST_STRIPE_KEY (SECRET + 121)
-#define MERGE_KEY (SECRET + 11)
-
-static inline uint64_t load64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
+static int update_baseline(void *state, const void *in, size_t len) {
+    return XXH3_64bits_update((XXH3_state_t *)state, in, len) == XXH_OK ? 0 : -1;
 }
 
-static inline uint32_t load32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-static inline uint64_t fold_mul128(uint64_t a, uint64_t b) {
-    __uint128_t product = (__uint128_t)a * b;
-    return (uint64_t)product ^ (uint64_t)(product >> 64);
-}
-
-static inline uint64_t avalanche_xxh64(uint64_t h) {
-    h ^= h >> 33;
-    h *= P64_2;
-    h ^= h >> 29;
-    h *= P64_3;
-    return h ^ (h >> 32);
-}
-
-static inline uint64_t avalanche(uint64_t h) {
-    h ^= h >> 37;
-    h *= MIX_1;
-    return h ^ (h >> 32);
-}
-
-static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-static inline uint64_t mix16(const uint8_t *in, const uint8_t *key) {
-    return fold_mul128(load64(in) ^ load64(key), load64(in + 8) ^ load64(key + 8));
-}
-
-/* Inputs of at most 240 bytes, contiguous. */
-static uint64_t hash_short(const uint8_t *in, size_t len) {
-    if (len == 0)
-        return avalanche_xxh64(load64(SECRET + 56) ^ load64(SECRET + 64));
-    if (len <= 3) {
-        uint32_t combined = ((uint32_t)in[0] << 16) | ((uint32_t)in[len >> 1] << 24) |
-                            (uint32_t)in[len - 1] | ((uint32_t)len << 8);
-        return avalanche_xxh64(combined ^ (uint64_t)(load32(SECRET) ^ load32(SECRET + 4)));
-    }
-    if (len <= 8) {
-        uint64_t joined = load32(in + len - 4) + ((uint64_t)load32(in) << 32);
-        uint64_t h = joined ^ (load64(SECRET + 8) ^ load64(SECRET + 16));
-        h ^= rotl64(h, 49) ^ rotl64(h, 24);
-        h *= MIX_2;
-        h ^= (h >> 35) + len;
-        h *= MIX_2;
-        return h ^ (h >> 28);
-    }
-    if (len <= 16) {
-        uint64_t lo = load64(in) ^ (load64(SECRET + 24) ^ load64(SECRET + 32));
-        uint64_t hi = load64(in + len - 8) ^ (load64(SECRET + 40) ^ load64(SECRET + 48));
-        return avalanche(len + __builtin_bswap64(lo) + hi + fold_mul128(lo, hi));
-    }
-    uint64_t acc = len * P64_1;
-    if (len <= 128) {
-        /* pairs of 16-byte pieces from both ends, inwards */
-        size_t pairs = (len - 1) / 32 + 1;
-        for (size_t i = pairs; i-- > 0;) {
-            acc += mix16(in + 16 * i, SECRET + 32 * i);
-            acc += mix16(in + len - 16 * (i + 1), SECRET + 32 * i + 16);
-        }
-        return avalanche(acc);
-    }
-    for (size_t i = 0; i < 8; i++)
-        acc += mix16(in + 16 * i, SECRET + 16 * i);
-    uint64_t tail = mix16(in + len - 16, SECRET + 119);
-    acc = avalanche(acc);
-    for (size_t i = 8; i < len / 16; i++)
-        tail += mix16(in + 16 * i, SECRET + 16 * (i - 8) + 3);
-    return avalanche(acc + tail);
-}
-
-/* The accumulators take in `count` stripes from `in`, the first being stripe number `index`
- * of the whole input (which picks its secret, and when the block ends: a scramble). */
-typedef void (*stripes_fn)(uint64_t acc[8], const uint8_t *in, size_t index, size_t count);
-
-static inline void stripe_scalar(uint64_t acc[8], const uint8_t *in, const uint8_t *key) {
-    for (int lane = 0; lane < 8; lane++) {
-        uint64_t value = load64(in + 8 * lane);
-        uint64_t keyed = value ^ load64(key + 8 * lane);
-        acc[lane ^ 1] += value;
-        acc[lane] += (keyed & 0xFFFFFFFFULL) * (keyed >> 32);
-    }
-}
-
-static void stripes_scalar(uint64_t acc[8], const uint8_t *in, size_t index, size_t count) {
-    for (size_t n = 0; n < count; n++, index++, in += STRIPE) {
-        stripe_scalar(acc, in, SECRET + 8 * (index % STRIPES_PER_BLOCK));
-        if (index % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1) {
-            for (int lane = 0; lane < 8; lane++) {
-                uint64_t a = acc[lane];
-                a ^= a >> 47;
-                a ^= load64(SCRAMBLE_KEY + 8 * lane);
-                acc[lane] = a * P32_1;
-            }
-        }
-    }
-}
-
-#ifdef PAGEIO_X86
-#define AVX2 __attribute__((target("avx2")))
-
-/* acc[lane] += lo32(keyed) * hi32(keyed) + value[lane ^ 1], for one half of a stripe */
-AVX2 static inline __m256i half_stripe_avx2(__m256i acc, const uint8_t *in, const uint8_t *key) {
-    __m256i value = _mm256_loadu_si256((const __m256i *)in);
-    __m256i keyed = _mm256_xor_si256(value, _mm256_loadu_si256((const __m256i *)key));
-    __m256i product = _mm256_mul_epu32(keyed, _mm256_srli_epi64(keyed, 32));
-    return _mm256_add_epi64(acc, _mm256_add_epi64(product, _mm256_shuffle_epi32(value, 0x4E)));
-}
-
-AVX2 static inline __m256i scramble_avx2(__m256i acc, const uint8_t *key) {
-    const __m256i prime = _mm256_set1_epi32((int)P32_1);
-    acc = _mm256_xor_si256(acc, _mm256_srli_epi64(acc, 47));
-    acc = _mm256_xor_si256(acc, _mm256_loadu_si256((const __m256i *)key));
-    __m256i lo = _mm256_mul_epu32(acc, prime);
-    __m256i hi = _mm256_mul_epu32(_mm256_srli_epi64(acc, 32), prime);
-    return _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
-}
-
-AVX2 static void stripes_avx2(uint64_t acc[8], const uint8_t *in, size_t index, size_t count) {
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
-    __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
-    while (count > 0) {
-        size_t in_block = index % STRIPES_PER_BLOCK;
-        size_t run = STRIPES_PER_BLOCK - in_block < count ? STRIPES_PER_BLOCK - in_block : count;
-        const uint8_t *key = SECRET + 8 * in_block;
-        for (size_t n = 0; n < run; n++, in += STRIPE, key += 8) {
-            a0 = half_stripe_avx2(a0, in, key);
-            a1 = half_stripe_avx2(a1, in + 32, key + 32);
-        }
-        index += run;
-        count -= run;
-        if (index % STRIPES_PER_BLOCK == 0) {
-            a0 = scramble_avx2(a0, SCRAMBLE_KEY);
-            a1 = scramble_avx2(a1, SCRAMBLE_KEY + 32);
-        }
-    }
-    _mm256_storeu_si256((__m256i *)acc, a0);
-    _mm256_storeu_si256((__m256i *)(acc + 4), a1);
-}
-
-#define AVX512 __attribute__((target("avx512f")))
-
-/* the same with a whole stripe per register */
-AVX512 static void stripes_avx512(uint64_t acc[8], const uint8_t *in, size_t index,
-                                  size_t count) {
-    const __m512i prime = _mm512_set1_epi32((int)P32_1);
-    __m512i a = _mm512_loadu_si512(acc);
-    while (count > 0) {
-        size_t in_block = index % STRIPES_PER_BLOCK;
-        size_t run = STRIPES_PER_BLOCK - in_block < count ? STRIPES_PER_BLOCK - in_block : count;
-        const uint8_t *key = SECRET + 8 * in_block;
-#pragma GCC unroll 4
-        for (size_t n = 0; n < run; n++, in += STRIPE, key += 8) {
-            __m512i value = _mm512_loadu_si512(in);
-            __m512i keyed = _mm512_xor_si512(value, _mm512_loadu_si512(key));
-            __m512i product = _mm512_mul_epu32(keyed, _mm512_srli_epi64(keyed, 32));
-            __m512i swapped = _mm512_shuffle_epi32(value, (_MM_PERM_ENUM)0x4E);
-            a = _mm512_add_epi64(a, _mm512_add_epi64(product, swapped));
-        }
-        index += run;
-        count -= run;
-        if (index % STRIPES_PER_BLOCK == 0) {
-            a = _mm512_xor_si512(a, _mm512_srli_epi64(a, 47));
-            a = _mm512_xor_si512(a, _mm512_loadu_si512(SCRAMBLE_KEY));
-            __m512i lo = _mm512_mul_epu32(a, prime);
-            __m512i hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
-            a = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
-        }
-    }
-    _mm512_storeu_si512(acc, a);
-}
-#endif
-
-static stripes_fn take_stripes = stripes_scalar; /* the widest the CPU has: module init */
+static update_fn hash_update = update_baseline; /* the widest the CPU has: module init */
 
 /* The hashed input as pieces in order (a header's fields, its layout, a payload in chunks):
  * `count` iovecs, concatenated. A cursor walks them. */
@@ -292,116 +93,46 @@ typedef struct {
     size_t offset; /* into *piece */
 } cursor_t;
 
-/* Copy the next `n` bytes at the cursor into `out`, moving it on (the pieces hold them). */
-static void take_bytes(cursor_t *at, uint8_t *out, size_t n) {
-    while (n > 0) {
-        size_t left = at->piece->iov_len - at->offset;
-        if (left == 0) {
-            at->piece++;
-            at->offset = 0;
-            continue;
-        }
-        size_t take = left < n ? left : n;
-        memcpy(out, (const uint8_t *)at->piece->iov_base + at->offset, take);
-        out += take;
-        n -= take;
-        at->offset += take;
-    }
-}
-
 /* XXH3-64 of an input taken in as its bytes become ready (a reader hashes each window of a
- * page while the window is still in the core's cache), or all at once (hash_pieces). The
- * stripes that lie inside one piece are read where they lie (a payload's, nearly all of
- * them); one that straddles pieces is joined first. An input of at most 240 bytes takes the
- * short hash, at the end. */
+ * page while the window is still in the core's cache), or all at once (hash_pieces): the
+ * library's streaming state, fed each piece's bytes where they lie. */
 typedef struct {
-    uint64_t acc[8];
-    const struct iovec *pieces;
-    int count;
-    size_t len;     /* the whole input's bytes */
-    size_t stripes; /* every stripe before the last, partial, one (0 for a short input) */
-    size_t index;   /* stripes taken in so far */
-    cursor_t at;    /* where stripe `index` starts */
+    XXH3_state_t state; /* (64-byte aligned: on the stack, never in a malloc'd block) */
+    cursor_t at;        /* the first byte not taken in yet */
+    size_t len;         /* the whole input's bytes */
+    size_t taken;       /* bytes taken in so far */
 } stream_t;
 
 static void stream_start(stream_t *st, const struct iovec *pieces, int count, size_t len) {
-    static const uint64_t first_acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
-    memcpy(st->acc, first_acc, sizeof first_acc);
-    st->pieces = pieces;
-    st->count = count;
-    st->len = len;
-    st->stripes = len > 240 ? (len - 1) / STRIPE : 0;
-    st->index = 0;
+    XXH3_64bits_reset(&st->state);
     st->at = (cursor_t){pieces, pieces + count, 0};
+    st->len = len;
+    st->taken = 0;
 }
 
-/* Take in every stripe not taken yet that lies wholly in the input's first `ready` bytes. */
+/* Take in the input's first `ready` bytes (those not taken in yet). */
 static void stream_take(stream_t *st, size_t ready) {
-    size_t stripes = ready / STRIPE < st->stripes ? ready / STRIPE : st->stripes;
     cursor_t *at = &st->at;
-    uint8_t joined[STRIPE];
-    while (st->index < stripes) {
+    if (ready > st->len)
+        ready = st->len;
+    while (st->taken < ready) {
         size_t left = at->piece->iov_len - at->offset;
         if (left == 0) {
             at->piece++;
             at->offset = 0;
             continue;
         }
-        if (left >= STRIPE) {
-            size_t run = left / STRIPE;
-            if (run > stripes - st->index)
-                run = stripes - st->index;
-            take_stripes(st->acc, (const uint8_t *)at->piece->iov_base + at->offset, st->index,
-                         run);
-            st->index += run;
-            at->offset += run * STRIPE;
-        } else {
-            take_bytes(at, joined, STRIPE);
-            take_stripes(st->acc, joined, st->index, 1);
-            st->index++;
-        }
+        size_t take = left < ready - st->taken ? left : ready - st->taken;
+        hash_update(&st->state, (const uint8_t *)at->piece->iov_base + at->offset, take);
+        at->offset += take;
+        st->taken += take;
     }
 }
 
 /* The hash, once every byte of the input is in place. */
 static uint64_t stream_end(stream_t *st) {
-    const struct iovec *pieces = st->pieces;
-    int count = st->count;
-    size_t len = st->len;
-    uint8_t joined[240];
-    if (len <= 240) {
-        cursor_t at = {pieces, pieces + count, 0};
-        if (len)
-            take_bytes(&at, joined, len);
-        return hash_short(joined, len);
-    }
-    stream_take(st, len);
-    /* the last 64 bytes of the input, whatever stripe they fall in, with their own key */
-    const struct iovec *last = pieces + count - 1;
-    while (last > pieces && last->iov_len == 0)
-        last--;
-    const uint8_t *tail;
-    if (last->iov_len >= STRIPE) {
-        tail = (const uint8_t *)last->iov_base + last->iov_len - STRIPE;
-    } else {
-        cursor_t from = {pieces, pieces + count, 0};
-        size_t skip = len - STRIPE;
-        while (skip >= from.piece->iov_len - from.offset) {
-            skip -= from.piece->iov_len - from.offset;
-            from.piece++;
-            from.offset = 0;
-        }
-        from.offset += skip;
-        take_bytes(&from, joined, STRIPE);
-        tail = joined;
-    }
-    uint64_t *acc = st->acc;
-    stripe_scalar(acc, tail, LAST_STRIPE_KEY);
-    uint64_t result = len * P64_1;
-    for (int i = 0; i < 4; i++)
-        result += fold_mul128(acc[2 * i] ^ load64(MERGE_KEY + 16 * i),
-                              acc[2 * i + 1] ^ load64(MERGE_KEY + 16 * i + 8));
-    return avalanche(result);
+    stream_take(st, st->len);
+    return XXH3_64bits_digest(&st->state);
 }
 
 /* XXH3-64 (seed 0) of the concatenation of `count` pieces: the one hash of every checksum. */
@@ -456,6 +187,12 @@ typedef struct {
 static inline uint16_t load16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);
+    return v;
+}
+
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
     return v;
 }
 
@@ -1618,33 +1355,34 @@ static PyObject *xxh3_64(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(simd_doc,
 "simd(name=None) -> str\n\n"
-"The instruction set xxh3 runs with: 'avx512', 'avx2' or 'scalar'. Given a name, use that one (tests\n"
-"check both); ValueError if this CPU or build lacks it.");
+"The vector unit the xxHash library's XXH3 runs with here: 'avx512', 'avx2' or 'baseline' (the\n"
+"build's own: SSE2 on x86-64). Given a name, use that one (tests check each); ValueError if\n"
+"this CPU or build lacks it.");
 
 static PyObject *simd(PyObject *self, PyObject *args) {
     (void)self;
     const char *name = NULL;
     if (!PyArg_ParseTuple(args, "|s", &name))
         return NULL;
-    if (name != NULL && strcmp(name, "scalar") == 0) {
-        take_stripes = stripes_scalar;
+    if (name != NULL && strcmp(name, "baseline") == 0) {
+        hash_update = update_baseline;
     } else if (name != NULL) {
-#ifdef PAGEIO_X86
+#ifdef PAGEIO_WIDE
         if (strcmp(name, "avx512") == 0 && __builtin_cpu_supports("avx512f"))
-            take_stripes = stripes_avx512;
+            hash_update = pageio_update_avx512;
         else if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2"))
-            take_stripes = stripes_avx2;
+            hash_update = pageio_update_avx2;
         else
 #endif
             return PyErr_Format(PyExc_ValueError, "simd: %s is not available here", name);
     }
-#ifdef PAGEIO_X86
-    if (take_stripes == stripes_avx512)
+#ifdef PAGEIO_WIDE
+    if (hash_update == pageio_update_avx512)
         return PyUnicode_FromString("avx512");
-    if (take_stripes == stripes_avx2)
+    if (hash_update == pageio_update_avx2)
         return PyUnicode_FromString("avx2");
 #endif
-    return PyUnicode_FromString("scalar");
+    return PyUnicode_FromString("baseline");
 }
 
 static PyMethodDef methods[] = {
@@ -1669,12 +1407,12 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__pageio(void) {
-#ifdef PAGEIO_X86
+#ifdef PAGEIO_WIDE
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f"))
-        take_stripes = stripes_avx512;
+        hash_update = pageio_update_avx512;
     else if (__builtin_cpu_supports("avx2"))
-        take_stripes = stripes_avx2;
+        hash_update = pageio_update_avx2;
 #endif
     static int forked_handler = 0;
     if (!forked_handler) {

@@ -4,9 +4,9 @@ gRPC Python moves every message through fresh, message-sized heap buffers: a rec
 gathered into a growing `bytearray`, then copied into a new `bytes`; a sent one is copied
 into a new core buffer. Under glibc's default policy, freeing them leaves a free block at the
 top of the heap that is returned to the kernel at once (brk, madvise), and the next message
-faults the same pages back in, zeroed by the kernel. On a stream of 4 MiB messages that is
-about 1.4 page faults per 4 KiB received, some 40% of a client's CPU (measured on loopback:
-a BatchGet client spent 1.5 CPU-seconds per GB received before, 0.8 after).
+faults the same pages back in, zeroed by the kernel: on a stream of 4 MiB messages, more
+than a fault per page received and a large share of a client's CPU (measured on loopback
+with a BatchGet client; figures in docs/performance.md).
 
 `tune_for_large_messages` sets the two thresholds that govern this, once per process:
 

@@ -140,7 +140,7 @@ class StorageBackend(Connection):
         self, keys: list[bytes], views: list[memoryview], fetched: list[Fetched]
     ) -> list[ReadInto]:
         """Verify a batch and copy it into `views`: `verify.decode_objects_into`, checked
-        and copied by the C extension on a thread per `_SHARE_BYTES`."""
+        and copied on a thread per `_SHARE_BYTES` (with the C extension; else on this one)."""
         outcomes: list[ReadInto] = list(fetched)  # misses, errors and reasons stay as they are
         found = [i for i, item in enumerate(fetched) if not _settled(item)]
         if not found:

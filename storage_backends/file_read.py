@@ -55,10 +55,8 @@ _STRETCH_PAGES = 64  # ... and at most this many pages
 # What one of the C reader's reads takes in. It hashes each window right after the kernel
 # copied it, while it is still in the core's cache: a 1.75 MiB page read whole and then
 # hashed was read from memory twice, and memory is what a host's parallel reads run out of.
-# bench_file_read on the H200 host (896 MiB of 1.75 MiB pages, 12 threads), two calls:
-# 64 KiB windows 35.2 and 31.8 GB/s, 128 KiB 34.4 and 32.7, 256 KiB 34.5 and 30.4, a whole
-# stretch at once 28.1 and 25.6 (ceilings 36.5 and 35.7); on a 2-core VM 128 and 256 KiB
-# 6.9-7.0 GB/s, 64 KiB 6.0.
+# 128 KiB was within 1 % of the best window on the H200 host and level with the best on a
+# 2-core VM (benchmarks/bench_file_read.py; figures in docs/performance.md).
 _WINDOW_BYTES = 128 << 10
 # A batch's page-cache copies take a C pool thread per this much (they never take the GIL,
 # and wake in microseconds).

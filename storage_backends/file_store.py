@@ -44,6 +44,7 @@ from .file_read import BatchRead, PackReader
 from .file_space import DirectorySpace, page_path
 from .file_write import BatchWrite, PackWriter
 from .guard import CopyGuard
+from .native import require_pageio
 from .objects import FramedObject, header_size
 from .options import BackendOptions, check_range, options_from_query, url_option
 from .stats import Usage
@@ -85,6 +86,7 @@ class FileBackend(StorageBackend):
     transient_errors = (OSError,)
 
     def __init__(self, options: FileOptions, layout: str | None = None, *, name: str = "") -> None:
+        require_pageio(f"{name or 'file://'}: the file backend")  # its reads and writes are C
         super().__init__(options, layout, name=name)
         self.options: FileOptions = options
         self.root = options.path
@@ -241,6 +243,7 @@ class FileBackend(StorageBackend):
 
 def open_url(url: str, *, layout: str | None = None, name: str = "") -> FileBackend:
     """`file:///abs/path?capacity=100GiB&fsync=false&io_threads=4&timeout=5s&compression=none`."""
+    require_pageio(f"{name or url}: the file backend")  # before its options: none can help
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise BackendConfigError(f"{url}: file:// takes a local path (file:///path), not a host")

@@ -102,8 +102,8 @@ class PackWriter:
     def sync(self, targets: list[int | str]) -> None:
         """fsync each target (an open pack, or a folder by path), all at once; OSError if one
         fails. (A batch of 32 pages names about 30 of the 256 folders; one by one each waited
-        for its own journal commit and disk flush: 4.6-5.0 ms a batch on a virtual disk,
-        against about 1 ms at once.)"""
+        for its own journal commit and disk flush, several times as long as all at once:
+        docs/performance.md.)"""
         threads = max(1, min(len(targets), _SYNC_THREADS))
         for target, error in zip(targets, pageio.sync_all(targets, threads), strict=True):
             if error:

@@ -1,20 +1,41 @@
-"""The C extension of the storage backends, `_pageio` (built from `_pageio.c` when the
-project is installed): the page checksum (XXH3), the check of a stored object, the framing
-of pages and the file backend's batch reads and writes. It is the only implementation of
-each, so it is required: an install that cannot build it fails (setup.py says why), and an
-import without it fails here, saying how to build it.
+"""Which implementation the storage backends run on: the C extension `_pageio` (built from
+`_pageio.c` where the install has a C compiler and the xxHash library's header), or without
+it `portable`, the same checks and framing in Python.
+
+`checks` is the one the object check and the framing go through (`xxh3_64`, `check_object`,
+`check_copy`, `frame_headers`, the same answers from either): memory://, redis:// and
+grpc:// work with or without the extension. The `file://` backend's batch reads and writes
+are the extension's alone (they are why it exists: benchmarks/bench_file_read.py); it asks
+for them with `require_pageio`, which names what to install where they are missing.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
+from . import portable
+from .errors import BackendConfigError
+
 try:
     from . import _pageio as pageio
-except ImportError as exc:  # pragma: no cover - a broken install
-    raise ImportError(
-        "storage_backends._pageio (the C extension every page checksum, check, read and "
-        "write goes through) is not built in this install: reinstall the project with a C "
-        "compiler and Python's headers present (pip install -e .), or build it in place with "
-        "`python setup.py build_ext --inplace`"
-    ) from exc
+except ImportError:  # an install without a C compiler: setup.py warned
+    pageio = None
 
-__all__ = ["pageio"]
+checks: ModuleType = pageio if pageio is not None else portable
+
+_MISSING = (
+    "{what} needs the C extension storage_backends._pageio, which this install lacks: install "
+    "a C compiler, Python's headers and the xxHash header (Debian/Ubuntu: apt-get install gcc "
+    "python3-dev libxxhash-dev), then reinstall (pip install -e .)"
+)
+
+
+def require_pageio(what: str) -> ModuleType:
+    """The C extension, or BackendConfigError, one line naming `what` needs it and how to
+    get it."""
+    if pageio is None:
+        raise BackendConfigError(_MISSING.format(what=what))
+    return pageio
+
+
+__all__ = ["checks", "pageio", "require_pageio"]

@@ -29,9 +29,10 @@ checks out under its key: anything else is `CorruptReason.FORGED`, a miss. A rea
 a key reads both versions as before (integrity only; the MAC is covered by the checksum but
 not checked), and so does the daemon, which stores clients' objects as opaque bytes.
 
-The checksum and the check of a stored object (header, lengths, checksum) are the C
-extension's (`native.pageio`: `xxh3_64`, `check_object`), the one implementation of each.
-This module holds the format and frames objects; `verify` checks and decodes them.
+The checksum is the xxHash library's XXH3-64, and it and the check of a stored object
+(header, lengths, checksum) are `native.checks`: the C extension's where it is built, else
+`portable`'s, which answer the same. This module holds the format and frames objects;
+`verify` checks and decodes them.
 
 This module knows bytes and buffers only: not what a layout means, not where objects live.
 An object may arrive as one buffer or as several parts whose concatenation is the object
@@ -49,7 +50,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from .errors import BackendConfigError
-from .native import pageio
+from .native import checks
 
 MAGIC = b"HCKV"
 FORMAT_VERSION = 1
@@ -269,8 +270,8 @@ def frame_objects(
     mac_key: MacKey | None = None,
 ) -> list[FramedObject]:
     """`frame_object` for a batch, the layout and the codec checked once. Uncompressed pages
-    without a MAC are framed by the C extension in one call, hashed on up to `threads`
-    threads; lz4 and MACs are applied here page by page (the checksum still the C one)."""
+    without a MAC are framed in one call (`checks.frame_headers`: with the C extension, hashed
+    on up to `threads` threads); lz4 and MACs are applied here page by page."""
     encoded = layout_bytes(layout)
     codec = Compression.parse(compression)
     if codec is Compression.NONE and mac_key is None:
@@ -284,14 +285,14 @@ def frame_objects(
 def _frame_plain(
     keys: Sequence[bytes], layout: bytes, payloads: Sequence[Buffer], threads: int
 ) -> list[FramedObject]:
-    """Uncompressed version 1 pages framed by the C extension (`frame_headers`)."""
+    """Uncompressed version 1 pages framed in one call (`checks.frame_headers`)."""
     pages = [byte_view(payload, what="page") for payload in payloads]
     joined = b"".join([check_key(key) for key in keys])
     if len(joined) != KEY_BYTES * len(pages):
         raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
     size = HEADER_FIXED_BYTES + len(layout)
     headers = bytearray(size * len(pages))
-    pageio.frame_headers(joined, plain_template(layout), layout, pages, headers, threads)
+    checks.frame_headers(joined, plain_template(layout), layout, pages, headers, threads)
     view = memoryview(headers)
     return [
         FramedObject(bytes(view[size * i : size * (i + 1)]), page) for i, page in enumerate(pages)
@@ -300,8 +301,8 @@ def _frame_plain(
 
 def plain_template(layout: bytes) -> bytes:
     """The first 48 bytes of the header of an uncompressed version 1 page of `layout`, with
-    the key and the lengths zero: what the C extension fills in per page (key at 16, lengths
-    at 32 and 40) when it frames pages."""
+    the key and the lengths zero: what `frame_headers` fills in per page (key at 16, lengths
+    at 32 and 40)."""
     return _PLAIN.pack(MAGIC, FORMAT_VERSION, Compression.NONE, 0, len(layout), b"", 0, 0)
 
 
@@ -346,7 +347,7 @@ def _header(
         mac = start_mac(mac_key, prefix, layout)
         mac.update(stored)
         tail = layout + mac.digest()
-    checksum = pageio.xxh3_64(prefix + tail, stored)
+    checksum = checks.xxh3_64(prefix + tail, stored)
     return prefix + _CHECKSUM.pack(checksum) + tail
 
 

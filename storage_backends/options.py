@@ -30,6 +30,7 @@ _SIZE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+MAX_DURATION_S = 86400.0  # a day: any longer is a mistake (and past ~2**33 s waits overflow)
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0}
 _NUMBER_WITH_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -70,7 +71,12 @@ def parse_duration(text: str | float, *, name: str = "duration") -> float:
             f"{name}: {text!r} is not a duration; use seconds or a number with a unit "
             f"(us, ms, s, m, h), e.g. 250ms or 2s"
         )
-    return float(match.group(1)) * _DURATION_UNITS[unit]
+    seconds = float(match.group(1)) * _DURATION_UNITS[unit]
+    if not seconds <= MAX_DURATION_S:
+        raise BackendConfigError(
+            f"{name}: {text!r} is out of range: a duration is at most {MAX_DURATION_S:g}s"
+        )
+    return seconds
 
 
 def parse_bool(text: str | bool, *, name: str = "flag") -> bool:
@@ -150,7 +156,7 @@ class BackendOptions:
     )
 
     def __post_init__(self) -> None:
-        check_range("timeout", self.timeout_s, low=0.001)
+        check_range("timeout", self.timeout_s, low=0.001, high=3600.0)
         check_range("warn_interval", self.warn_interval_s, low=0.0)
         check_range("close_grace", self.close_grace_s, low=0.01, high=3600.0)
         check_range("breaker_failures", self.breaker_failures, low=0)

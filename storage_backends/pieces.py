@@ -1,8 +1,8 @@
 """The page-carrying messages of hicache.v1.KVStore, encoded and decoded by hand.
 
 `BatchGetResponse` and `BatchPutRequest` (proto/kvstore.proto) carry pages as `Piece`s. The
-generated protobuf classes would copy every page several times on the way in and out (a
-2 MiB page serialises at about 1 GB/s); this module writes the same protobuf wire format with
+generated protobuf classes would copy every page several times on the way in and out
+(docs/performance.md); this module writes the same protobuf wire format with
 one `b"".join` of the caller's buffers, and reads it back as memoryviews into the received
 message, without copying a page; `ObjectAssembly` puts a stream's pieces back into objects.
 Tests check both directions against the generated classes.

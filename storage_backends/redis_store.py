@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from urllib.parse import unquote
 
 import redis.asyncio as aredis
@@ -267,19 +268,39 @@ class RedisBackend(StorageBackend):
                 parts.append(reply)
 
     async def _delete(self, keys: list[bytes]) -> int:
-        """Read each page's header length fields, then delete the page and all its chunks."""
+        """Delete each page and every chunk it spans. A page's chunks are consecutive keys
+        (`:1`, `:2`...), so the delete goes on until one is absent: the header's lengths
+        (read first) only size the first round, which reaches one past the end they imply,
+        so a damaged header costs further rounds, never chunks left behind."""
         redis_keys = [self._redis_key(key) for key in keys]
         probe = []
         for redis_key in redis_keys:
             probe += [[b"GETRANGE", redis_key, b"0", b"%d" % (HEADER_FIXED_BYTES - 1)]]
             probe += [[b"STRLEN", redis_key]]
         replies = await self._run(probe)
-        commands = []
-        for j, redis_key in enumerate(redis_keys):
-            num_chunks = _num_chunks(replies[2 * j], replies[2 * j + 1])
-            commands.append([b"DEL"] + [self._chunk_key(redis_key, i) for i in range(num_chunks)])
-        replies = await self._run(commands)
-        return sum(1 for reply in replies if isinstance(reply, int) and reply > 0)
+        # page -> (first chunk index of the next round, chunks in it)
+        rounds = {
+            j: (0, _num_chunks(replies[2 * j], replies[2 * j + 1]) + 1)
+            for j in range(len(redis_keys))
+        }
+        removed = 0
+        while rounds:
+            commands, spans = [], []
+            for j, (first, count) in rounds.items():
+                count = min(count, _MAX_CHUNKS - first)
+                spans.append((j, first, count))
+                commands += [
+                    [b"DEL", self._chunk_key(redis_keys[j], i)] for i in range(first, first + count)
+                ]
+            replies = iter(await self._run(commands))
+            next_rounds = {}
+            for j, first, count in spans:
+                gone = [isinstance(reply, int) and reply > 0 for reply in islice(replies, count)]
+                removed += first == 0 and gone[0]
+                if gone[-1] and first + count < _MAX_CHUNKS:  # the run goes on past this round
+                    next_rounds[j] = (first + count, 2 * count)
+            rounds = next_rounds
+        return removed
 
 
 # -- wire helpers ----------------------------------------------------------------------------

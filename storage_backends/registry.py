@@ -6,8 +6,8 @@ redis). A factory is called as `factory(url, layout=..., name=...)` and returns 
 `StorageBackend`; it parses its options with `options.options_from_query`, so an unknown
 option or a bad size fails here, before anything connects.
 
-Built in: memory, file, redis, rediss, redis+cluster, rediss+cluster, and the cache-server
-client grpc and grpcs (TLS).
+Built in: memory, file, redis, rediss, redis+cluster, rediss+cluster, mooncake (Mooncake
+Store), and the cache-server client grpc and grpcs (TLS).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
+from urllib.parse import unquote, urlsplit
 
 from .base import StorageBackend
 from .errors import BackendConfigError
@@ -31,6 +32,7 @@ _BUILTIN: dict[str, str] = {
     "rediss+cluster": "storage_backends.redis_store:open_url",
     "grpc": "storage_backends.grpc_store:open_url",
     "grpcs": "storage_backends.grpc_store:open_url",
+    "mooncake": "storage_backends.mooncake_store:open_url",
 }
 
 _factories: dict[str, str | BackendFactory] = dict(_BUILTIN)
@@ -64,7 +66,8 @@ def open_backend(url: str, *, layout: str | None = None) -> StorageBackend:
     """
     if not isinstance(url, str) or "://" not in url:
         raise BackendConfigError(f"not a backend URL: {url!r} (expected scheme://...)")
-    name = redact_url(url)
+    name = redact_url(_printable(url))
+    _check_url_text(url, name)
     scheme = url.split("://", 1)[0].lower()
     with _lock:
         factory = _factories.get(scheme)
@@ -75,4 +78,28 @@ def open_backend(url: str, *, layout: str | None = None) -> StorageBackend:
     if isinstance(factory, str):
         module_name, function_name = factory.split(":")
         factory = getattr(importlib.import_module(module_name), function_name)
-    return factory(url, layout=layout, name=name)
+    try:
+        return factory(url, layout=layout, name=name)
+    except BackendConfigError:
+        raise
+    except ValueError as exc:  # what the URL parser or a path check found: still the URL's
+        raise BackendConfigError(f"{name}: {exc}") from None
+
+
+def _printable(url: str) -> str:
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in url)
+
+
+def _check_url_text(url: str, name: str) -> None:
+    """A URL holds no control character, as written or percent-decoded (a NUL in a path
+    would only fail later, inside the OS call); its host part parses."""
+    for form, text in (("", url), ("percent-decoded ", unquote(url))):
+        bad = next((c for c in text if not c.isprintable()), None)
+        if bad is not None:
+            raise BackendConfigError(
+                f"{name}: the {form}URL holds a control character {ascii(bad)}"
+            )
+    try:
+        urlsplit(url)
+    except ValueError as exc:
+        raise BackendConfigError(f"{name}: {exc}") from None

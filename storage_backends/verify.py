@@ -1,13 +1,14 @@
 """The check of every stored object a backend reads, and its decoding: `check_object`.
 
 Where a page is verified: here, in `check_object`, for every read of every backend and of
-the daemon (`verify_object`), and, for a batch, in the same C check called by the file
-reader (`pageio.read_stretches`) and by `decode_objects_into` (`pageio.check_copy`). The
-check itself (magic, version, codec, key, layout, lengths, checksum) is the C extension's
-`check_parts`, the one implementation; this module names the reason it answers
-(`CorruptReason`), checks the MAC of a tenant secret (HMAC-SHA256) and decompresses lz4. A
-read never returns bytes that failed a check, and a destination is written only once its
-object checked out.
+the daemon (`verify_object`), and, for a batch, in the same check called by the file
+reader (`pageio.read_stretches`) and by `decode_objects_into` (`check_copy`). The check
+itself (magic, version, codec, key, layout, lengths, checksum) is `native.checks`: the C
+extension's `check_parts`, or where the extension is not built `portable.check_object`,
+which answers the same (the tests hold the two to one damage corpus). This module names the
+reason it answers (`CorruptReason`), checks the MAC of a tenant secret (HMAC-SHA256) and
+decompresses lz4. A read never returns bytes that failed a check, and a destination is
+written only once its object checked out.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
-from .native import pageio
+from .native import checks
 from .objects import (
     CHECKSUM_OFFSET,
     CODECS,
@@ -35,7 +36,7 @@ from .objects import (
     start_mac,
 )
 
-# What the C check answers (`_pageio.c`, check_parts): 1 verified, else the reason by number.
+# What the check answers (`_pageio.c` check_parts, `portable`): 1 verified, else the reason.
 _VERIFIED = 1
 _REASONS = {
     2: CorruptReason.MAGIC,
@@ -68,7 +69,7 @@ def check_object(
     (its header, its stored payload as views into `obj`), or why it is refused.
 
     `obj` is the whole object, as one buffer or as parts in order (a header read apart from
-    its payload, a Redis hash of chunks). The C check (`pageio.check_object`, the same one
+    its payload, a Redis hash of chunks). The check (`checks.check_object`, the same one
     the file reader and `check_copy` apply to a batch) looks at the magic, version and
     flags, the codec, the key, the layout (unless `expected_layout` is None: the daemon
     stores every layout), the lengths against the header, the bytes present and `raw_bytes`
@@ -81,10 +82,10 @@ def check_object(
     if len(parts) > _MAX_PARTS:
         parts = [memoryview(b"".join(parts))]
     expected_raw = -1 if raw_bytes is None else raw_bytes
-    code = pageio.check_object(parts, expected_key, expected_layout, expected_raw)
+    code = checks.check_object(parts, expected_key, expected_layout, expected_raw)
     if code == _SPLIT_HEADER:  # (no backend here splits a header; tolerated)
         parts = [memoryview(b"".join(parts))]
-        code = pageio.check_object(parts, expected_key, expected_layout, expected_raw)
+        code = checks.check_object(parts, expected_key, expected_layout, expected_raw)
     if code != _VERIFIED:
         return _REASONS[code]
     header = _verified_header(parts[0])
@@ -207,9 +208,9 @@ def decode_objects_into(
     """`decode_object_into` for a batch: one None (verified and copied) or reason per object.
 
     Objects held as one buffer each (the common reply of a network backend, what memory://
-    holds) are checked and copied by the C extension in one call (`check_copy`, the same
-    check as `check_object`'s) on up to `threads` threads; objects in parts, intact lz4 ones
-    and, with a `mac_key`, all of them (the C check knows no MAC) go through
+    holds) are checked and copied in one call (`checks.check_copy`, the same check as
+    `check_object`'s: with the C extension, on up to `threads` threads); objects in parts,
+    intact lz4 ones and, with a `mac_key`, all of them (that check knows no MAC) go through
     `decode_object_into`. Either way a destination is written only once its object checked
     out.
     """
@@ -218,7 +219,7 @@ def decode_objects_into(
     whole = [i for i, buf in enumerate(buffers) if buf is not None]
     if whole:
         codes = bytearray(len(whole))
-        pageio.check_copy(
+        checks.check_copy(
             [buffers[i] for i in whole],
             [intos[i] for i in whole],
             b"".join([expected_keys[i] for i in whole]),

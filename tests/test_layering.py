@@ -47,7 +47,7 @@ TORCH_FREE_MODULES = [
     "hicache.controller",
     "hicache.transfers",
     "hicache.simulate",
-    "hicache.simulate.replay",
+    "hicache.simulate.player",
     "hicache.server",
     "engine_integration.serve.demo",
 ]

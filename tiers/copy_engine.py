@@ -3,23 +3,22 @@
 `cuMemcpyBatchAsync` (CUDA 12.8+) takes arrays of (destination, source, size) and runs the
 copies on the copy engines, in stream order, with no SM in use. For (page, layer) chunks of
 64 KiB and more it moves scattered pages between pinned host memory and the device at the
-link's contiguous rate (H200: 99 % of a contiguous pinned copy for 256 KiB chunks, against
-89 % for SM loads), and the forward pass it overlaps keeps every SM. For small chunks the
-per-copy cost of the engines dominates (18 KiB chunks: 44 %), so `TransferEngine` uses the
-Triton kernels there.
+link's contiguous rate, faster than SM loads, and the forward pass it overlaps keeps every
+SM. For small chunks the per-copy cost of the engines dominates, so `TransferEngine` uses
+the Triton kernels there. Measured by benchmarks/bench_copy_engine.py (the ratio of each to
+a contiguous pinned copy); the figures are in docs/performance.md.
 
-The driver spends CPU time per copy in a batch (~1.2 us on an H200 host: 0.3 ms for one
-layer of 256 pages, 13 ms for a 16K-token Llama-3.1-8B prefix, during which the caller
-queues nothing else). Pages of one load often sit in runs (consecutive host ids against
+The driver spends CPU time per copy in a batch, during which the caller queues nothing
+else. Pages of one load often sit in runs (consecutive host ids against
 consecutive device ids: a prefix backed up in order, loaded into pages allocated together);
 a run's layer is one strided copy, `copy_2d` (`cuMemcpy2DAsync`: a row per page, the host
 pool's page stride apart), so a load costs the driver a call per run and layer instead of a
 copy per page and layer. `page_runs` finds the runs.
 
 The driver calls only enqueue (microseconds), so they keep the GIL (`ctypes.PyDLL`): with
-ctypes' default, each call let the GIL go and waited to take it back, and while an L3 read's
-threads ran Python (bench_engine's 32K L3 hit on the H200) a load's 14 calls took 10-22 ms of
-wall time for 2-3 ms of CPU time.
+ctypes' default, each call let the GIL go and waited to take it back, which cost a load
+many times its CPU time while an L3 read's threads ran Python (bench_engine's 32K L3 hit;
+docs/performance.md).
 
 The entry points are found in libcuda at run time through ctypes: CUDA 13's
 `cuMemcpyBatchAsync_v2`, else 12.8's `cuMemcpyBatchAsync` (which also reports a failing

@@ -154,11 +154,9 @@ def _copy_chunks_kernel(
 ):
     # Each program strides over the tiles of the launch (a persistent grid of <= 16 programs).
     # Issuing the loads of tile k+1 before the stores of tile k (two tiles in flight) was an
-    # option until it measured no gain on an H200 (bench_transfer --sweep: 85.0 % of the
-    # copy engine's rate without, 86.4 % with, backups 90.5 % both); nor did 8 vs 16
-    # programs, 4-32 warps or 16-128 KiB tiles: SM reads of host memory settle at ~48.5 GB/s
-    # (~89 % of the copy engine) and writes at ~50.5 GB/s (~92 %), the link and not the
-    # launch shape being the limit there.
+    # option until it measured no gain (bench_transfer --sweep); nor did 8 vs 16 programs,
+    # 4-32 warps or 16-128 KiB tiles: the link, not the launch shape, is the limit of SM
+    # copies of host memory (figures: docs/performance.md).
     pid = tl.program_id(0)
     step = tl.num_programs(0) * ROWS_PER_TILE
     cols = tl.arange(0, ROW_ELEMS)[None, :]  # (1, C)

@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "copy_engine", "triton", "reference")
 # `warm_up` times a load of this many bytes: enough that the link's rate, not its latency,
-# sets the time (16 pages of a small model's 24 KiB pages gave 0.6 GB/s on an H200's
-# 55 GB/s link).
+# sets the time (16 pages of a small model timed a small share of the link:
+# docs/performance.md).
 LINK_SAMPLE_BYTES = 16 << 20
 
 
@@ -143,7 +143,7 @@ class TransferEngine:
             if self.on_cuda and host_pool.pinned:
                 # Loads of large chunks run at the link's rate on the copy engines, and leave
                 # the SMs to the forward pass they overlap; backups stay on the kernels, which
-                # beat the engines device-to-host (bench_copy_engine.py: 91 % against 87 %).
+                # beat the engines device-to-host (bench_copy_engine.py; docs/performance.md).
                 large = device_pool.layout.bytes_per_page_per_layer >= MIN_CHUNK_BYTES
                 self.backup_kernel = "triton"
                 self.load_kernel = "copy_engine" if large and self._copier else "triton"
@@ -364,7 +364,8 @@ def _copy_in_host_memory(
     """A load (host page -> device page) or a backup (the other way) of checked ids between
     two pools that are both in host memory, the CPU's L1 and L2: one strided copy a page,
     every layer at once. (The reference kernels gather and scatter a layer at a time, each
-    checking the ids again: 8x slower for three SmolLM2 pages.)"""
+    checking the ids again: several times slower; bench_engine --models tiny on the CPU,
+    docs/performance.md.)"""
     for device_page, host_page in zip(device_ids.tolist(), host_ids.tolist(), strict=True):
         if backup:
             host_kv[host_page].copy_(device_kv[:, device_page])

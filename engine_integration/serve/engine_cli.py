@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--l3-url",
         default=None,
-        help="the shared L3: grpc://HOST:PORT (hicache serve), redis://HOST:PORT/0, file:///DIR",
+        help="the shared L3: grpc://HOST:PORT (hicache serve), redis://HOST:PORT/0, "
+        "mooncake://MASTER:PORT, file:///DIR",
     )
     a(
         "--events-endpoint",

@@ -1,6 +1,11 @@
 """The OpenAI-compatible request and response shapes of `hicache engine serve` (and of the
 router in front of it): `/v1/completions` and `/v1/chat/completions`, streamed or not.
 
+`read_body` is the edge check every request passes first, at the router and at a replica:
+a body of at most `MAX_BODY_BYTES`, strict UTF-8, JSON nested at most `MAX_JSON_DEPTH`
+deep, no lone surrogate in any string (JSON's `"\ud800"` escape is not text). What fails it
+is a `BadRequest`: HTTP 400 with a one-line JSON error, never a 500.
+
 `parse_request` turns a request body into a prompt's token ids and sampling parameters,
 refusing, by name, a field we cannot honour (`n` > 1, `stop` strings, `logprobs`): a client
 must never get a different computation than the one it asked for. The chunk and response
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import signal
 import socket
@@ -45,8 +51,73 @@ _UNSUPPORTED = {
 _PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
+MAX_BODY_BYTES = 1 << 20  # a request body; a longer prompt is sent as token ids or not at all
+MAX_JSON_DEPTH = 32  # objects and arrays within each other
+
+
 class BadRequest(ValueError):
     """A request body we cannot serve; the message names the field (HTTP 400)."""
+
+
+def bad_request(error: BadRequest) -> web.Response:
+    return web.json_response(error_body(str(error)), status=400)
+
+
+async def read_body(request: web.Request) -> Any:
+    """The request's JSON body, checked as the module doc says; raises BadRequest."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise BadRequest(
+            f"the request body is {request.content_length} bytes; at most {MAX_BODY_BYTES}"
+        )
+    raw = bytearray()
+    async for data in request.content.iter_chunked(64 << 10):
+        raw += data
+        if len(raw) > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body is over {MAX_BODY_BYTES} bytes")
+    return decode_body(bytes(raw))
+
+
+def decode_body(raw: bytes) -> Any:
+    """`read_body` of bytes already read."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadRequest(f"the request body is not UTF-8 (byte {error.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise BadRequest(f"the request body is not JSON ({error})") from None
+    except RecursionError:  # the parser's own bound, far past ours
+        raise BadRequest(_too_deep()) from None
+    _check_text(body)
+    return body
+
+
+def _too_deep() -> str:
+    return f"the request body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+
+
+def _check_text(body: Any) -> None:
+    """Nesting at most MAX_JSON_DEPTH deep; every string (keys too) Unicode text (a lone
+    surrogate is not)."""
+    stack = [(body, "the body", 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(_too_deep())
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise BadRequest(
+                    f"{path} holds a lone surrogate ({item[error.start]!a}), not text"
+                ) from None
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                stack.append((key, f"a key of {path}", depth))
+                stack.append((inner, f"{key!a}", depth + 1))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{path}[{i}]", depth + 1) for i, inner in enumerate(item))
 
 
 @dataclass(frozen=True)
@@ -71,9 +142,10 @@ class ApiRequest:
     request_id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
 
 
-def parse_request(path: str, body: Any, tokenizer, model_name: str) -> ApiRequest:
-    """The request `body` (decoded JSON) sent to `path`; raises BadRequest naming what is
-    wrong. A completions `prompt` may be text or a list of token ids."""
+def check_fields(path: str, body: Any) -> tuple[Sampling, bool]:
+    """Everything about a request that needs no tokenizer (the router checks this much at
+    its edge): its shape, the fields we cannot honour, the sampling fields and `stream`.
+    Raises BadRequest naming what is wrong."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
     for name, refused in _UNSUPPORTED.items():
@@ -83,14 +155,11 @@ def parse_request(path: str, body: Any, tokenizer, model_name: str) -> ApiReques
         if body.get(name) not in (None, 0, 0.0):
             raise BadRequest(f"'{name}' is not supported by hicache engine serve")
     if path == COMPLETIONS:
-        prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
+        _completion_prompt(body.get("prompt"))
     elif path == CHAT:
-        prompt_ids = _chat_prompt(body.get("messages"), tokenizer)
+        _chat_messages(body.get("messages"))
     else:
         raise BadRequest(f"unknown endpoint {path}")
-    vocab = tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in prompt_ids):
-        raise BadRequest(f"'prompt' holds token ids outside the vocabulary [0, {vocab})")
     default_max = 16
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
     sampling = Sampling(
@@ -104,24 +173,45 @@ def parse_request(path: str, body: Any, tokenizer, model_name: str) -> ApiReques
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false")
+    if not isinstance(body.get("model", ""), str):
+        raise BadRequest("'model' must be a string")
+    return sampling, stream
+
+
+def parse_request(path: str, body: Any, tokenizer, model_name: str) -> ApiRequest:
+    """The request `body` (decoded JSON) sent to `path`; raises BadRequest naming what is
+    wrong. A completions `prompt` may be text or a list of token ids."""
+    sampling, stream = check_fields(path, body)
+    if path == COMPLETIONS:
+        prompt = _completion_prompt(body.get("prompt"))
+        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    else:
+        messages = [dict(m) for m in body["messages"]]
+        # One renderer for the whole service: the demo's (the chat template if the model has
+        # one, else a plain "User: / Assistant:" format).
+        text = render_chat(tokenizer, messages, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(text)
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in prompt_ids):
+        raise BadRequest(f"'prompt' holds token ids outside the vocabulary [0, {vocab})")
     return ApiRequest(path, prompt_ids, sampling, stream, str(body.get("model") or model_name))
 
 
-def _completion_prompt(prompt: Any, tokenizer) -> list[int]:
+def _completion_prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return tokenizer.encode(prompt)
+        return prompt
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return list(prompt)
+        return prompt
     raise BadRequest("'prompt' must be a non-empty string or a non-empty list of token ids")
 
 
-def _chat_prompt(messages: Any, tokenizer) -> list[int]:
+def _chat_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
     for i, message in enumerate(messages):
@@ -135,10 +225,6 @@ def _chat_prompt(messages: Any, tokenizer) -> list[int]:
             )
     if messages[-1]["role"] == "assistant":
         raise BadRequest("the last of 'messages' must not be the assistant's")
-    # One renderer for the whole service: the demo's (the chat template if the model has
-    # one, else a plain "User: / Assistant:" format).
-    text = render_chat(tokenizer, [dict(m) for m in messages], add_generation_prompt=True)
-    return tokenizer.encode(text)
 
 
 def _int(value: Any, name: str, *, low: int, high: int) -> int:

@@ -42,9 +42,11 @@ from engine_integration.serve.openai_api import (
     ApiRequest,
     BadRequest,
     TextStream,
+    bad_request,
     chunk,
     error_body,
     parse_request,
+    read_body,
     response,
     serve_until_stopped,
 )
@@ -131,8 +133,8 @@ class EngineLoop:
                 continue
             try:
                 request = self.engine.add_request(prompt, params, request_id=request_id)
-            except (ValueError, RequestTooLargeError) as error:
-                sink(("error", str(error)))
+            except (ValueError, RequestTooLargeError) as error:  # the request's own fault
+                sink(("refused", str(error)))
                 continue
             self._jobs[request_id] = _Job(request, sink)
 
@@ -207,6 +209,10 @@ class Replica:
         )
 
     async def info(self, _request: web.Request) -> web.Response:
+        events_seq = None  # the last batch of events published, once all queued are sent
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.flush)
+            events_seq = self.publisher.next_seq - 1
         return web.json_response(
             {
                 "name": self.name,
@@ -216,6 +222,7 @@ class Replica:
                 "page_size": self.config.page_size,
                 "events_endpoint": self.publisher.endpoint if self.publisher else None,
                 "replay_endpoint": self.publisher.replay_endpoint if self.publisher else None,
+                "events_seq": events_seq,
                 "running": self.loop.num_running,
                 "started_s": self.started_s,
                 "pid": os.getpid(),
@@ -240,6 +247,8 @@ class Replica:
             kind, value = await items.get()
             if kind == "tokens":
                 ids.extend(value)
+            elif kind == "refused":
+                return bad_request(BadRequest(value))
             elif kind == "error":
                 return web.json_response(error_body(value, "server_error"), status=500)
             else:
@@ -254,13 +263,15 @@ class Replica:
         body = await self._json(request)
         if isinstance(body, web.Response):
             return body
-        path = CHAT if "messages" in body else COMPLETIONS
+        path = CHAT if isinstance(body, dict) and "messages" in body else COMPLETIONS
         api = await self._parse(request, path, body)
         if isinstance(api, web.Response):
             return api
         items = self._start(api, SamplingParams(max_new_tokens=1))
         while True:
             kind, value = await items.get()
+            if kind == "refused":
+                return bad_request(BadRequest(value))
             if kind == "error":
                 return web.json_response(error_body(value, "server_error"), status=500)
             if kind == "done":
@@ -281,9 +292,9 @@ class Replica:
 
     async def _json(self, request: web.Request):
         try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response(error_body("the request body is not JSON"), status=400)
+            return await read_body(request)
+        except BadRequest as error:
+            return bad_request(error)
 
     async def _parse(self, request: web.Request, path: str, body=None):
         if body is None:
@@ -293,7 +304,7 @@ class Replica:
         try:
             return parse_request(path, body, self.tokenizer, self.model_name)
         except BadRequest as error:
-            return web.json_response(error_body(str(error)), status=400)
+            return bad_request(error)
 
     def _params(self, api: ApiRequest) -> SamplingParams:
         s = api.sampling
@@ -338,12 +349,20 @@ class Replica:
 
     async def _stream(self, request: web.Request, api: ApiRequest) -> web.StreamResponse:
         items = self._start(api, self._params(api))
+        try:
+            first = await items.get()
+        except asyncio.CancelledError:
+            self.loop.abort(api.request_id)
+            raise
+        if first[0] == "refused":  # before any byte of the stream: a plain 400
+            return bad_request(BadRequest(first[1]))
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         text = TextStream(self.tokenizer)
         try:
             await stream.prepare(request)
             while True:
-                kind, value = await items.get()
+                kind, value = first if first is not None else await items.get()
+                first = None
                 if kind == "tokens":
                     piece = text.add(value)
                     extra = {"hicache": {"token_ids": value}}

@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the daemon's replay socket (--events-replay-endpoint)",
     )
     a(
+        "--l3-events-token-file",
+        default=None,
+        metavar="PATH",
+        help="a token of the daemon's --tenants-file (or --auth-token-file): a daemon with "
+        "tokens publishes a namespace's events only to subscribers holding a token for it",
+    )
+    a(
         "--wait",
         type=float,
         default=120.0,
@@ -94,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             l3_events=args.l3_events,
             l3_replay=args.l3_events_replay,
+            l3_token_file=args.l3_events_token_file,
             wait_s=args.wait,
         )
     except ValueError as error:

@@ -16,9 +16,13 @@ are in its L1); if that replica cannot already find every full page of the promp
 (`needs_prefill`), a prefill replica (chosen the same way) computes the prompt into the
 shared L3 first. The decode replica's response is the client's.
 
-A replica that refuses connections or drops one is taken out of the rotation, its index
-forgotten, and the request is sent to the next choice (a stream that has already sent
-tokens to the client cannot be moved: it ends with an error event). A probe brings a
+Every request is checked at the edge first (`openai_api.read_body` and `check_fields`:
+size, UTF-8, nesting, fields): what fails is answered 400 here and never reaches a replica.
+Only a replica's own failures take it out of the rotation: a refused or dropped connection,
+a timeout, a 5xx answer to a request that passed the edge. A replica's 4xx (a prompt too
+long for it) is the request's fault and is passed on to the client. A replica taken out has
+its index forgotten, and the request is sent to the next choice (a stream that has already
+sent tokens to the client cannot be moved: it ends with an error event). A probe brings a
 replica back once it answers `/health` again.
 """
 
@@ -38,7 +42,16 @@ import aiohttp
 import zmq
 from aiohttp import web
 
-from engine_integration.serve.openai_api import CHAT, COMPLETIONS, error_body, serve_until_stopped
+from engine_integration.serve.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    BadRequest,
+    bad_request,
+    check_fields,
+    error_body,
+    read_body,
+    serve_until_stopped,
+)
 from hicache.events import (
     TIER_OF_MEDIUM,
     AllBlocksCleared,
@@ -63,6 +76,7 @@ class PageIndex:
 
     def __init__(self) -> None:
         self._tiers: dict[bytes, int] = {}
+        self.seq = -1  # the last batch applied
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -171,6 +185,7 @@ class RouterConfig:
     port: int = 8000
     l3_events: str | None = None  # the cache daemon's event endpoint (shared L3)
     l3_replay: str | None = None
+    l3_token_file: str | None = None  # the subscriber's token, for a daemon with tokens
     wait_s: float = 120.0  # how long to wait at start for the replicas to answer
 
     def __post_init__(self) -> None:
@@ -243,8 +258,9 @@ class EventFeed:
                     subscriber.endpoint,
                     subscriber.lost,
                 )
-            for _, batch in batches:
+            for seq, batch in batches:
                 index.apply(batch.events)
+                index.seq = seq
 
 
 class RouteServer:
@@ -260,6 +276,7 @@ class RouteServer:
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
         self._turn = 0
+        self.num_bad_requests = 0  # refused at the edge (400), never sent to a replica
 
     # ------------------------------------------------------------------ start and stop
 
@@ -276,7 +293,18 @@ class RouteServer:
                 await asyncio.sleep(0.2)
         if self.config.l3_events:
             self.shared_l3 = PageIndex()
-            subscriber = EventSubscriber(self.config.l3_events, self.config.l3_replay)
+            secret = None
+            if self.config.l3_token_file is not None:
+                try:
+                    with open(self.config.l3_token_file) as f:
+                        secret = f.read().strip()
+                except OSError as error:
+                    raise ValueError(
+                        f"--l3-events-token-file {self.config.l3_token_file}: {error.strerror}"
+                    ) from None
+            subscriber = EventSubscriber(
+                self.config.l3_events, self.config.l3_replay, secret=secret
+            )
             self.feed.add(subscriber, self.shared_l3)
         self._probe_task = asyncio.get_running_loop().create_task(self._probe())
 
@@ -406,19 +434,27 @@ class RouteServer:
                     "routed": r.num_routed,
                     "failed": r.num_failed,
                     "pages": r.index.num_pages(),
+                    "events_seq": r.index.seq,
                 }
                 for r in self.replicas
             ]
             shared = len(self.shared_l3) if self.shared_l3 is not None else None
         return web.json_response(
-            {"policy": self.config.routing.policy, "replicas": replicas, "shared_l3_pages": shared}
+            {
+                "policy": self.config.routing.policy,
+                "replicas": replicas,
+                "shared_l3_pages": shared,
+                "bad_requests": self.num_bad_requests,
+            }
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response(error_body("the request body is not JSON"), status=400)
+        try:  # a request no replica could serve never reaches one
+            body = await read_body(request)
+            check_fields(request.path, body)
+        except BadRequest as error:
+            self.num_bad_requests += 1
+            return bad_request(error)
         tried: set[int] = set()
         while True:
             prompt = await self._tokenize(request.path, body)
@@ -452,11 +488,14 @@ class RouteServer:
                 async with self.session.post(
                     f"{replica.url}/hicache/tokenize{path}", json=body
                 ) as reply:
-                    answer = await reply.json()
-                    if reply.status != 200:
-                        return web.json_response(answer, status=reply.status)
-                    return answer["prompt_token_ids"]
-            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                    if reply.status >= 500:  # the replica's own failure
+                        raise aiohttp.ClientResponseError(
+                            reply.request_info, (), status=reply.status, message=reply.reason
+                        )
+                    if reply.status != 200:  # the request's fault: the client hears why
+                        return await _passed_on(reply)
+                    return (await reply.json())["prompt_token_ids"]
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError) as error:
                 self._mark_dead(replica, error)
         return web.json_response(error_body("no replica is up", "server_error"), status=503)
 
@@ -525,6 +564,10 @@ class RouteServer:
         replica.in_flight += 1
         try:
             async with self.session.post(f"{replica.url}{request.path}", json=body) as reply:
+                if reply.status >= 500:  # valid input (checked at the edge): its own failure
+                    raise _ReplicaFailed(replica, RuntimeError(f"HTTP {reply.status}"))
+                if reply.status != 200:
+                    return await _passed_on(reply)
                 if not body.get("stream"):
                     answer = await reply.json()
                     if isinstance(answer, dict) and "hicache" in answer:
@@ -556,6 +599,17 @@ class RouteServer:
             message = error_body(f"the replica failed mid-stream: {error}", "server_error")
             await stream.write(b"data: " + json.dumps(message).encode() + b"\n\n")
         return stream
+
+
+async def _passed_on(reply: aiohttp.ClientResponse) -> web.Response:
+    """A replica's refusal of the request (4xx), as the client's answer: its JSON error, or
+    one made of its text."""
+    try:
+        answer = await reply.json()
+    except (aiohttp.ContentTypeError, ValueError):
+        text = (await reply.text(errors="replace")).strip().splitlines()
+        answer = error_body(text[0] if text else f"HTTP {reply.status}")
+    return web.json_response(answer, status=reply.status)
 
 
 class _ReplicaFailed(Exception):

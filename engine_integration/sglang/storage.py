@@ -2,8 +2,8 @@
 dynamic`.
 
 SGLang keeps its own L1 (GPU) and L2 (host pool) and hands pages to an L3 backend by its own
-page hashes. This backend stores them in any hicache L3 (file, redis, redis+cluster, grpc:
-the cache-server daemon) as hicache objects, verified on every read:
+page hashes. This backend stores them in any hicache L3 (file, redis, redis+cluster,
+mooncake, grpc: the cache-server daemon) as hicache objects, verified on every read:
 
     python -m sglang.launch_server --model-path ... --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\

@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write evicted pages here and read them back on a miss; survives restarts",
     )  # fmt: skip
     parser.add_argument(
+        "--spill-url", default=d.spill_url,
+        help="or spill into a shared store, e.g. mooncake://10.0.0.5:50051 or "
+        "redis://host:6379/0 (each namespace under a prefix of its own; the store's "
+        "capacity is its own)",
+    )  # fmt: skip
+    parser.add_argument(
         "--spill-capacity", type=_size, default=d.spill_capacity_bytes,
         help="bytes the spill directory may hold (default: 64GiB)",
     )  # fmt: skip
@@ -97,12 +103,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "tokens configured, a scrape needs one, and a tenant's token sees only its namespaces",
     )  # fmt: skip
     parser.add_argument(
-        "--max-streams", type=int, default=d.max_streams,
-        help="BatchPut streams at once, all clients (default: %(default)s)",
+        "--memory-limit", type=_size, default=None,
+        help="memory the daemon may use in all: --capacity, the process, and the calls in "
+        "flight (each up to 3 x --max-message-bytes); calls past it are refused "
+        "(default: --capacity + 192MiB + (--max-streams + 16) calls; printed at start)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-streams-per-client", type=int, default=d.max_streams_per_client,
-        help="BatchPut streams at once from one client connection (default: %(default)s)",
+        "--max-streams", type=int, default=None,
+        help="BatchPut streams at once, all clients; each tenant gets an equal share "
+        "(default: 32, or what --memory-limit leaves room for)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-streams-per-client", type=int, default=None,
+        help="BatchPut streams at once from one client connection (default: 8)",
     )  # fmt: skip
     parser.add_argument(
         "--stream-idle-timeout", type=float, default=d.stream_idle_timeout_s,
@@ -144,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         capacity_bytes=args.capacity,
         spill_dir=args.spill_dir,
+        spill_url=args.spill_url,
         spill_capacity_bytes=args.spill_capacity,
         spill_mode=args.spill_mode,
         spill_fsync=args.spill_fsync,
@@ -152,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tenants=tenants,
         metrics_token_file=args.metrics_token_file,
         max_streams=args.max_streams,
+        memory_limit_bytes=args.memory_limit,
         max_streams_per_client=args.max_streams_per_client,
         stream_idle_timeout_s=args.stream_idle_timeout,
         insecure_any_host=args.insecure_any_host,

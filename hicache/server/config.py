@@ -21,6 +21,21 @@ from storage_backends.protocol import (
 )
 
 SPILL_MODES = ("evict", "write-through")
+# Stores a spill may be given as a URL: each namespace's pages under a prefix of its own.
+SPILL_URL_SCHEMES = ("mooncake", "redis", "rediss", "redis+cluster", "rediss+cluster")
+
+# The memory budget (--memory-limit): pages (--capacity), plus what calls in flight hold, plus
+# the process itself. A call in flight holds up to RECEIVE_COPIES copies of one message of
+# --max-message-bytes: gRPC's receive buffer, the bytearray it gathers the message into, the
+# bytes object the handler gets. Pieces a BatchPut stream keeps past its message are charged
+# to its namespace (part of --capacity). Measured by tests/hicache/server/test_memory_budget.py.
+BASE_BYTES = 192 << 20  # the interpreter, gRPC, libraries, and free memory malloc keeps
+RECEIVE_COPIES = 3
+MESSAGE_SLACK_BYTES = 4096  # gRPC's limit counts the whole message; ours counts pages
+OTHER_CALLS = 16  # calls other than BatchPut (gets, exists, deletes, stats) budgeted at once
+REFUSAL_CALLS = 4  # of the calls budgeted, kept for calls on their way to being refused
+MAX_WAIT_S = 86400.0  # any timeout: a day (past ~2**33 s the waits raise OverflowError)
+DEFAULT_STREAMS = 32  # --max-streams when neither it nor --memory-limit is given
 
 
 class NamespaceSpec(NamedTuple):
@@ -28,6 +43,24 @@ class NamespaceSpec(NamedTuple):
 
     name: str
     quota_bytes: int | None = None
+
+
+class MemoryBudget(NamedTuple):
+    """How `limit_bytes` is spent: pages, the process, and `num_calls` calls in flight at
+    `call_bytes` each (gRPC refuses a call past them, RESOURCE_EXHAUSTED)."""
+
+    limit_bytes: int
+    capacity_bytes: int
+    base_bytes: int
+    call_bytes: int
+    num_calls: int
+
+    def describe(self) -> str:
+        return (
+            f"memory limit {self.limit_bytes >> 20} MiB: {self.capacity_bytes >> 20} MiB of "
+            f"pages + {self.base_bytes >> 20} MiB for the process + {self.num_calls} calls in "
+            f"flight x {self.call_bytes >> 20} MiB"
+        )
 
 
 @dataclass(frozen=True)
@@ -46,6 +79,7 @@ class ServerConfig:
     capacity_bytes: int = 4 << 30  # memory for pages, headers included, all namespaces
     namespaces: tuple[NamespaceSpec, ...] = (NamespaceSpec(DEFAULT_NAMESPACE),)
     spill_dir: str | None = None  # evicted pages go here (a file:// store), one folder each ns
+    spill_url: str | None = None  # or into a shared store (mooncake://, redis://), a prefix each ns
     spill_capacity_bytes: int = 64 << 30
     spill_mode: str = "evict"  # evict: on eviction and shutdown; write-through: before the ack
     spill_fsync: bool = False  # fsync spilled pages (write-through acks survive power loss)
@@ -61,8 +95,9 @@ class ServerConfig:
     max_put_bytes: int = 4 << 30  # one BatchPut call, all pages
     metrics_port: int | None = None  # Prometheus /metrics on host:port
     metrics_token_file: str | None = None  # a scraper's token: /metrics of every namespace
-    max_streams: int = 64  # BatchPut streams at once, all clients
-    max_streams_per_client: int = 8  # ... from one client connection
+    max_streams: int | None = None  # BatchPut streams at once, all clients (None: the budget's)
+    memory_limit_bytes: int | None = None  # None: --capacity plus the calls' stated overhead
+    max_streams_per_client: int | None = None  # ... from one client connection (None: 8)
     stream_idle_timeout_s: float = 10.0  # a BatchPut stream silent this long is dropped
     shutdown_grace_s: float = 30.0  # SIGTERM: how long in-flight calls may finish
     flush_timeout_s: float = 120.0  # SIGTERM: how long writing memory to the spill may take
@@ -90,8 +125,20 @@ class ServerConfig:
             f"--spill-mode must be one of {', '.join(SPILL_MODES)}, got {self.spill_mode!r}",
         )
         _check(
-            self.spill_mode == "evict" or self.spill_dir is not None,
-            "--spill-mode write-through needs --spill-dir",
+            self.spill_dir is None or self.spill_url is None,
+            "--spill-dir and --spill-url are two places for one spill: give one",
+        )
+        if self.spill_url is not None:
+            scheme = self.spill_url.partition("://")[0].lower()
+            _check(
+                scheme in SPILL_URL_SCHEMES,
+                f"--spill-url takes a store shared by prefix ({', '.join(SPILL_URL_SCHEMES)}), "
+                f"got {scheme!r}",
+            )
+            _check(not self.spill_fsync, "--spill-fsync needs --spill-dir (files to fsync)")
+        _check(
+            self.spill_mode == "evict" or self.spill_dir is not None or self.spill_url is not None,
+            "--spill-mode write-through needs --spill-dir or --spill-url",
         )
         _check(
             (self.tls_cert_file is None) == (self.tls_key_file is None),
@@ -122,19 +169,22 @@ class ServerConfig:
             self.metrics_port is None or 0 <= self.metrics_port < 65536,
             f"--metrics-port must be in [0, 65535], got {self.metrics_port}",
         )
-        _check(self.max_streams >= 1, f"--max-streams must be >= 1, got {self.max_streams}")
+        self._resolve_budget()
         _check(
             1 <= self.max_streams_per_client <= self.max_streams,
             f"--max-streams-per-client must be in [1, --max-streams {self.max_streams}], "
             f"got {self.max_streams_per_client}",
         )
-        _check(
-            self.stream_idle_timeout_s > 0,
-            f"--stream-idle-timeout must be > 0, got {self.stream_idle_timeout_s}",
-        )
-        _check(self.shutdown_grace_s >= 0, "--shutdown-grace must be >= 0")
-        _check(self.flush_timeout_s > 0, "--flush-timeout must be > 0")
-        _check(self.spill_timeout_s > 0, "spill_timeout_s must be > 0")
+        for flag, value, low in (
+            ("--stream-idle-timeout", self.stream_idle_timeout_s, "("),
+            ("--shutdown-grace", self.shutdown_grace_s, "["),
+            ("--flush-timeout", self.flush_timeout_s, "("),
+            ("spill_timeout_s", self.spill_timeout_s, "("),
+        ):
+            _check(
+                (0 < value if low == "(" else 0 <= value) and value <= MAX_WAIT_S,
+                f"{flag} must be in {low}0, {MAX_WAIT_S:g}] seconds, got {value}",
+            )
         for flag, endpoint in (
             ("--events-endpoint", self.events_endpoint),
             ("--events-replay-endpoint", self.events_replay_endpoint),
@@ -146,6 +196,53 @@ class ServerConfig:
         _check(
             self.events_replay_endpoint is None or self.events_endpoint is not None,
             "--events-replay-endpoint needs --events-endpoint",
+        )
+
+    def _resolve_budget(self) -> None:
+        """Fill in --max-streams and --memory-limit from each other (see MemoryBudget)."""
+        _check(
+            self.max_streams is None or self.max_streams >= 1,
+            f"--max-streams must be >= 1, got {self.max_streams}",
+        )
+        call_bytes = RECEIVE_COPIES * (self.max_message_bytes + MESSAGE_SLACK_BYTES)
+        fixed = self.capacity_bytes + BASE_BYTES
+        limit, streams = self.memory_limit_bytes, self.max_streams
+        if limit is None:
+            streams = DEFAULT_STREAMS if streams is None else streams
+            limit = fixed + (streams + OTHER_CALLS) * call_bytes
+        num_calls = max(limit - fixed, 0) // call_bytes
+        needed = fixed + (max(streams or 1, 1) + OTHER_CALLS) * call_bytes
+        _check(
+            num_calls - OTHER_CALLS >= (streams or 1),
+            f"--memory-limit {limit} is too small: --capacity {self.capacity_bytes} + "
+            f"{BASE_BYTES >> 20} MiB for the process + {call_bytes} bytes for each call in "
+            f"flight ({RECEIVE_COPIES} x --max-message-bytes {self.max_message_bytes}) x "
+            f"({streams or 1} BatchPut streams (--max-streams) + {OTHER_CALLS} other calls) "
+            f"needs {needed}",
+        )
+        object.__setattr__(self, "memory_limit_bytes", limit)
+        object.__setattr__(self, "max_streams", streams or num_calls - OTHER_CALLS)
+        if self.max_streams_per_client is None:
+            object.__setattr__(self, "max_streams_per_client", min(8, self.max_streams))
+
+    @property
+    def num_tenants(self) -> int:
+        """Callers told apart by their token (1 without tokens: every caller is the same)."""
+        return max(len(self.tenants) + (self.auth_token_file is not None), 1)
+
+    @property
+    def calls_per_tenant(self) -> int:
+        """Calls one tenant is guaranteed in flight (`shares.FairShares` of the budget's
+        calls, less a few kept for refusing calls); it may borrow what others leave idle."""
+        return max((self.budget.num_calls - REFUSAL_CALLS) // self.num_tenants, 1)
+
+    @property
+    def budget(self) -> MemoryBudget:
+        """What the memory limit pays for."""
+        call_bytes = RECEIVE_COPIES * (self.max_message_bytes + MESSAGE_SLACK_BYTES)
+        num_calls = (self.memory_limit_bytes - self.capacity_bytes - BASE_BYTES) // call_bytes
+        return MemoryBudget(
+            self.memory_limit_bytes, self.capacity_bytes, BASE_BYTES, call_bytes, num_calls
         )
 
     def _check_namespaces(self) -> None:

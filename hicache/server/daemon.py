@@ -35,8 +35,8 @@ from storage_backends.allocator import tune_for_large_messages
 from storage_backends.errors import StorageError
 from storage_backends.protocol import SERVICE
 
-from .auth import TokenCheck
-from .config import ServerConfig
+from .auth import TokenCheck, read_token_file
+from .config import MESSAGE_SLACK_BYTES, ServerConfig
 from .metrics import ServerCollector, ServerMetrics, start_metrics_server
 from .service import KVStoreService
 from .store import Store
@@ -44,7 +44,7 @@ from .streams import StreamLimits
 
 logger = logging.getLogger(__name__)
 
-_MESSAGE_SLACK_BYTES = 4096  # gRPC's limit counts the whole message; ours counts pages
+_STREAM_WINDOW_BYTES = 64 << 10  # what a stream may send before its handler reads
 _CLOSE_TIMEOUT_S = 5.0  # closing the stores after the flush
 _WATCHDOG_SLACK_S = 15.0  # the watchdog's margin over the shutdown's own bounds
 
@@ -78,13 +78,9 @@ class CacheServer:
         service = KVStoreService(
             self.store, config, self.metrics, self.streams, grpc_auth, time.monotonic()
         )
-        limit = config.max_message_bytes + _MESSAGE_SLACK_BYTES
+        self.service = service
         server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),  # a second daemon on this port must fail, not share
-            ]
+            options=_server_options(config), maximum_concurrent_rpcs=config.budget.num_calls
         )
         server.add_generic_rpc_handlers((service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -112,15 +108,23 @@ class CacheServer:
 
     def _start_events(self) -> None:
         from hicache.events import EventPublisher, EventsConfig  # pyzmq, only when asked
-        from hicache.server.events import DaemonEvents
+        from hicache.server.events import DaemonEvents, channels
 
         config = self.config
+        tokens = [
+            (t.token, None if t.namespaces is None else frozenset(t.namespaces))
+            for t in config.tenants
+        ]
+        if config.auth_token_file is not None:
+            tokens.append((read_token_file(config.auth_token_file, "--auth-token-file"), None))
+        credentials, audiences = channels(tokens)
         self.events = EventPublisher(
-            EventsConfig(config.events_endpoint, config.events_replay_endpoint)
+            EventsConfig(config.events_endpoint, config.events_replay_endpoint),
+            credentials or None,
         )
-        events = DaemonEvents(self.events)
-        for namespace in self.store.namespaces.values():
-            namespace.publish_events(events)
+        for name, namespace in self.store.namespaces.items():
+            audience = [c for c, allowed in audiences if allowed is None or name in allowed]
+            namespace.publish_events(DaemonEvents(self.events, audience if tokens else ("",)))
 
     def _listen(self, server: grpc.aio.Server, address: str) -> int:
         config = self.config
@@ -184,6 +188,8 @@ async def serve(config: ServerConfig) -> int:
     where = f"{config.host}:{port}" + (" (TLS)" if config.tls_cert_file else "")
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
     print(f"hicache serve: listening on {where}{metrics}", flush=True)
+    shares = f" ({config.calls_per_tenant} per tenant)" if config.num_tenants > 1 else ""
+    print(f"hicache serve: {config.budget.describe()}{shares}", flush=True)
     await stop.wait()
     logger.info("shutting down: finishing calls in flight, then flushing the spill")
     spilled = await server.stop()
@@ -198,6 +204,22 @@ async def serve(config: ServerConfig) -> int:
         _exit_now(0, message + "; spill threads still hung at exit")
     print(message, flush=True)
     return 0
+
+
+def _server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """gRPC's side of the memory budget: messages of at most --max-message-bytes, a stream
+    window that grows only for the message a handler reads (no bandwidth-probing growth:
+    a stream nobody reads from holds one initial window), and at most the calls one tenant
+    may have in flight on one connection."""
+    limit = config.max_message_bytes + MESSAGE_SLACK_BYTES
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", _STREAM_WINDOW_BYTES),
+        ("grpc.max_concurrent_streams", config.calls_per_tenant),
+        ("grpc.so_reuseport", 0),  # a second daemon on this port must fail, not share
+    ]
 
 
 def _shutdown_bound_s(config: ServerConfig) -> float:

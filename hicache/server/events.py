@@ -5,6 +5,10 @@ it stored is a `BlockStored` (the page keys; no tokens, which the daemon never s
 delete or an eviction that leaves no copy (no spill, or a spill that refused the page) is a
 `BlockRemoved`. Pages evicted to the spill are still held: no event. Imported only when the
 daemon is started with `--events-endpoint`.
+
+A daemon with tokens publishes each namespace's events only to the tenants whose token may
+use it: each token is a channel of the publisher (`EventPublisher`'s credentials), and a
+subscriber logs in with its token (ZMQ PLAIN); one without a valid token receives nothing.
 """
 
 from __future__ import annotations
@@ -15,22 +19,42 @@ from hicache.events import MEDIUM_STORAGE, BlockRemoved, BlockStored, EventPubli
 from storage_backends.objects import Buffer, parse_header
 
 
+def channels(tokens: Sequence[tuple[str, frozenset[str] | None]]) -> tuple[dict, list]:
+    """The publisher's credentials (token -> channel name) and each channel's namespaces
+    (None: every one), for tokens with the namespaces each may use."""
+    credentials, audiences = {}, []
+    for i, (token, namespaces) in enumerate(tokens):
+        credentials[token] = f"t{i}"
+        audiences.append((f"t{i}", namespaces))
+    return credentials, audiences
+
+
 class DaemonEvents:
-    def __init__(self, publisher: EventPublisher) -> None:
+    """One namespace's events, to every channel that may see them ("" without tokens)."""
+
+    def __init__(self, publisher: EventPublisher, channels: Sequence[str] = ("",)) -> None:
         self.publisher = publisher
+        self.channels = tuple(channels)
+
+    def _add(self, events: list) -> None:
+        for channel in self.channels:
+            self.publisher.add(events, channel)
 
     def stored(self, keys: Sequence[bytes], blobs: Sequence[Buffer]) -> None:
         by_size: dict[int, list[bytes]] = {}
         for key, blob in zip(keys, blobs, strict=True):
             by_size.setdefault(_page_size(blob), []).append(bytes(key))
-        self.publisher.add(
-            BlockStored(group, None, [], size, None, MEDIUM_STORAGE, None)
-            for size, group in by_size.items()
-        )
+        if by_size:
+            self._add(
+                [
+                    BlockStored(group, None, [], size, None, MEDIUM_STORAGE, None)
+                    for size, group in by_size.items()
+                ]
+            )
 
     def removed(self, keys: Sequence[bytes]) -> None:
         if keys:
-            self.publisher.add((BlockRemoved([bytes(k) for k in keys], MEDIUM_STORAGE),))
+            self._add([BlockRemoved([bytes(k) for k in keys], MEDIUM_STORAGE)])
 
 
 def _page_size(blob: Buffer) -> int:

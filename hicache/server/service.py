@@ -44,15 +44,18 @@ from storage_backends.protocol import DEFAULT_NAMESPACE, MIN_MESSAGE_BYTES, SERV
 from storage_backends.stats import RateLimitedWarnings
 
 from .auth import ANYONE, Refused, Tenant, TokenCheck
-from .config import ServerConfig
+from .config import REFUSAL_CALLS, ServerConfig
 from .errors import RequestError
+from .memory import MemoryReturn, clear_frames
 from .metrics import ServerMetrics, snapshot
+from .shares import FairShares
 from .store import NamespaceStore, PutOutcome, Store
 from .streams import PutPages, StreamLimits
 
 logger = logging.getLogger(__name__)
 
 _GET_GROUP_KEYS = 32  # BatchGet reads this many keys, then streams them, then the next
+_SEND_MARGIN_S = 0.25  # of a call's deadline, kept for sending its answer
 _PUT_FLUSH_BYTES = 32 << 20  # BatchPut stores completed pages once this many are pending
 _PUT_STATUS = {
     "stored": pb.PUT_STATUS_STORED,
@@ -89,6 +92,9 @@ class KVStoreService:
         self.auth = auth
         self.started_at = started_at
         self._warnings = RateLimitedWarnings("hicache serve", 30.0)
+        self.memory = MemoryReturn()
+        # Calls in flight, shared fairly among tenants (gRPC refuses past the total itself).
+        self.calls = FairShares(config.budget.num_calls - REFUSAL_CALLS, config.num_tenants)
 
     def handler(self) -> grpc.GenericRpcHandler:
         unary = grpc.unary_unary_rpc_method_handler
@@ -128,16 +134,18 @@ class KVStoreService:
                         f"{MIN_MESSAGE_BYTES}",
                     )
                 limit = min(limit, request.max_message_bytes)
-            async for message in self._get_messages(namespace, keys, limit):
+            deadline = _deadline(context)
+            async for message in self._get_messages(namespace, keys, limit, deadline):
                 yield message
 
     async def _get_messages(
-        self, namespace: NamespaceStore, keys: list[bytes], limit: int
+        self, namespace: NamespaceStore, keys: list[bytes], limit: int, deadline: float | None
     ) -> AsyncIterator[bytes]:
         counters = self.metrics.pages[namespace.name]
         for start in range(0, len(keys), _GET_GROUP_KEYS):
             group = keys[start : start + _GET_GROUP_KEYS]
-            blobs = await namespace.get(group)
+            left_s = None if deadline is None else deadline - time.monotonic()
+            blobs = await namespace.get(group, left_s)
             missing = [start + i for i, blob in enumerate(blobs) if blob is None]
             found = [(start + i, keys[start + i], (blob,)) for i, blob in enumerate(blobs) if blob]
             counters["hits"] += len(found)
@@ -153,7 +161,7 @@ class KVStoreService:
     async def batch_put(
         self, request_iterator: AsyncIterator[bytes], context, tenant: Tenant
     ) -> bytes:
-        with self.streams.stream(context.peer()):
+        with self.streams.stream(context.peer(), tenant):
             pages = PutPages(self.config)
             namespace: NamespaceStore | None = None
             charged = 0  # bytes of this stream charged to its namespace
@@ -302,17 +310,37 @@ class KVStoreService:
         metrics."""
         started, code = time.perf_counter(), Code.OK
         self.metrics.in_flight += 1
+        tenant = None
         try:
-            yield self._authorize(context)
+            tenant = self._admit(self._authorize(context))
+            yield tenant
         except RequestError as exc:
             code = exc.code
+            clear_frames(exc)  # the messages the call read go now, not at the next collection
             await context.abort(exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001 - one call fails, the server goes on
             code = Code.INTERNAL
-            await context.abort(Code.INTERNAL, self._internal(method, exc))
+            message = self._internal(method, exc)
+            clear_frames(exc)
+            await context.abort(Code.INTERNAL, message)
         finally:
+            if tenant is not None:
+                self.calls.give_back(tenant)
             self.metrics.in_flight -= 1
             self.metrics.observe_call(method, code.name, time.perf_counter() - started)
+            self.memory.calls_ended(self.metrics.in_flight)
+
+    def _admit(self, tenant: Tenant) -> Tenant:
+        """Count a call against its tenant's share of the calls in flight (RequestError past
+        it): one tenant's calls never fill what the memory budget leaves the others."""
+        if not self.calls.may_take(tenant):
+            raise RequestError(
+                Code.RESOURCE_EXHAUSTED,
+                f"this tenant has {self.calls.in_use[tenant]} calls in flight, its share of "
+                f"the {self.calls.total} this server's --memory-limit allows; retry later",
+            )
+        self.calls.take(tenant)
+        return tenant
 
     def _authorize(self, context) -> Tenant:
         if self.auth is None:
@@ -357,6 +385,16 @@ class KVStoreService:
         logger.error("%s failed", method, exc_info=exc)
         self._warnings.warn(f"internal:{method}", f"{method}: {type(exc).__name__}: {exc}")
         return f"internal error in {method}: {type(exc).__name__}: {exc}"
+
+
+def _deadline(context) -> float | None:
+    """When the call's spill reads must be done (monotonic), so that its answer, misses
+    included, still reaches the client: its deadline less a margin for sending; None
+    without one."""
+    left_s = context.time_remaining()
+    if left_s is None or left_s > 1e9:
+        return None
+    return time.monotonic() + max(left_s - _SEND_MARGIN_S, left_s / 2)
 
 
 def _namespace_stats(ns) -> pb.NamespaceStats:

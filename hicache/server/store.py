@@ -1,9 +1,11 @@
-"""The daemon's pages: one `memory://` store per namespace, optionally over a `file://` spill.
+"""The daemon's pages: one `memory://` store per namespace, optionally over a spill.
 
 Namespaces are isolated by construction: each has its own memory store, with its quota (or an
-equal share of the capacity quotas leave) as its LRU capacity, and its own spill folder
-`<spill_dir>/<namespace>/` holding a share of the spill capacity in the same proportion. A
-tenant can only ever evict its own pages, and no key of one can reach another's store.
+equal share of the capacity quotas leave) as its LRU capacity, and its own spill: a folder
+`<spill_dir>/<namespace>/` holding a share of the spill capacity in the same proportion, or,
+with `spill_url` (a shared store such as Mooncake Store or Redis, whose capacity is its own),
+the prefix `<prefix><namespace>/` in it. A tenant can only ever evict its own pages from
+memory, and no key of one can reach another's pages.
 
 What an acknowledged put promises depends on the spill mode:
 
@@ -28,14 +30,17 @@ checksummed again: those objects never left the process, and the client verifies
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from typing import NamedTuple
+from urllib.parse import parse_qsl, urlencode
 
-from storage_backends import StorageBackend, verify_object
+from storage_backends import BackendConfigError, StorageBackend, open_backend, verify_object
 from storage_backends.file_store import FileBackend, FileOptions
 from storage_backends.memory_store import MemoryBackend, MemoryOptions
 from storage_backends.objects import Buffer
+from storage_backends.options import redact_url
 
 from .config import ServerConfig
 
@@ -69,6 +74,7 @@ class NamespaceStore:
         self.memory = MemoryBackend(options, None, name=f"memory:{name}", spill=memory_spill)
         self.capacity_bytes = capacity_bytes
         self.in_flight_bytes = 0  # held by unfinished BatchPut streams (charged to the quota)
+        self.num_spill_timeouts = 0  # gets whose spill read missed the caller's deadline
         self.events = None  # hicache.server.events.DaemonEvents, when the daemon publishes
 
     def publish_events(self, events) -> None:
@@ -99,12 +105,28 @@ class NamespaceStore:
             count += await self.spill.batch_exists(keys[count:])
         return count
 
-    async def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get(
+        self, keys: Sequence[bytes], timeout_s: float | None = None
+    ) -> list[bytes | None]:
         """Verified objects (None: absent or refused). Memory first, then the spill.
 
         Objects in memory were verified on their way in (a put, or a read from the spill) and
         are not checksummed again: every client verifies every page it receives.
+
+        `timeout_s`: the caller's deadline (the gRPC call's time left). A spill that has not
+        answered by then (a hung mount) makes these keys misses, counted in
+        `num_spill_timeouts`; the reads stuck in it finish or fail on their own, and the
+        spill serves again as soon as the mount answers.
         """
+        if timeout_s is None or self.spill is None:
+            return await self._get(keys)
+        try:
+            return await asyncio.wait_for(self._get(keys), max(timeout_s, 0.0))
+        except asyncio.TimeoutError:
+            self.num_spill_timeouts += 1
+            return [None] * len(keys)
+
+    async def _get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         blobs = await self.memory.batch_get_objects(keys, verify=False)
         if not self.write_through:
             return blobs  # the memory store reads its own spill on a miss
@@ -157,11 +179,13 @@ class NamespaceStore:
         return [_outcome(ok, "the spill did not take it", status="error") for ok in spilled]
 
     async def delete(self, keys: Sequence[bytes]) -> int:
+        # Events name only pages that were held: a delete of keys never stored publishes none.
+        held = [k for k in dict.fromkeys(keys) if await self.exists([k])] if self.events else []
         removed = await self.memory.delete(keys)
         if self.write_through:  # memory holds a subset of the spill
             removed = max(removed, await self.spill.delete(keys))
-        if self.events is not None and removed:
-            self.events.removed(list(keys))
+        if held:
+            self.events.removed(held)
         return removed
 
     async def flush(self) -> int:
@@ -196,7 +220,9 @@ class Store:
         capacities = config.namespace_capacities()
         for name, capacity in capacities.items():
             spill = None
-            if config.spill_dir is not None:
+            if config.spill_url is not None:
+                spill = _shared_spill(config, name)
+            elif config.spill_dir is not None:
                 share = config.spill_capacity_bytes * capacity // config.capacity_bytes
                 spill = _spill_backend(config, name, max(share, 1))
             self.namespaces[name] = NamespaceStore(
@@ -209,7 +235,9 @@ class Store:
 
     @property
     def spill_mode(self) -> str:
-        return "none" if self.config.spill_dir is None else self.config.spill_mode
+        if self.config.spill_dir is None and self.config.spill_url is None:
+            return "none"
+        return self.config.spill_mode
 
     async def open(self) -> None:
         for namespace in self.namespaces.values():
@@ -230,6 +258,22 @@ class Store:
         """The stores behind a namespace (memory, then the spill), for stats."""
         namespace = self.namespaces[name]
         return [namespace.memory] + ([namespace.spill] if namespace.spill else [])
+
+
+def _shared_spill(config: ServerConfig, name: str) -> StorageBackend:
+    """The spill of namespace `name` in the store `spill_url` names: its prefix (the URL's,
+    else "hicache:") followed by `<name>/`; the URL's timeout, else `spill_timeout_s`."""
+    base, _, query = config.spill_url.partition("?")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    given = dict(pairs)
+    if len(given) != len(pairs):
+        raise ValueError(f"--spill-url: an option is given twice in {redact_url(config.spill_url)}")
+    given["prefix"] = f"{given.get('prefix', 'hicache:')}{name}/"
+    given.setdefault("timeout", f"{config.spill_timeout_s}s")
+    try:
+        return open_backend(f"{base}?{urlencode(given)}", layout=None)
+    except BackendConfigError as exc:
+        raise ValueError(f"--spill-url: {exc}") from None
 
 
 def _spill_backend(config: ServerConfig, name: str, capacity_bytes: int) -> FileBackend:

@@ -3,7 +3,8 @@
 A stream's unfinished pages live in the daemon's memory until they are complete and stored,
 so they are bounded like everything else there:
 
-- at most `max_streams` BatchPut streams at once, and `max_streams_per_client` from one
+- at most `max_streams` BatchPut streams at once, shared fairly among tenants (`shares`: a
+  tenant at its limit never takes another's share), and `max_streams_per_client` from one
   client connection (its gRPC peer address): one more is refused at once;
 - the bytes a stream holds (pieces of its page in progress, completed pages not stored yet)
   are charged to its namespace, as memory the namespace uses (`NamespaceStore.charge`): the
@@ -29,23 +30,34 @@ from storage_backends.pieces import Piece
 
 from .config import ServerConfig
 from .errors import RequestError
+from .shares import FairShares
 
 Code = grpc.StatusCode
 
 
 class StreamLimits:
-    """How many BatchPut streams are open, in all and per client."""
+    """How many BatchPut streams are open, in all, per tenant and per client."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.num_streams = 0
         self.by_client: Counter[str] = Counter()
+        self.by_tenant = FairShares(config.max_streams, config.num_tenants)
         self.num_refused: Counter[str] = Counter()  # by limit: "streams", "client", "quota"...
 
     @contextlib.contextmanager
-    def stream(self, client: str) -> Iterator[None]:
-        """Hold one stream slot of `client` for the block; RequestError when none is left."""
+    def stream(self, client: str, tenant: object = None) -> Iterator[None]:
+        """Hold one stream slot of `client` (of `tenant`) for the block; RequestError when
+        none is left."""
         config = self.config
+        if not self.by_tenant.may_take(tenant):
+            self.num_refused["tenant"] += 1
+            raise RequestError(
+                Code.RESOURCE_EXHAUSTED,
+                f"this tenant has {self.by_tenant.in_use[tenant]} BatchPut streams open, its "
+                f"share of --max-streams {config.max_streams} among {config.num_tenants} "
+                "tenants; retry later",
+            )
         if self.num_streams >= config.max_streams:
             self.num_refused["streams"] += 1
             raise RequestError(
@@ -62,13 +74,19 @@ class StreamLimits:
             )
         self.num_streams += 1
         self.by_client[client] += 1
+        self.by_tenant.take(tenant)
         try:
             yield
         finally:
             self.num_streams -= 1
-            self.by_client[client] -= 1
-            if not self.by_client[client]:
-                del self.by_client[client]
+            _decrement(self.by_client, client)
+            self.by_tenant.give_back(tenant)
+
+
+def _decrement(counter: Counter, key: object) -> None:
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
 
 
 class PutPages:

@@ -1,6 +1,6 @@
 """`hicache simulate`: capacity planning for tiered KV caches, on the live cache's own code.
 
-A trace replays, in virtual time, through real `hicache.HiCache` controllers (one per
+A trace plays, in virtual time, through real `hicache.HiCache` controllers (one per
 serving instance) whose executor is `VirtualExecutor`: the radix index, the write,
 prefetch and eviction policies are the live cache's, so the hit rates are its hit rates;
 only the clock and the byte movement are modelled. Nothing here imports torch.
@@ -11,7 +11,7 @@ only the clock and the byte movement are modelled. Nothing here imports torch.
     config.py     SimulationConfig: instances, tier sizes, links, policies, prices
     l3.py         SimulatedL3: a shared LRU store whose pages appear when their write ends
     executor.py   VirtualExecutor: the controller's ops on contended links in virtual time
-    replay.py     Replay: routing, queueing, match / prefill / insert, TTFT
+    player.py     TracePlayer: routing, queueing, match / prefill / insert, TTFT
     result.py     SimulationResult: hit rates, TTFT, bytes per link, costs
     sweep.py      capacity sweeps, run in parallel processes
     verdict.py    where the next dollar of cache goes; whether a shared L3 pays off
@@ -20,14 +20,24 @@ only the clock and the byte movement are modelled. Nothing here imports torch.
 """
 
 from hicache.simulate.config import SimulationConfig
-from hicache.simulate.replay import Replay
+from hicache.simulate.player import TracePlayer
 from hicache.simulate.result import SimulationResult
 from hicache.simulate.trace import Trace, load_trace
 
 
 def simulate(config: SimulationConfig, trace: Trace, progress=None) -> SimulationResult:
-    """Replay `trace` under `config`; `progress(done, total)` is called as requests finish."""
-    return Replay(config, trace, progress).run()
+    """Play `trace` under `config`; `progress(done, total)` is called as requests finish."""
+    return TracePlayer(config, trace, progress).run()
 
 
-__all__ = ["Replay", "SimulationConfig", "SimulationResult", "Trace", "load_trace", "simulate"]
+Replay = TracePlayer  # its name until issue 34 (deprecated: "replay" is the engine's word)
+
+__all__ = [
+    "Replay",
+    "SimulationConfig",
+    "SimulationResult",
+    "Trace",
+    "TracePlayer",
+    "load_trace",
+    "simulate",
+]

@@ -34,10 +34,11 @@ from hicache.simulate.config import (
 from hicache.simulate.errors import SimulationError
 from hicache.simulate.hardware import PRESETS as HARDWARE_PRESETS
 from hicache.simulate.hardware import load_hardware
+from hicache.simulate.l3 import STORE_PRESETS
 from hicache.simulate.models import PRESETS as MODEL_PRESETS
 from hicache.simulate.models import canonical_dtype, load_model
+from hicache.simulate.player import TracePlayer
 from hicache.simulate.progress import ProgressBar
-from hicache.simulate.replay import Replay
 from hicache.simulate.report import (
     best_sweep_point,
     format_header,
@@ -67,7 +68,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 # The one line `hicache --help` shows for this subcommand.
-HELP = "plan KV cache capacity: replay a trace through hicache's policies in virtual time"
+HELP = "plan KV cache capacity: play a trace through hicache's policies in virtual time"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or 'conversations[:sessions=N,turns=T,seed=S,...]' for the built-in conversation "
         "generator",
     )
-    work.add_argument("--limit", type=int, help="replay only the first N requests")
+    work.add_argument("--limit", type=int, help="play only the first N requests")
     work.add_argument(
         "--page-size",
         type=int,
@@ -175,8 +176,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument(
         "--l3-latency-us",
         type=float,
-        default=_DEFAULT["l3_latency_s"].default * 1e6,
-        help="per L3 request",
+        help=f"per L3 request (default: --l3-store's, else "
+        f"{_DEFAULT['l3_latency_s'].default * 1e6:g})",
+    )
+    tiers.add_argument(
+        "--l3-store",
+        choices=sorted(STORE_PRESETS),
+        help="the bandwidth and latency measured on a real store (bench_backends.py); "
+        "--l3-bandwidth and --l3-latency-us override them",
     )
     for tier, default in (("l1", "the GPU's price over its HBM"), ("l2", "0.50"), ("l3", "0.10")):
         tiers.add_argument(
@@ -304,7 +311,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--sweep at most twice (one or two capacities)")
     sweep_configs = grid(config, axes) if axes else []
     bar = ProgressBar("simulate", enabled=args.progress)
-    base = Replay(config, trace, progress=None if sweep_configs else bar).run()
+    base = TracePlayer(config, trace, progress=None if sweep_configs else bar).run()
     probes = {} if args.no_verdict else plan_probes(config, trace)
     probe_names = [name for name, probe in probes.items() if probe.config is not None]
     extra = sweep_configs + [probes[name].config for name in probe_names]
@@ -471,17 +478,32 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
         l3_bytes=_capacity(args, "l3"),
         num_instances=args.instances,
         l3_shared=not args.l3_local,
-        l3_bandwidth_bytes_per_s=args.l3_bandwidth * 1e9 if args.l3_bandwidth else None,
+        l3_bandwidth_bytes_per_s=_l3_bandwidth(args),
         l3_aggregate_bytes_per_s=(
             args.l3_aggregate_bandwidth * 1e9 if args.l3_aggregate_bandwidth else None
         ),
-        l3_latency_s=args.l3_latency_us / 1e6,
+        l3_latency_s=_l3_latency(args),
         l3_write_policy=args.l3_write_policy,
         policy=policy,
         routing=args.routing,
         mfu=args.mfu,
         prices=prices,
     )
+
+
+def _l3_bandwidth(args: argparse.Namespace) -> float | None:
+    """Bytes/s per instance to L3: the flag, else the store preset's, else None (the NICs)."""
+    if args.l3_bandwidth:
+        return args.l3_bandwidth * 1e9
+    return STORE_PRESETS[args.l3_store].bandwidth_bytes_per_s if args.l3_store else None
+
+
+def _l3_latency(args: argparse.Namespace) -> float:
+    if args.l3_latency_us is not None:
+        return args.l3_latency_us / 1e6
+    if args.l3_store:
+        return STORE_PRESETS[args.l3_store].latency_s
+    return _DEFAULT["l3_latency_s"].default
 
 
 def _hardware(args: argparse.Namespace):

@@ -1,4 +1,4 @@
-"""The virtual-time executor: `hicache.ops.Executor` on a clock the replay sets.
+"""The virtual-time executor: `hicache.ops.Executor` on a clock the trace player sets.
 
 The controller (`hicache.HiCache`) runs unchanged on top of it: it decides what moves,
 this executor decides when each move finishes. An op takes
@@ -11,9 +11,9 @@ aggregate bandwidth for L2 <-> L3. Links are FIFO: ops of one kind finish in sub
 order. An L3 prefetch reads in chunks like the real executor, so its `num_ready` grows as
 its pages arrive and the `timeout` and `best_effort` policies see partial progress; an
 existence check costs one L3 round trip of the caller's time; `wait_layer` is free (the
-replay models the per-layer overlap of loads and compute itself).
+player models the per-layer overlap of loads and compute itself).
 
-Time only moves forward: `advance_to` (the replay) and `wait` (the controller) move it.
+Time only moves forward: `advance_to` (the player) and `wait` (the controller) move it.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class VirtualExecutor(Executor):
         return False
 
     def wait_layer(self, op: LoadOp, layer: int) -> None:
-        """Free: the replay overlaps loads with compute layer by layer in its time model."""
+        """Free: the player overlaps loads with compute layer by layer in its time model."""
 
     def l3_exists(self, keys: list[bytes], timeout_s: float) -> int:
         if self._store is None or not keys:

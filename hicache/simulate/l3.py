@@ -5,7 +5,7 @@ used pages (by bytes; every page of one model has the same size, so by pages) an
 makes a page recent; an existence check does not. Unlike it, it keeps no bytes, and a page
 becomes visible only when its write completes.
 
-Serving instances share one store but each has a clock of its own. The replay hands
+Serving instances share one store but each has a clock of its own. The player hands
 instances their events in timestamp order, so writes are applied lazily, in completion
 order, when someone looks at a time at or after their completion; each key also keeps the
 time it became visible, so an instance whose clock is a little behind still does not see a
@@ -18,6 +18,30 @@ import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class L3StorePreset:
+    """What one instance sees of a real L3 store, as `benchmarks/bench_backends.py` measured
+    it through hicache's backend (reads: the rate and the per-request latency of `batch_get`,
+    what a prefetch waits for)."""
+
+    bandwidth_bytes_per_s: float  # verified gets of 2 MiB pages, batches of 32
+    latency_s: float  # one one-page get
+    measured: str  # the command, and where it ran
+
+
+STORE_PRESETS: dict[str, L3StorePreset] = {
+    # get_gbps of the 2 MiB row; latency: the 64 KiB row's one_page_get_us less the time
+    # that page takes at that rate (the simulator adds bytes / bandwidth itself).
+    "mooncake-tcp": L3StorePreset(
+        bandwidth_bytes_per_s=0.31e9,
+        latency_s=486e-6 - (64 << 10) / 0.31e9,
+        measured="python benchmarks/bench_backends.py --backends mooncake "
+        "--page-sizes 65536,2097152: Mooncake Store over tcp on loopback (a master and a "
+        "mooncake_client holding the pages), a 2-core VM shared with other work (load ~10)",
+    ),
+}
 
 
 @dataclass(frozen=True)

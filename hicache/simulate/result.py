@@ -1,7 +1,7 @@
 """What a simulation measured: per-request records, and the summary a planner reads.
 
 `RequestStats` holds one row per request (times and hits by tier), filled in by the
-replay. `summarize` turns them, and the controllers' own `HiCacheStats`, into a
+play. `summarize` turns them, and the controllers' own `HiCacheStats`, into a
 `SimulationResult`: hit rates by tier (tokens and pages), prefill compute saved, TTFT
 percentiles, bytes per link, and monthly costs. `SimulationResult.as_dict()` is the `--json`
 output.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hicache.simulate.config import SimulationConfig
-from hicache.simulate.replay import Replay
+from hicache.simulate.player import TracePlayer
 from hicache.simulate.result import SimulationResult
 from hicache.simulate.trace import Trace
 from storage_backends.options import parse_size
@@ -98,7 +98,7 @@ _worker_trace: Trace | None = None
 
 
 def _run_one(config: SimulationConfig) -> SimulationResult:
-    return Replay(config, _worker_trace).run()
+    return TracePlayer(config, _worker_trace).run()
 
 
 def _run_indexed(item: tuple[int, SimulationConfig]) -> tuple[int, SimulationResult]:

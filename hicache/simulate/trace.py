@@ -3,7 +3,7 @@
 A `Trace` is a list of `Request`s in arrival order. A request knows its prompt only as a
 recipe (Mooncake block ids, or a slice of its session's token stream) and builds the
 prompt's tokens when asked, in the radix index's own encoding, so a 61 M-token trace costs
-a few megabytes until it is replayed.
+a few megabytes until it is played.
 
 Mooncake traces (`timestamp` ms, `input_length`, `output_length`, `hash_ids` of 512-token
 prefix-chained blocks) become tokens as the trace's README says: token j of block h is
@@ -60,7 +60,7 @@ class Request:
 @dataclass(frozen=True)
 class Trace:
     """Requests in arrival order. `block_size` is the trace's own block length in tokens
-    (Mooncake: 512), the natural page size to replay it at; None for generated traces."""
+    (Mooncake: 512), the natural page size to play it at; None for generated traces."""
 
     name: str
     requests: list[Request]

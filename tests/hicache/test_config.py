@@ -79,7 +79,7 @@ def test_bad_values_name_the_field(build, message):
 )
 def test_prefetch_timeouts_must_be_finite_and_non_negative(variable, value):
     """`inf` once passed and made match() raise OverflowError; the field is named."""
-    with pytest.raises(ValueError, match=r"PolicyConfig\.prefetch_timeout_.* finite and >= 0"):
+    with pytest.raises(ValueError, match=r"PolicyConfig\.prefetch_timeout_.* in \[0, 3600\]"):
         HiCacheConfig.from_env(LAYOUT, environ={variable: value})
 
 
@@ -98,7 +98,7 @@ def test_the_tenant_secret_is_a_file_named_by_a_variable():
 
 
 def test_l3_exists_timeout_must_be_finite():
-    with pytest.raises(ValueError, match="exists_timeout_s must be finite and > 0"):
+    with pytest.raises(ValueError, match=r"exists_timeout_s must be in \(0, 3600\]"):
         L3Config(exists_timeout_s=float("inf"))
 
 
@@ -112,3 +112,17 @@ def test_sizes_and_budgets():
         HiCacheConfig.from_env(LAYOUT, {"HICACHE_L2_SIZE": "8G"})
     policy = PolicyConfig(prefetch_timeout_base_s=0.05, prefetch_timeout_per_1k_tokens_s=0.01)
     assert policy.prefetch_budget_s(4000) == pytest.approx(0.09)
+
+
+@pytest.mark.parametrize("value", [1e308, 1e18, float("inf"), float("nan"), -1.0, 3601.0])
+@pytest.mark.parametrize("name", ["prefetch_timeout_base_s", "prefetch_timeout_per_1k_tokens_s"])
+def test_a_prefetch_timeout_out_of_its_stated_range_is_refused_by_name(name, value):
+    """(1e308 and 1e18 used to pass, then make match() raise OverflowError.)"""
+    with pytest.raises(ValueError, match=rf"PolicyConfig.{name} must be in \[0, 3600\]"):
+        PolicyConfig(**{name: value})
+
+
+@pytest.mark.parametrize("value", [1e18, float("nan"), 0.0, 3601.0])
+def test_the_exists_timeout_is_checked_against_its_range(value):
+    with pytest.raises(ValueError, match=r"L3Config.exists_timeout_s must be in \(0, 3600\]"):
+        L3Config(exists_timeout_s=value)

@@ -105,9 +105,13 @@ def published_cache():
         publisher.close()
 
 
-def wait_joined(mirror: VllmMirror, publisher: EventPublisher) -> None:
-    """A SUB socket receives only what is sent after it has joined: wait for that."""
-    time.sleep(0.3)
+def wait_joined(mirror: VllmMirror, publisher: EventPublisher, count: int = 1) -> None:
+    """A SUB socket receives only what is sent after it has joined: wait until the
+    publisher has its subscription (no fixed sleep: a loaded machine may take longer)."""
+    deadline = time.monotonic() + 60
+    while publisher.num_subscriptions < count:
+        assert time.monotonic() < deadline, "the subscriber never joined"
+        time.sleep(0.005)
 
 
 def test_every_page_gained_or_lost_in_any_tier_is_an_event_vllm_decodes(published_cache):
@@ -157,7 +161,7 @@ def test_a_reconnecting_subscriber_replays_what_it_missed(published_cache):
     cache, publisher = published_cache(l1_pages=32, l2_pages=0)
     subscriber = EventSubscriber(publisher.endpoint, publisher.replay_endpoint)
     try:
-        time.sleep(0.3)
+        wait_joined(None, publisher)
         put(cache, tokens_for(1, 2), seed=1)
         publisher.flush()
         seen = _receive_until(subscriber, publisher.next_seq - 1)

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from tests.support.caches import NS, put, tokens_for
+from tests.support.deadline import within_deadline
 from tests.support.slow_backend import slow_file_url
 
 
@@ -113,12 +114,11 @@ def test_timeout_returns_what_arrived_within_the_budget(cache_factory, slow_l3):
         prefetch_timeout_base_s=0.3,
         prefetch_timeout_per_1k_tokens_s=0.0,
     )
-    start = time.monotonic()
-    match = cache.match(tokens, NS)
-    took = time.monotonic() - start
+    # (the budget itself, 0.3 s, is held to on the simulator's virtual clock:
+    # tests/hicache/simulate/test_player.py::test_a_timeout_prefetch_is_cut_short_on_a_slow_l3)
+    match = within_deadline(cache.match, tokens, NS)
     assert 0 < match.num_l3_pages < 40  # a chunk or two, not all five
     assert match.num_l3_pages % 8 == 0
-    assert took < 0.9  # all of it would take 1.0 s
     assert cache.stats().prefetches_cut_short == 1
     cache.release(match)
     cache.flush()
@@ -142,10 +142,8 @@ def test_best_effort_uses_what_a_queued_prefetch_fetched(cache_factory, slow_l3)
 def test_best_effort_without_a_hint_does_not_wait(cache_factory, slow_l3):
     url, tokens = slow_l3
     cache = reader(cache_factory, url, prefetch_policy="best_effort")
-    start = time.monotonic()
-    match = cache.match(tokens, NS)
-    assert time.monotonic() - start < 0.15
-    assert match.num_l3_pages == 0
+    match = within_deadline(cache.match, tokens, NS)
+    assert match.num_l3_pages == 0  # nothing had arrived: it did not wait for the 1 s read
 
 
 def test_short_l3_runs_are_not_worth_a_lookup(cache_factory, tmp_path):

@@ -28,7 +28,12 @@ from urllib.parse import urlencode
 import pytest
 
 from tests.support.daemon import DaemonProcess
-from tests.support.servers import RedisProcess, free_port, require_binary
+from tests.support.servers import (
+    MooncakeMaster,
+    RedisProcess,
+    free_port,
+    require_binary,
+)
 
 LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=bfloat16"
 OTHER_LAYOUT = "mha;layers=2;page=16;kv_heads=2;head_dim=8;dtype=float16"
@@ -40,6 +45,7 @@ BACKENDS = {
     "redis_cluster": "redis_cluster_url",
     "grpc": "grpc_url",
     "grpc_two_servers": "grpc_two_servers_url",
+    "mooncake": "mooncake_url",
 }
 
 UrlFactory = Callable[..., str]
@@ -84,6 +90,18 @@ def redis_cluster_url(redis_cluster: list[RedisProcess]) -> UrlFactory:
     def make(**options: object) -> str:
         defaults = {"prefix": f"t{uuid.uuid4().hex[:12]}:", "timeout": "5s"}
         return _with_query(f"redis+cluster://127.0.0.1:{redis_cluster[0].port}", defaults, options)
+
+    return make
+
+
+# -- Mooncake Store (the master and holder: `mooncake_store`, tests/conftest.py) --------------
+
+
+@pytest.fixture
+def mooncake_url(mooncake_store: MooncakeMaster) -> UrlFactory:
+    def make(**options: object) -> str:
+        defaults = {"prefix": f"t{uuid.uuid4().hex[:12]}:", "buffer": "16MiB", "timeout": "10s"}
+        return _with_query(f"mooncake://{mooncake_store.address}", defaults, options)
 
     return make
 

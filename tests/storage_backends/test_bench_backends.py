@@ -13,6 +13,7 @@ def test_bench_backends_smoke_prints_one_json_line_per_backend(tmp_path):
         "file_fsync",
         "file_aiofiles",
         "redis",
+        "mooncake",
     ]
     for r in lines:
         assert r["bench"] == "backends" and r["git"] and r["device"]
@@ -21,9 +22,10 @@ def test_bench_backends_smoke_prints_one_json_line_per_backend(tmp_path):
         assert r["ceiling_put_gbps"] > 0 and r["ceiling_get_gbps"] > 0
         assert r["put_ratio"] > 0 and r["get_ratio"] > 0
     assert lines[1]["target_ratio"] == 0.7 and lines[4]["target_ratio"] == 0.9
+    assert lines[5]["target_ratio"] == 0.9 and lines[5]["ceiling"].startswith("raw Mooncake")
     assert lines[1]["fsync_put_ceiling_gbps"] > 0 and lines[1]["put_ratio_vs_fsync_put"] > 0
     assert lines[2]["batch_fsync_put_ceiling_gbps"] > 0
     assert lines[2]["put_ratio_vs_batch_fsync_put"] > 0
     assert lines[1]["per_file_get_gbps"] > 0
     assert lines[1]["bare_pack_get_gbps"] > 0 and lines[1]["bare_pack_get_ratio"] > 0
-    assert "target" in stdout.splitlines()[-7]  # the table comes last
+    assert "target" in stdout.splitlines()[-8]  # the table comes last

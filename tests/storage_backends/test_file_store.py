@@ -585,9 +585,14 @@ def test_a_timed_out_read_never_writes_into_the_callers_buffer(tmp_path, pages, 
     key = pages.key(0)
     real_read = file_read_module._read_waiting
 
+    stuck, finished = threading.Event(), threading.Event()
+
     def slow_read(*args):
-        time.sleep(0.6)  # a hung mount
-        return real_read(*args)
+        stuck.wait(60)  # a hung mount, until the test lets it go on
+        try:
+            return real_read(*args)
+        finally:
+            finished.set()
 
     async def body():
         url = f"file://{root}?capacity=1MiB&timeout=200ms"
@@ -596,10 +601,10 @@ def test_a_timed_out_read_never_writes_into_the_callers_buffer(tmp_path, pages, 
             store._reader.nowait = False  # as on NFS: every read may wait, none goes straight in
             monkeypatch.setattr(file_read_module, "_read_waiting", slow_read)
             pool, views = pages.pool_views(1, PAGE_BYTES)
-            started = time.monotonic()
-            assert await store.batch_get([key], views) == [False]
-            assert time.monotonic() - started < 0.5
-            await asyncio.sleep(0.8)  # the stuck read finishes now
+            # the read is stuck until let go: a miss here is the call's own timeout
+            assert await asyncio.wait_for(store.batch_get([key], views), 60) == [False]
+            stuck.set()
+            assert await asyncio.to_thread(finished.wait, 60)  # the stuck read finishes now
             assert bytes(pool) == b"\xa5" * PAGE_BYTES
             assert store.stats().num_timeouts == 1
             monkeypatch.setattr(file_read_module, "_read_waiting", real_read)

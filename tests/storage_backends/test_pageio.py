@@ -1,7 +1,9 @@
-"""The C extension `storage_backends._pageio`, the one implementation of the page checksum,
-the object check, the framing and the file backend's batch I/O, against independent oracles:
-its XXH3 against the `xxhash` package, its framing against headers packed here with `struct`
-and hashed with `xxhash`, its check against every way to damage an object."""
+"""The C extension `storage_backends._pageio` (the page checksum, the object check, the
+framing and the file backend's batch I/O) against independent oracles: its XXH3 (the xxHash
+library's, with each vector unit) against the `xxhash` package, its framing against headers
+packed here with `struct` and hashed with `xxhash`, its check against every way to damage an
+object. The check and the framing run twice, the C ones and `portable`'s (what an install
+without the extension runs): both must give the same answers."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import textwrap
 import pytest
 import xxhash
 
-from storage_backends import file_read, native
+from storage_backends import file_read, native, objects, portable, verify
 from storage_backends.file_pack import pack_table
 from storage_backends.objects import (
     CorruptReason,
@@ -41,7 +43,7 @@ def instruction_sets() -> list[str]:
     """Every xxh3 kernel this CPU can run (the default, the widest, is restored after)."""
     found = []
     default = pageio.simd()
-    for name in ("scalar", "avx2", "avx512"):
+    for name in ("baseline", "avx2", "avx512"):
         try:
             pageio.simd(name)
         except ValueError:
@@ -59,6 +61,22 @@ def simd(request):
     pageio.simd(default)
 
 
+@pytest.fixture(params=[*instruction_sets(), "portable"])
+def impl(request, monkeypatch):
+    """The checks and framing under test, installed where objects and verify call them:
+    the C extension with each vector unit, or `portable`."""
+    if request.param == "portable":
+        chosen = portable
+    else:
+        default = pageio.simd()
+        pageio.simd(request.param)
+        request.addfinalizer(lambda: pageio.simd(default))
+        chosen = pageio
+    monkeypatch.setattr(objects, "checks", chosen)
+    monkeypatch.setattr(verify, "checks", chosen)
+    return chosen
+
+
 def test_xxh3_matches_the_xxhash_package_at_every_length_and_split(simd):
     rng = random.Random(7)
     lengths = [*range(0, 1300), 2047, 2048, 2049, 4096 + 63, 65536, 65536 + 57, 1 << 20]
@@ -74,7 +92,7 @@ def test_xxh3_matches_the_xxhash_package_at_every_length_and_split(simd):
     assert pageio.xxh3_64(data[:5000], data[5000:]) == xxhash.xxh3_64_intdigest(data)
 
 
-def test_xxh3_of_many_pieces_matches_the_xxhash_package(simd):
+def test_xxh3_of_many_pieces_matches_the_xxhash_package(impl):
     """The check hashes an object as pieces (header fields, layout, payload chunks): every
     cut of an object into parts, stripes straddling any of them, hashes as the whole."""
     rng = random.Random(9)
@@ -85,7 +103,7 @@ def test_xxh3_of_many_pieces_matches_the_xxhash_package(simd):
         layout = layout_bytes(LAYOUT)
         cuts = sorted({rng.randrange(header_size(LAYOUT), len(obj)) for _ in range(6)})
         parts = [obj[a:b] for a, b in zip([0, *cuts], [*cuts, len(obj)], strict=True)]
-        assert pageio.check_object(parts, key, layout, length) == 1, (length, cuts)
+        assert impl.check_object(parts, key, layout, length) == 1, (length, cuts)
 
 
 def oracle_header(key: bytes, layout: bytes, page: bytes) -> bytes:
@@ -97,7 +115,7 @@ def oracle_header(key: bytes, layout: bytes, page: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("layout", [LAYOUT, "x" * 700, ""])
-def test_framing_matches_the_object_format(simd, layout):
+def test_framing_matches_the_object_format(impl, layout):
     rng = random.Random(3)
     sizes = [0, 1, 17, 100, 200, 241, 4096, 65536 + 3]
     keys = [rng.randbytes(16) for _ in sizes]
@@ -107,10 +125,10 @@ def test_framing_matches_the_object_format(simd, layout):
     for key, page, obj in zip(keys, pages, framed, strict=True):
         assert obj.header == oracle_header(key, encoded, page)
         assert bytes(obj.payload) == page
-        assert pageio.check_object([obj.header, page], key, encoded, len(page)) == 1
+        assert impl.check_object([obj.header, page], key, encoded, len(page)) == 1
 
 
-def test_the_check_names_the_first_thing_wrong(simd):
+def test_the_check_names_the_first_thing_wrong(impl):
     """Each damage of an object, as the C check numbers it (objects._REASONS names them)."""
     key, page = os.urandom(16), os.urandom(5000)
     layout = layout_bytes(LAYOUT)
@@ -118,7 +136,7 @@ def test_the_check_names_the_first_thing_wrong(simd):
 
     def check(obj, *, want_key=key, want_layout=layout, raw=None):
         raw = len(page) if raw is None else raw
-        return pageio.check_object([bytes(obj)], want_key, want_layout, raw)
+        return impl.check_object([bytes(obj)], want_key, want_layout, raw)
 
     def flipped(at, bit=0x40):
         bad = bytearray(good)
@@ -145,22 +163,22 @@ def test_the_check_names_the_first_thing_wrong(simd):
     assert check(flipped(12)) == CODE[CorruptReason.CHECKSUM]  # a reserved byte
     assert check(flipped(49)) == CODE[CorruptReason.CHECKSUM]
     split = [bytes(good[:30]), bytes(good[30:])]  # a header across two parts
-    assert pageio.check_object(split, key, layout, len(page)) == 10
+    assert impl.check_object(split, key, layout, len(page)) == 10
 
 
-def test_frame_headers_refuses_wrong_sizes():
+def test_frame_headers_refuses_wrong_sizes(impl):
     encoded = layout_bytes(LAYOUT)
     headers = bytearray(header_size(LAYOUT))
     with pytest.raises(ValueError, match="plain must be 48 bytes"):
-        pageio.frame_headers(b"k" * 16, b"short", encoded, [b"page"], headers, 1)
+        impl.frame_headers(b"k" * 16, b"short", encoded, [b"page"], headers, 1)
     with pytest.raises(ValueError, match="a key is 16 bytes"):
-        pageio.check_object([b"object"], b"k" * 15, encoded, -1)
+        impl.check_object([b"object"], b"k" * 15, encoded, -1)
     with pytest.raises(ValueError, match="1 to 1024 parts"):
-        pageio.check_object([], b"k" * 16, encoded, -1)
+        impl.check_object([], b"k" * 16, encoded, -1)
     with pytest.raises(ValueError, match="keys 16"):
-        pageio.frame_headers(b"k" * 15, plain_template(encoded), encoded, [b"p"], headers, 1)
+        impl.frame_headers(b"k" * 15, plain_template(encoded), encoded, [b"p"], headers, 1)
     with pytest.raises(TypeError):
-        pageio.frame_headers(b"k" * 16, plain_template(encoded), encoded, [3], headers, 1)
+        impl.frame_headers(b"k" * 16, plain_template(encoded), encoded, [3], headers, 1)
     with pytest.raises(ValueError, match="keys must be 16 bytes|page key"):
         frame_objects([b"short"], LAYOUT, [b"page"])
 
@@ -415,7 +433,7 @@ def test_sync_all_fsyncs_paths_and_open_files_and_reports_each(tmp_path, threads
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_check_copy_copies_only_what_checks_out(simd, threads):
+def test_check_copy_copies_only_what_checks_out(impl, threads):
     encoded = layout_bytes(LAYOUT)
     keys = [bytes([i]) * 16 for i in range(6)]
     pages = [os.urandom(size) for size in (0, 1, 4096, 70_000, 1 << 20, 5000)]
@@ -424,22 +442,22 @@ def test_check_copy_copies_only_what_checks_out(simd, threads):
     objects[5] = encode_object(keys[0], LAYOUT, pages[5])  # another key's object
     into = [bytearray(b"\xa5" * len(p)) for p in pages]
     verified = bytearray(len(keys))
-    pageio.check_copy(objects, into, b"".join(keys), encoded, verified, threads)
+    impl.check_copy(objects, into, b"".join(keys), encoded, verified, threads)
     checksum, key = CODE[CorruptReason.CHECKSUM], CODE[CorruptReason.KEY]
     assert list(verified) == [1, 1, 1, checksum, 1, key]
     assert [bytes(b) for b in into] == [*pages[:3], b"\xa5" * 70_000, pages[4], b"\xa5" * 5000]
     short = [bytearray(len(pages[2]) - 1)]  # a destination of another size: not verified
     verified = bytearray(1)
-    pageio.check_copy([objects[2]], short, keys[2], encoded, verified, threads)
+    impl.check_copy([objects[2]], short, keys[2], encoded, verified, threads)
     assert verified[0] == CODE[CorruptReason.LENGTH] and short == [bytearray(len(pages[2]) - 1)]
     packed_page = encode_object(keys[2], LAYOUT, bytes(4096), "lz4")  # intact, compressed
     target = bytearray(b"\xa5" * 4096)
-    pageio.check_copy([packed_page], [target], keys[2], encoded, verified, threads)
+    impl.check_copy([packed_page], [target], keys[2], encoded, verified, threads)
     assert verified == b"\0" and target == b"\xa5" * 4096  # left to the caller to decode
     with pytest.raises(ValueError, match="one destination"):
-        pageio.check_copy(objects, into[:1], b"".join(keys), encoded, verified, 1)
+        impl.check_copy(objects, into[:1], b"".join(keys), encoded, verified, 1)
     with pytest.raises(TypeError):
-        pageio.check_copy(objects[:1], [b"read-only"], keys[0], encoded, verified, 1)
+        impl.check_copy(objects[:1], [b"read-only"], keys[0], encoded, verified, 1)
 
 
 def write_work(root, keys, pages, layout=LAYOUT, *, serial=0):

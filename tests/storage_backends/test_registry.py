@@ -97,7 +97,7 @@ def test_redis_url_options():
         ("memory://?capasity=1GiB", r"unknown option 'capasity'; known options: .*capacity"),
         ("memory://?capacity=lots", "capacity: 'lots' is not a size"),
         ("memory://?capacity=0", "capacity must be >= 1"),
-        ("memory://?timeout=0", "timeout must be >= 0.001"),
+        ("memory://?timeout=0", r"timeout must be in \[0.001, 3600.0\]"),
         ("memory://?compression=zstd", "compression must be 'none' or 'lz4'"),
         ("memory://?capacity=1GiB&capacity=2GiB", "given twice"),
         ("memory://host", "takes no host or path"),
@@ -108,7 +108,10 @@ def test_redis_url_options():
         ("redis://a:1,b:2/0", r"use redis\+cluster://"),
         ("redis+cluster://a:1/2", "only database 0"),
         ("redis://h/0?chunk_size=10", r"chunk_size must be in \[1024"),
-        ("zstd://x", "unknown storage backend 'zstd'; known: file, grpc, grpcs, memory, redis"),
+        (
+            "zstd://x",
+            "unknown storage backend 'zstd'; known: file, grpc, grpcs, memory, mooncake, redis",
+        ),
         ("no-scheme", "not a backend URL"),
     ],
 )
@@ -183,3 +186,28 @@ def test_client_libraries_are_imported_only_when_their_scheme_is_opened():
 def test_a_negative_byte_count_is_not_a_size():
     with pytest.raises(BackendConfigError, match="capacity: -1 is not a size"):
         parse_size(-1, name="capacity")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "file:///tmp/kv\x00x?capacity=1MiB",
+        "file:///tmp/kv%00x?capacity=1MiB",
+        "file:///tmp/kv\nx?capacity=1MiB",
+        "redis://127.0.0.1:6379/0?timeout=1\x00",
+        "grpc://[::1",
+        "redis://[::1",
+    ],
+)
+def test_every_url_mistake_is_a_config_error_naming_the_url(url):
+    """(A file:// URL with an embedded NUL used to raise a bare ValueError on first use.)"""
+    with pytest.raises(BackendConfigError) as caught:
+        open_backend(url, layout="x")
+    assert url.split("://")[0] + "://" in str(caught.value)
+    assert "\x00" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value", ["1e308", "1000000h", "inf", "nan"])
+def test_a_duration_out_of_range_is_refused_by_name(value):
+    with pytest.raises(BackendConfigError, match="timeout"):
+        open_backend(f"memory://?capacity=1MiB&timeout={value}", layout="x")

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-_LISTENING = re.compile(r"listening on \S+:(\d+)")
+_LISTENING = re.compile(r"^hicache serve: listening on \S+:(\d+)")  # (not a library's log line)
 
 
 class DaemonProcess:

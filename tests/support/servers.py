@@ -35,10 +35,19 @@ def _can_bind(port: int) -> bool:
     return True
 
 
+_INSTALL_HINTS = {
+    "mooncake_master": "pip install mooncake-transfer-engine-non-cuda (and apt-get install "
+    "libibverbs1 libnuma1)",
+    "mooncake_client": "pip install mooncake-transfer-engine-non-cuda (and apt-get install "
+    "libibverbs1 libnuma1)",
+}
+
+
 def require_binary(binary: str) -> str:
     path = shutil.which(binary)
     if path is None:
-        pytest.fail(f"{binary} not found on PATH: install redis-server and redis-tools (apt-get)")
+        hint = _INSTALL_HINTS.get(binary, "install redis-server and redis-tools (apt-get)")
+        pytest.fail(f"{binary} not found on PATH: {hint}")
     return path
 
 
@@ -93,6 +102,131 @@ class RedisProcess:
 
     def kill(self) -> None:
         """SIGKILL: no goodbye to the clients."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class MooncakeMaster:
+    """One `mooncake_master` on 127.0.0.1 (its RPC port and its metrics port), without the
+    HTTP metadata server: clients use P2PHANDSHAKE. `client_ttl_s` is how long the master
+    keeps a silent client's segment (short here, so a killed holder is noticed quickly)."""
+
+    def __init__(self, workdir: Path, *, client_ttl_s: int = 2) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.client_ttl_s = client_ttl_s
+        self.proc: subprocess.Popen | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> MooncakeMaster:
+        args = [
+            require_binary("mooncake_master"),
+            f"--rpc_port={self.port}",
+            "--rpc_address=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            "--metrics_host=127.0.0.1",
+            "--enable_http_metadata_server=false",
+            f"--client_ttl={self.client_ttl_s}",
+        ]
+        log = open(self.workdir / "master.log", "ab")  # noqa: SIM115 (the process keeps it)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited; see {self.workdir / 'master.log'}")
+            if self.metric("master_total_capacity_bytes") is not None:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"mooncake_master on port {self.port} did not answer")
+
+    def metric(self, name: str) -> float | None:
+        """A value of the master's Prometheus metrics (None: no answer)."""
+        import urllib.request
+
+        try:
+            url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return None
+
+    def wait_capacity(self, at_least: int, *, at_most: int | None = None, timeout_s=30.0) -> None:
+        """Until the segments mounted add up to `at_least` (and at most `at_most`) bytes."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            total = self.metric("master_total_capacity_bytes") or 0
+            if total >= at_least and (at_most is None or total <= at_most):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"mooncake segments total {total} bytes, wanted >= {at_least}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class MooncakeHolder:
+    """One `mooncake_client`: a process that lends `segment_bytes` of memory to the store
+    (where pages live while the clients that put them come and go)."""
+
+    def __init__(self, master: MooncakeMaster, segment_bytes: int, name: str = "holder") -> None:
+        self.master = master
+        self.segment_bytes = segment_bytes
+        self.name = name
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> MooncakeHolder:
+        before = int(self.master.metric("master_total_capacity_bytes") or 0)
+        args = [
+            require_binary("mooncake_client"),
+            f"--global_segment_size={self.segment_bytes}",
+            f"--master_server_address={self.master.address}",
+            "--metadata_server=P2PHANDSHAKE",
+            "--host=127.0.0.1",
+            f"--port={free_port()}",
+        ]
+        log = open(self.master.workdir / f"{self.name}.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + 30
+        while (
+            self.master.metric("master_total_capacity_bytes") or 0
+        ) < before + self.segment_bytes:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = self.master.workdir / f"{self.name}.log"
+                raise RuntimeError(f"mooncake_client did not lend its segment; see {log}")
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()

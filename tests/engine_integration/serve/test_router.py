@@ -72,8 +72,25 @@ def run_conversations(url: str, tag: str, num_users: int = 6, num_turns: int = 4
     with concurrent.futures.ThreadPoolExecutor(num_users) as pool:
         for t in range(num_turns):
             list(pool.map(turn, range(num_users), [t] * num_users))
-            time.sleep(0.3)  # the last answers' KV events reach the router
+            wait_events_applied(url)  # the last answers' KV events reach the router
     return answers
+
+
+def wait_events_applied(url: str, timeout_s: float = 60.0) -> None:
+    """Until the router has applied every event batch each replica has published so far
+    (no fixed sleep: on a loaded machine the events may take longer than any guess)."""
+    replicas = [r for r in get_json(f"{url}/hicache/route/stats")["replicas"] if r["alive"]]
+    infos = {r["url"]: get_json(f"{r['url']}/hicache/info") for r in replicas}
+    published = {u: info["events_seq"] for u, info in infos.items() if info is not None}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        applied = {
+            r["url"]: r["events_seq"] for r in get_json(f"{url}/hicache/route/stats")["replicas"]
+        }
+        if all(applied[u] >= seq for u, seq in published.items()):
+            return
+        assert time.monotonic() < deadline, (published, applied)
+        time.sleep(0.01)
 
 
 def l1_hit_rate(answers) -> float:

@@ -9,10 +9,15 @@ Stores: files, a real redis-server and a real cache-server daemon, on loopback.
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import json
 import signal
+import sys
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +34,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from engine_integration.sglang.storage import HiCacheSGLangStorage  # noqa: E402
 from storage_backends import BackendConfigError, BackendUnavailableError  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
+from tests.support.deadline import WITHIN_S, within_deadline  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
 from tests.support.sglang_pools import HostPool  # noqa: E402
 
@@ -111,14 +117,18 @@ def file_url(tmp_path: Path) -> Callable[[], str]:
     return lambda: f"file://{tmp_path / uuid.uuid4().hex[:8]}?capacity=64MiB"
 
 
-@pytest.fixture(params=["file", "redis", "grpc"])
+@pytest.fixture(params=["file", "redis", "grpc", "mooncake"])
 def make_url(request, tmp_path) -> Callable[[], str]:
-    """A fresh store of each kind: its own directory, Redis key prefix, or daemon namespace."""
+    """A fresh store of each kind: its own directory, Redis or Mooncake key prefix, or daemon
+    namespace."""
     if request.param == "file":
         return lambda: f"file://{tmp_path / uuid.uuid4().hex[:8]}?capacity=64MiB"
     if request.param == "redis":
         port = request.getfixturevalue("redis_server").port
         return lambda: f"redis://127.0.0.1:{port}/0?prefix={uuid.uuid4().hex[:8]}:"
+    if request.param == "mooncake":
+        address = request.getfixturevalue("mooncake_store").address
+        return lambda: f"mooncake://{address}?prefix={uuid.uuid4().hex[:8]}:&buffer=8MiB"
     address = request.getfixturevalue("daemon").address
     return lambda: f"grpc://{address}"
 
@@ -330,12 +340,6 @@ def test_a_damaged_or_foreign_page_is_a_miss(how, store_kind, file_url, request)
 # -- a slow or dead store --------------------------------------------------------------------
 
 
-def _timed(call: Callable[[], object]) -> tuple[object, float]:
-    start = time.monotonic()
-    result = call()
-    return result, time.monotonic() - start
-
-
 def test_a_stalled_then_killed_redis_gives_misses_within_the_timeout(tmp_path):
     server = RedisProcess(tmp_path / "redis", free_port()).start()
     try:
@@ -346,17 +350,15 @@ def test_a_stalled_then_killed_redis_gives_misses_within_the_timeout(tmp_path):
         assert backend.batch_set_v1(keys, indices(0, 1, 2, 3)) == [True] * 4
         server.proc.send_signal(signal.SIGSTOP)  # alive, answering nothing: the worst case
         try:
-            found, elapsed = _timed(lambda: backend.batch_get_v1(keys, indices(4, 5, 6, 7)))
-            assert found == [False] * 4 and elapsed < 2.0
-            exists, elapsed = _timed(lambda: backend.batch_exists(keys))
-            assert exists == 0 and elapsed < 2.0
-            stored, elapsed = _timed(lambda: backend.batch_set_v1(keys_of(1), indices(0)))
-            assert stored == [False] and elapsed < 2.0
+            # (answering nothing, the server leaves only the calls' own timeouts to end them)
+            found = within_deadline(backend.batch_get_v1, keys, indices(4, 5, 6, 7))
+            assert found == [False] * 4
+            assert within_deadline(backend.batch_exists, keys) == 0
+            assert within_deadline(backend.batch_set_v1, keys_of(1), indices(0)) == [False]
         finally:
             server.proc.send_signal(signal.SIGCONT)
         server.kill()
-        found, elapsed = _timed(lambda: backend.batch_get_v1(keys, indices(4, 5, 6, 7)))
-        assert found == [False] * 4 and elapsed < 2.0
+        assert within_deadline(backend.batch_get_v1, keys, indices(4, 5, 6, 7)) == [False] * 4
         assert backend.backend_stats().num_timeouts >= 3
         backend.close()
     finally:
@@ -370,12 +372,12 @@ def test_a_daemon_killed_mid_batch_gives_misses_within_the_timeout():
         backend = attach(f"grpc://{server.address}?timeout=500ms", pool)
         keys = keys_of(*range(6))
         assert backend.batch_set_v1(keys, indices(*range(6))) == [True] * 6
-        outcomes: list[tuple[list[bool], float]] = []
+        outcomes: list[list[bool]] = []
         stop = threading.Event()
 
         def prefetch_io() -> None:  # SGLang's prefetch-I/O thread, reading on and on
             while not stop.is_set():
-                outcomes.append(_timed(lambda: backend.batch_get_v1(keys[:2], indices(6, 7))))
+                outcomes.append(backend.batch_get_v1(keys[:2], indices(6, 7)))
 
         reader = threading.Thread(target=prefetch_io)
         reader.start()
@@ -383,11 +385,10 @@ def test_a_daemon_killed_mid_batch_gives_misses_within_the_timeout():
         server.kill()
         time.sleep(1.5)
         stop.set()
-        reader.join(10)
-        assert not reader.is_alive()
-        assert outcomes[0][0] == [True, True]
-        assert outcomes[-1][0] == [False, False]
-        assert max(elapsed for _, elapsed in outcomes) < 2.0
+        reader.join(WITHIN_S)
+        assert not reader.is_alive()  # no call hung (each ends by its own timeout)
+        assert outcomes[0] == [True, True]
+        assert outcomes[-1] == [False, False]
         backend.close()
     finally:
         server.stop()
@@ -456,7 +457,30 @@ def test_misuse_of_the_calls_is_an_error_that_says_what(file_url):
     backend.close()
 
 
-def test_throughput_metrics_in_the_form_sglang_reads(file_url):
+METRICS_MODULE = "sglang.srt.observability.metrics_collector"
+
+
+def _storage_metrics_module(monkeypatch) -> None:
+    """SGLang's metrics module, or, where it cannot be imported (on the CPU build of torch it
+    imports torchvision, see tests/support/sglang_pools.py), a module holding SGLang's own
+    `StorageMetrics`, its class statement taken from that module's source as installed: the
+    adapter then builds the very dataclass SGLang defines, field for field."""
+    try:
+        importlib.import_module(METRICS_MODULE)
+        return
+    except ImportError:
+        pass
+    source = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    tree = ast.parse((source / "srt/observability/metrics_collector.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "StorageMetrics"]
+    module = types.ModuleType(METRICS_MODULE)
+    monkeypatch.setitem(sys.modules, METRICS_MODULE, module)  # (dataclass looks it up)
+    header = "from dataclasses import dataclass, field\nfrom typing import List\n"
+    exec(compile(header + ast.unparse(cls), METRICS_MODULE, "exec"), module.__dict__)
+
+
+def test_throughput_metrics_in_the_form_sglang_reads(file_url, monkeypatch):
+    _storage_metrics_module(monkeypatch)
     backend = attach(file_url(), host_pool(seed=20), metrics=True)
     keys = keys_of(0, 1)
     backend.batch_set_v1(keys, indices(0, 1))
@@ -465,13 +489,16 @@ def test_throughput_metrics_in_the_form_sglang_reads(file_url):
     assert taken["backup_pgs"] == [2] and taken["prefetch_pgs"] == [2]
     assert taken["prefetch_bandwidth"][0] > 0 and taken["backup_bandwidth"][0] > 0
     assert backend.take_throughput()["prefetch_pgs"] == []  # since the last read, as SGLang's
-    pytest.importorskip(
-        "sglang.srt.observability.metrics_collector",
-        reason="SGLang's metrics module imports torchvision (see tests/support/sglang_pools.py)",
-    )
+    before = backend.backend_stats().num_hits
     backend.batch_get_v1(keys, indices(2, 3))
     metrics = backend.get_stats()
-    assert metrics.prefetch_pgs == [2] and metrics.hicache.num_hits == 6
+    assert type(metrics).__name__ == "StorageMetrics"
+    assert metrics.prefetch_pgs == [2] and metrics.backup_pgs == []
+    assert metrics.prefetch_bandwidth[0] > 0
+    # the backend's own counters ride along. They count objects: an MHA page is stored as
+    # its K and its V part, so this get of 2 pages is 4 more hits (the old assertion of 6
+    # after two gets counted pages; the backend counted 8)
+    assert metrics.hicache.num_hits == before + 2 * 2
     backend.close()
 
 

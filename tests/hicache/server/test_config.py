@@ -115,3 +115,12 @@ def test_a_tenants_file_makes_its_namespaces_and_binds_its_tokens(tmp_path):
 def test_bad_tenants_files_are_named(tmp_path, text, message):
     with pytest.raises(ValueError, match=message):
         _config("--tenants-file", _tenants(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "field", ["stream_idle_timeout_s", "shutdown_grace_s", "flush_timeout_s", "spill_timeout_s"]
+)
+@pytest.mark.parametrize("value", [1e308, 1e18, float("inf"), float("nan"), 86401.0])
+def test_a_timeout_out_of_its_stated_range_is_refused(field, value):
+    with pytest.raises(ValueError, match=r"must be in .*86400\]"):
+        ServerConfig(**{field: value})

@@ -21,43 +21,79 @@ LAYOUT = "mha;layers=1;page=16;kv_heads=1;head_dim=8;dtype=float32"
 DECODER = msgspec.msgpack.Decoder(vllm_events.KVEventBatch)
 
 
-def receive_events(socket: zmq.Socket, until, timeout_s: float = 10.0) -> list:
-    events = []
-    deadline = time.monotonic() + timeout_s
-    while not until(events):
-        assert time.monotonic() < deadline, f"no such events; got {events}"
-        if socket.poll(100):
-            _topic, _seq, payload = socket.recv_multipart()
+class Receiver:
+    """The daemon's batches, every one of them in order, decoded by vLLM's classes: from the
+    SUB socket, and whatever it missed (it joins a moment after connecting, and a busy
+    machine makes that moment longer) from the replay socket, so no test waits for a join."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str) -> None:
+        self.replay_endpoint = replay_endpoint
+        self.socket = zmq.Context.instance().socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+        self.next_seq = 0
+
+    def _take(self, seq_bytes: bytes, payload: bytes, events: list) -> None:
+        seq = int.from_bytes(seq_bytes, "big")
+        if seq == self.next_seq:
             events.extend(DECODER.decode(payload).events)
-    return events
+            self.next_seq += 1
+
+    def _replay(self, events: list) -> None:
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        try:
+            dealer.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
+            while dealer.poll(10_000):
+                _, _topic, seq_bytes, payload = dealer.recv_multipart()
+                if seq_bytes == (-1).to_bytes(8, "big", signed=True):
+                    return
+                self._take(seq_bytes, payload, events)
+        finally:
+            dealer.close(linger=0)
+
+    def until(self, done, timeout_s: float = 30.0) -> list:
+        events: list = []
+        deadline = time.monotonic() + timeout_s
+        while not done(events):
+            assert time.monotonic() < deadline, f"no such events; got {events}"
+            if self.socket.poll(100):
+                _topic, seq_bytes, payload = self.socket.recv_multipart()
+                if int.from_bytes(seq_bytes, "big") > self.next_seq:
+                    self._replay(events)  # the batches before this one first
+                self._take(seq_bytes, payload, events)
+            else:
+                self._replay(events)
+        return events
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
 
 
 def test_the_daemon_publishes_what_l3_stores_and_drops(start_daemon):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay = f"tcp://127.0.0.1:{free_port()}"
     daemon = start_daemon(
-        "--capacity", "64KiB", "--events-endpoint", endpoint,
-        "--events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}",
+        "--capacity", "64KiB", "--events-endpoint", endpoint, "--events-replay-endpoint", replay,
     )  # fmt: skip
-    socket = zmq.Context.instance().socket(zmq.SUB)
-    socket.setsockopt(zmq.SUBSCRIBE, b"")
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(endpoint)
-    time.sleep(0.3)  # the SUB socket joins
+    receiver = Receiver(endpoint, replay)
     keys = [os.urandom(16) for _ in range(8)]
     more = [os.urandom(16) for _ in range(40)]  # 48 pages of 2 KiB: past 64 KiB, evicting
 
     async def body():
         async with open_backend(f"grpc://{daemon.address}", layout=LAYOUT) as store:
             assert await store.batch_put(keys, [os.urandom(2048) for _ in keys]) == [True] * 8
-            stored = receive_events(
-                socket, lambda got: any(isinstance(e, vllm_events.BlockStored) for e in got)
+            stored = receiver.until(
+                lambda got: any(isinstance(e, vllm_events.BlockStored) for e in got)
             )
             event = next(e for e in stored if isinstance(e, vllm_events.BlockStored))
             assert event.medium == "STORAGE" and event.block_size == 16
             assert set(event.block_hashes) == set(keys)
             assert await store.delete(keys[:2]) == 2
-            removed = receive_events(
-                socket, lambda got: any(isinstance(e, vllm_events.BlockRemoved) for e in got)
+            removed = receiver.until(
+                lambda got: any(isinstance(e, vllm_events.BlockRemoved) for e in got)
             )
             gone = {
                 k
@@ -79,10 +115,10 @@ def test_the_daemon_publishes_what_l3_stores_and_drops(start_daemon):
                 )
                 return set(keys[2:]) <= evicted
 
-            receive_events(socket, all_evicted)
+            receiver.until(all_evicted)
             assert await store.batch_exists(keys[2:3]) == 0
 
     try:
         asyncio.run(body())
     finally:
-        socket.close(linger=0)
+        receiver.close()

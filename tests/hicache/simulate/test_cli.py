@@ -171,13 +171,13 @@ def test_the_saved_figure_says_what_it_is_computed_from_and_adds_up(capsys):
 def test_a_saving_above_the_gpu_bill_is_explained(capsys):
     from hicache.cli import build_parser
     from hicache.simulate.cli import build_config
-    from hicache.simulate.replay import Replay
+    from hicache.simulate.player import TracePlayer
     from hicache.simulate.report import savings_basis
     from hicache.simulate.trace import load_trace
 
     trace = load_trace(SMALL)
     config = build_config(build_parser().parse_args(["simulate", "--l1", "5", "--l2", "20"]), trace)
-    result = Replay(config, trace).run()
+    result = TracePlayer(config, trace).run()
     assert "could not keep up" not in savings_basis(result, config)
     # The same saving over a span so short that uncached prefill needs more GPUs than exist.
     squeezed = dataclasses.replace(result, duration_s=result.duration_s / 1000)
@@ -235,3 +235,30 @@ def test_ctrl_c_during_a_sweep_is_one_line_exit_130_and_ends_the_workers():
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["hicache simulate: stopped by SIGINT (exit 130)"]
     assert workers and not any(Path(f"/proc/{pid}/cmdline").exists() for pid in workers)
+
+
+def test_an_l3_store_preset_sets_bandwidth_and_latency_unless_flags_do():
+    import argparse
+
+    from hicache.simulate.cli import add_arguments, build_config
+    from hicache.simulate.l3 import STORE_PRESETS
+    from hicache.simulate.trace import load_trace
+
+    preset = STORE_PRESETS["mooncake-tcp"]
+    assert 0 < preset.latency_s < 0.01 and preset.bandwidth_bytes_per_s > 1e8
+    assert "bench_backends.py --backends mooncake" in preset.measured
+    trace = load_trace(SMALL)
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def config(*flags):
+        return build_config(parser.parse_args(["--trace", SMALL, "--l3", "100", *flags]), trace)
+
+    plain = config()
+    assert plain.l3_bandwidth_bytes_per_s is None and plain.l3_latency_s == 100e-6
+    store = config("--l3-store", "mooncake-tcp")
+    assert store.l3_bandwidth_bytes_per_s == preset.bandwidth_bytes_per_s
+    assert store.l3_latency_s == preset.latency_s
+    overridden = config("--l3-store", "mooncake-tcp", "--l3-bandwidth", "5", "--l3-latency-us", "7")
+    assert overridden.l3_bandwidth_bytes_per_s == 5e9 and overridden.l3_latency_s == 7e-6

@@ -5,7 +5,7 @@ same hits, tier by tier.
 Both sides have L1, L2 and L3 of the same size in pages. The live side runs requests the
 way an engine does (match, allocate, insert, release; `flush` makes the background L3
 writes land before the next step, as the simulator's instant links do) and trims L1 to its
-capacity after each request, as the simulator's replay does. The simulated hardware has
+capacity after each request, as the simulator's trace player does. The simulated hardware has
 links and compute of unbounded speed, so every transfer ends the moment it starts, as CPU
 copies do; with `wait_complete` prefetch the result does not depend on timing at all.
 """
@@ -18,7 +18,7 @@ import pytest
 
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
 from hicache.controller import HiCache
-from hicache.simulate import Replay
+from hicache.simulate import TracePlayer
 from hicache.simulate.config import SimulationConfig
 from hicache.simulate.hardware import HardwareSpec
 from hicache.simulate.models import ModelSpec
@@ -69,7 +69,7 @@ def trace() -> Trace:
     return generate_conversations(workload)
 
 
-def replay_live(trace: Trace, l1_pages: int, l2_pages: int, l3_pages: int, policy) -> dict:
+def play_live(trace: Trace, l1_pages: int, l2_pages: int, l3_pages: int, policy) -> dict:
     layout = TINY.kv_layout(PAGE_SIZE)
     object_bytes = header_size(layout.descriptor()) + layout.bytes_per_page
     headroom = -(-trace.max_input_length // PAGE_SIZE)
@@ -102,7 +102,7 @@ def replay_live(trace: Trace, l1_pages: int, l2_pages: int, l3_pages: int, polic
     return {"hits": stats.hit_tokens, "requests": stats.requests}
 
 
-def replay_simulated(trace: Trace, l1_pages: int, l2_pages: int, l3_pages: int, policy):
+def play_simulated(trace: Trace, l1_pages: int, l2_pages: int, l3_pages: int, policy):
     page_bytes = TINY.kv_bytes_per_token * PAGE_SIZE
     config = SimulationConfig(
         model=TINY,
@@ -115,9 +115,9 @@ def replay_simulated(trace: Trace, l1_pages: int, l2_pages: int, l3_pages: int, 
         l3_latency_s=0.0,
         policy=policy,
     )
-    replay = Replay(config, trace)
-    result = replay.run()
-    (cache,) = replay.caches
+    player = TracePlayer(config, trace)
+    result = player.run()
+    (cache,) = player.caches
     assert cache.stats().hit_tokens == {t: r.hit_tokens for t, r in result.tiers.items()}
     return {"hits": cache.stats().hit_tokens, "requests": cache.stats().requests}
 
@@ -136,8 +136,8 @@ def test_live_cache_and_simulator_hit_the_same_tokens_per_tier(
     trace, l1_pages, l2_pages, l3_pages, write_policy, tiers_hit
 ):
     policy = PolicyConfig(write_policy=write_policy, prefetch_policy="wait_complete")
-    live = replay_live(trace, l1_pages, l2_pages, l3_pages, policy)
-    simulated = replay_simulated(trace, l1_pages, l2_pages, l3_pages, policy)
+    live = play_live(trace, l1_pages, l2_pages, l3_pages, policy)
+    simulated = play_simulated(trace, l1_pages, l2_pages, l3_pages, policy)
     assert simulated == live
     assert live["requests"] == trace.num_requests
     assert [tier for tier, hits in live["hits"].items() if hits] == tiers_hit.split()

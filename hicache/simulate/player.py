@@ -1,5 +1,6 @@
-"""The replay: a trace through real `HiCache` controllers, one per serving instance, in
-virtual time.
+"""The trace player: a trace played through real `HiCache` controllers, one per serving
+instance, in virtual time. ("Replay" elsewhere means the engine's encoder replay or a
+CUDA-graph replay; a trace is played.)
 
 Each instance is a prefill engine with its own L1 and L2 and a `VirtualExecutor`; all share
 one simulated L3 (or each has its own). Events run in timestamp order:
@@ -84,7 +85,7 @@ class _Instance:
         return max(0.0, self.free_at_s - now_s) + self.queued_s
 
 
-class Replay:
+class TracePlayer:
     """One simulation run. `run()` once; it returns a `SimulationResult`."""
 
     def __init__(
@@ -369,4 +370,4 @@ def _cached_prefix(cache: HiCache, data: bytes, namespace: Namespace) -> CachedP
     return cache.cached_prefix(data, namespace)
 
 
-__all__ = ["Replay"]
+__all__ = ["TracePlayer"]

@@ -1,4 +1,4 @@
-"""The replay against numbers that follow from the trace and from the time model.
+"""The trace player against numbers that follow from the trace and from the time model.
 
 Where the hit rate grows with a capacity and where it need not. For one tier, LRU over a
 radix tree that evicts only runs with no child in the tier is still a stack algorithm: a
@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from hicache.config import PolicyConfig
-from hicache.simulate import Replay, simulate
+from hicache.simulate import TracePlayer, simulate
 from hicache.simulate.trace import (
     ConversationWorkload,
     Request,
@@ -112,12 +112,12 @@ def test_a_request_queues_behind_the_one_running(config_factory):
 def test_an_l2_hit_loads_layer_by_layer_under_the_prefill(config_factory):
     config = config_factory(page_size=16, l1_pages=0, l2_pages=1000)
     length = 16 * 200
-    replay = Replay(config, trace_of((0.0, prompt(0, length)), (10.0, prompt(0, length))))
-    assert replay.run().tiers["l2"].hit_tokens == length
+    player = TracePlayer(config, trace_of((0.0, prompt(0, length)), (10.0, prompt(0, length))))
+    assert player.run().tiers["l2"].hit_tokens == length
     host = config.hardware.host_link_bytes_per_s * config.gpus_per_instance
     load_s = length * config.model.kv_bytes_per_token / host + config.hardware.host_link_latency_s
     prefill_s = config.model.prefill_flops(length - 1, length) / config.instance_flops
-    stats = replay.request_stats
+    stats = player.request_stats
     ttft = stats.end_s[1] - stats.arrival_s[1]
     assert ttft == pytest.approx(max(prefill_s, load_s + prefill_s / config.model.num_layers))
     assert ttft > prefill_s  # here the load, not the one token's compute, sets the pace
@@ -137,9 +137,9 @@ def test_prefix_routing_sends_a_repeat_where_its_prefix_lives(config_factory):
     x, y = prompt(0, 4096), prompt(10**6, 4096)
     requests = trace_of((0.0, x), (0.0, y), (10.0, y))
     config = config_factory(page_size=64, l1_pages=1000, num_instances=2)
-    round_robin = Replay(config, requests)
+    round_robin = TracePlayer(config, requests)
     assert round_robin.run().hit_tokens == 0  # y, then y again on the other instance
-    by_prefix = Replay(config.replace(routing="prefix"), requests)
+    by_prefix = TracePlayer(config.replace(routing="prefix"), requests)
     result = by_prefix.run()
     assert result.tiers["l1"].hit_tokens == 4096
     # routing's look at the indexes is not a request and not a hit
@@ -157,15 +157,15 @@ def test_hits_and_bytes_are_the_controllers_own_counts(conversations, config_fac
         routing="prefix",
         policy=PolicyConfig(write_policy="write_through"),
     )
-    replay = Replay(config, conversations)
-    result = replay.run()
-    stats = [cache.stats() for cache in replay.caches]
+    player = TracePlayer(config, conversations)
+    result = player.run()
+    stats = [cache.stats() for cache in player.caches]
     for tier in ("l1", "l2", "l3"):
         assert result.tiers[tier].hit_tokens == sum(s.hit_tokens[tier] for s in stats)
     assert result.tiers["l3"].hit_tokens > 0
     assert sum(s.requests for s in stats) == conversations.num_requests
     assert result.bytes_moved["l2_to_l3"] == sum(s.bytes_moved["l2_to_l3"] for s in stats) > 0
-    for cache in replay.caches:
+    for cache in player.caches:
         cache.check_invariants()
 
 
@@ -208,12 +208,12 @@ def test_a_timeout_prefetch_is_cut_short_on_a_slow_l3(config_factory):
             prefetch_timeout_per_1k_tokens_s=0.0,
         ),
     )
-    replay = Replay(slow, trace)
-    result = replay.run()
+    player = TracePlayer(slow, trace)
+    result = player.run()
     assert result.prefetches["cut_short"] == 1
     # in 0.2 s at 1 GB/s, one chunk of 32 pages arrived; the match uses it and goes on
     assert result.tiers["l3"].hit_tokens == 32 * 64
-    stats = replay.request_stats
+    stats = player.request_stats
     waited = stats.matched_s[2] - stats.began_s[2]  # the index knew p is in L3: no lookup
     assert waited == pytest.approx(0.2)
 
@@ -236,9 +236,9 @@ def test_a_shared_l3s_aggregate_bandwidth_slows_its_reads(config_factory):
     shared = config_factory(page_size=64, l1_pages=64, l2_pages=64, l3_pages=1000, num_instances=2)
     waits = []
     for aggregate in (None, 1e9):
-        replay = Replay(shared.replace(l3_aggregate_bytes_per_s=aggregate), trace)
-        assert replay.run().tiers["l3"].hit_tokens == 4096
-        stats = replay.request_stats
+        player = TracePlayer(shared.replace(l3_aggregate_bytes_per_s=aggregate), trace)
+        assert player.run().tiers["l3"].hit_tokens == 4096
+        stats = player.request_stats
         waits.append(stats.matched_s[1] - stats.began_s[1])
     num_bytes = 4096 * shared.model.kv_bytes_per_token
     chunks = 64 // shared.prefetch_chunk_pages
@@ -260,8 +260,8 @@ def test_l3_that_keeps_part_of_each_write_costs_hits_and_breaks_nothing(
         policy=PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete"),
     )
     trace = conversations.head(600)
-    whole = Replay(config, trace).run()
-    halves = Replay(config, trace, acknowledge=lambda n: n // 2)
+    whole = TracePlayer(config, trace).run()
+    halves = TracePlayer(config, trace, acknowledge=lambda n: n // 2)
     result = halves.run()
     assert 0 < result.tiers["l3"].hit_tokens < whole.tiers["l3"].hit_tokens
     assert result.tiers["l1"].hit_tokens == whole.tiers["l1"].hit_tokens

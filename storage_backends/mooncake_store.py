@@ -1,0 +1,459 @@
+"""Mooncake Store: `mooncake://MASTER_HOST:PORT?...`, the distributed KV store as L3.
+
+    mooncake://10.0.0.5:50051?protocol=rdma&device=mlx5_0&replicas=2&prefix=team-a:
+    mooncake://127.0.0.1:50051                       (tcp, pages kept by other processes)
+    mooncake://127.0.0.1:50051?segment=4GiB          (this process lends 4 GiB to the store)
+
+A page is one Mooncake object, `<prefix><32 hex digits of the key>`, holding the encoded object
+(header, then payload), so every read is checked like any other backend's: key, layout,
+checksum and, with a tenant secret, the MAC; a damaged, foreign or truncated object is a counted
+miss. Writes are upserts: a page rewritten under its key replaces the old one.
+
+Pages move through registered memory, never through Python `bytes`: the backend allocates one
+staging arena (`buffer`), registers it with the transfer engine, and moves each round of a batch
+with `batch_upsert_from` / `batch_get_into` between the arena and the store. On the way out a
+page is copied into the arena and framed there (its checksum taken of that copy); on the way in
+the C check verifies each object in the arena and copies it into the caller's buffer in the same
+pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer still running when
+its call timed out writes only the arena (whose region is lent again only once the transfer is
+over), never the caller's pages.
+
+Backends of one process on one store share one Mooncake client (`SharedClients`: it costs
+about twenty threads and its own ports, and lends its segment once), each with its own
+prefix and arena.
+
+Mooncake keeps its capacity and evicts by itself: a page that vanished (evicted, or on a
+segment whose process died) is a miss; a put the store has no room for is a rejected put.
+Its client reconnects to a restarted master by itself (and re-mounts the segment it lends),
+so a fault here never tears the client down; until the master answers, calls are faults.
+The store does not report its contents to a client: `stats()` leaves usage unknown (the
+master's metrics port has it, store-wide).
+
+The client library is imported when a mooncake:// URL is opened, never before.
+`benchmarks/bench_backends.py --backends mooncake` measures the backend against the raw
+Mooncake client moving the same bytes on the same store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .base import _SHARE_BYTES, CPUS, Fetched, PageStatus, ReadInto, StorageBackend
+from .errors import BackendConfigError
+from .guard import CopyGuard
+from .mooncake_options import MooncakeOptions, options_from_url
+from .objects import (
+    MAC_BYTES,
+    MAX_PAYLOAD_BYTES,
+    CorruptReason,
+    FramedObject,
+    frame_objects,
+    header_size,
+)
+from .options import redact_url
+from .shared_clients import SharedClients
+from .staging import StagingArena, aligned
+from .verify import decode_objects_into
+from .workers import WorkerPool
+
+_SLACK_BYTES = MAC_BYTES + 64  # room past the expected object: a signed or longer one still fits
+_INSTALL = (
+    "mooncake:// needs the Mooncake client: pip install mooncake-transfer-engine-non-cuda "
+    "(mooncake-transfer-engine with CUDA) and apt-get install libibverbs1 libnuma1"
+)
+
+# Mooncake's error codes (mooncake-store types.h) that mean something here.
+_NOT_FOUND = -704  # OBJECT_NOT_FOUND
+_NO_ROOM = -200  # NO_AVAILABLE_HANDLE: nothing left to allocate or evict
+_TOO_SMALL = -600  # INVALID_PARAMS: here, the object is larger than the buffer it was read into
+_RPC_FAIL = -900  # the master did not answer
+
+
+class MooncakeFault(ConnectionError):
+    """A call failed as a whole (the master unreachable); the base counts it as a fault."""
+
+
+def _import_client() -> Any:
+    """The `mooncake.store` module, or a one-line error naming what to install."""
+    try:
+        from mooncake import store
+    except ImportError as exc:
+        raise BackendConfigError(f"{_INSTALL} ({exc})") from None
+    return store
+
+
+class _Round:
+    """Pages of one batch that move together through one region of the arena."""
+
+    def __init__(self, items: list[int], slots: list[int]) -> None:
+        self.items = items  # positions in the batch
+        self.slots = slots  # bytes reserved for each, aligned
+        self.offsets = list(np.cumsum([0] + slots[:-1]))
+        self.nbytes = sum(slots)
+
+
+class MooncakeBackend(StorageBackend):
+    scheme = "mooncake"
+    transient_errors = (MooncakeFault, OSError)
+
+    def __init__(
+        self, options: MooncakeOptions, layout: str | None = None, *, name: str = ""
+    ) -> None:
+        super().__init__(options, layout, name=name)
+        self.options: MooncakeOptions = options
+        self._module = _import_client()
+        self._client: Any = None  # shared with the process' other backends on this store
+        self._client_key: tuple = ()
+        self._arena: StagingArena | None = None
+        self._pool: WorkerPool | None = None
+        self._round_bytes = options.buffer_bytes // 2  # two rounds move at once, at least
+        self._config = self._replicate_config()
+
+    def _replicate_config(self) -> Any:
+        config = self._module.ReplicateConfig()
+        config.replica_num = self.options.replicas
+        if self.options.soft_pin_s:
+            config.soft_pin_action = self._module.SoftPinAction.ENABLE
+            config.soft_pin_ttl_ms = max(1, int(self.options.soft_pin_s * 1000))
+        return config
+
+    # -- connection ---------------------------------------------------------------------------
+
+    async def _open(self) -> None:
+        """Check the master answers on its port (the client would retry for a minute and a
+        half), then set the client up and register the arena, on a worker thread."""
+        host, port = self.options.master
+        probe = asyncio.open_connection(host, port)
+        _, writer = await asyncio.wait_for(probe, self.options.connect_timeout_s)
+        writer.close()
+        local = self.options.local_host or _route_to(host, port)
+        self._pool = WorkerPool(self.options.io_threads, thread_name_prefix="hicache-mooncake")
+        self._arena = StagingArena(self.options.buffer_bytes)
+        await self._in_pool(lambda: self._setup(local))
+
+    def _setup(self, local_host: str) -> None:
+        """Take the process' client for these settings (made on first use), and register
+        this backend's arena with it."""
+        opts = self.options
+        master = f"{opts.master[0]}:{opts.master[1]}"
+        key = (master, opts.metadata, opts.protocol, opts.device, local_host, opts.segment_bytes)
+
+        def make() -> Any:
+            client = self._module.MooncakeDistributedStore()
+            code = client.setup(
+                local_host, opts.metadata, opts.segment_bytes, 0, opts.protocol, opts.device, master
+            )
+            if code != 0:
+                raise MooncakeFault(f"the client's setup with master {master} failed ({code})")
+            return client
+
+        client = _CLIENTS.acquire(key, make)
+        code = client.register_buffer(self._arena.address, self._arena.nbytes)
+        if code != 0:
+            _CLIENTS.release(key, _close_client)
+            raise MooncakeFault(f"registering the {self._arena.nbytes}-byte buffer failed ({code})")
+        self._client, self._client_key = client, key
+
+    async def _reconnect(self) -> None:
+        """The client reconnects to the master by itself: keep it (opening a second client
+        would lend a second segment); only a client that never came up is set up again."""
+        if self._client is None:
+            await self._close()
+            await self._open()
+
+    async def _close(self) -> None:
+        """Let transfers under way finish (the base bounds this by `close_grace`), then
+        unregister the arena and let go of the client (the last user closes it, and it gives
+        back the segment it lent)."""
+        pool, client = self._pool, self._client
+        self._pool = self._client = None
+        if pool is None:
+            return
+        pool.shutdown(wait=False)
+        await asyncio.wrap_future(pool.stopped())
+        if client is not None:
+            address, key = self._arena.address, self._client_key
+
+            def let_go() -> None:
+                client.unregister_buffer(address)
+                _CLIENTS.release(key, _close_client)
+
+            closer = WorkerPool(1, thread_name_prefix="hicache-mooncake-close")
+            try:
+                await asyncio.wrap_future(closer.submit(let_go))
+            finally:
+                closer.shutdown(wait=False)
+
+    def _abandon(self) -> int:
+        return 0 if self._pool is None else self._pool.num_pending()
+
+    # -- running on the workers ---------------------------------------------------------------
+
+    async def _in_pool(self, work: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._pool.submit(work))
+
+    async def _rounds(
+        self, slots: list[int], work: Callable[[_Round, int], list[Any]], too_large: Any
+    ) -> list[Any]:
+        """Split a batch into rounds of at most half the arena, run `work(round, start)` on
+        the workers for each (all at once), and put their outcomes back in batch order; an
+        item larger than a round is `too_large`. A round's region is given back when its
+        transfer is over, whether or not anyone still waits for it."""
+        outcomes: list[Any] = [too_large] * len(slots)
+        rounds, items, sizes, total = [], [], [], 0
+        for i, slot in enumerate(slots):
+            if slot > self._round_bytes:
+                continue
+            if total + slot > self._round_bytes:
+                rounds.append(_Round(items, sizes))
+                items, sizes, total = [], [], 0
+            items.append(i)
+            sizes.append(slot)
+            total += slot
+        if items:
+            rounds.append(_Round(items, sizes))
+        if len(rounds) == 1:  # the common case: no task per round
+            results = [await self._run_round(rounds[0], work)]
+        else:
+            results = await asyncio.gather(*(self._run_round(r, work) for r in rounds))
+        for one, result in zip(rounds, results, strict=True):
+            for i, outcome in zip(one.items, result, strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    async def _run_round(self, one: _Round, work: Callable[[_Round, int], list[Any]]) -> list:
+        arena = self._arena
+        start = await arena.reserve(one.nbytes)
+        try:
+            future = self._pool.submit(work, one, start)
+        except BaseException:
+            arena.release(start)
+            raise
+        future.add_done_callback(lambda _: arena.release(start))  # run, failed or cancelled
+        return await asyncio.wrap_future(future)
+
+    def _names(self, keys: Sequence[bytes]) -> list[str]:
+        prefix = self.options.prefix
+        return [prefix + key.hex() for key in keys]
+
+    def _addresses(self, one: _Round, start: int) -> list[int]:
+        base = self._arena.address + start
+        return [base + int(offset) for offset in one.offsets]
+
+    # -- primitives ---------------------------------------------------------------------------
+
+    async def _exists(self, keys: list[bytes]) -> int:
+        codes = await self._in_pool(lambda: self._client.batch_is_exist(self._names(keys)))
+        _raise_if_all_failed(codes, "batch_is_exist")
+        for i, code in enumerate(codes):
+            if code != 1:
+                return i
+        return len(keys)
+
+    async def _delete(self, keys: list[bytes]) -> int:
+        codes = await self._in_pool(lambda: self._client.batch_remove(self._names(keys), True))
+        _raise_if_all_failed(codes, "batch_remove")
+        return sum(1 for code in codes if code == 0)
+
+    async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
+        """`batch_put`: copy the pages into the arena (only while the call runs), frame them
+        there, upsert them."""
+        head = header_size(self.layout, signed=self._mac_key is not None)
+        sizes = [head + len(view) for view in views]
+        guard = CopyGuard()
+
+        def work(one: _Round, start: int) -> list[PageStatus]:
+            return self._put_pages(one, start, [keys[i] for i in one.items], views, head, guard)
+
+        try:
+            statuses = await self._call(
+                "batch_put", lambda: self._rounds(_slots(sizes), work, PageStatus.REJECTED)
+            )
+        finally:
+            guard.close()
+        return self._count_stores("batch_put", statuses, sizes)
+
+    def _put_pages(
+        self,
+        one: _Round,
+        start: int,
+        keys: list[bytes],
+        views: list[memoryview],
+        head: int,
+        guard: CopyGuard,
+    ) -> list[PageStatus]:
+        arena = self._arena
+        payloads = []
+        with guard.writing() as allowed:  # (reading the caller's pages, here)
+            if not allowed:
+                return [PageStatus.ERROR] * len(keys)  # the call is over: nothing is sent
+            for i, offset in zip(one.items, one.offsets, strict=True):
+                at = start + int(offset) + head
+                np.copyto(arena.array[at : at + len(views[i])], np.frombuffer(views[i], np.uint8))
+                payloads.append(arena.view[at : at + len(views[i])])
+        framed = frame_objects(
+            keys,
+            self.layout,
+            payloads,
+            self._compression,
+            threads=_threads(sum(map(len, payloads))),
+            mac_key=self._mac_key,
+        )
+        sizes = []
+        for obj, payload, offset in zip(framed, payloads, one.offsets, strict=True):
+            at = start + int(offset)
+            arena.view[at : at + head] = obj.header
+            if obj.payload is not payload:  # lz4 kept: the smaller block replaces the page
+                arena.view[at + head : at + head + len(obj.payload)] = obj.payload
+            sizes.append(head + len(obj.payload))
+        return self._upsert(keys, self._addresses(one, start), sizes)
+
+    async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
+        """The objects API's put: already-framed objects of any layout, copied in and upserted."""
+
+        def work(one: _Round, start: int) -> list[PageStatus]:
+            arena, sizes = self._arena, []
+            for i, offset in zip(one.items, one.offsets, strict=True):
+                at, obj = start + int(offset), objects[i]
+                arena.view[at : at + len(obj.header)] = obj.header
+                arena.view[at + len(obj.header) : at + obj.nbytes] = obj.payload
+                sizes.append(obj.nbytes)
+            return self._upsert([keys[i] for i in one.items], self._addresses(one, start), sizes)
+
+        return await self._rounds(
+            _slots([obj.nbytes for obj in objects]), work, PageStatus.REJECTED
+        )
+
+    def _upsert(
+        self, keys: list[bytes], addresses: list[int], sizes: list[int]
+    ) -> list[PageStatus]:
+        codes = self._client.batch_upsert_from(self._names(keys), addresses, sizes, self._config)
+        _raise_if_all_failed(codes, "batch_upsert_from")
+        statuses = []
+        for code in codes:
+            if code == 0:
+                statuses.append(PageStatus.STORED)
+            elif code == _NO_ROOM:
+                statuses.append(PageStatus.REJECTED)
+            else:
+                self._note_page_error(f"batch_upsert_from: Mooncake error {code}")
+                statuses.append(PageStatus.ERROR)
+        return statuses
+
+    async def _fetch_into(
+        self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
+    ) -> list[ReadInto]:
+        """Read each round into the arena, then check and copy it into the caller's buffers
+        (while the call runs: `guard`)."""
+        head = header_size(self.layout)
+        slots = _slots([head + len(view) + _SLACK_BYTES for view in views])
+
+        def work(one: _Round, start: int) -> list[ReadInto]:
+            names = self._names([keys[i] for i in one.items])
+            codes = self._client.batch_get_into(names, self._addresses(one, start), one.slots)
+            fetched = self._in_arena(codes, one, start, "batch_get_into")
+            found = [j for j, item in enumerate(fetched) if isinstance(item, memoryview)]
+            outcomes: list[ReadInto] = list(fetched)
+            with guard.writing() as allowed:
+                if not allowed:
+                    return [None] * len(names)  # the call is over: nothing is written
+                reasons = decode_objects_into(
+                    [fetched[j] for j in found],
+                    [keys[one.items[j]] for j in found],
+                    self._layout_bytes,
+                    [views[one.items[j]] for j in found],
+                    threads=_threads(sum(len(fetched[j]) for j in found)),
+                    mac_key=self._mac_key,
+                )
+            for j, reason in zip(found, reasons, strict=True):
+                outcomes[j] = True if reason is None else reason
+            return outcomes
+
+        return await self._rounds(slots, work, CorruptReason.LENGTH)
+
+    async def _fetch(self, keys: list[bytes], sizes: list[int] | None) -> list[Fetched]:
+        """The objects API's get: sizes from the master, then a read into the arena and a
+        copy out (the caller keeps the bytes)."""
+        names = self._names(keys)
+        lengths = await self._in_pool(lambda: [self._client.get_size(name) for name in names])
+        _raise_if_all_failed(lengths, "get_size")
+        fetched: list[Fetched] = [None] * len(keys)
+        present = [i for i, n in enumerate(lengths) if n >= 0]
+        for i in present:  # a length from outside: bounded before anything is sized by it
+            if lengths[i] > MAX_PAYLOAD_BYTES + (1 << 17):
+                fetched[i] = CorruptReason.LENGTH
+
+        wanted = [i for i in present if fetched[i] is None]
+
+        def work(one: _Round, start: int) -> list[Fetched]:
+            batch = [names[wanted[j]] for j in one.items]
+            codes = self._client.batch_get_into(batch, self._addresses(one, start), one.slots)
+            got = self._in_arena(codes, one, start, "batch_get_into")
+            return [bytes(item) if isinstance(item, memoryview) else item for item in got]
+
+        got = await self._rounds(_slots([lengths[i] for i in wanted]), work, CorruptReason.LENGTH)
+        for i, item in zip(wanted, got, strict=True):
+            fetched[i] = item
+        return fetched
+
+    def _in_arena(self, codes: list[int], one: _Round, start: int, op: str) -> list[Any]:
+        """What a read into the arena found, per page: its object (a view of the arena),
+        None (absent or vanished), LENGTH (larger than its buffer) or an error."""
+        _raise_if_all_failed(codes, op)
+        found: list[Any] = []
+        for code, offset, slot in zip(codes, one.offsets, one.slots, strict=True):
+            at = start + int(offset)
+            if 0 <= code <= slot:
+                found.append(self._arena.view[at : at + code])
+            elif code == _TOO_SMALL:
+                found.append(CorruptReason.LENGTH)
+            elif code == _RPC_FAIL:
+                self._note_page_error(f"{op}: the master did not answer")
+                found.append(PageStatus.ERROR)
+            else:  # absent, evicted, or its segment gone: a miss
+                found.append(None)
+        return found
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+_CLIENTS = SharedClients()  # one Mooncake client per master and settings, in this process
+
+
+def _close_client(client: Any) -> None:
+    client.close()
+
+
+def _slots(sizes: list[int]) -> list[int]:
+    return [aligned(size) for size in sizes]
+
+
+def _threads(nbytes: int) -> int:
+    return max(1, min(nbytes // _SHARE_BYTES, 4, CPUS))
+
+
+def _raise_if_all_failed(codes: Sequence[int], op: str) -> None:
+    if codes and all(code == _RPC_FAIL for code in codes):
+        raise MooncakeFault(f"{op}: the master did not answer")
+
+
+def _route_to(host: str, port: int) -> str:
+    """This host's address on the route to the master (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, port))
+        return sock.getsockname()[0]
+
+
+# -- URLs ------------------------------------------------------------------------------------
+
+
+def open_url(url: str, *, layout: str | None = None, name: str = "") -> MooncakeBackend:
+    """`mooncake://MASTER_HOST:PORT?protocol=tcp&segment=0&buffer=256MiB&replicas=1&...`"""
+    name = name or redact_url(url)
+    return MooncakeBackend(options_from_url(url, name), layout, name=name)

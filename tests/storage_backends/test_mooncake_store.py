@@ -1,0 +1,398 @@
+"""Mooncake Store specifics: objects damaged in the store, rounds through the staging arena,
+eviction, and the faults of a distributed store (the master killed and restarted, the process
+holding the pages killed, a hung holder), against a real `mooncake_master` and `mooncake_client`.
+
+Waits are bounded polls on what the store reports, never sleeps for time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from storage_backends import (
+    BackendConfigError,
+    BackendUnavailableError,
+    encode_object,
+    open_backend,
+)
+from tests.support.servers import MooncakeHolder, MooncakeMaster, free_port
+
+PAGE_BYTES = 4096
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def wait_until(check: Callable[[], object], what: str, timeout_s: float = 60.0) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def wait_until_async(check, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = await check()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def own_store(tmp_path: Path) -> Iterator[tuple[MooncakeMaster, Callable[..., MooncakeHolder]]]:
+    """A master of this test alone, and a way to start holders on it (to kill or pause)."""
+    master = MooncakeMaster(tmp_path / "mooncake").start()
+    holders: list[MooncakeHolder] = []
+
+    def start_holder(segment_bytes: int = 64 << 20) -> MooncakeHolder:
+        holder = MooncakeHolder(master, segment_bytes, name=f"holder{len(holders)}")
+        holders.append(holder)
+        return holder.start()
+
+    yield master, start_holder
+    for holder in holders:
+        if holder.proc is not None and holder.proc.poll() is None:
+            holder.proc.send_signal(signal.SIGCONT)  # (a paused one must hear the TERM)
+        holder.stop()
+    master.stop()
+
+
+def object_name(url: str, key: bytes) -> str:
+    return parse_qs(urlsplit(url).query)["prefix"][0] + key.hex()
+
+
+@pytest.fixture
+def raw_client(mooncake_store: MooncakeMaster):
+    """A plain Mooncake client on the shared store: it reads and writes objects by name."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert (
+        client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 1 << 20, "tcp", "", mooncake_store.address)
+        == 0
+    )
+    yield client
+    client.close()
+
+
+# -- damage in the store ---------------------------------------------------------------------
+
+
+def _flip(blob: bytes, offset: int) -> bytes:
+    out = bytearray(blob)
+    out[offset] ^= 0x08
+    return bytes(out)
+
+
+DAMAGE = {
+    "payload_byte": (lambda blob: _flip(blob, len(blob) - 1), "checksum"),
+    "magic": (lambda blob: _flip(blob, 0), "magic"),
+    "key_byte": (lambda blob: _flip(blob, 20), "key"),
+    "truncated": (lambda blob: blob[: len(blob) // 2], "truncated"),
+    "much_longer": (lambda blob: blob + bytes(4096), "length"),  # past the read's buffer
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_an_object_damaged_in_the_store_is_a_miss(mooncake_url, raw_client, pages, damage):
+    """The stored object is read back by a plain client, damaged, and written over itself."""
+    url = mooncake_url()
+    key = pages.key(1, damage)
+    payload = pages.page(key, PAGE_BYTES)
+    make_damage, reason = DAMAGE[damage]
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put([key], [payload]) == [True]
+            name = object_name(url, key)
+            blob = raw_client.get(name)
+            assert blob == encode_object(key, pages.LAYOUT, payload)  # the format, as stored
+            assert raw_client.upsert(name, make_damage(blob)) == 0
+            pool, views = pages.pool_views(1, PAGE_BYTES)
+            assert await store.batch_get([key], views) == [False]
+            assert store.stats().num_corrupt == {reason: 1}
+            assert await store.batch_get_objects([key]) == [None]
+            assert store.stats().num_errors == 0
+
+    run(body())
+
+
+def test_batches_larger_than_the_buffer_move_in_rounds(mooncake_url, pages):
+    """A 1 MiB arena moves 512 KiB rounds: 40 pages of 64 KiB take several, all in order."""
+    page_bytes = 64 << 10
+    keys = [pages.key(i, "rounds") for i in range(40)]
+    data = [pages.page(k, page_bytes) for k in keys]
+
+    async def body():
+        async with open_backend(mooncake_url(buffer="1MiB"), layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 40
+            pool, views = pages.pool_views(40, page_bytes)
+            assert await store.batch_get(keys, views) == [True] * 40
+            assert bytes(pool) == b"".join(data)
+            assert await store.batch_get_objects(keys[:3]) == [
+                encode_object(k, pages.LAYOUT, d) for k, d in zip(keys[:3], data[:3], strict=True)
+            ]
+            # A page larger than a round cannot be staged: refused, not an error.
+            assert await store.batch_put([pages.key(99)], [bytes(600 << 10)]) == [False]
+            assert store.stats().num_put_rejected == 1
+            assert store.stats().num_errors == 0
+
+    run(body())
+
+
+# -- capacity --------------------------------------------------------------------------------
+
+
+def test_a_full_store_rejects_puts_and_evicted_pages_are_misses(own_store, pages):
+    master, start_holder = own_store
+    start_holder(16 << 20)
+    page_bytes = 256 << 10
+    keys = [pages.key(i, "full") for i in range(160)]  # 40 MiB into 16
+    url = f"mooncake://{master.address}?prefix=full:&buffer=16MiB"
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            stored = []
+            for start in range(0, len(keys), 16):
+                batch = keys[start : start + 16]
+                stored += await store.batch_put(batch, [pages.page(k, page_bytes) for k in batch])
+            stats = store.stats()  # (rejected while the store's eviction catches up)
+            assert stats.num_puts == sum(stored)
+            assert stats.num_put_rejected == len(keys) - stats.num_puts
+            pool, views = pages.pool_views(len(keys), page_bytes)
+            found = await store.batch_get(keys, views)
+            for i, hit in enumerate(found):
+                if hit:
+                    assert bytes(views[i]) == pages.page(keys[i], page_bytes)
+            assert 0 < sum(found) < len(keys)  # what is gone is a miss ...
+            assert store.stats().num_errors == 0  # ... never an error
+            assert store.stats().num_corrupt_total == 0
+
+    run(body())
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+def test_master_killed_then_restarted(own_store, pages):
+    """While the master is down calls are faults (misses, False, 0) that return at once; once
+    it is back the same backend stores again (the pages it held are gone: misses)."""
+    master, start_holder = own_store
+    start_holder()
+    keys = [pages.key(i, "restart") for i in range(4)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+    url = f"mooncake://{master.address}?prefix=r:&buffer=4MiB&timeout=5s&breaker_failures=0"
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 4
+            master.kill()
+            pool, views = pages.pool_views(4, PAGE_BYTES)
+            assert await store.batch_get(keys, views) == [False] * 4
+            assert await store.batch_exists(keys) == 0
+            assert await store.batch_put(keys, data) == [False] * 4
+            assert store.stats().num_errors + store.stats().num_timeouts >= 3  # faults
+            master.start()  # the same ports
+
+            async def stored_again():
+                return await store.batch_put(keys[:1], data[:1]) == [True]
+
+            await wait_until_async(stored_again, "a put after the master restarted")
+            assert await store.batch_exists(keys) == 1
+            assert await store.batch_get(keys, views) == [True, False, False, False]
+            assert bytes(views[0]) == data[0]
+
+    run(body())
+
+
+def test_the_process_holding_the_pages_is_killed(own_store, pages):
+    """Pages on a segment whose process died are misses, never errors; a new holder takes
+    the next puts."""
+    master, start_holder = own_store
+    holder = start_holder()
+    keys = [pages.key(i, "holder") for i in range(8)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+    url = f"mooncake://{master.address}?prefix=h:&buffer=4MiB&timeout=5s"
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 8
+            holder.kill()
+            pool, views = pages.pool_views(8, PAGE_BYTES)
+            assert await store.batch_get(keys, views) == [False] * 8
+            assert bytes(pool) == b"\xa5" * len(pool)  # nothing written
+            master.wait_capacity(0, at_most=0)  # the master dropped the dead segment
+
+            async def forgotten():
+                return await store.batch_exists(keys) == 0
+
+            await wait_until_async(forgotten, "the master forgetting the dead segment's pages")
+            start_holder()
+            assert await store.batch_put(keys, data) == [True] * 8
+            assert await store.batch_get(keys, views) == [True] * 8
+            assert b"".join(bytes(v) for v in views) == b"".join(data)
+            stats = store.stats()
+            assert stats.num_errors == 0 and stats.num_corrupt_total == 0
+            assert stats.num_misses == 8
+
+    run(body())
+
+
+def test_a_hung_holder_costs_one_timeout_and_no_late_write(own_store, pages):
+    """A holder paused mid-read: the call returns misses at its deadline, and when the
+    transfer finally completes it lands in the staging arena, never in the caller's pool."""
+    master, start_holder = own_store
+    holder = start_holder()
+    keys = [pages.key(i, "hung") for i in range(4)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+    url = f"mooncake://{master.address}?prefix=g:&buffer=4MiB"
+
+    async def body():
+        async with open_backend(url + "&timeout=30s", layout=pages.LAYOUT) as writer:
+            assert await writer.batch_put(keys, data) == [True] * 4
+        async with open_backend(url + "&timeout=1s", layout=pages.LAYOUT) as store:
+            await store.connect()  # (set up before the pause: only the read is timed)
+            holder.proc.send_signal(signal.SIGSTOP)
+            try:
+                pool, views = pages.pool_views(4, PAGE_BYTES)
+                started = time.monotonic()
+                assert await store.batch_get(keys, views) == [False] * 4
+                assert time.monotonic() - started < 30  # the deadline, with room for load
+                assert store.stats().num_timeouts == 1
+            finally:
+                holder.proc.send_signal(signal.SIGCONT)
+            arena = store._arena
+            await wait_until_async(
+                lambda: asyncio.sleep(0, arena.num_taken() == 0), "the late transfer ending"
+            )
+            assert bytes(pool) == b"\xa5" * len(pool)
+
+            async def answering():
+                return await store.batch_get(keys, views) == [True] * 4
+
+            await wait_until_async(answering, "reads after the holder resumed")
+            assert b"".join(bytes(v) for v in views) == b"".join(data)
+
+    run(body())
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("mooncake://", "the master's host is missing"),
+        ("mooncake://h:x", "bad port"),
+        ("mooncake://h:1/path", "has no path"),
+        ("mooncake://h:1?protocol=udp", "protocol must be tcp or rdma"),
+        ("mooncake://h:1?device=mlx5_0", "device names RDMA devices"),
+        ("mooncake://h:1?segment=4G", "segment: '4G' is not a size"),
+        ("mooncake://h:1?segment=1MiB", "segment must be 0 or at least 16MiB"),
+        ("mooncake://h:1?buffer=1KiB", "buffer must be in"),
+        ("mooncake://h:1?replicas=0", "replicas must be in"),
+        ("mooncake://h:1?lease=10s", "lease is the master's: .* --default_kv_lease_ttl"),
+        ("mooncake://h:1?leases=1", "unknown option 'leases'"),
+    ],
+)
+def test_bad_urls_name_what_is_wrong(url, message):
+    with pytest.raises(BackendConfigError, match=message):
+        open_backend(url)
+
+
+def test_a_master_that_does_not_answer_fails_loudly_and_fast(pages):
+    url = f"mooncake://127.0.0.1:{free_port()}?timeout=10s"
+
+    async def body():
+        store = open_backend(url, layout=pages.LAYOUT)
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailableError, match="cannot be reached"):
+            await store.batch_exists([pages.key(0)])
+        assert time.monotonic() - started < 5  # refused at once, not the client's retries
+        await store.close()
+
+    run(body())
+
+
+def test_the_client_is_imported_only_for_a_mooncake_url(monkeypatch):
+    import subprocess
+
+    code = (
+        "import sys, storage_backends; "
+        "storage_backends.open_backend('memory://'); "
+        "assert 'mooncake' not in sys.modules, 'imported'; "
+        "storage_backends.open_backend('mooncake://127.0.0.1:1'); "
+        "assert 'mooncake.store' in sys.modules and 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as if not installed
+    with pytest.raises(BackendConfigError, match="pip install mooncake-transfer-engine") as info:
+        open_backend("mooncake://127.0.0.1:1")
+    assert "\n" not in str(info.value)
+
+
+def test_with_two_replicas_a_page_outlives_one_holder(own_store, pages):
+    """replicas=2 puts each page on both holders' segments; with one holder killed the pages
+    are still read (a transfer from the dead one fails over, or the master dropped it)."""
+    master, start_holder = own_store
+    first = start_holder(32 << 20)
+    start_holder(32 << 20)
+    keys = [pages.key(i, "replicas") for i in range(6)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+    url = f"mooncake://{master.address}?prefix=rep:&buffer=4MiB&replicas=2&timeout=10s"
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 6
+            described = store._client.batch_get_replica_desc(["rep:" + k.hex() for k in keys])
+            assert [len(described["rep:" + k.hex()]) for k in keys] == [2] * 6
+            first.kill()
+            master.wait_capacity(32 << 20, at_most=32 << 20)  # the dead segment is dropped
+            pool, views = pages.pool_views(6, PAGE_BYTES)
+            assert await store.batch_get(keys, views) == [True] * 6
+            assert b"".join(bytes(v) for v in views) == b"".join(data)
+
+    run(body())
+
+
+def test_backends_on_one_store_share_one_client_and_keep_their_prefixes(mooncake_url, pages):
+    """A process' backends on one store share one Mooncake client (its threads, ports and
+    segment), each with its own prefix and buffer; the last one closed closes it."""
+    from storage_backends.mooncake_store import _CLIENTS
+
+    key = pages.key(1, "shared")
+    before = _CLIENTS.num_clients()
+
+    async def body():
+        first = open_backend(mooncake_url(), layout=pages.LAYOUT)
+        second = open_backend(mooncake_url(), layout=pages.LAYOUT)
+        async with first, second:
+            assert await first.batch_put([key], [b"1" * PAGE_BYTES]) == [True]
+            assert await second.batch_exists([key]) == 0  # another prefix
+            assert await second.batch_put([key], [b"2" * PAGE_BYTES]) == [True]
+            assert first._client is second._client
+            assert _CLIENTS.num_clients() == before + 1
+            pool, views = pages.pool_views(2, PAGE_BYTES)
+            assert await first.batch_get([key], views[:1]) == [True]
+            assert await second.batch_get([key], views[1:]) == [True]
+            assert bytes(pool) == b"1" * PAGE_BYTES + b"2" * PAGE_BYTES
+            await first.close()
+            assert _CLIENTS.num_clients() == before + 1  # still used by the second
+            assert await second.batch_get([key], views[1:]) == [True]
+        assert _CLIENTS.num_clients() == before
+
+    run(body())
