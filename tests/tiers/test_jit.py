@@ -56,7 +56,7 @@ def test_without_triton_the_cpu_paths_run_and_a_kernel_launch_names_the_extra(tm
 def test_the_stand_ins_arithmetic_is_tritons():
     triton = pytest.importorskip("triton")
     stand_in = _TritonStandIn()
-    assert stand_in.next_power_of_2(0) == triton.next_power_of_2(0)
+    # n = 0 is left out: triton 3.8 says 1, 3.9 says 0; no launch is sized by it.
     for n in range(1, 2049):
         assert stand_in.next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 3, 64):
