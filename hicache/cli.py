@@ -133,9 +133,8 @@ def _main(argv: list[str] | None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    prog = getattr(args, "_prog", args._parser.prog)  # a nested command may name itself
-    module = importlib.import_module(args._module)
-    return run_command(prog, module, args, restore=argv is not None)
+    module = importlib.import_module(args._module)  # `_parser`: a nested command's own
+    return run_command(args._parser.prog, module, args, restore=argv is not None)
 
 
 # What a signal ends a command with. A server (`serve`, `engine serve`, `route`) handles

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="One embedded-engine replica behind /v1/completions and "
         "/v1/chat/completions; `hicache route` puts several behind one address.",
     )
-    serve.set_defaults(_prog=serve.prog)  # `hicache engine serve` in its messages
+    serve.set_defaults(_parser=serve)  # its mistakes and signals are `hicache engine serve`'s
     a = serve.add_argument
     a(
         "--model",

@@ -63,7 +63,7 @@ def test_every_parser_refuses_abbreviations():
     [
         (["demo", "--turn", "2"], "--turn 2 (did you mean --turns?)"),
         (["simulate", "--trac", "x"], "--trac x"),
-        (["engine", "serve", "--por", "1"], "--por 1"),
+        (["engine", "serve", "--por", "1"], "--por 1 (did you mean --port?)"),
         (["route", "--replica", "http://127.0.0.1:1", "--wai", "1"], "--wai 1"),
     ],
 )
