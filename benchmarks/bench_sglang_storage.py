@@ -57,7 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from benchmarks.common import device_name, emit  # noqa: E402
+from benchmarks.common import device_name, emit, met_target  # noqa: E402
 
 MODELS = {
     "mha_llama_8b": dict(attention="mha", layer_num=32, head_num=8, head_dim=128),
@@ -239,7 +239,7 @@ def run_case(case: Case, args: argparse.Namespace, root: Path) -> dict:
     }
 
 
-def main() -> None:
+def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.torch_threads)
@@ -270,7 +270,15 @@ def main() -> None:
                 f"{r['case']:<42}{op:<5}{r[f'hicache_{op}_gbps']:>14.3f}"
                 f"{r[f'sglang_file_{op}_gbps']:>18.3f}{r[f'{op}_ratio']:>8.2f}"
             )
+    if args.smoke:  # too small to judge
+        return 0
+    met = [
+        met_target(f"{r['case']}: hicache / sglang file {op}", r[f"{op}_ratio"], TARGET_RATIO)
+        for r in records
+        for op in ("get", "set")
+    ]
+    return 0 if all(met) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
+DEFAULT_TRACE = REPO / "hicache" / "simulate" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def git_revision() -> str:
@@ -36,6 +36,15 @@ def device_name(device: str = "cpu") -> str:
 def emit(result: dict) -> None:
     """Print one JSON line of results, stamped with the revision."""
     print(json.dumps({"git": git_revision(), **result}), flush=True)
+
+
+def met_target(what: str, value: float, target: float) -> bool:
+    """Say in one line whether `value` met its `target` (a ratio, higher is better), and
+    return it: a benchmark that names a target exits 1 when any is missed."""
+    met = value >= target
+    verdict = "met" if met else "MISSED"
+    print(f"{what} {value:.2f}x, target >= {target:g}x: {verdict}", flush=True)
+    return met
 
 
 def write_random_file(path: Path, num_bytes: int) -> None:

@@ -8,11 +8,15 @@ subcommand's module, so those modules are torch-free; the work they start import
 from __future__ import annotations
 
 import argparse
+import atexit
 import difflib
 import importlib
 import importlib.metadata
 import logging
+import os
+import signal
 import sys
+import threading
 
 # The subcommands: each is registered as an entry point of this group by the package that
 # implements it (pyproject.toml), so this module never names a package above it.
@@ -34,7 +38,15 @@ CONFIGURABLE = {"serve": "HICACHE_SERVE_", "demo": "HICACHE_DEMO_"}
 
 
 class _Parser(argparse.ArgumentParser):
-    """A mistake in the flags is one line (argparse's usage block would bury it), exit 2."""
+    """A mistake in the flags is one line (argparse's usage block would bury it), exit 2.
+
+    No abbreviations: argparse would take `--turn 2` for `--turns 2` silently, and a flag
+    added later could change what an abbreviation means. Subparsers are built with the
+    parser's own class, so this holds for every subcommand."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
@@ -81,6 +93,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`hicache ARGV...`; with no argv, the program's own command line, and the process
+    exits promptly when the command ends (`exit_promptly`)."""
+    code = _main(argv)
+    if argv is None:
+        exit_promptly(code)
+    return code
+
+
+def exit_promptly(code: int) -> None:
+    """End the process with `code` once the command has closed what it opened: the atexit
+    handlers run and the output is flushed, but the interpreter's teardown of every module
+    is skipped (with torch loaded it takes seconds: a server said "stopped" and stayed up
+    for 10-20 s on a busy machine). While a thread that is not a daemon still runs, the
+    normal exit, which waits for it, is left to happen instead."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if any(t.is_alive() and not t.daemon for t in others):
+        return
+    atexit._run_exitfuncs()  # what the normal exit would run (logging's flush among them)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:  # named by the subcommand's parser, which knows the flags meant
@@ -97,8 +133,47 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    module = importlib.import_module(args._module)
-    return int(module.run(args) or 0)
+    module = importlib.import_module(args._module)  # `_parser`: a nested command's own
+    return run_command(args._parser.prog, module, args, restore=argv is not None)
+
+
+# What a signal ends a command with. A server (`serve`, `engine serve`, `route`) handles
+# SIGTERM and SIGINT itself once it listens: it stops gracefully, says "stopped", exits 0.
+# Before that (a model loading, replicas awaited) and in every other command, the signal
+# ends the work where it is: `with` blocks and `finally` close what is open (the caches
+# flush what they hold), then one line and the shell's code for the signal.
+EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Python raises KeyboardInterrupt for SIGINT, so
+    the same unwinding runs for both (a BaseException: `except Exception` lets it pass)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def run_command(prog: str, module, args: argparse.Namespace, *, restore: bool = True) -> int:
+    """`module.run(args)`, a signal turned into one line and EXIT_ON_SIGNAL's code. With
+    `restore` (called in-process, as tests do), the signal handlers are put back after."""
+    previous = {signum: signal.getsignal(signum) for signum in EXIT_ON_SIGNAL}
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    # Python leaves SIGINT ignored where it started ignored (a shell's `cmd &`): ours ends.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return int(module.run(args) or 0)
+    except (KeyboardInterrupt, Terminated) as stop:
+        signum = signal.SIGINT if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM
+        for other in EXIT_ON_SIGNAL:  # a second Ctrl-C must not print a traceback over it
+            signal.signal(other, signal.SIG_IGN)
+        code = EXIT_ON_SIGNAL[signum]
+        print(f"{prog}: stopped by {signum.name} (exit {code})", file=sys.stderr, flush=True)
+        return code
+    finally:
+        if restore:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
 
 def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> None:

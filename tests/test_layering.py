@@ -133,6 +133,7 @@ def _strongly_connected(graph) -> list[set[str]]:
     return groups
 
 
+@pytest.mark.slow  # imports sglang and vllm in fresh processes: 109 s on a loaded 2-core machine
 def test_old_adapter_paths_still_load_with_a_deprecation_warning():
     for old, new, name in [
         (

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 from tiers.errors import KVTensorError, PageIdError
+from tiers.jit import tl, triton  # triton, or a stand-in without it
 
 PageIds = Sequence[int] | np.ndarray | torch.Tensor
 

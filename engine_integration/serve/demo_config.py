@@ -77,7 +77,10 @@ def step(what: str) -> Iterator[None]:
     started = time.perf_counter()
     try:
         yield
-    except BaseException:
+    except Exception:
         print(" failed", flush=True)
+        raise
+    except BaseException:  # Ctrl-C or SIGTERM: the command says so on the next line
+        print(" stopped", flush=True)
         raise
     print(f" {time.perf_counter() - started:.1f} s", flush=True)

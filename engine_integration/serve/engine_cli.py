@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="One embedded-engine replica behind /v1/completions and "
         "/v1/chat/completions; `hicache route` puts several behind one address.",
     )
+    serve.set_defaults(_parser=serve)  # its mistakes and signals are `hicache engine serve`'s
     a = serve.add_argument
     a(
         "--model",
@@ -117,6 +118,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"hicache engine serve: error: {error}", file=sys.stderr)
         return 2
-    from engine_integration.serve.replica import serve  # torch enters here
+    from engine_integration.serve.openai_api import listen_for
 
-    return asyncio.run(serve(config))
+    sock = listen_for("hicache engine serve", config.host, config.port)  # before the model
+    if sock is None:
+        return 2
+    with sock:
+        from engine_integration.serve.replica import serve  # torch enters here
+
+        return asyncio.run(serve(config, sock))

@@ -16,8 +16,12 @@ prompt's KV came from, which replica served it). Torch-free.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import signal
+import socket
+import sys
 import time
 import uuid
 from collections.abc import Mapping
@@ -305,26 +309,44 @@ class TextStream:
         return out
 
 
-async def serve_until_stopped(app, host: str, port: int, command: str, banner, close) -> int:
-    """Serve `app` on host:port until SIGTERM or SIGINT, then `await close()`.
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound at once: a command binds it before its slow
+    start (a model's load, replicas awaited), so a taken port is named in seconds. Raises
+    OSError (the port taken, the address not this host's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
 
-    `banner(port)` is the "listening" line (the port as bound: 0 picks one); a port that
-    cannot be bound is one error line and exit status 1. For `hicache engine serve` and
-    `hicache route`."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
+
+def listen_for(command: str, host: str, port: int) -> socket.socket | None:
+    """`listen`, or None after one error line naming the flag (`--port`, `--host`)."""
     try:
-        await web.TCPSite(runner, host, port).start()
+        return listen(host, port)
     except OSError as error:
-        print(f"{command}: error: cannot listen: {error}", flush=True)
-        await runner.cleanup()
-        await close()
-        return 1
-    print(banner(runner.addresses[0][1]), flush=True)
+        flag = "--host" if error.errno == errno.EADDRNOTAVAIL else "--port"
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        print(f"{command}: error: {flag}: cannot listen on {host}:{port}: {reason}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return None
+
+
+# How long a stop waits for requests in flight (a streamed answer) before cancelling them.
+SHUTDOWN_GRACE_S = 0.5
+
+
+async def serve_until_stopped(app, sock: socket.socket, command: str, banner, close) -> int:
+    """Serve `app` on the bound `sock` (`listen`) until SIGTERM or SIGINT, then `await
+    close()`: requests in flight get SHUTDOWN_GRACE_S to finish, then are cancelled.
+
+    `banner(port)` is the "listening" line (the port as bound: 0 picks one). For `hicache
+    engine serve` and `hicache route`."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT):  # before the banner: a stop after it is clean
         loop.add_signal_handler(signum, stop.set)
+    await web.SockSite(runner, sock, shutdown_timeout=SHUTDOWN_GRACE_S).start()
+    print(banner(sock.getsockname()[1]), flush=True)
     await stop.wait()
     await runner.cleanup()
     await close()

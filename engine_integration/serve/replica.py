@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 
@@ -390,7 +391,8 @@ async def _send(stream: web.StreamResponse, body: dict) -> None:
     await stream.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
 
-async def serve(config: ReplicaConfig) -> int:
+async def serve(config: ReplicaConfig, sock: socket.socket) -> int:
+    """Serve `config`'s replica on `sock` (bound by the command before the model loads)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     replica = Replica(config)
@@ -401,8 +403,7 @@ async def serve(config: ReplicaConfig) -> int:
 
     return await serve_until_stopped(
         replica.app(),
-        config.host,
-        config.port,
+        sock,
         "hicache engine serve",
         lambda port: (
             f"hicache engine serve: {replica.name} ({config.role}, "

@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine_integration.serve.openai_api import listen_for
     from engine_integration.serve.router import RouterConfig, serve
 
     try:
@@ -106,4 +107,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"hicache route: error: {error}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config))
+    sock = listen_for("hicache route", config.host, config.port)  # before replicas are awaited
+    if sock is None:
+        return 2
+    with sock:
+        return asyncio.run(serve(config, sock))

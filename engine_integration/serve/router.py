@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 _L1, _L2, _L3 = (1 << (tier - 1) for tier in Tier)
 _TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=5)
+_INFO_MAX_BYTES = 1 << 20  # a replica's /hicache/info is a few hundred bytes
 RECENT_HOLD_S = 5.0  # how long a routed prompt counts as cached before its events confirm it
 
 
@@ -283,7 +286,10 @@ class RouteServer:
         for replica in self.replicas:
             while not await self._connect(replica):
                 if time.monotonic() > deadline:
-                    raise OSError(f"replica {replica.url} did not answer /hicache/info")
+                    raise OSError(
+                        f"--replica {replica.url}: nothing answered /hicache/info within "
+                        f"--wait {self.config.wait_s:g} s"
+                    )
                 await asyncio.sleep(0.2)
         if self.config.l3_events:
             self.shared_l3 = PageIndex()
@@ -309,16 +315,35 @@ class RouteServer:
         if self.session is not None:
             await self.session.close()
 
-    async def _connect(self, replica: ReplicaState) -> bool:
-        """Read a replica's /hicache/info and subscribe to its events."""
+    async def _read_info(self, replica: ReplicaState) -> dict | None:
+        """A replica's /hicache/info (digest as bytes), or None while nothing answers there.
+        A server that answers, but not as a replica does, is a ValueError naming it."""
         try:
             async with self.session.get(f"{replica.url}/hicache/info") as reply:
-                if reply.status != 200:
-                    return False
-                info = await reply.json()
+                status, body = reply.status, await reply.content.read(_INFO_MAX_BYTES)
         except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+        not_a_replica = (
+            f"--replica {replica.url}: not a `hicache engine serve` replica (it answered "
+            f"/hicache/info with HTTP {status}"
+        )
+        if status != 200:
+            raise ValueError(not_a_replica + ")")
+        try:
+            info = json.loads(body)
+            info["namespace_digest"] = bytes.fromhex(info["namespace_digest"])
+            info["page_size"] = int(info["page_size"])
+            _ = info["name"], info["role"], info["started_s"]
+        except (ValueError, TypeError, KeyError) as error:
+            raise ValueError(f"{not_a_replica} and {type(error).__name__}: {error})") from None
+        return info
+
+    async def _connect(self, replica: ReplicaState) -> bool:
+        """Read a replica's /hicache/info and subscribe to its events."""
+        info = await self._read_info(replica)
+        if info is None:
             return False
-        digest, page_size = bytes.fromhex(info["namespace_digest"]), int(info["page_size"])
+        digest, page_size = info["namespace_digest"], info["page_size"]
         if self.digest and (digest, page_size) != (self.digest, self.page_size):
             raise ValueError(
                 f"replica {replica.url} serves another model or page size than the others: "
@@ -602,18 +627,19 @@ def _reachable(endpoint: str, host: str) -> str:
     return endpoint
 
 
-async def serve(config: RouterConfig) -> int:
+async def serve(config: RouterConfig, sock: socket.socket) -> int:
+    """Route on `sock` (bound by the command before the replicas are awaited). A replica
+    that is not one, or that does not answer within `wait_s`, is a mistake: exit 2."""
     server = RouteServer(config)
     try:
         await server.start()
     except (OSError, ValueError) as error:
-        print(f"hicache route: error: {error}", flush=True)
+        print(f"hicache route: error: {error}", file=sys.stderr, flush=True)
         await server.close()
-        return 1
+        return 2
     return await serve_until_stopped(
         server.app(),
-        config.host,
-        config.port,
+        sock,
         "hicache route",
         lambda port: (
             f"hicache route: {config.routing.policy} over {len(server.replicas)} "

@@ -77,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument(
         "--trace",
         default=CONVERSATIONS,
-        help="a Mooncake JSONL trace, or 'conversations[:sessions=N,turns=T,seed=S,...]' "
-        "for the built-in conversation generator",
+        help="a Mooncake JSONL trace, 'mooncake' for the synthetic one bundled with hicache, "
+        "or 'conversations[:sessions=N,turns=T,seed=S,...]' for the built-in conversation "
+        "generator",
     )
     work.add_argument("--limit", type=int, help="play only the first N requests")
     work.add_argument(
@@ -281,6 +282,10 @@ def check_flags(args: argparse.Namespace) -> None:
             _capacity(args, name)
     if args.sweep and args.out.exists() and not args.out.is_dir():
         raise SimulationError(f"--out {args.out}: exists and is not a directory")
+    if args.sweep:
+        from hicache.simulate.plots import require_matplotlib
+
+        require_matplotlib()  # before the sweep runs, not after
 
 
 def _capacity(args: argparse.Namespace, tier: str) -> float:

@@ -6,12 +6,23 @@ display); imported only when plotting."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
+from hicache.simulate.errors import SimulationError
 from hicache.simulate.sweep import SweepAxis
 
 BEST_COLOR = "crimson"
+
+
+def require_matplotlib() -> None:
+    """The plot's one dependency, an extra (`hicache[plot]`): missing, it is one line."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SimulationError(
+            "--sweep draws sweep.png with matplotlib, which is not installed: "
+            "pip install 'hicache[plot]' (or matplotlib)"
+        )
 
 
 def plot_sweep(
@@ -22,6 +33,7 @@ def plot_sweep(
     *,
     ceiling_hit_rate: float | None = None,
 ) -> Path:
+    require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

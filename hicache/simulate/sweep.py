@@ -8,10 +8,11 @@ processes (forked, so the trace is shared, not re-read) or in this one.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+import signal
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +101,32 @@ def _run_one(config: SimulationConfig) -> SimulationResult:
     return TracePlayer(config, _worker_trace).run()
 
 
+def _run_indexed(item: tuple[int, SimulationConfig]) -> tuple[int, SimulationResult]:
+    return item[0], _run_one(item[1])
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the pool starts: its workers (forked by the pool's
+    threads, which inherit the mask, also when they replace one) set their handlers before
+    any reaches them; here they are delivered when the pool is up."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _worker_signals() -> None:
+    """A worker leaves SIGINT to its parent and ends on SIGTERM (the pool's terminate)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
 def run_configs(
     configs: Sequence[SimulationConfig],
     trace: Trace,
@@ -120,10 +147,14 @@ def run_configs(
                     progress(i + 1, len(configs))
             return results
         context = multiprocessing.get_context("fork")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            futures = {pool.submit(_run_one, config): i for i, config in enumerate(configs)}
-            for done, future in enumerate(as_completed(futures), start=1):
-                results[futures[future]] = future.result()
+        # Leaving the block terminates the workers: at once after a Ctrl-C or SIGTERM in
+        # this process (the workers ignore both: the group's Ctrl-C is this process' to end).
+        with _signals_blocked():
+            pool = context.Pool(jobs, initializer=_worker_signals)
+        with pool:
+            runs = pool.imap_unordered(_run_indexed, enumerate(configs))
+            for done, (i, result) in enumerate(runs, start=1):
+                results[i] = result
                 if progress is not None:
                     progress(done, len(configs))
         return results

@@ -331,13 +331,17 @@ def _random_tokens(rng, length: int, vocab: int) -> np.ndarray:
 # ---------------------------------------------------------------------------- by name
 
 CONVERSATIONS = "conversations"
+# Traces shipped in the package (package data, so an installed wheel has them), by name.
+BUNDLED_DIR = Path(__file__).resolve().parent / "traces"
+BUNDLED = {"mooncake": BUNDLED_DIR / "mooncake_synthetic_trace.jsonl.gz"}
 
 
 def load_trace(spec: str, limit: int | None = None) -> Trace:
-    """A trace from the CLI's `--trace`: a JSONL path, or "conversations[:k=v,...]"."""
+    """A trace from the CLI's `--trace`: a JSONL path, a bundled trace's name (`BUNDLED`),
+    or "conversations[:k=v,...]"."""
     if spec == CONVERSATIONS or spec.startswith(CONVERSATIONS + ":"):
         workload = ConversationWorkload.from_spec(spec[len(CONVERSATIONS) + 1 :])
         trace = generate_conversations(workload)
     else:
-        trace = load_mooncake(spec, limit)
+        trace = load_mooncake(BUNDLED.get(spec, spec), limit)
     return trace.head(limit) if limit is not None and limit < trace.num_requests else trace

@@ -3,12 +3,13 @@ subcommand."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
-from hicache.cli import build_parser, version
+from hicache.cli import build_parser, main, version
 
 
 def test_version_prints_the_installed_version():
@@ -38,3 +39,37 @@ def test_a_bad_log_level_is_refused_in_one_line(capsys):
         build_parser().parse_args(["demo", "--log-level", "LOUD"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'LOUD'" in capsys.readouterr().err
+
+
+def _parsers(parser: argparse.ArgumentParser, prog: str = "hicache"):
+    """(prog, parser) for the top-level parser and every subcommand's, nested ones too."""
+    yield prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{prog} {name}")
+
+
+def test_every_parser_refuses_abbreviations():
+    """argparse's default would take `--turn 2` for `--turns 2` without a word; every
+    subcommand's parser (nested ones too) is built with abbreviations off."""
+    progs = [prog for prog, parser in _parsers(build_parser()) if parser.allow_abbrev]
+    assert progs == []
+    assert len(list(_parsers(build_parser()))) >= 7  # hicache, its 5 commands, engine serve
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["demo", "--turn", "2"], "--turn 2 (did you mean --turns?)"),
+        (["simulate", "--trac", "x"], "--trac x"),
+        (["engine", "serve", "--por", "1"], "--por 1 (did you mean --port?)"),
+        (["route", "--replica", "http://127.0.0.1:1", "--wai", "1"], "--wai 1"),
+    ],
+)
+def test_an_abbreviated_flag_is_one_line_and_exit_code_2(capsys, argv, named):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unrecognized arguments" in err[0] and named in err[0], err

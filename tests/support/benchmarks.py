@@ -22,7 +22,7 @@ def run_smoke(script: str, *args: str, cwd: Path | None = None) -> SmokeRun:
         [sys.executable, str(BENCHMARKS / script), "--smoke", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a bound on a hang: bench_model's smoke took over 120 s at load 10
         cwd=cwd,
     )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -20,8 +20,8 @@ CUDA only (`Model`), where the dense path is not bit-for-bit batch invariant any
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from tiers.jit import tl, triton  # triton, or a stand-in without it
 
 
 @triton.jit

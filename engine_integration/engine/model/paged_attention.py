@@ -29,8 +29,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+
+from tiers.jit import tl, triton  # triton, or a stand-in without it
 
 # Steps of more queries than this a request go through the flash kernel: at 509 queries
 # over 8K keys it was as fast (0.9-1.1x of this kernel's time, on the H200).

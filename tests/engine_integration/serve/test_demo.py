@@ -89,6 +89,7 @@ def test_demo_without_smollm2_says_so_and_uses_the_builtin_model(monkeypatch, tm
     assert progress[-1] < lines.index("with the cache on:")
 
 
+@pytest.mark.slow  # a real model, a whole demo: 73 s on a loaded 2-core machine
 def test_demo_chats_with_smollm2(tmp_path, capsys):
     """The default model answers in English; user 1 hits user 0's system prompt and replays
     (its last 2 layers are on a 64-token window); the cache-off run is bitwise the same."""

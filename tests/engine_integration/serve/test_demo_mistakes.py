@@ -44,7 +44,11 @@ if not torch.cuda.is_available():
     CASES.append((["--device", "cuda"], "--device cuda: no CUDA device here"))
 
 
-@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(c[0])[:40] for c in CASES])
+# The ids leave the free port out: pytest-xdist's workers must collect the same names.
+IDS = [re.sub(r":\d+/", ":PORT/", " ".join(c[0]))[:40] for c in CASES]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=IDS)
 def test_a_mistake_is_one_line_and_exit_code_2(argv, message):
     done = demo(*argv)
     assert done.returncode == 2, done.stderr

@@ -32,7 +32,9 @@ def single() -> Iterator:
     process.stop()
 
 
-@pytest.fixture(scope="module", params=["daemon", "redis"])
+# The redis variant starts its own replicas again (100 s of set-up on a loaded 2-core
+# machine): the slow lane runs it.
+@pytest.fixture(scope="module", params=["daemon", pytest.param("redis", marks=pytest.mark.slow)])
 def shared_l3(request, tmp_path_factory) -> Iterator[tuple[str, str | None]]:
     """(L3 URL, the daemon's event endpoint or None)."""
     if request.param == "daemon":

@@ -9,6 +9,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -17,6 +19,7 @@ def readme_block() -> str:
     return text.split("<!-- route example -->\n```bash\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow  # two replicas and a router: 46 s on a loaded 2-core machine
 def test_the_readme_routing_example_runs_as_pasted():
     block = readme_block()
     assert "kill %1 %2 %3 %4" in block

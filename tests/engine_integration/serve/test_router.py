@@ -149,6 +149,7 @@ def test_the_router_streams_what_the_replica_computes(routers):
     assert status == 400 and "'n'" in refused["error"]["message"]
 
 
+@pytest.mark.slow  # three replicas and a stream of requests: 94 s on a loaded 2-core machine
 def test_a_replica_killed_mid_run_loses_no_request_and_the_router_keeps_serving():
     # Its own replicas: this one is killed.
     victims = [replica("--name", f"k{i}", *REPLICA_FLAGS) for i in range(3)]

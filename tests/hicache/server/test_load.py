@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from storage_backends import open_backend
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -19,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[3]
 NUM_WORKERS, NUM_OPS, NUM_KEYS = 8, 2000, 400
 
 
+@pytest.mark.slow  # eight clients x 2,000 ops: 40 s on a loaded 2-core machine
 def test_eight_clients_mixed_ops_then_every_acknowledged_page_is_intact(start_daemon):
     daemon = start_daemon("--capacity", "256MiB")  # 400 keys of <= 16 KiB: nothing evicted
     url = f"grpc://{daemon.address}?namespace=default&timeout=30s"

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from hicache.config import PolicyConfig
 from hicache.simulate.config import SimulationConfig
 from hicache.simulate.hardware import PRESETS as HARDWARE
 from hicache.simulate.models import PRESETS as MODELS
-from hicache.simulate.trace import load_mooncake
+from hicache.simulate.trace import BUNDLED, load_mooncake
 
-REPO = Path(__file__).resolve().parents[3]
-MOONCAKE = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl.gz"
+MOONCAKE = BUNDLED["mooncake"]
 
 
 @pytest.fixture(scope="session")
 def mooncake():
-    """The synthetic Mooncake trace bundled with the repository."""
+    """The synthetic Mooncake trace bundled with the package."""
     return load_mooncake(MOONCAKE)
 
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from hicache.cli import main
 from hicache.simulate.sweep import parse_sweep
+from tests.support.cli import ROOT
 
 SMALL = "conversations:sessions=40,turns=3,rate=2,seed=2"
 
@@ -204,6 +209,32 @@ def test_the_sweep_plot_shows_the_ceiling_the_recommended_point_and_net(monkeypa
     assert best and list(best[0].get_offsets()[0]) == [10, 700]
     labels = [t.get_text() for panel in figures[0].axes for t in panel.texts]
     assert len(labels) == len(set(labels))  # no point labels piled on each other
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_ctrl_c_during_a_sweep_is_one_line_exit_130_and_ends_the_workers():
+    """Ctrl-C reaches the whole process group (the sweep's workers too): the command says
+    so in one line, no worker prints a traceback, and none is left running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache", "simulate", "--trace",
+         "conversations:sessions=400,turns=3,seed=2", "--sweep", "l2=1,2,4,8,16,32",
+         "--jobs", "2", "--no-progress", "--no-verdict"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    while len(_children(proc.pid)) < 2 and proc.poll() is None:  # the sweep's pool is up
+        threading.Event().wait(0.05)  # polling a condition, not waiting for time
+    workers = _children(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["hicache simulate: stopped by SIGINT (exit 130)"]
+    assert workers and not any(Path(f"/proc/{pid}/cmdline").exists() for pid in workers)
 
 
 def test_an_l3_store_preset_sets_bandwidth_and_latency_unless_flags_do():

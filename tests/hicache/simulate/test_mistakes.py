@@ -106,3 +106,20 @@ def test_debug_shows_the_traceback(tmp_path):
     done = _simulate("--trace", str(tmp_path / "trace.csv"), "--debug")
     assert done.returncode != 0
     assert "Traceback" in done.stderr and "TraceError" in done.stderr
+
+
+def test_a_sweep_without_matplotlib_is_one_line_before_it_runs(capsys, monkeypatch, tmp_path):
+    """matplotlib is an extra (`hicache[plot]`): a sweep without it stops at once, naming it."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a),
+    )
+    code = main(["simulate", "--no-verdict", "--sweep", "l2=1,2", "--out", str(tmp_path / "o")])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'hicache[plot]'" in err[0], err
+    assert not (tmp_path / "o").exists()  # stopped before the sweep ran
