@@ -130,6 +130,8 @@ def test_slow_streams_of_many_connections_stay_within_the_memory_limit(start_dae
     try:
         peak = _watch_rss(daemon, 8.0, until=lambda: all(s.code() for s in streams))
         peak = max(peak, _watch_rss(daemon, 1.0))
+        # and tenant b has made its rounds meanwhile: waited for by count, not by time
+        peak = max(peak, _watch_rss(daemon, 60.0, until=lambda: healthy.rounds >= 3))
     finally:
         healthy.done.set()
         for stream in streams:
@@ -172,7 +174,13 @@ def test_one_tenant_at_its_stream_limit_never_refuses_another(start_daemon, two_
         refused = [s.code() for s in streams if s.code() is not None]
         assert set(refused) == {grpc.StatusCode.RESOURCE_EXHAUSTED}, refused
         healthy.start()
-        time.sleep(1.5)
+        # tenant b's rounds run while a still holds its streams (each lives ~200 s): waited
+        # for by count, not by time, so a loaded machine only makes it slower
+        deadline = time.monotonic() + 60
+        while healthy.rounds < 3 and not healthy.failures and healthy.is_alive():
+            assert time.monotonic() < deadline, f"tenant b made {healthy.rounds} rounds"
+            time.sleep(0.05)
+        assert sum(s.code() is None for s in streams) == open_streams
     finally:
         healthy.done.set()
         if healthy.is_alive():
