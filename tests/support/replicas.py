@@ -120,3 +120,20 @@ def post_stream(url: str, body: dict, timeout_s: float = 300.0) -> list:
                 data = line[len("data: ") :]
                 events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def wait_events_applied(url: str, timeout_s: float = 60.0) -> None:
+    """Until the router has applied every event batch each replica has published so far
+    (no fixed sleep: on a loaded machine the events may take longer than any guess)."""
+    replicas = [r for r in get_json(f"{url}/hicache/route/stats")["replicas"] if r["alive"]]
+    infos = {r["url"]: get_json(f"{r['url']}/hicache/info") for r in replicas}
+    published = {u: info["events_seq"] for u, info in infos.items() if info is not None}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        applied = {
+            r["url"]: r["events_seq"] for r in get_json(f"{url}/hicache/route/stats")["replicas"]
+        }
+        if all(applied[u] >= seq for u, seq in published.items()):
+            return
+        assert time.monotonic() < deadline, (published, applied)
+        time.sleep(0.01)

@@ -6,14 +6,13 @@ only from the last page on, and answers what a single replica answers, token for
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from tests.support.daemon import DaemonProcess
-from tests.support.replicas import get_json, post_json, replica, router
+from tests.support.replicas import get_json, post_json, replica, router, wait_events_applied
 from tests.support.servers import RedisProcess, free_port
 
 PAGE = 16
@@ -97,7 +96,7 @@ def test_a_prompt_the_decode_side_can_already_find_skips_the_prefill(deployment)
     body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "prompt": PROMPTS[0] * 2}
     post_json(f"{deployment.url}/v1/completions", body)
     before = _routed(deployment.url)
-    time.sleep(0.5)  # the decode replica's events (its own insert) reach the router
+    wait_events_applied(deployment.url)  # the decode replica's events reach the router
     status, again = post_json(f"{deployment.url}/v1/completions", body)
     assert status == 200
     after = _routed(deployment.url)

@@ -13,7 +13,14 @@ import pytest
 from engine_integration.serve.router import PageIndex, RecentPages, cached_prefix
 from hicache.controller import CachedPrefix
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from tests.support.replicas import get_json, post_json, post_stream, replica, router
+from tests.support.replicas import (
+    get_json,
+    post_json,
+    post_stream,
+    replica,
+    router,
+    wait_events_applied,
+)
 
 PAGE = 16
 REPLICA_FLAGS = (
@@ -74,23 +81,6 @@ def run_conversations(url: str, tag: str, num_users: int = 6, num_turns: int = 4
             list(pool.map(turn, range(num_users), [t] * num_users))
             wait_events_applied(url)  # the last answers' KV events reach the router
     return answers
-
-
-def wait_events_applied(url: str, timeout_s: float = 60.0) -> None:
-    """Until the router has applied every event batch each replica has published so far
-    (no fixed sleep: on a loaded machine the events may take longer than any guess)."""
-    replicas = [r for r in get_json(f"{url}/hicache/route/stats")["replicas"] if r["alive"]]
-    infos = {r["url"]: get_json(f"{r['url']}/hicache/info") for r in replicas}
-    published = {u: info["events_seq"] for u, info in infos.items() if info is not None}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        applied = {
-            r["url"]: r["events_seq"] for r in get_json(f"{url}/hicache/route/stats")["replicas"]
-        }
-        if all(applied[u] >= seq for u, seq in published.items()):
-            return
-        assert time.monotonic() < deadline, (published, applied)
-        time.sleep(0.01)
 
 
 def l1_hit_rate(answers) -> float:
