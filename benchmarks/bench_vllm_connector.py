@@ -122,7 +122,8 @@ class Bench:
     def hicache_only(self) -> None:
         """hicache's own L2 -> L1 load of the same pages, for the connector's overhead."""
         cache = self.engine.cache
-        namespace = self.engine.worker._shared.lookup.namespace("")
+        lookup = self.engine.worker._shared.lookup.lookups[0]  # the model's one KV group
+        namespace = lookup.namespace("")
         match = cache.match(self.prompt[: self.prefix_tokens], namespace)
         for layer in range(self.shape.num_layers):
             cache.wait_layer(match, layer)

@@ -24,7 +24,9 @@ The pools are built the way SGLang builds a draft model's host pool: a real devi
 
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -53,11 +55,21 @@ def _operator_exists(name: str) -> bool:
     return True
 
 
+# Packages only the tests' own process may import: torchvision 0.28.0, installed here by
+# .ci/run (`pip install --no-deps --target .test-site`), never into the environment, where
+# every other process (a benchmark's, a replica's) would import it unguarded through
+# transformers or vLLM and fail.
+TEST_SITE = Path(__file__).resolve().parents[2] / ".test-site"
+
+
 def guard_torchvision_ops() -> None:
-    """From now on, `register_fake` of torchvision's nms/qnms is skipped while the operator
-    does not exist (idempotent; no import). Applied by tests/conftest.py for the whole run:
-    with torchvision installed, transformers imports it too (its image utilities), from any
-    test, and must not fail there either."""
+    """Put `TEST_SITE` on this process's path, and from now on skip `register_fake` of
+    torchvision's nms/qnms while the operator does not exist (idempotent; no import).
+    Applied by tests/conftest.py for the whole run: with torchvision importable,
+    transformers imports it too (its image utilities), from any test, and must not fail
+    there either."""
+    if TEST_SITE.is_dir() and str(TEST_SITE) not in sys.path:
+        sys.path.append(str(TEST_SITE))  # after site-packages: never shadows what is there
     register_fake = torch.library.register_fake
     if getattr(register_fake, "guards_torchvision_ops", False):
         return
