@@ -51,7 +51,28 @@ def require_binary(binary: str) -> str:
     return path
 
 
-class RedisProcess:
+class ServerProcess:
+    """A server the tests start as a subprocess (`proc`): killed or stopped the same way."""
+
+    proc: subprocess.Popen | None = None
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to the clients."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM, and SIGKILL if it is not gone within 10 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class RedisProcess(ServerProcess):
     """One redis-server on 127.0.0.1:port; start/kill/restart keep the port."""
 
     def __init__(self, workdir: Path, port: int, *extra_args: str) -> None:
@@ -100,22 +121,8 @@ class RedisProcess:
         )
         return result.stdout if result.returncode == 0 else ""
 
-    def kill(self) -> None:
-        """SIGKILL: no goodbye to the clients."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-class MooncakeMaster:
+class MooncakeMaster(ServerProcess):
     """One `mooncake_master` on 127.0.0.1 (its RPC port and its metrics port), without the
     HTTP metadata server: clients use P2PHANDSHAKE. `client_ttl_s` is how long the master
     keeps a silent client's segment (short here, so a killed holder is noticed quickly)."""
@@ -179,21 +186,8 @@ class MooncakeMaster:
             time.sleep(0.05)
         raise RuntimeError(f"mooncake segments total {total} bytes, wanted >= {at_least}")
 
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-class MooncakeHolder:
+class MooncakeHolder(ServerProcess):
     """One `mooncake_client`: a process that lends `segment_bytes` of memory to the store
     (where pages live while the clients that put them come and go)."""
 
@@ -225,16 +219,3 @@ class MooncakeHolder:
                 raise RuntimeError(f"mooncake_client did not lend its segment; see {log}")
             time.sleep(0.05)
         return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()

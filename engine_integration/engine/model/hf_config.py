@@ -328,14 +328,7 @@ def write_hf_config(config, architecture: str = "LlamaForCausalLM") -> dict[str,
         "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(
             architecture, "mistral"
         ),
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
+        **_shape_fields(config),
         "rope_parameters": _write_rope(config),
         "tie_word_embeddings": config.tie_word_embeddings,
         "hidden_act": "silu",
@@ -348,6 +341,20 @@ def write_hf_config(config, architecture: str = "LlamaForCausalLM") -> dict[str,
     return out
 
 
+def _shape_fields(config) -> dict[str, Any]:
+    """The config.json fields of the model's shape, the same in every architecture."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+    }
+
+
 def _write_gemma3(config) -> dict[str, Any]:
     """A Gemma3ForCausalLM (`gemma3_text`) config.json of `config`."""
     if config.qkv_bias or config.o_bias:
@@ -357,14 +364,7 @@ def _write_gemma3(config) -> dict[str, Any]:
     return {
         "architectures": [GEMMA3],
         "model_type": "gemma3_text",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
+        **_shape_fields(config),
         "hidden_activation": GEMMA_ACTIVATIONS[0],
         # (an int where it is one: transformers' Gemma3TextConfig takes no float here)
         "query_pre_attn_scalar": _int_if_whole(config.query_pre_attn_scalar or config.head_dim),
