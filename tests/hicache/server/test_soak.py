@@ -6,7 +6,7 @@ Afterwards: every page acknowledged and not deleted since is back, bitwise; no c
 got another tenant's bytes or into another tenant's namespace; the daemon's resident memory
 stayed under its --memory-limit the whole time (and it ran under an address-space cap).
 
-    HICACHE_SOAK_S=180 python -m pytest -q -m slow tests/hicache/server/test_soak.py -s
+    SOAK_S=180 python -m pytest -q -m slow tests/hicache/server/test_soak.py -s
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _must_be_back(log: Path) -> set[int]:
 
 @pytest.mark.slow
 def test_soak_mixed_tenants_with_kill_9_and_slow_streams(start_daemon, tmp_path):
-    seconds = float(os.environ.get("HICACHE_SOAK_S", "150"))
+    seconds = float(os.environ.get("SOAK_S", "150"))
     figures = _soak(start_daemon, tmp_path, seconds, num_clients=8, kill_every_s=(4, 15))
     assert figures["puts"] > 100 and figures["kills"] >= 3
 
