@@ -86,6 +86,11 @@ class _SlowStreams(threading.Thread):
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
+# How long a restarted daemon may take to serve again: its clients and the slow streams
+# keep a 2-core machine busy (20 s, the fixture's default, was once too short in CI).
+RESTART_S = 120.0
+
+
 def _must_be_back(log: Path) -> set[int]:
     """Key numbers whose last event was an acknowledged put."""
     last: dict[int, str] = {}
@@ -148,7 +153,7 @@ def _soak(start_daemon, tmp_path, seconds: float, *, num_clients: int, kill_ever
         daemon.kill()
         kills += 1
         time.sleep(rng.uniform(0, 1))
-        daemon.start()
+        daemon.start(timeout_s=RESTART_S)
     results = []
     for *_, worker in clients:
         out, err = worker.communicate(timeout=seconds + 120)
@@ -158,7 +163,7 @@ def _soak(start_daemon, tmp_path, seconds: float, *, num_clients: int, kill_ever
     slow.join(timeout=30)
     daemon.kill()  # one more crash, then read everything back
     kills += 1
-    daemon.start()
+    daemon.start(timeout_s=RESTART_S)
     watch.done.set()
     watch.join()
 
