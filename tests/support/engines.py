@@ -40,3 +40,29 @@ def run_one(engine: Engine, tokens, params: SamplingParams = GREEDY, **kwargs):
     request = engine.add_request(tokens, params, **kwargs)
     outputs = {output.request_id: output for output in engine.run()}
     return outputs[request.request_id]
+
+
+def run_through_tiers(model, config: EngineConfig, sizes, first, second, params) -> dict:
+    """`first` cold on a cache of `sizes`, then `second` as a hit from L1, from L2 (L1
+    evicted), and from L3 on a new cache over the same store: {"cold", "L1 hit", "L2 hit",
+    "L3 hit"} -> its output."""
+    from engine_integration.engine.embedded import build_cache
+
+    out = {}
+    cache = build_cache(model, config, sizes)
+    try:
+        engine = Engine(model, config, cache=cache)
+        out["cold"] = run_one(engine, first, params)
+        out["L1 hit"] = run_one(engine, second, params)
+        cache.flush()
+        cache.evict("l1", 10_000)
+        out["L2 hit"] = run_one(engine, second, params)
+        cache.flush()
+    finally:
+        cache.close()
+    cache = build_cache(model, config, sizes)
+    try:
+        out["L3 hit"] = run_one(Engine(model, config, cache=cache), second, params)
+    finally:
+        cache.close()
+    return out

@@ -22,13 +22,12 @@ import os
 import pytest
 import torch
 
-from engine_integration.engine.core import Engine
-from engine_integration.engine.embedded import CacheSizes, build_cache, load_model
+from engine_integration.engine.embedded import CacheSizes, load_model
 from engine_integration.engine.errors import CheckpointError
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.model.hf_config import read_hf_config, write_hf_config
 from engine_integration.engine.sampling import SamplingParams
-from tests.support.engines import cache_off, random_prompt, run_one
+from tests.support.engines import cache_off, random_prompt, run_one, run_through_tiers
 
 transformers = pytest.importorskip("transformers")
 
@@ -122,22 +121,7 @@ def _scenarios(model, first, second, tmp_path, params):
         "cache off, dense": run_one(cache_off(model, DENSE), second, params),
     }
     sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
-    cache = build_cache(model, CONFIG, sizes)
-    try:
-        engine = Engine(model, CONFIG, cache=cache)
-        out["cold"] = run_one(engine, first, params)
-        out["L1 hit"] = run_one(engine, second, params)
-        cache.flush()
-        cache.evict("l1", 10_000)
-        out["L2 hit"] = run_one(engine, second, params)
-        cache.flush()
-    finally:
-        cache.close()
-    cache = build_cache(model, CONFIG, sizes)
-    try:
-        out["L3 hit"] = run_one(Engine(model, CONFIG, cache=cache), second, params)
-    finally:
-        cache.close()
+    out.update(run_through_tiers(model, CONFIG, sizes, first, second, params))
     return out
 
 

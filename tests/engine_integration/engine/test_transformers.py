@@ -17,11 +17,10 @@ import os
 import pytest
 import torch
 
-from engine_integration.engine.core import Engine
-from engine_integration.engine.embedded import CacheSizes, build_cache, load_model, smollm2_path
+from engine_integration.engine.embedded import CacheSizes, load_model, smollm2_path
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.sampling import SamplingParams
-from tests.support.engines import cache_off, random_prompt, run_one
+from tests.support.engines import cache_off, random_prompt, run_one, run_through_tiers
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,22 +92,8 @@ def _scenarios(model, first: list[int], second: list[int], tmp_path):
     url = f"file://{tmp_path}/l3?capacity=64MiB"
     out = {"cache off": run_one(cache_off(model, CONFIG), second, params)}
     sizes = CacheSizes(policy=_policy(), l3_url=url, **POLICY_SIZES)
-    cache = build_cache(model, CONFIG, sizes)
-    try:
-        engine = Engine(model, CONFIG, cache=cache)
-        out["cold"] = run_one(engine, first, params)  # compared against first's reference
-        out["L1 hit"] = run_one(engine, second, params)
-        cache.flush()
-        cache.evict("l1", 10_000)
-        out["L2 hit"] = run_one(engine, second, params)
-        cache.flush()
-    finally:
-        cache.close()
-    cache = build_cache(model, CONFIG, sizes)
-    try:
-        out["L3 hit"] = run_one(Engine(model, CONFIG, cache=cache), second, params)
-    finally:
-        cache.close()
+    # "cold" runs `first` and is compared against first's reference
+    out.update(run_through_tiers(model, CONFIG, sizes, first, second, params))
     for tier in ("l1", "l2", "l3"):
         assert out[f"{tier.upper()} hit"].metrics.hit_tokens[tier] > 0, tier
     return out
