@@ -60,6 +60,7 @@ class HiCache:
         self._rates = FetchRates(
             l3_read_prior_bytes_per_s=config.policy.l3_read_prior_bytes_per_s,
             l2_load_prior_bytes_per_s=config.policy.l2_load_prior_bytes_per_s,
+            l3_latency_prior_s=config.policy.l3_latency_prior_s,
         )
         link = executor.link_sample()
         if link is not None:
@@ -425,6 +426,8 @@ class HiCache:
         if first.num_l3_pages + unmatched < self._policy.prefetch_min_pages:
             return end, None
         found = 0
+        if unmatched and not self._worth_looking(data, first, first.num_l3_pages + unmatched):
+            return end, None  # no fetch could pay, whatever L3 holds: no lookup either
         if unmatched:
             keys = self._tree.keys_after(end, data)
             began = self._executor.now()
@@ -445,8 +448,18 @@ class HiCache:
         leading part that beats recomputing them (`measured`: `fetch_plan`)."""
         if self._policy.l3_fetch_policy == "always" or not num_l3_pages:
             return num_l3_pages
+        return self._rates.plan(self._run_to_fetch(data, match, num_l3_pages)).num_pages
+
+    def _worth_looking(self, data: bytes, match: MatchResult, num_l3_pages: int) -> bool:
+        """Whether an L3 lookup could change what the match fetches, were all of the
+        `num_l3_pages` past its L1/L2 hit in L3 (`fetch_plan.FetchRates.worth_looking`)."""
+        if self._policy.l3_fetch_policy == "always":
+            return True
+        return self._rates.worth_looking(self._run_to_fetch(data, match, num_l3_pages))
+
+    def _run_to_fetch(self, data: bytes, match: MatchResult, num_l3_pages: int) -> RunToFetch:
         hit_pages = match.matched_pages - match.num_l3_pages
-        run = RunToFetch(
+        return RunToFetch(
             hit_tokens=hit_pages * self.page_size,
             num_pages=num_l3_pages,
             page_size=self.page_size,
@@ -454,7 +467,6 @@ class HiCache:
             total_tokens=len(data) // 4,
             batch_pages=self.config.l3.pages_per_read(self.layout.bytes_per_page),
         )
-        return self._rates.plan(run).num_pages
 
     def _l3_cut(self, l3_nodes: list[Node], num_pages: int) -> Node | None:
         """The L3 run ending the first `num_pages` L3 pages of a path (a run split there)."""
