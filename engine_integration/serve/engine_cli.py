@@ -33,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a .gguf file or a Hugging Face model directory (default: the built-in tiny model, "
         "random weights from --seed)",
     )
+    a(
+        "--model-config",
+        default=None,
+        metavar="FILE",
+        help="instead: a synthetic model, a JSON object of ModelConfig's fields (random "
+        "weights from --seed)",
+    )
     a("--seed", type=int, default=0, help="the built-in model's weights (default: %(default)s)")
     a("--name", default="", help="this replica's name in responses and logs (default: by pid)")
     a(
@@ -112,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = ReplicaConfig(
             model_path=args.model,
+            model_config=_model_config(args.model_config),
             seed=args.seed,
             name=args.name,
             role=args.role,
@@ -143,3 +151,20 @@ def run(args: argparse.Namespace) -> int:
         from engine_integration.serve.replica import serve  # torch enters here
 
         return asyncio.run(serve(config, sock))
+
+
+def _model_config(path: str | None):
+    """--model-config's file read and checked (ValueError naming the flag)."""
+    if path is None:
+        return None
+    from engine_integration.engine.model.config import model_config_from_json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read(1 << 20)
+    except OSError as error:
+        raise ValueError(f"--model-config {path}: {error.strerror or error}") from None
+    try:
+        return model_config_from_json(text)
+    except ValueError as error:
+        raise ValueError(f"--model-config {path}: {error}") from None

@@ -162,7 +162,9 @@ class Replica:
             max_running_requests=config.max_running_requests,
             dtype=config.dtype,
         )
-        self.model, self.tokenizer = load_model(config.model_path, engine_config, seed=config.seed)
+        self.model, self.tokenizer = load_model(
+            config.model_path, engine_config, seed=config.seed, model_config=config.model_config
+        )
         # What first calls cost (CUDA graphs, kernel choices) is paid before the first
         # request, and the step costs it measures seed the cache's load-or-recompute choice.
         warm_up(self.model, engine_config)
@@ -249,7 +251,7 @@ class Replica:
                 "model": self.model_name,
                 "namespace_digest": self.namespace.digest.hex(),
                 "page_size": self.config.page_size,
-                "vocab_size": self.model.config.vocab_size,
+                "vocab_size": self.tokenizer.vocab_size,  # what a prompt's ids may be
                 "cache": self.cache is not None,
                 "device": self.config.device,
                 "dtype": str(self.model.dtype).removeprefix("torch."),
