@@ -14,7 +14,9 @@ The trace (`--trace`): a Mooncake JSONL file or the bundled `mooncake`, whose `h
 become prompts of `--block-tokens` deterministic token ids per id (`block_tokens`), so
 equal ids are equal tokens and shared prefixes are real shared tokens; or the simulator's
 conversation generator (`conversations:sessions=8,...`), whose token streams are used as
-they are (modulo the vocabulary). Requests are sent at the trace's arrival times divided by
+they are (modulo the vocabulary). A block is `--block-tokens` tokens here, not 512: the
+simulator plays the same sharing at a page size of `page_size * 512 / block_tokens` (the
+last, cut blocks' pages rounded alike). Requests are sent at the trace's arrival times divided by
 `--rate-scale` (2: twice the request rate), whatever is still in flight (open loop), each
 streamed on its own connection, `max_tokens` = the trace's output length (at most
 `--max-output-tokens`), EOS ignored, greedy.
@@ -445,6 +447,7 @@ def run_config(setup: Setup, config: str, trace: Trace, args, work_cache: dict) 
         "l1_pages": args.l1_pages,
         "l2_pages": args.l2_pages if cache_on and config != "l1" else 0,
         "l3_url": l3_url,
+        "l3_capacity": args.l3_capacity if l3_url else None,
         "page_size": args.page_size,
         "ttft_target_ms": args.ttft_target_ms,
         **result,
