@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 
 from engine_integration.serve.replica_config import ROLES, ReplicaConfig
@@ -29,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--model",
         default=None,
-        metavar="PATH",
-        help="a .gguf file or a Hugging Face model directory (default: the built-in tiny model, "
-        "random weights from --seed)",
+        metavar="MODEL",
+        help="smollm2 or gemma3 (their packages), a .gguf file or a Hugging Face model "
+        "directory (default: the built-in tiny model, random weights from --seed)",
     )
     a("--seed", type=int, default=0, help="the built-in model's weights (default: %(default)s)")
     a("--name", default="", help="this replica's name in responses and logs (default: by pid)")
@@ -96,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_command != "serve":
         print("hicache engine: give a command: serve", file=sys.stderr)
         return 2
+    from engine_integration.engine.packaged import check_named, resolve
+
     try:
+        check_named(args.model)
         config = ReplicaConfig(
             model_path=args.model,
             seed=args.seed,
@@ -126,4 +130,5 @@ def run(args: argparse.Namespace) -> int:
     with sock:
         from engine_integration.serve.replica import serve  # torch enters here
 
+        config = dataclasses.replace(config, model_path=resolve(args.model))
         return asyncio.run(serve(config, sock))
