@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 
 from engine_integration.serve.replica_config import DTYPES, ROLES, ReplicaConfig
@@ -29,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--model",
         default=None,
-        metavar="PATH",
-        help="a .gguf file or a Hugging Face model directory (default: the built-in tiny model, "
-        "random weights from --seed)",
+        metavar="MODEL",
+        help="smollm2 or gemma3 (their packages), a .gguf file or a Hugging Face model "
+        "directory (default: the built-in tiny model, random weights from --seed)",
     )
     a(
         "--model-config",
@@ -116,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_command != "serve":
         print("hicache engine: give a command: serve", file=sys.stderr)
         return 2
+    from engine_integration.engine.packaged import check_named, resolve
+
     try:
+        check_named(args.model)
         config = ReplicaConfig(
             model_path=args.model,
             model_config=_model_config(args.model_config),
@@ -150,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     with sock:
         from engine_integration.serve.replica import serve  # torch enters here
 
+        config = dataclasses.replace(config, model_path=resolve(args.model))
         return asyncio.run(serve(config, sock))
 
 
