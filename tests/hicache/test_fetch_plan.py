@@ -4,7 +4,11 @@ reported as an engine would (`HiCache.record_compute`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
 from hicache.controller import HiCache
@@ -13,6 +17,7 @@ from hicache.fetch_plan import (
     ComputeFit,
     FetchRates,
     RunToFetch,
+    _any_fetch_pays,
     attention_pairs,
     fit_compute,
     plan_fetch,
@@ -294,3 +299,46 @@ def test_a_run_worth_fetching_is_looked_up_once(cache_with):
     lookups = count_lookups(cache)
     assert l3_match(cache, store, seed=1).num_l3_pages == 32
     assert lookups == [32] and cache.fetch_rates().lookups_skipped == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    per_step_s=st.floats(0, 0.05),
+    per_row_s=st.floats(0, 1e-3),
+    per_pair_s=st.floats(0, 1e-7),
+    read_bytes_per_s=st.floats(1e6, 1e12),
+    latency_s=st.floats(0, 0.01),
+    load_bytes_per_s=st.floats(1e6, 1e12),
+    hit_pages=st.integers(0, 64),
+    num_pages=st.integers(1, 64),
+    tail_tokens=st.integers(0, PAGE - 1),
+    batch=st.integers(1, 16),
+)
+def test_skipping_a_lookup_never_skips_a_fetch_the_plan_would_make(
+    per_step_s, per_row_s, per_pair_s, read_bytes_per_s, latency_s, load_bytes_per_s,
+    hit_pages, num_pages, tail_tokens, batch,
+):  # fmt: skip
+    """`_any_fetch_pays` checks only n = 1 and n = N; by concavity that decides every n,
+    so a run it declines (no lookup) is one whose plan, for any part of it L3 might hold,
+    fetches nothing."""
+    compute = ComputeFit(per_step_s, per_row_s, per_pair_s)
+    rates = dict(
+        read_bytes_per_s=read_bytes_per_s,
+        latency_s=latency_s,
+        load_bytes_per_s=load_bytes_per_s,
+    )
+    best = RunToFetch(
+        hit_tokens=hit_pages * PAGE,
+        num_pages=num_pages,
+        page_size=PAGE,
+        page_bytes=LAYOUT.bytes_per_page,
+        total_tokens=(hit_pages + num_pages) * PAGE + tail_tokens,
+        batch_pages=batch,
+    )
+    if _any_fetch_pays(best, compute, *rates.values()):
+        return
+    for held in range(1, num_pages + 1):
+        shorter = dataclasses.replace(best, num_pages=held)
+        # (a tie within rounding would let the plan fetch: T(n) == T(0) exactly)
+        plan = plan_fetch(shorter, compute, **rates)
+        assert plan.num_pages == 0 or plan.fetch_s >= plan.recompute_s * (1 - 1e-9)
