@@ -24,6 +24,7 @@ L3_WRITE_POLICIES = ("on_backup", "on_evict")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 L3_FETCH_POLICIES = ("measured", "always")
+L2_LOAD_POLICIES = ("measured", "always")
 
 
 # The longest wait a setting may ask for. Far longer ones are mistakes, and past about 2**33 s
@@ -169,6 +170,11 @@ class PolicyConfig:
     # recomputed until a read has measured the store; a run no fetch could pay for is not
     # even looked up in L3 (`fetch_plan`).
     l3_fetch_policy: str = "measured"
+    # Whether a match loads the L2 run that ends its prefix into L1: "measured" loads it
+    # unless loading (its pages over the L2 -> L1 link) takes longer than recomputing its
+    # tokens would (a small model whose step costs the same at any length); "always" loads.
+    # Until the compute rate is reported, "measured" loads.
+    l2_load_policy: str = "measured"
     # Priors of the rates until measured (bytes/s): an L3 read, an L2 -> L1 load (a GPU's
     # cache times one when built); and the latency an unread store's first read is charged
     # (s): what a backend's first read costs once (its threads started, its tables read).
@@ -181,6 +187,7 @@ class PolicyConfig:
         _one_of("PolicyConfig", "prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         _one_of("PolicyConfig", "eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("PolicyConfig", "l3_fetch_policy", self.l3_fetch_policy, L3_FETCH_POLICIES)
+        _one_of("PolicyConfig", "l2_load_policy", self.l2_load_policy, L2_LOAD_POLICIES)
         for name in ("l3_read_prior_bytes_per_s", "l2_load_prior_bytes_per_s"):
             value = getattr(self, name)
             _require(
@@ -303,6 +310,7 @@ ENV_VARIABLES = {
     "HICACHE_L3_EXISTS_TIMEOUT_S": ("l3", "exists_timeout_s", float),
     "HICACHE_L3_FETCH_POLICY": ("policy", "l3_fetch_policy", str),
     "HICACHE_L3_LATENCY_PRIOR_S": ("policy", "l3_latency_prior_s", float),
+    "HICACHE_L2_LOAD_POLICY": ("policy", "l2_load_policy", str),
     "HICACHE_WRITE_POLICY": ("policy", "write_policy", str),
     "HICACHE_WRITE_THROUGH_THRESHOLD": ("policy", "write_through_threshold", int),
     "HICACHE_PREFETCH_POLICY": ("policy", "prefetch_policy", str),

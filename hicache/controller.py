@@ -105,7 +105,7 @@ class HiCache:
                 self._mover.apply_completions()
                 if prefetch is not None and not prefetch.done:
                     self._metrics.prefetches_cut_short += 1
-                return self._finish_match(end, namespace, priority, landed)
+                return self._finish_match(end, namespace, priority, landed, len(data) // 4)
             finally:
                 landed.let_go(self._tree)
 
@@ -324,7 +324,7 @@ class HiCache:
     # ------------------------------------------------------------------ match internals
 
     def _finish_match(
-        self, end: Node, namespace: Namespace, priority: int, landed: Landed
+        self, end: Node, namespace: Namespace, priority: int, landed: Landed, num_tokens: int
     ) -> Match:
         """Load the L2 part of the request's usable prefix (read up from `end`, the node the
         request holds) into L1, lock it, count the hits (with those `landed` loaded while
@@ -334,7 +334,7 @@ class HiCache:
         is made; its page ids are read off the locked run afterwards (`Match`), never off
         a list of runs taken before pages moved.
         """
-        usable = self._usable_runs(end)
+        usable = self._worth_loading(self._usable_runs(end), num_tokens)
         node = usable[-1] if usable else None
         num_loaded = num_from_l3 = 0
         loads: list[LoadOp] = []
@@ -377,6 +377,33 @@ class HiCache:
             _node=node,
             _loads=loads,
         )
+
+    def _worth_loading(self, usable: list[Node], num_tokens: int) -> list[Node]:
+        """`usable` without the L2 runs that end it when loading them into L1 would take
+        longer than recomputing their tokens (`fetch_plan.FetchRates.worth_loading`). Runs
+        a prefetch brought from L3 are kept (their fetch was weighed with their load)."""
+        if self._policy.l2_load_policy == "always":
+            return usable
+        num_l2 = 0
+        for run in reversed(usable):
+            if run.level != Tier.L2:
+                break
+            if status_of(run) is not None:  # from L3, or in motion: already decided
+                return usable
+            num_l2 += 1
+        if not num_l2:
+            return usable
+        num_l2_pages = sum(run.num_pages for run in usable[-num_l2:])
+        num_pages = sum(run.num_pages for run in usable)
+        run = RunToFetch(
+            hit_tokens=(num_pages - num_l2_pages) * self.page_size,
+            num_pages=num_l2_pages,
+            page_size=self.page_size,
+            page_bytes=self.layout.bytes_per_page,
+            total_tokens=num_tokens,
+            batch_pages=num_l2_pages,  # one load
+        )
+        return usable if self._rates.worth_loading(run) else usable[:-num_l2]
 
     @staticmethod
     def _usable_runs(end: Node) -> list[Node]:

@@ -30,12 +30,20 @@ store, or a model, that got faster is seen again. Measured end to end by
 benchmarks/bench_engine.py (an L3 hit against recomputing it) and under load by
 benchmarks/bench_serving.py; the figures are in docs/performance.md.
 
+The same weighing decides whether a match loads the L2 run that ends its prefix into L1
+(`worth_loading`, `PolicyConfig.l2_load_policy`): all of it when its pages' trip over the
+L2 -> L1 link takes less than recomputing its tokens, else none (SmolLM2-135M on the H200,
+whose step costs the same at any length, took 0.8x of cold for a 1K-token L2 hit). The
+estimate adds the load to the compute, though the engine overlaps them layer by layer: a
+pessimistic bound, so an L2 hit it keeps is faster than cold.
+
 Torch-free, clock-free: every time is given in seconds by the caller.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -121,6 +129,7 @@ class FetchRatesSnapshot:
     num_compute_samples: int
     pages_declined: int  # L3 pages left to recompute because fetching them was slower
     lookups_skipped: int  # runs not looked up in L3: no fetch of them could have paid
+    l2_pages_declined: int  # L2 pages recomputed because loading them was slower
 
 
 class FetchRates:
@@ -145,6 +154,7 @@ class FetchRates:
         self._first_read_seen = False
         self.pages_declined = 0
         self.lookups_skipped = 0
+        self.l2_pages_declined = 0
 
     # ------------------------------------------------------------------ measurements
 
@@ -195,6 +205,7 @@ class FetchRates:
             num_compute_samples=len(self._steps),
             pages_declined=self.pages_declined,
             lookups_skipped=self.lookups_skipped,
+            l2_pages_declined=self.l2_pages_declined,
         )
 
     # ------------------------------------------------------------------ the choice
@@ -224,6 +235,21 @@ class FetchRates:
             self._probe_due = True
             return True
         self.lookups_skipped += 1
+        return False
+
+    def worth_loading(self, run: RunToFetch) -> bool:
+        """Whether loading all of `run`, an L2 run past the L1 hit, into L1 beats
+        recomputing its tokens: T(N) <= T(0) with the pages already in host memory (no
+        read, no latency), only the L2 -> L1 link between them and the engine. True until
+        the compute rate is measured."""
+        compute = self.compute
+        if compute is None or run.num_pages == 0:
+            return True
+        rates = (math.inf, 0.0, self.l2_load.value)
+        load_s = _time_to_first_token(run, compute, run.num_pages, *rates)
+        if load_s <= _time_to_first_token(run, compute, 0, *rates):
+            return True
+        self.l2_pages_declined += run.num_pages
         return False
 
     def plan(self, run: RunToFetch) -> FetchPlan:

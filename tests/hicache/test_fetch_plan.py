@@ -342,3 +342,48 @@ def test_skipping_a_lookup_never_skips_a_fetch_the_plan_would_make(
         # (a tie within rounding would let the plan fetch: T(n) == T(0) exactly)
         plan = plan_fetch(shorter, compute, **rates)
         assert plan.num_pages == 0 or plan.fetch_s >= plan.recompute_s * (1 - 1e-9)
+
+
+def l2_only_prompt(cache: HiCache, seed: int) -> list[int]:
+    """A 32-page prompt the cache holds in L2 only (inserted, backed up, evicted from L1)."""
+    tokens = prompt(seed)
+    cache.insert(tokens, cache.alloc_device_pages(32), NS)
+    cache.flush()
+    assert cache.evict("l1", 32) == 32
+    return tokens
+
+
+def test_an_l2_run_is_loaded_only_where_loading_beats_recomputing(cache_with):
+    """SmolLM2-135M on the H200 took 0.8x of cold for a 1K-token L2 hit: its step costs the
+    same whatever its rows, so loading saves nothing. A model whose tokens cost more than
+    their pages' trip over the link loads them."""
+    cache, _ = cache_with(read_bytes_per_s=10e9)
+    for rows in (1, 64, 512, 2048):  # launch-bound: 10 ms a step
+        cache.record_compute(rows, attention_pairs(0, rows), 0.010 + rows * 1e-10)
+    tokens = l2_only_prompt(cache, seed=1)
+    match = cache.match(tokens, NS)
+    assert (match.num_pages, match.num_l2_pages) == (0, 0)  # recomputed, not loaded
+    cache.release(match)
+    assert cache.fetch_rates().l2_pages_declined == 32
+    cache.check_invariants()
+
+    costly, _ = cache_with(read_bytes_per_s=10e9)
+    report_engine_steps(costly, seconds_per_row=1e-4)  # 512 tokens: 51 ms; the link 0.8 ms
+    tokens = l2_only_prompt(costly, seed=2)
+    match = costly.match(tokens, NS)
+    assert (match.num_pages, match.num_l2_pages) == (32, 32)
+    costly.release(match)
+    assert costly.fetch_rates().l2_pages_declined == 0
+    costly.check_invariants()
+
+
+def test_an_l2_run_is_loaded_when_no_compute_rate_is_known_or_policy_always(cache_with):
+    for policy in ({}, {"l2_load_policy": "always"}):
+        cache, _ = cache_with(read_bytes_per_s=10e9, **policy)
+        if policy:
+            for rows in (1, 64, 512, 2048):
+                cache.record_compute(rows, attention_pairs(0, rows), 0.010)
+        tokens = l2_only_prompt(cache, seed=3)
+        match = cache.match(tokens, NS)
+        assert match.num_l2_pages == 32
+        cache.release(match)

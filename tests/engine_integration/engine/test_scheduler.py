@@ -14,6 +14,9 @@ from hicache.config import PolicyConfig
 from hicache.fetch_plan import attention_pairs
 from tests.support.engines import ENGINE, GREEDY, cache_off, random_prompt, run_one
 
+# The load-or-recompute choice as a server makes it (the engines fixture loads every tier).
+MEASURED = PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+
 
 def test_continuous_batching_gives_each_request_its_solo_result(small_model):
     config = dataclasses.replace(ENGINE, max_running_requests=2, prefill_chunk_tokens=24)
@@ -109,7 +112,7 @@ def test_a_new_cache_weighs_its_first_l3_run_by_the_models_earlier_steps(
             small_model.step_costs.append(
                 (rows, attention_pairs(0, rows), per_step_s + rows * per_row_s)
             )
-        reader = engines(small_model, l2_pages=64, l3_url=url)
+        reader = engines(small_model, l2_pages=64, l3_url=url, policy=MEASURED)
         assert reader.cache.fetch_rates().num_compute_samples == 4
         output = run_one(reader, tokens)
         assert output.token_ids == expected.token_ids
