@@ -929,11 +929,13 @@ typedef struct {
     uint8_t *headers; /* (FIXED_BYTES + layout_len) per page */
 } frames_t;
 
-/* The header of one uncompressed page into `head`: `plain` with the key and lengths filled in,
- * the checksum, the layout. The payload is `count` pieces (at most MAX_IOV), in order. */
-static void frame_page(const uint8_t *plain, const uint8_t *layout, size_t layout_len,
-                       const uint8_t *key, const struct iovec *payload, int count,
-                       uint8_t *head) {
+/* The header of one uncompressed page into `head` but its checksum: `plain` with the key and
+ * lengths filled in, the layout. The payload is `count` pieces (at most MAX_IOV - 1), in
+ * order. What the checksum takes in, in order, goes to `pieces` (room for count + 2); returns
+ * how many. */
+static int header_fields(const uint8_t *plain, const uint8_t *layout, size_t layout_len,
+                         const uint8_t *key, const struct iovec *payload, int count,
+                         uint8_t *head, struct iovec *pieces) {
     uint64_t length = 0;
     for (int i = 0; i < count; i++)
         length += payload[i].iov_len;
@@ -942,9 +944,19 @@ static void frame_page(const uint8_t *plain, const uint8_t *layout, size_t layou
     memcpy(head + STORED_OFFSET, &length, 8);
     memcpy(head + STORED_OFFSET + 8, &length, 8);
     memcpy(head + FIXED_BYTES, layout, layout_len);
-    struct iovec pieces[MAX_IOV + 2] = {{head, PLAIN_BYTES}, {head + FIXED_BYTES, layout_len}};
+    pieces[0] = (struct iovec){head, PLAIN_BYTES};
+    pieces[1] = (struct iovec){head + FIXED_BYTES, layout_len};
     memcpy(&pieces[2], payload, (size_t)count * sizeof *payload);
-    uint64_t checksum = hash_pieces(pieces, count + 2);
+    return count + 2;
+}
+
+/* The header of one uncompressed page into `head`: header_fields, then the checksum. */
+static void frame_page(const uint8_t *plain, const uint8_t *layout, size_t layout_len,
+                       const uint8_t *key, const struct iovec *payload, int count,
+                       uint8_t *head) {
+    struct iovec pieces[MAX_IOV + 2];
+    int num = header_fields(plain, layout, layout_len, key, payload, count, head, pieces);
+    uint64_t checksum = hash_pieces(pieces, num);
     memcpy(head + PLAIN_BYTES, &checksum, 8);
 }
 
@@ -1162,12 +1174,17 @@ typedef struct {
     size_t layout_len;
 } writes_t;
 
+typedef struct framing framing_t;
+static int frame_until(framing_t *f, long long written, long long upto);
+
 /* Write the buffers in order, at most WRITE_BYTES per call: a single 2 MiB write into a new
- * file ran at a tenth of the speed of 256 KiB calls (file_store._write_all). 0 or the errno. */
-static int write_all(int fd, const struct iovec *iov, int count) {
+ * file ran at a tenth of the speed of 256 KiB calls (file_store._write_all). Before each call,
+ * `framing` (unless NULL) checksums what it is about to write (frame_until). 0 or the errno. */
+static int write_all(int fd, const struct iovec *iov, int count, framing_t *framing) {
     struct iovec chunk[MAX_IOV];
     int first = 0;
     size_t skip = 0; /* bytes of iov[first] written already */
+    long long written_bytes = 0;
     while (first < count) {
         int n = 0;
         size_t size = 0;
@@ -1185,6 +1202,11 @@ static int write_all(int fd, const struct iovec *iov, int count) {
         }
         if (n == 0)
             return 0; /* only empty buffers were left */
+        if (framing != NULL) {
+            int error = frame_until(framing, written_bytes, written_bytes + (long long)size);
+            if (error)
+                return error;
+        }
         ssize_t written = writev(fd, chunk, n);
         if (written < 0) {
             if (errno == EINTR)
@@ -1193,6 +1215,7 @@ static int write_all(int fd, const struct iovec *iov, int count) {
         }
         if (written == 0)
             return EIO;
+        written_bytes += written;
         size_t left = (size_t)written; /* a short write (a signal, a full disk): go on after it */
         while (first < count) {
             size_t rest = iov[first].iov_len - skip;
@@ -1236,19 +1259,72 @@ static int make_parents(const char *path) {
     return 0;
 }
 
+/* The pages of a pack checksummed as they are written, a write call's share at a time, just
+ * before the call: the kernel then copies bytes the checksum has just brought into this
+ * core's cache (hashing a page of a few MiB whole, then writing it, read it from memory
+ * twice). One page is being hashed at a time (the pages lie in order). A page's checksum is
+ * in its header, written before its payload: where the header went out already, the 8 bytes
+ * are written again in place once known (the pack is a temporary file: nobody reads it yet). */
+struct framing {
+    int fd;
+    const writes_t *writes;
+    const pack_t *pack;
+    int page;          /* the page being hashed, or the next */
+    int open;          /* its stream is started */
+    long long head_at; /* its header's offset in the pack */
+    long long end_at;  /* one past its last byte */
+    stream_t stream;
+    struct iovec pieces[MAX_IOV + 2];
+};
+
+/* Hash every page's bytes in the pack up to offset `upto` (`written` bytes are written): a
+ * page whose last byte is reached gets its checksum. 0 or the errno of a write in place. */
+static int frame_until(framing_t *f, long long written, long long upto) {
+    const pack_t *pack = f->pack;
+    const writes_t *writes = f->writes;
+    size_t header_bytes = FIXED_BYTES + writes->layout_len;
+    while (f->page < pack->num_pages) {
+        uint8_t *head = pack->headers + header_bytes * (size_t)f->page;
+        if (!f->open) {
+            if (f->head_at >= upto)
+                return 0;
+            int at = pack->starts[f->page], count = pack->starts[f->page + 1] - at - 1;
+            int num = header_fields(writes->plain, writes->layout, writes->layout_len,
+                                    pack->keys + KEY_BYTES * f->page, &pack->iov[at + 1], count,
+                                    head, f->pieces);
+            size_t len = 0;
+            for (int i = 0; i < num; i++)
+                len += f->pieces[i].iov_len;
+            stream_start(&f->stream, f->pieces, num, len);
+            f->end_at = f->head_at + (long long)(len + UNHASHED_BYTES);
+            f->open = 1;
+        }
+        long long reach = (upto < f->end_at ? upto : f->end_at) - f->head_at;
+        /* bytes of the page up to `reach` that the checksum takes in: all but its own 8 */
+        long long taken = reach <= PLAIN_BYTES ? reach
+                          : reach <= FIXED_BYTES ? PLAIN_BYTES : reach - UNHASHED_BYTES;
+        stream_take(&f->stream, (size_t)taken);
+        if (f->head_at + reach < f->end_at)
+            return 0;
+        uint64_t checksum = stream_end(&f->stream);
+        memcpy(head + PLAIN_BYTES, &checksum, 8);
+        if (f->head_at + PLAIN_BYTES < written &&
+            pwrite(f->fd, head + PLAIN_BYTES, 8, f->head_at + PLAIN_BYTES) != 8)
+            return errno ? errno : EIO;
+        f->page++;
+        f->open = 0;
+        f->head_at = f->end_at;
+    }
+    return 0;
+}
+
 static void write_one(batch_t *batch, size_t unit) {
     writes_t *writes = batch->data;
     pack_t *pack = &writes->packs[unit];
     size_t header_bytes = FIXED_BYTES + writes->layout_len;
     struct iovec *iov = pack->iov;
-    for (int i = 0; pack->headers != NULL && i < pack->num_pages; i++) {
-        uint8_t *head = pack->headers + header_bytes * i;
-        int at = pack->starts[i], count = pack->starts[i + 1] - at - 1;
-        frame_page(writes->plain, writes->layout, writes->layout_len, pack->keys + KEY_BYTES * i,
-                   &iov[at + 1], count, head);
-        iov[at] = (struct iovec){head, header_bytes};
-    }
-    int count = pack->num_iov;
+    for (int i = 0; pack->headers != NULL && i < pack->num_pages; i++)
+        iov[pack->starts[i]] = (struct iovec){pack->headers + header_bytes * i, header_bytes};
     int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
     int fd = open(pack->temp, flags, 0644);
     if (fd < 0 && errno == ENOENT && make_parents(pack->temp) == 0)
@@ -1257,7 +1333,15 @@ static void write_one(batch_t *batch, size_t unit) {
         pack->error = errno;
         return;
     }
-    int error = write_all(fd, iov, count);
+    framing_t framing; /* (on the stack: the XXH3 state wants its 64-byte alignment) */
+    framing.fd = fd;
+    framing.writes = writes;
+    framing.pack = pack;
+    framing.page = 0;
+    framing.open = 0;
+    framing.head_at = (long long)pack->table_len;
+    framing_t *f = pack->headers != NULL ? &framing : NULL;
+    int error = write_all(fd, iov, pack->num_iov, f);
     if (close(fd) != 0 && error == 0 && errno != EINTR)
         error = errno;
     if (error) {
