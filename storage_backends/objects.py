@@ -195,10 +195,13 @@ def page_view(page: PageBuffers, *, writable: bool = False, what: str = "page") 
         return byte_view(page, writable=writable, what=what)
     if not 1 <= len(page) <= MAX_PIECES:
         raise ValueError(f"{what}: a page in pieces has 1 to {MAX_PIECES}, not {len(page)}")
-    return [
-        byte_view(piece, writable=writable, what=f"{what} piece {j}")
-        for j, piece in enumerate(page)
-    ]
+    try:  # (names are built only for a bad piece: a layer_first batch has thousands)
+        return [byte_view(piece, writable=writable) for piece in page]
+    except (TypeError, ValueError):
+        return [
+            byte_view(piece, writable=writable, what=f"{what} piece {j}")
+            for j, piece in enumerate(page)
+        ]
 
 
 def page_nbytes(view: PageView) -> int:
