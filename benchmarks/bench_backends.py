@@ -703,9 +703,11 @@ async def main_async(args: argparse.Namespace) -> None:
             if redis_proc is not None:
                 env["redis_url"] = lambda: f"redis://127.0.0.1:{env['redis_port']}/0?timeout=30s"
             if holder is not None:
-                buffer = max(
-                    1 << 20, 2 * args.batch_pages * (page_bytes + header_size(LAYOUT) + 128)
-                )
+                # Room for two whole batches: each batch moves in one round (a round is half
+                # the buffer), as the raw client moves it in one call. A buffer cut to the bare
+                # object sizes split each batch into rounds of 31 + 1 pages (the read's slot
+                # keeps room for a signed or longer object), two transfers for one.
+                buffer = max(1 << 20, 2 * args.batch_pages * (page_bytes + 4096))
                 env["mooncake_url"] = lambda b=buffer: (
                     f"mooncake://{env['mooncake'].address}?timeout=30s&buffer={b}"
                 )
