@@ -37,6 +37,7 @@ Mooncake client moving the same bytes on the same store.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,20 +47,26 @@ import numpy as np
 from .base import _SHARE_BYTES, CPUS, Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .guard import CopyGuard
+from .lent import LentRegions, address_of
 from .mooncake_options import MooncakeOptions, options_from_url
 from .objects import (
     MAC_BYTES,
     MAX_PAYLOAD_BYTES,
+    Buffer,
+    Compression,
     CorruptReason,
     FramedObject,
+    byte_view,
     frame_objects,
     header_size,
 )
 from .options import redact_url
 from .shared_clients import SharedClients
 from .staging import StagingArena, aligned
-from .verify import decode_objects_into
-from .workers import WorkerPool
+from .verify import check_object, decode_objects_into
+from .workers import WorkerPool, share
+
+logger = logging.getLogger(__name__)
 
 _SLACK_BYTES = MAC_BYTES + 64  # room past the expected object: a signed or longer one still fits
 _INSTALL = (
@@ -72,6 +79,8 @@ _NOT_FOUND = -704  # OBJECT_NOT_FOUND
 _NO_ROOM = -200  # NO_AVAILABLE_HANDLE: nothing left to allocate or evict
 _TOO_SMALL = -600  # INVALID_PARAMS: here, the object is larger than the buffer it was read into
 _RPC_FAIL = -900  # the master did not answer
+_TRANSFER_FAIL = -800  # TRANSFER_FAIL: here also an object larger than the buffers read into
+_AGAIN = object()  # a direct read that found an object of another size: read it staged
 
 
 class MooncakeFault(ConnectionError):
@@ -113,6 +122,9 @@ class MooncakeBackend(StorageBackend):
         self._pool: WorkerPool | None = None
         self._round_bytes = options.buffer_bytes // 2  # two rounds move at once, at least
         self._config = self._replicate_config()
+        self._lent = LentRegions()
+        plain = self._compression is Compression.NONE  # (lz4 objects vary in size)
+        self._direct_bytes = options.direct_bytes if plain else 0
 
     def _replicate_config(self) -> Any:
         config = self._module.ReplicateConfig()
@@ -158,6 +170,21 @@ class MooncakeBackend(StorageBackend):
             _CLIENTS.release(key, _close_client)
             raise MooncakeFault(f"registering the {self._arena.nbytes}-byte buffer failed ({code})")
         self._client, self._client_key = client, key
+        self._register_lent()
+
+    def _register_lent(self) -> None:
+        """Register the regions lent since the client last registered (a worker thread)."""
+        for start, end in self._lent.unregistered():
+            code = self._client.register_buffer(start, end - start)
+            if code != 0:
+                logger.warning(
+                    "%s: the client refused to register a lent region of %d bytes (%d); its "
+                    "pages move through the staging buffer",
+                    self.name,
+                    end - start,
+                    code,
+                )
+            self._lent.registered(start, code == 0)
 
     async def _reconnect(self) -> None:
         """The client reconnects to the master by itself: keep it (opening a second client
@@ -179,7 +206,11 @@ class MooncakeBackend(StorageBackend):
         if client is not None:
             address, key = self._arena.address, self._client_key
 
+            lent = self._lent.forget_registrations()
+
             def let_go() -> None:
+                for start in lent:
+                    client.unregister_buffer(start)
                 client.unregister_buffer(address)
                 _CLIENTS.release(key, _close_client)
 
@@ -191,6 +222,34 @@ class MooncakeBackend(StorageBackend):
 
     def _abandon(self) -> int:
         return 0 if self._pool is None else self._pool.num_pending()
+
+    # -- lending --------------------------------------------------------------------------------
+
+    def lend(self, region: Buffer) -> bool:
+        """Pages of `region` of at least `direct` bytes move straight between it and the store
+        (their headers through the arena); registered with the client before the next call
+        (a region the client refuses is not lent after all: its pages go through the arena)."""
+        if not self._direct_bytes:
+            return False
+        self._lent.add(region)
+        return True
+
+    def quarantined(self, pages: Sequence[Buffer]) -> list[bool]:
+        views = [byte_view(page, what="page") for page in pages]
+        return [self._lent.busy(address_of(view), len(view)) for view in views]
+
+    def _direct(self, views: list[memoryview]) -> list[int] | None:
+        """The address of each page, where every page of the batch can move directly (large
+        enough, in a registered lent region); else None."""
+        if not self._direct_bytes or any(len(view) < self._direct_bytes for view in views):
+            return None
+        if self._lent.unregistered():
+            return None  # registered on the worker at this call; direct from the next
+        addresses = [address_of(view) for view in views]
+        for address, view in zip(addresses, views, strict=True):
+            if not self._lent.inside(address, len(view)):
+                return None
+        return addresses
 
     # -- running on the workers ---------------------------------------------------------------
 
@@ -346,6 +405,96 @@ class MooncakeBackend(StorageBackend):
         return statuses
 
     async def _fetch_into(
+        self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
+    ) -> list[ReadInto]:
+        """Read pages into the caller's buffers: straight into a lent pool's pages
+        (`_fetch_direct`), or through the arena and a checked copy (`_fetch_staged`)."""
+        if self._lent.unregistered() and self._direct_bytes:
+            await self._in_pool(self._register_lent)
+        addresses = self._direct(views)
+        if addresses is None:
+            return await self._fetch_staged(keys, views, guard)
+        outcomes = await self._fetch_direct(keys, views, addresses, guard)
+        again = [i for i, outcome in enumerate(outcomes) if outcome is _AGAIN]
+        if again:  # another size than a page's object (damaged, signed, lz4): read staged
+            staged = await self._fetch_staged(
+                [keys[i] for i in again], [views[i] for i in again], guard
+            )
+            for i, outcome in zip(again, staged, strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    async def _fetch_direct(
+        self, keys: list[bytes], views: list[memoryview], addresses: list[int], guard: CopyGuard
+    ) -> list[Any]:
+        """Each object's header into the arena and its payload straight into the caller's
+        page, in one transfer; then the check, in place. The pages are marked in `_lent`
+        while the transfer runs: one that outlives the call leaves them quarantined."""
+        head = header_size(self.layout, signed=self._mac_key is not None)
+
+        def work(one: _Round, start: int) -> list[Any]:
+            items = one.items
+            spans = [(addresses[i], addresses[i] + len(views[i])) for i in items]
+            token = self._lent.mark(spans)
+            if token is None:  # a page handed in again while a transfer still moves it
+                self._note_page_error("batch_get: a page still under an earlier transfer")
+                return [PageStatus.ERROR] * len(items)
+            try:
+                if guard.closed:
+                    return [None] * len(items)  # the call is over: nothing is moved
+                heads = self._addresses(one, start)
+                codes = self._client.batch_get_into_multi_buffers(
+                    self._names([keys[i] for i in items]),
+                    [[at, addresses[i]] for at, i in zip(heads, items, strict=True)],
+                    [[head, len(views[i])] for i in items],
+                )
+            finally:
+                self._lent.unmark(token)
+            return self._check_in_place(codes, one, start, head, keys, views)
+
+        return await self._rounds(_slots([head] * len(keys)), work, CorruptReason.LENGTH)
+
+    def _check_in_place(
+        self,
+        codes: list[int],
+        one: _Round,
+        start: int,
+        head: int,
+        keys: list[bytes],
+        views: list[memoryview],
+    ) -> list[Any]:
+        """What each direct read found: True (checked where it landed), a reason, a miss,
+        an error, or `_AGAIN` (an object of another size: nothing was moved)."""
+        _raise_if_all_failed(codes, "batch_get_into_multi_buffers")
+        outcomes: list[Any] = [None] * len(codes)
+        landed = []
+        for j, (code, i) in enumerate(zip(codes, one.items, strict=True)):
+            if code == head + len(views[i]):
+                landed.append(j)
+            elif code in (_TOO_SMALL, _TRANSFER_FAIL):
+                outcomes[j] = _AGAIN
+            elif code == _RPC_FAIL:
+                self._note_page_error("batch_get_into_multi_buffers: the master did not answer")
+                outcomes[j] = PageStatus.ERROR
+
+        def check(j: int) -> None:
+            i, at = one.items[j], start + int(one.offsets[j])
+            parts = [self._arena.view[at : at + head], views[i]]
+            checked = check_object(
+                parts, keys[i], self._layout_bytes, raw_bytes=len(views[i]), mac_key=self._mac_key
+            )
+            if isinstance(checked, CorruptReason):
+                outcomes[j] = checked
+            elif checked[0].compression is not Compression.NONE:
+                outcomes[j] = _AGAIN  # (lz4 of a page's size: decoded staged)
+            else:
+                outcomes[j] = True
+
+        nbytes = sum(len(views[one.items[j]]) for j in landed)
+        share(self._pool, landed, check, _threads(nbytes))
+        return outcomes
+
+    async def _fetch_staged(
         self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
     ) -> list[ReadInto]:
         """Read each round into the arena, then check and copy it into the caller's buffers
