@@ -114,6 +114,13 @@ class Workload:
         self.pool = bytearray(page_bytes * batch_pages)
         view = memoryview(self.pool)
         self.into = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages)]
+        # The same pages as one "L2 pool" of their own, for a backend that takes a lent pool
+        # (and the raw Mooncake client, which puts from registered memory).
+        self.source = bytearray(b"".join(self.pages))
+        view = memoryview(self.source)
+        self.source_pages = [
+            view[i * page_bytes : (i + 1) * page_bytes] for i in range(len(self.pages))
+        ]
         self.rep = 0
         self.all_batches: list[list[bytes]] = []
         self.start_rep(0)
@@ -167,10 +174,14 @@ def backend_ops(url: str, work: Workload) -> tuple[Timed, Timed, Timed, Timed]:
     async def setup() -> None:
         state["store"] = open_backend(url, layout=LAYOUT)
         await state["store"].connect()
+        state["pages"] = work.pages
+        # Lend the pools, as the engine lends its L2 pool, where the backend takes them.
+        if state["store"].lend(work.pool) and state["store"].lend(work.source):
+            state["pages"] = work.source_pages
 
     async def put() -> None:
         for keys in work.batches:
-            stored = await state["store"].batch_put(keys, work.pages)
+            stored = await state["store"].batch_put(keys, state["pages"])
             assert all(stored), f"{url}: put failed: {state['store'].stats()}"
 
     async def get() -> None:
@@ -374,7 +385,7 @@ def raw_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]
     client = MooncakeDistributedStore()
     if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
         raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
-    source = np.frombuffer(b"".join(work.pages), dtype=np.uint8).copy()
+    source = np.frombuffer(work.source, dtype=np.uint8)
     target = np.frombuffer(work.pool, dtype=np.uint8)
     for array in (source, target):
         if client.register_buffer(array.ctypes.data, array.nbytes) != 0:

@@ -238,13 +238,13 @@ class MooncakeBackend(StorageBackend):
         views = [byte_view(page, what="page") for page in pages]
         return [self._lent.busy(address_of(view), len(view)) for view in views]
 
-    def _direct(self, views: list[memoryview]) -> list[int] | None:
+    async def _direct_now(self, views: list[memoryview]) -> list[int] | None:
         """The address of each page, where every page of the batch can move directly (large
-        enough, in a registered lent region); else None."""
+        enough, in a lent region, registered first if it was lent since); else None."""
         if not self._direct_bytes or any(len(view) < self._direct_bytes for view in views):
             return None
         if self._lent.unregistered():
-            return None  # registered on the worker at this call; direct from the next
+            await self._in_pool(self._register_lent)
         addresses = [address_of(view) for view in views]
         for address, view in zip(addresses, views, strict=True):
             if not self._lent.inside(address, len(view)):
@@ -320,8 +320,8 @@ class MooncakeBackend(StorageBackend):
         return sum(1 for code in codes if code == 0)
 
     async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        """`batch_put`: copy the pages into the arena (only while the call runs), frame them
-        there, upsert them."""
+        """`batch_put`: straight from a lent pool's pages (`_put_direct`), or copied into the
+        arena (only while the call runs), framed there and upserted."""
         head = header_size(self.layout, signed=self._mac_key is not None)
         sizes = [head + len(view) for view in views]
         guard = CopyGuard()
@@ -329,10 +329,14 @@ class MooncakeBackend(StorageBackend):
         def work(one: _Round, start: int) -> list[PageStatus]:
             return self._put_pages(one, start, [keys[i] for i in one.items], views, head, guard)
 
+        async def put() -> list[PageStatus]:
+            addresses = await self._direct_now(views)
+            if addresses is not None:
+                return await self._put_direct(keys, views, addresses, head)
+            return await self._rounds(_slots(sizes), work, PageStatus.REJECTED)
+
         try:
-            statuses = await self._call(
-                "batch_put", lambda: self._rounds(_slots(sizes), work, PageStatus.REJECTED)
-            )
+            statuses = await self._call("batch_put", put)
         finally:
             guard.close()
         return self._count_stores("batch_put", statuses, sizes)
@@ -372,6 +376,78 @@ class MooncakeBackend(StorageBackend):
             sizes.append(head + len(obj.payload))
         return self._upsert(keys, self._addresses(one, start), sizes)
 
+    async def _put_direct(
+        self, keys: list[bytes], views: list[memoryview], addresses: list[int], head: int
+    ) -> list[PageStatus]:
+        """Pages not in the store yet: framed where they are (the checksum read from the
+        caller's page), each header put from the arena and its payload straight from the
+        page, in one transfer. Pages the store holds already are upserted through the arena
+        (Mooncake's put keeps an object it has; only an upsert replaces it). The pages are
+        marked in `_lent` while the transfer reads them."""
+        present = await self._in_pool(lambda: self._client.batch_is_exist(self._names(keys)))
+        _raise_if_all_failed(present, "batch_is_exist")
+        statuses: list[PageStatus] = [PageStatus.ERROR] * len(keys)
+        absent = [i for i, code in enumerate(present) if code != 1]
+        held = [i for i, code in enumerate(present) if code == 1]
+
+        def work(one: _Round, start: int) -> list[PageStatus]:
+            items = one.items
+            spans = [(addresses[absent[j]], addresses[absent[j]] + len(views[absent[j]]))
+                     for j in items]  # fmt: skip
+            token = self._lent.mark(spans)
+            if token is None:  # a page handed in while a transfer still moves it
+                self._note_page_error("batch_put: a page still under an earlier transfer")
+                return [PageStatus.ERROR] * len(items)
+            try:
+                return self._put_in_place(one, start, [absent[j] for j in items], head, keys,
+                                          views, addresses)  # fmt: skip
+            finally:
+                self._lent.unmark(token)
+
+        if absent:
+            done = await self._rounds(_slots([head] * len(absent)), work, PageStatus.REJECTED)
+            for i, status in zip(absent, done, strict=True):
+                statuses[i] = status
+        if held:
+            objects = frame_objects(
+                [keys[i] for i in held], self.layout, [views[i] for i in held],
+                threads=_threads(sum(len(views[i]) for i in held)), mac_key=self._mac_key,
+            )  # fmt: skip
+            done = await self._store([keys[i] for i in held], objects)
+            for i, status in zip(held, done, strict=True):
+                statuses[i] = status
+        return statuses
+
+    def _put_in_place(
+        self,
+        one: _Round,
+        start: int,
+        items: list[int],
+        head: int,
+        keys: list[bytes],
+        views: list[memoryview],
+        addresses: list[int],
+    ) -> list[PageStatus]:
+        payloads = [views[i] for i in items]
+        framed = frame_objects(
+            [keys[i] for i in items],
+            self.layout,
+            payloads,
+            threads=_threads(sum(map(len, payloads))),
+            mac_key=self._mac_key,
+        )
+        heads = self._addresses(one, start)
+        for obj, offset in zip(framed, one.offsets, strict=True):
+            at = start + int(offset)
+            self._arena.view[at : at + head] = obj.header
+        codes = self._client.batch_put_from_multi_buffers(
+            self._names([keys[i] for i in items]),
+            [[at, addresses[i]] for at, i in zip(heads, items, strict=True)],
+            [[head, len(views[i])] for i in items],
+            self._config,
+        )
+        return self._statuses(codes, "batch_put_from_multi_buffers")
+
     async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
         """The objects API's put: already-framed objects of any layout, copied in and upserted."""
 
@@ -392,7 +468,10 @@ class MooncakeBackend(StorageBackend):
         self, keys: list[bytes], addresses: list[int], sizes: list[int]
     ) -> list[PageStatus]:
         codes = self._client.batch_upsert_from(self._names(keys), addresses, sizes, self._config)
-        _raise_if_all_failed(codes, "batch_upsert_from")
+        return self._statuses(codes, "batch_upsert_from")
+
+    def _statuses(self, codes: list[int], op: str) -> list[PageStatus]:
+        _raise_if_all_failed(codes, op)
         statuses = []
         for code in codes:
             if code == 0:
@@ -400,7 +479,7 @@ class MooncakeBackend(StorageBackend):
             elif code == _NO_ROOM:
                 statuses.append(PageStatus.REJECTED)
             else:
-                self._note_page_error(f"batch_upsert_from: Mooncake error {code}")
+                self._note_page_error(f"{op}: Mooncake error {code}")
                 statuses.append(PageStatus.ERROR)
         return statuses
 
@@ -409,9 +488,7 @@ class MooncakeBackend(StorageBackend):
     ) -> list[ReadInto]:
         """Read pages into the caller's buffers: straight into a lent pool's pages
         (`_fetch_direct`), or through the arena and a checked copy (`_fetch_staged`)."""
-        if self._lent.unregistered() and self._direct_bytes:
-            await self._in_pool(self._register_lent)
-        addresses = self._direct(views)
+        addresses = await self._direct_now(views)
         if addresses is None:
             return await self._fetch_staged(keys, views, guard)
         outcomes = await self._fetch_direct(keys, views, addresses, guard)

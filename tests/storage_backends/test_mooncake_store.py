@@ -297,6 +297,43 @@ def test_a_hung_holder_costs_one_timeout_and_no_late_write(own_store, pages):
     run(body())
 
 
+def test_puts_from_a_lent_pool_store_the_format_and_replace_what_is_there(
+    mooncake_url, raw_client, pages
+):
+    """Pages of a lent pool go to the store straight from the pool (headers from the arena):
+    the stored objects are the shared format; a page the store holds already (here a
+    damaged copy) is replaced, as every put of this backend replaces."""
+    url = mooncake_url(direct="4KiB")
+    keys = [pages.key(i, "lent-put") for i in range(4)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            pool = bytearray(b"".join(data))
+            views = [memoryview(pool)[i * PAGE_BYTES : (i + 1) * PAGE_BYTES] for i in range(4)]
+            assert store.lend(pool) is True
+            damaged = encode_object(keys[0], pages.LAYOUT, bytes(PAGE_BYTES))
+            assert raw_client.upsert(object_name(url, keys[0]), damaged) == 0
+            direct = store._put_direct
+            calls = []
+
+            async def counted(*args):
+                calls.append(len(args[0]))
+                return await direct(*args)
+
+            store._put_direct = counted
+            assert await store.batch_put(keys, views) == [True] * 4
+            assert calls == [4]
+            for key, page in zip(keys, data, strict=True):
+                blob = raw_client.get(object_name(url, key))
+                assert blob == encode_object(key, pages.LAYOUT, page)
+            assert store.quarantined(views) == [False] * 4
+            assert store.stats().num_puts == 4
+            assert store.stats().num_errors == 0
+
+    run(body())
+
+
 def test_reads_into_a_lent_pool_land_in_place_and_check_out(mooncake_url, pages):
     """Pages of a lent pool come straight from the store (no arena copy), checked in place;
     a page below `direct`, or outside the pool, goes through the arena, with the same bytes."""
@@ -372,6 +409,35 @@ def test_a_transfer_past_its_deadline_keeps_its_lent_pages_quarantined(own_store
 
             await wait_until_async(answering, "reads after the holder resumed")
             assert b"".join(bytes(v) for v in views) == b"".join(data)
+
+    run(body())
+
+
+def test_a_put_past_its_deadline_keeps_its_lent_pages_quarantined(own_store, pages):
+    """A holder paused while a lent pool's pages are put: the call fails at its deadline,
+    the pages it still reads stay quarantined until the transfer is over."""
+    master, start_holder = own_store
+    holder = start_holder()
+    keys = [pages.key(i, "put-quarantine") for i in range(4)]
+    url = f"mooncake://{master.address}?prefix=p:&buffer=4MiB&direct=4KiB&timeout=1s"
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            pool = bytearray(b"".join(pages.page(k, PAGE_BYTES) for k in keys))
+            views = [memoryview(pool)[i * PAGE_BYTES : (i + 1) * PAGE_BYTES] for i in range(4)]
+            assert store.lend(pool) is True
+            assert await store.batch_exists(keys) == 0  # (set up before the pause)
+            holder.proc.send_signal(signal.SIGSTOP)
+            try:
+                assert await store.batch_put(keys, views) == [False] * 4
+                assert store.stats().num_timeouts == 1
+                assert store.quarantined(views) == [True] * 4
+            finally:
+                holder.proc.send_signal(signal.SIGCONT)
+            await wait_until_async(
+                lambda: asyncio.sleep(0, store._pool.num_pending() == 0), "the transfer ending"
+            )
+            assert store.quarantined(views) == [False] * 4
 
     run(body())
 
