@@ -297,8 +297,19 @@ def test_a_hung_holder_costs_one_timeout_and_no_late_write(own_store, pages):
     run(body())
 
 
+@pytest.fixture(params=[1, 4], ids=["one_chunk", "four_chunks"])
+def chunks(request, monkeypatch):
+    """Direct rounds in one transfer, or in four chunks (a page's worth each) whose
+    framing and checks overlap the transfers of their neighbours."""
+    from storage_backends import mooncake_store
+
+    if request.param > 1:
+        monkeypatch.setattr(mooncake_store, "_CHUNK_BYTES", PAGE_BYTES)
+    return request.param
+
+
 def test_puts_from_a_lent_pool_store_the_format_and_replace_what_is_there(
-    mooncake_url, raw_client, pages
+    mooncake_url, raw_client, pages, chunks
 ):
     """Pages of a lent pool go to the store straight from the pool (headers from the arena):
     the stored objects are the shared format; a page the store holds already (here a
@@ -334,14 +345,18 @@ def test_puts_from_a_lent_pool_store_the_format_and_replace_what_is_there(
     run(body())
 
 
-def test_reads_into_a_lent_pool_land_in_place_and_check_out(mooncake_url, pages):
-    """Pages of a lent pool come straight from the store (no arena copy), checked in place;
-    a page below `direct`, or outside the pool, goes through the arena, with the same bytes."""
+def test_reads_into_a_lent_pool_land_in_place_and_check_out(
+    mooncake_url, raw_client, pages, chunks
+):
+    """Pages of a lent pool come straight from the store (no arena copy), checked in place
+    (a foreign object among them is a counted miss, the others land); a page outside the
+    pool goes through the arena, with the same bytes."""
+    url = mooncake_url(direct="4KiB")
     keys = [pages.key(i, "lent") for i in range(6)]
     data = [pages.page(k, PAGE_BYTES) for k in keys]
 
     async def body():
-        async with open_backend(mooncake_url(direct="4KiB"), layout=pages.LAYOUT) as store:
+        async with open_backend(url, layout=pages.LAYOUT) as store:
             assert await store.batch_put(keys, data) == [True] * 6
             pool, views = pages.pool_views(6, PAGE_BYTES)
             assert store.lend(pool) is True
@@ -357,10 +372,19 @@ def test_reads_into_a_lent_pool_land_in_place_and_check_out(mooncake_url, pages)
             assert bytes(pool) == b"".join(data)
             assert calls == [6]
             assert store.quarantined(views) == [False] * 6
+            # Another page's object under keys[3]: the same size, so it lands, and is refused.
+            foreign = raw_client.get(object_name(url, keys[2]))
+            assert raw_client.upsert(object_name(url, keys[3]), foreign) == 0
+            pool[:] = b"\xa5" * len(pool)
+            assert await store.batch_get(keys, views) == [True] * 3 + [False] + [True] * 2
+            assert store.stats().num_corrupt == {"key": 1}
+            assert [bytes(views[i]) == data[i] for i in range(6)] == [True] * 3 + [False] + [
+                True
+            ] * 2
             other, other_views = pages.pool_views(2, PAGE_BYTES)  # not lent: staged
             assert await store.batch_get(keys[:2], other_views) == [True] * 2
             assert bytes(other) == b"".join(data[:2])
-            assert calls == [6]
+            assert calls == [6, 6]
             assert store.stats().num_errors == 0
         async with open_backend(mooncake_url(direct="0"), layout=pages.LAYOUT) as store:
             assert store.lend(bytearray(PAGE_BYTES)) is False  # direct off: no use for it
