@@ -9,14 +9,30 @@ A page is one Mooncake object, `<prefix><32 hex digits of the key>`, holding the
 checksum and, with a tenant secret, the MAC; a damaged, foreign or truncated object is a counted
 miss. Writes are upserts: a page rewritten under its key replaces the old one.
 
-Pages move through registered memory, never through Python `bytes`: the backend allocates one
-staging arena (`buffer`), registers it with the transfer engine, and moves each round of a batch
-with `batch_upsert_from` / `batch_get_into` between the arena and the store. On the way out a
-page is copied into the arena and framed there (its checksum taken of that copy); on the way in
-the C check verifies each object in the arena and copies it into the caller's buffer in the same
-pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer still running when
-its call timed out writes only the arena (whose region is lent again only once the transfer is
-over), never the caller's pages.
+Pages move through registered memory, never through Python `bytes`, in one of two ways.
+
+- Straight, for pages of at least `direct` bytes in a pool the caller lent (`lend`: the
+  engine lends its L2 pool): one multi-buffer transfer a page, its header to or from a slot
+  of the staging arena and its payload to or from the caller's page, framed (checksum read
+  from the page) or checked (`verify.check_object` over the two parts) where the page lies.
+  A round moves in chunks of 8 MiB or more, the next chunk framed, or the last checked, while
+  one moves (`workers.overlapped`). The pages a transfer moves are marked in
+  `lent.LentRegions` while it runs: one that outlives its call leaves them quarantined
+  (`quarantined`) until it is over. Pages the store already holds are upserted staged
+  (Mooncake's put keeps what it has). An object of another size (damaged, signed, lz4)
+  moves nothing and is read again staged.
+- Staged, for everything else: the backend allocates one staging arena (`buffer`),
+  registers it with the transfer engine, and moves each round of a batch with
+  `batch_upsert_from` / `batch_get_into` between the arena and the store. On the way out a
+  page is copied into the arena and framed there (its checksum taken of that copy); on the
+  way in the C check verifies each object in the arena and copies it into the caller's buffer
+  in the same pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer
+  still running when its call timed out writes only the arena (whose region is lent again
+  only once the transfer is over), never the caller's pages.
+
+Why a threshold: a second transfer a page costs about 34 us on TCP here, twice the raw read
+of a 64 KiB page, and nothing measurable at 512 KiB and 2 MiB, where the staging copy costs
+15-25 % of the transfer (docs/performance.md).
 
 Backends of one process on one store share one Mooncake client (`SharedClients`: it costs
 about twenty threads and its own ports, and lends its segment once), each with its own
