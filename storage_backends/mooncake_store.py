@@ -421,12 +421,15 @@ class MooncakeBackend(StorageBackend):
             done = await self._rounds(_slots([head] * len(absent)), work, PageStatus.REJECTED)
             for i, status in zip(absent, done, strict=True):
                 statuses[i] = status
-        if held:
-            objects = frame_objects(
-                [keys[i] for i in held], self.layout, [views[i] for i in held],
-                threads=_threads(sum(len(views[i]) for i in held)), mac_key=self._mac_key,
-            )  # fmt: skip
-            done = await self._store([keys[i] for i in held], objects)
+        if held:  # copied into the arena (under `guard`), framed there, upserted
+            held_keys, held_views = [keys[i] for i in held], [views[i] for i in held]
+
+            def staged(one: _Round, start: int) -> list[PageStatus]:
+                chosen = [held_keys[j] for j in one.items]
+                return self._put_pages(one, start, chosen, held_views, head, guard)
+
+            sizes = [head + len(view) for view in held_views]
+            done = await self._rounds(_slots(sizes), staged, PageStatus.REJECTED)
             for i, status in zip(held, done, strict=True):
                 statuses[i] = status
         return statuses
