@@ -192,6 +192,9 @@ class RealExecutor(Executor):
         if self._backend is not None:
             self._io.run(self._backend.close())
             self._backend = None
+        if self._lent_to:  # a closed backend is asked only while its transfers still run
+            region = [self.host_pool.region()]
+            self._lent_to = [b for b in self._lent_to if b.quarantined(region) == [True]]
         if url is None:
             return
         if self.host_pool is None:
