@@ -21,7 +21,9 @@ Contracts every backend keeps (the contract suite in tests/storage_backends chec
   counted in `num_short_circuited`) for `breaker_backoff`, then one probe goes through
   (`breaker`): a hung backend costs one timeout per back-off, not one per call.
 - After `batch_get` returns, the backend never writes into the caller's buffers again, and
-  after `batch_put` returns it keeps no reference to the caller's pages.
+  after `batch_put` returns it keeps no reference to the caller's pages; except pages of a
+  region the caller lent (`lend`): a transfer that outlived its call may still move those,
+  and `quarantined` says which, until it is over (`lent.LentRegions`).
 - The first use of a backend that cannot be reached raises `BackendUnavailableError` (a wrong
   URL fails loudly); once it has worked, outages are faults as above.
 - Calls may run concurrently on one event loop. A backend object belongs to one event loop;
@@ -175,6 +177,20 @@ class StorageBackend(Connection):
 
     def _usage(self) -> Usage:
         return Usage(None, None, None)
+
+    # -- lending the caller's pool --------------------------------------------------------
+
+    def lend(self, region: Buffer) -> bool:
+        """Lend `region`, the caller's page pool (the pinned L2 pool), for transfers straight
+        into and out of its pages; False where this backend has no use for it (nothing
+        changes then). A caller that lends keeps the rule of `quarantined`."""
+        return False
+
+    def quarantined(self, pages: Sequence[Buffer]) -> list[bool]:
+        """Which of `pages` a transfer that outlived its call (it timed out) still moves.
+        Such a page is still the backend's: the caller must not write it or hand it out
+        until this says False. Only pages of a lent region are ever quarantined."""
+        return [False] * len(pages)
 
     # -- public API -----------------------------------------------------------------------
 
