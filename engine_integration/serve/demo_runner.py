@@ -239,7 +239,9 @@ def _with_window_layers(model: Model, config: DemoConfig, checkpoint: bool) -> M
     plan = model.config.replace(
         num_source_layers=model.config.num_layers - layers, window_tokens=config.window
     )
-    return Model(plan, model.weights, block_rows=model.block_rows)
+    return Model(
+        plan, model.weights, block_rows=model.block_rows, deterministic=model.deterministic
+    )
 
 
 def _print_header(config: DemoConfig, model: Model, sizes: CacheSizes) -> None:

@@ -167,19 +167,28 @@ def matmul(
     return out
 
 
-@triton.jit(do_not_specialize=["gate_stride"])
-def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_stride, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    # one row's block of columns: silu(gate) rounded to the dtype, times up, rounded (the two
-    # torch ops' roundings)
-    row = tl.program_id(0).to(tl.int64)
+@triton.jit(do_not_specialize=["num_rows", "gate_stride"])
+def _silu_mul_kernel(
+    gate_up_ptr,
+    out_ptr,
+    num_rows,
+    gate_stride,
+    WIDTH: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # a block of rows and columns, each element on its own: silu(gate) rounded to the dtype,
+    # times up, rounded (the two torch ops' roundings)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = cols < WIDTH
-    gate = tl.load(gate_up_ptr + row * gate_stride + cols, mask=live, other=0.0)
-    up = tl.load(gate_up_ptr + row * gate_stride + WIDTH + cols, mask=live, other=0.0)
+    live = (rows < num_rows)[:, None] & (cols < WIDTH)[None, :]
+    at = gate_up_ptr + rows[:, None] * gate_stride + cols[None, :]
+    gate = tl.load(at, mask=live, other=0.0)
+    up = tl.load(at + WIDTH, mask=live, other=0.0)
     g = gate.to(tl.float32)
     activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     out = (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    tl.store(out_ptr + row * WIDTH + cols, out, mask=live)
+    tl.store(out_ptr + rows[:, None] * WIDTH + cols[None, :], out, mask=live)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -191,9 +200,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
     out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
-        block = min(1024, triton.next_power_of_2(width))
-        grid = (rows, triton.cdiv(width, block))
+        block = min(256, triton.next_power_of_2(width))
+        grid = (triton.cdiv(rows, _SILU_ROWS), triton.cdiv(width, block))
         _silu_mul_kernel[grid](
-            gate_up, out, gate_up.stride(0), WIDTH=width, BLOCK=block, num_warps=4
+            gate_up,
+            out,
+            rows,
+            gate_up.stride(0),
+            WIDTH=width,
+            BLOCK_R=_SILU_ROWS,
+            BLOCK=block,
+            num_warps=4,
         )
     return out
+
+
+_SILU_ROWS = 16

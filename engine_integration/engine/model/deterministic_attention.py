@@ -115,8 +115,8 @@ def _partition(
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         seen = exists[None, :] & (key_position[None, :] <= position[:, None])
-        if window > 0:
-            seen = seen & (key_position[None, :] > position[:, None] - window)
+        in_window = (window == 0) | (key_position[None, :] > position[:, None] - window)
+        seen = seen & in_window
         scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         scores = tl.where(seen, scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
@@ -158,9 +158,7 @@ def _attention_kernel(
     # the tiles that hold a key some row of the block may see
     first_position = start + block * block_q
     last_position = start + tl.minimum(block * block_q + block_q, num_rows) - 1
-    lowest = key_first
-    if window > 0:
-        lowest = tl.maximum(lowest, first_position - window + 1)
+    lowest = tl.where(window > 0, tl.maximum(key_first, first_position - window + 1), key_first)
     first_tile = lowest // BLOCK_N
     stop_tile = (tl.minimum(key_end, last_position + 1) + BLOCK_N - 1) // BLOCK_N
     first_part = first_tile // PART_TILES
