@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the events' schema: vLLM's or SGLang's (int64 hashes, its media names) "
         "(default: %(default)s)",
     )
+    a("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: %(default)s)")
+    a(
+        "--deterministic",
+        action="store_true",
+        help="CUDA: batch-invariant kernels, so a prefix hit never changes a logit's bits "
+        "(EngineConfig.deterministic)",
+    )
     a(
         "--threads",
         type=int,
@@ -114,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
             events_topic=args.events_topic,
             events_format=args.events_format,
             threads=args.threads,
+            device=args.device,
+            deterministic=args.deterministic,
         )
     except ValueError as error:
         print(f"hicache engine serve: error: {error}", file=sys.stderr)

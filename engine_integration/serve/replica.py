@@ -155,7 +155,10 @@ class Replica:
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
         engine_config = EngineConfig(
-            page_size=config.page_size, max_running_requests=config.max_running_requests
+            device=config.device,
+            page_size=config.page_size,
+            max_running_requests=config.max_running_requests,
+            deterministic=config.deterministic,
         )
         self.model, self.tokenizer = load_model(config.model_path, engine_config, seed=config.seed)
         # Write-through, so that a page reaches L2 (and L3) as soon as it is inserted; a

@@ -28,6 +28,8 @@ class ReplicaConfig:
     events_topic: str | None = None  # None: kv@<host>@<model>
     events_format: str = "vllm"  # or "sglang"
     threads: int = 0  # torch's CPU threads (0: torch's default)
+    device: str = "cpu"  # or cuda[:N]
+    deterministic: bool = False  # EngineConfig.deterministic (CUDA)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -42,5 +44,12 @@ class ReplicaConfig:
             raise ValueError(f"--l1-pages must be >= 1, got {self.l1_pages}")
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("--events-replay-endpoint needs --events-endpoint")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.deterministic and not self.device.startswith("cuda"):
+            raise ValueError(
+                "--deterministic runs its kernels on CUDA (--device cuda); on the CPU the "
+                "engine is batch-invariant, bitwise, already"
+            )
         if self.events_format not in ("vllm", "sglang"):
             raise ValueError(f"--events-format must be vllm or sglang, got {self.events_format!r}")
