@@ -280,8 +280,9 @@ def _attend(q, kv, table, valid, start, key_first, key_end, width, *, scale, pag
         raise ValueError(
             f"deterministic attention takes at most {tiles.block_m} query heads a KV head"
         )
+    if not kv.is_contiguous():  # (a copy of a whole pool layer a call would cost too much)
+        raise ValueError("deterministic attention reads a contiguous pool layer or key buffer")
     q = q.contiguous()
-    kv = kv.contiguous()
     out = torch.empty_like(q)
     if not num_rows:
         return out
