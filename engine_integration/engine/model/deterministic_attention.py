@@ -132,15 +132,24 @@ def _partition(
     return out, lse
 
 
-@triton.jit(do_not_specialize=["start", "num_rows", "key_first", "key_end", "window", "num_slots"])
+@triton.jit(
+    do_not_specialize=["start", "num_rows", "key_first", "key_end", "window", "row_stride", "layer"]
+)
 def _attention_kernel(
-    q_ptr, kv_ptr, table_ptr, valid_ptr, out_ptr, part_ptr, lse_ptr,
-    start, num_rows, key_first, key_end, window, num_slots, scale_log2,
+    q_ptr, kv_ptr, table_ptr, valid_ptr, out_ptr, part_ptr, lse_ptr, step_ptr,
+    start, num_rows, key_first, key_end, window, row_stride, layer, scale_log2,
     NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PART_TILES: tl.constexpr, PAGED: tl.constexpr, HAS_VALID: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ON_DEVICE: tl.constexpr, KV_UNIT: tl.constexpr,
 ):  # fmt: skip
+    if ON_DEVICE:  # the step, the page table and the pool layer from the device (`DeviceStep`)
+        start = tl.load(step_ptr).to(tl.int32)
+        num_rows = tl.load(step_ptr + 1).to(tl.int32)
+        key_end = start + num_rows
+        table_ptr += tl.load(step_ptr + 2) * 2  # (16-byte steps from the anchors)
+        kv_ptr += tl.load(step_ptr + 3 + layer) * KV_UNIT
     block = tl.program_id(0)
     kv_head = tl.program_id(2)
     block_q: tl.constexpr = BLOCK_M // GROUP  # positions a block holds
@@ -169,7 +178,7 @@ def _attention_kernel(
             key_first, key_end, window, scale_log2, kv_head, NUM_KV, DIM, PAGE, BLOCK_M,
             BLOCK_N, PART_TILES, PAGED, HAS_VALID, PRECISION, UPCAST,
         )  # fmt: skip
-        slot_rows = (tl.program_id(1) * num_rows + query.to(tl.int64)) * NUM_HEADS + head
+        slot_rows = (tl.program_id(1) * row_stride + query.to(tl.int64)) * NUM_HEADS + head
         tl.store(part_ptr + slot_rows[:, None] * DIM + dim[None, :], out, mask=live[:, None])
         tl.store(lse_ptr + slot_rows, lse, mask=live)
     else:
@@ -192,17 +201,18 @@ def _attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_slots"])
+@triton.jit(do_not_specialize=["row_stride", "num_slots"])
 def _combine_kernel(
-    part_ptr, lse_ptr, out_ptr, num_rows, num_slots, NUM_HEADS: tl.constexpr, DIM: tl.constexpr
+    part_ptr, lse_ptr, out_ptr, row_stride, num_slots, NUM_HEADS: tl.constexpr, DIM: tl.constexpr
 ):
-    # one (query, head): the partitions' outputs merged in key order, as in place
+    # one (query, head): the partitions' outputs merged in key order, as in place (rows
+    # past a device step's are merged from undefined partials, and never read)
     row = tl.program_id(0).to(tl.int64)
     dim = tl.arange(0, DIM)
     top = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
     acc = tl.zeros([1, DIM], tl.float32)
-    slot_rows = num_rows * NUM_HEADS
+    slot_rows = row_stride * NUM_HEADS
     for slot in range(0, num_slots):
         part_lse = tl.load(lse_ptr + slot * slot_rows + row + tl.zeros([1], tl.int64))
         part_out = tl.load(part_ptr + (slot * slot_rows + row) * DIM + dim[None, :])
@@ -230,6 +240,34 @@ def paged_attention(
         q, kv_layer, page_table, None, start, 0, end, 0, scale=scale, page=kv_layer.shape[1],
         split=split,
     )  # fmt: skip
+
+
+def paged_attention_on_device(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    layer: int,
+    step,
+    *,
+    scale: float,
+    num_slots: int,
+) -> torch.Tensor:
+    """`paged_attention` of the first rows of q (capacity, Hq, D) over pool layer `layer`,
+    the step's position, rows, page table and layer read from `step` (a
+    `paged_attention.DeviceStep`) on the device; kv_layer: a layer of the same shape, for its
+    shape only. `num_slots`: the partitions the launch covers, at least those of the step's
+    keys (the caller picks it by the request's length; a graph captures one count). The
+    bits of `paged_attention`'s rows; rows past the step's are left undefined."""
+    return _attend(
+        q, kv_layer, None, None, 0, 0, 0, 0, scale=scale, page=kv_layer.shape[1],
+        split=num_slots > 1, step=step, layer=layer, num_slots=num_slots,
+    )  # fmt: skip
+
+
+def slots_for(end: int, head_dim: int) -> int:
+    """The partition count a device step's launch covers for keys [0, end): the power of
+    two at or above the count they need (`paged_attention_on_device`)."""
+    tiles = tiles_for(head_dim)
+    return triton.next_power_of_2(max(1, -(-end // (tiles.block_n * tiles.part_tiles))))
 
 
 def window_attention(
@@ -262,11 +300,16 @@ def window_attention(
     return out
 
 
-def _attend(q, kv, table, valid, start, key_first, key_end, width, *, scale, page, split):
+def _attend(
+    q, kv, table, valid, start, key_first, key_end, width, *, scale, page, split,
+    step=None, layer=0, num_slots=None,
+):  # fmt: skip
     """Launch the attention of q (n, Hq, D) at positions [start, start + n) over the keys
     [key_first, key_end) in kv: the pool through `table` (page size `page`), or a
     contiguous (L, 2, H, D) buffer (table None) whose key i is position key_first + i,
-    flagged by `valid` (int8, or None: all held); `width` > 0: a sliding window."""
+    flagged by `valid` (int8, or None: all held); `width` > 0: a sliding window. With
+    `step`, the pool layer `layer` and its table are the step's, read on the device (kv: a
+    layer of its shape), over `num_slots` partitions."""
     num_rows, num_heads, dim = q.shape
     num_kv = kv.shape[-2]
     group = num_heads // num_kv
@@ -280,6 +323,7 @@ def _attend(q, kv, table, valid, start, key_first, key_end, width, *, scale, pag
         raise ValueError(
             f"deterministic attention takes at most {tiles.block_m} query heads a KV head"
         )
+    on_device = step is not None
     if not kv.is_contiguous():  # (a copy of a whole pool layer a call would cost too much)
         raise ValueError("deterministic attention reads a contiguous pool layer or key buffer")
     q = q.contiguous()
@@ -288,7 +332,8 @@ def _attend(q, kv, table, valid, start, key_first, key_end, width, *, scale, pag
         return out
     num_blocks = -(-num_rows // (tiles.block_m // group))
     part_keys = tiles.block_n * tiles.part_tiles
-    num_slots = -(-key_end // part_keys) - key_first // part_keys
+    if not on_device:
+        num_slots = -(-key_end // part_keys) - key_first // part_keys
     if split is None:
         split = num_slots > 1 and num_blocks * num_kv < tiles.waves * _processors(q.device)
     slots = num_slots if split else 1
@@ -298,13 +343,18 @@ def _attend(q, kv, table, valid, start, key_first, key_end, width, *, scale, pag
         lse = torch.empty((slots, num_rows, num_heads), dtype=torch.float32, device=q.device)
     upcast = INTERPRETED and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    kv_unit = 16 // kv.element_size()  # (a DeviceStep's offsets are in 16-byte steps)
+    if on_device:  # the kernel finds the layer and the table from the anchors
+        kv, table = step.kv_anchor, step.table_anchor
     _attention_kernel[(num_blocks, slots, num_kv)](
         q, kv, table if table is not None else kv, valid if valid is not None else kv, out,
-        part, lse, start, num_rows, key_first, key_end, width, slots, scale * _LOG2E,
+        part, lse, step.scalars if on_device else kv, start, num_rows, key_first, key_end,
+        width, num_rows, layer, scale * _LOG2E,
         NUM_HEADS=num_heads, NUM_KV=num_kv, GROUP=group, DIM=dim, PAGE=page,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, PART_TILES=tiles.part_tiles,
         PAGED=table is not None, HAS_VALID=valid is not None, SPLIT=split,
-        PRECISION=precision, UPCAST=upcast, num_warps=tiles.warps, num_stages=tiles.stages,
+        PRECISION=precision, UPCAST=upcast, ON_DEVICE=on_device,
+        KV_UNIT=kv_unit, num_warps=tiles.warps, num_stages=tiles.stages,
         enable_fp_fusion=False,
     )  # fmt: skip
     if split:

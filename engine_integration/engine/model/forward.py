@@ -284,9 +284,9 @@ class Model:
         # through its own kernel over the pages (`deterministic_attention`), always.
         self.attend_pages = dense_cuda and not deterministic
         # ... and a one-request step of few rows runs each source layer as one graph, which
-        # reads the step's position, rows and pages from the device (`DeviceStep`); not the
-        # deterministic path (its attention runs eagerly between the row-wise graphs).
-        self.layer_steps = dense_cuda and not deterministic
+        # reads the step's position, rows and pages from the device (`DeviceStep`); on the
+        # deterministic path one graph per count of key partitions too (`_device_slots`).
+        self.layer_steps = dense_cuda
         self._step: DeviceStep | None = None
         # The CPU reuses its per-layer gemm outputs (rows.Workspace); None: fresh tensors.
         cpu_gemms = self.device.type == "cpu" and not deterministic
@@ -391,6 +391,7 @@ class Model:
         pages, the rest of the layer, the next layer's projection and its K/V into the pool,
         all reading the step from `step` on the device. -> (x, q) of the last source layer."""
         pool = page_layer(0)  # (for the layers' shape and dtype: `step` names each layer)
+        slots = self._device_slots(seq)
         paged_attention.write_step_kv(kv, pool, 0, step)
         for i in range(self.config.num_source_layers - 1):
             if seq.wait_layer is not None:
@@ -398,7 +399,7 @@ class Model:
             weights, following = self.weights.layers[i], self.weights.layers[i + 1]
 
             def layer(x, q, cos, sin, i=i, weights=weights, following=following):
-                attn = paged_attention.paged_attention_on_device(q, pool, i, step, scale=self.scale)
+                attn = self._attend_on_device(q, pool, i, step, slots)
                 out = self._finish_rows(weights, x, layout, attn)
                 q, kv = self._project_rows(following, out, layout, (cos, sin))
                 paged_attention.write_step_kv(kv, pool, i + 1, step)
@@ -407,10 +408,24 @@ class Model:
             if self._graphs is None:
                 x, q = layer(x, q, *rope)
             else:
-                x, q = self._graphs.run(
-                    ("layer on device", id(weights)), layer, (x, q), shared=rope
-                )
+                key = ("layer on device", id(weights), slots)
+                x, q = self._graphs.run(key, layer, (x, q), shared=rope)
         return x, q
+
+    def _device_slots(self, seq: SeqRows) -> int | None:
+        """The key partitions a deterministic device step's attention covers for `seq`
+        (a graph per count: `deterministic_attention.slots_for`); None on the default path."""
+        if not self.deterministic:
+            return None
+        return deterministic_attention.slots_for(seq.end, self.config.head_dim)
+
+    def _attend_on_device(self, q, pool, layer: int, step: DeviceStep, slots: int | None):
+        """Attention of a device step's rows over pool layer `layer` (`step` names it)."""
+        if slots is None:
+            return paged_attention.paged_attention_on_device(q, pool, layer, step, scale=self.scale)
+        return deterministic_attention.paged_attention_on_device(
+            q, pool, layer, step, scale=self.scale, num_slots=slots
+        )
 
     def _last_source_layer(self, i, x, layout, seqs, attn, held, every_row):
         """The last source layer's rest after attention (`attn`, of the rows `held` names:

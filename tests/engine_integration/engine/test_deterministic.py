@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine_integration.engine.embedded import load_model
 from engine_integration.engine.model import deterministic, deterministic_attention, forward
+from engine_integration.engine.model.paged_attention import DeviceStep
 from engine_integration.engine.model.window import LateWindow
 from engine_integration.engine.sampling import SamplingParams
 from tests.support.engines import ENGINE, SMALL, cache_off, random_prompt, run_one
@@ -126,6 +127,26 @@ def test_paged_attention_gives_a_query_the_same_bits_whatever_the_call(dtype, ti
             assert torch.equal(part, full[start:end]), (start, count, split)
 
 
+@pytest.mark.parametrize(("start", "num_rows"), [(70, 1), (37, 11), (0, 16)])
+def test_a_step_read_from_the_device_has_the_bits_of_the_host_launch(start, num_rows, monkeypatch):
+    """A CUDA graph's launch (capacity 16 rows; the step's position, rows, page table and
+    pool layer read from the device), over as many partitions as the step needs or more:
+    its first rows have the bits of `paged_attention`'s."""
+    monkeypatch.setattr(deterministic_attention, "tiles_for", lambda dim: SMALL_TILES)
+    capacity, end = 16, start + num_rows
+    q, pool, table, _slots = _paged_case(start + capacity, 4, 2, 16, 8, torch.float32, seed=6)
+    other = torch.full_like(pool, 3.0)  # layer 0 of the step; `pool` is its layer 1
+    step = DeviceStep(2, pool.dtype, "cpu")
+    step.set(start, num_rows, table, [other, pool])
+    want = deterministic_attention.paged_attention(q[:num_rows], start, pool, table, scale=0.3)
+    needed = deterministic_attention.slots_for(end, 16)
+    for num_slots in (needed, 2 * needed):
+        out = deterministic_attention.paged_attention_on_device(
+            q[:capacity], other, 1, step, scale=0.3, num_slots=num_slots
+        )
+        assert torch.equal(out[:num_rows], want), num_slots
+
+
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 def test_window_attention_gives_a_query_the_same_bits_however_the_window_was_fed(
     dtype, monkeypatch
@@ -230,3 +251,26 @@ def test_deterministic_pages_live_apart_from_the_default_paths(deterministic_mod
     other = Engine(deterministic_model, DETERMINISTIC, cache=default.cache)
     assert other.namespace != default.namespace
     assert run_one(other, prompt, PARAMS).metrics.total_hit_tokens == 0
+
+
+@pytest.mark.slow  # the interpreter over every layer of every step, twice
+def test_source_layers_read_from_the_device_step_keep_the_bits(deterministic_model, monkeypatch):
+    """A one-request step run layer by layer as CUDA graphs would (`Model.layer_steps`: each
+    layer reads the step from the device; on the CPU here, without graphs): a cold prompt's
+    chunks and decode steps give the bits of the host launches."""
+    model = deterministic_model
+    monkeypatch.setattr(deterministic_attention, "tiles_for", lambda dim: SMALL_TILES)
+    steps = []
+    method = type(model)._source_layers_on_device
+    monkeypatch.setattr(
+        type(model),
+        "_source_layers_on_device",
+        lambda self, *a: steps.append(a[5].num_rows) or method(self, *a),
+    )
+    prompt = random_prompt(8, 100)
+    plain = run_one(cache_off(model, DETERMINISTIC), prompt, PARAMS)
+    monkeypatch.setattr(model, "layer_steps", True)
+    on_device = run_one(cache_off(model, DETERMINISTIC), prompt, PARAMS)
+    assert steps == [64, 36, 1]  # the chunks and the decode step
+    assert on_device.token_ids == plain.token_ids
+    assert torch.equal(on_device.logits, plain.logits)
