@@ -19,7 +19,8 @@ The tile configuration is what the guarantee rests on: every call of a kernel co
 the same code for any M (`num_rows` is never a compile-time value), so a row meets the same
 instructions in the same order in a decode step of one row and in a prefill of 8,192.
 Runs on the GPU, and under TRITON_INTERPRET=1 on the CPU (the tests check the invariance
-bitwise there; `tests/engine_integration/engine/test_deterministic.py`).
+bitwise there; `tests/engine_integration/engine/test_deterministic.py`). What the path
+costs against the default one: `benchmarks/bench_engine.py --deterministic`.
 """
 
 from __future__ import annotations
