@@ -23,7 +23,7 @@ from engine_integration.engine.model.window import LateWindow
 from engine_integration.engine.sampling import SamplingParams
 from tests.support.engines import ENGINE, SMALL, cache_off, random_prompt, run_one
 
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # The attention cases in bfloat16 repeat float32's order of work (the interpreter multiplies
 # float32 copies) at twice the time: long-running.
 ATTENTION_DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)]
