@@ -263,8 +263,10 @@ class Model:
             row_group = gemm_row_group(_projection_shapes(config), self.dtype, block_rows)
         # Rows are laid out in groups of the measured G (rows.py), or of the default.
         self.align_rows = row_group or ALIGN_ROWS
-        self.bitwise_invariant = row_group is not None
-        if self.bitwise_invariant and self.device.type == "cpu":
+        # Whether a hit gives the cold prefill's bits: the CPU's measured premises, or the
+        # deterministic path's kernels (`deterministic*.py`).
+        self.bitwise_invariant = deterministic or row_group is not None
+        if row_group is not None and self.device.type == "cpu":
             self.bitwise_invariant = check_tile_invariance(
                 config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
             )
