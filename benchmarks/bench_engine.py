@@ -79,6 +79,7 @@ import torch  # noqa: E402
 from benchmarks.common import device_name, emit, parallel_read_s, write_random_file  # noqa: E402
 from engine_integration.engine.core import Engine, kv_layout_for  # noqa: E402
 from engine_integration.engine.embedded import load_model, smollm2_path  # noqa: E402
+from engine_integration.engine.model import deterministic  # noqa: E402
 from engine_integration.engine.model.config import EngineConfig, ModelConfig, tiny_model_config  # noqa: E402
 from engine_integration.engine.model.forward import Model  # noqa: E402
 from engine_integration.engine.sampling import SamplingParams  # noqa: E402
@@ -191,6 +192,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--decode-steps", type=int, default=16, help="decode steps timed after each prompt"
     )
+    parser.add_argument(
+        "--gemm-tiles",
+        default=None,
+        metavar="M,N,K,WARPS,STAGES",
+        help="the deterministic matmul's 16-bit tile configuration, for A/B runs (default: "
+        "deterministic.GEMM_16BIT); one configuration for every M, as always",
+    )
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -198,6 +206,14 @@ def parse_args() -> argparse.Namespace:
         parser.error("--repeats must be >= 1")
     if args.decode_steps < 1:
         parser.error("--decode-steps must be >= 1")
+    if args.gemm_tiles is not None:
+        try:
+            values = [int(v) for v in args.gemm_tiles.split(",")]
+            deterministic.GEMM_16BIT = deterministic.GemmTiles(*values)
+        except (ValueError, TypeError):
+            parser.error(
+                f"--gemm-tiles {args.gemm_tiles}: expected five integers M,N,K,WARPS,STAGES"
+            )
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.models is None:
         args.models = "1b,8b" if args.device.startswith("cuda") else "tiny,tiny-full"
@@ -297,6 +313,7 @@ def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dic
         "read_chunk_bytes": args.read_chunk,
         "read_window_bytes": file_read._WINDOW_BYTES,
         "cpus": CPUS,
+        "gemm_tiles_16bit": list(dataclasses.astuple(deterministic.GEMM_16BIT)),
     }
     benches = []
     rows = []
