@@ -23,6 +23,7 @@ from engine_integration.engine.model.forward import Model
 from engine_integration.engine.sampling import SamplingParams
 from hicache.config import PolicyConfig
 from tests.support.engines import random_prompt, run_one, run_through_tiers
+from tests.support.reference_model import reference_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,6 +100,18 @@ def _assert_same(output, reference, what):
     assert output.logits.shape == reference.logits.shape, what
     diff = (output.logits - reference.logits).abs().max().item()
     assert torch.equal(output.logits, reference.logits), f"{what}: logits differ by up to {diff}"
+
+
+def test_the_deterministic_model_matches_the_float64_reference(case):
+    """The same model as the checkpoint's plain float64 forward pass, to the dtype's
+    rounding: bitwise equal to itself is not enough."""
+    model, config = case
+    tokens = random_prompt(3, 300, model.config.vocab_size)
+    output = run_one(Engine(model, config, num_private_pages=64), tokens, PARAMS)
+    expected = reference_logits(model.config, model.weights, tokens)[-1:].double()
+    actual = output.logits[:1].double()
+    error = float((actual - expected).norm() / expected.norm())
+    assert error < (2e-2 if model.dtype == torch.bfloat16 else 1e-4), error
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
