@@ -179,8 +179,11 @@ def _attention_kernel(
             BLOCK_N, PART_TILES, PAGED, HAS_VALID, PRECISION, UPCAST,
         )  # fmt: skip
         slot_rows = (tl.program_id(1) * row_stride + query.to(tl.int64)) * NUM_HEADS + head
-        tl.store(part_ptr + slot_rows[:, None] * DIM + dim[None, :], out, mask=live[:, None])
-        tl.store(lse_ptr + slot_rows, lse, mask=live)
+        # every row of the launch's capacity (a device step's rows past its own compute over
+        # the keys too), so the merge kernel never reads an unwritten partial
+        held = (rows < block_q * GROUP) & (query < row_stride)
+        tl.store(part_ptr + slot_rows[:, None] * DIM + dim[None, :], out, mask=held[:, None])
+        tl.store(lse_ptr + slot_rows, lse, mask=held)
     else:
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
@@ -205,8 +208,7 @@ def _attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, row_stride, num_slots, NUM_HEADS: tl.constexpr, DIM: tl.constexpr
 ):
-    # one (query, head): the partitions' outputs merged in key order, as in place (rows
-    # past a device step's are merged from undefined partials, and never read)
+    # one (query, head): the partitions' outputs merged in key order, as in place
     row = tl.program_id(0).to(tl.int64)
     dim = tl.arange(0, DIM)
     top = tl.full([1], float("-inf"), tl.float32)
