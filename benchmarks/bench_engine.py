@@ -43,16 +43,25 @@ Rates, each against its ceiling measured in the same run:
   L2 load     one L2 -> L1 load of the hit's pages / one contiguous pinned copy of as many
               bytes
 L3 files are the ones the run has just written, so reads come from the OS page cache.
+"decode" is one decode step after the prompt (cache off; the median step of
+`--decode-steps`).
+
+With `--deterministic` (issue 41) each model also runs the deterministic path
+(`EngineConfig.deterministic`: batch-invariant Triton kernels, bitwise-equal hits) on the
+same weights, each prompt length in turns with the default path, over caches of its own,
+and a second table gives its time over the default path's for every case (goal: <= 1.2x).
 
     python benchmarks/bench_engine.py                              # the H200 run (CUDA)
     python benchmarks/bench_engine.py --lengths 256,512            # tiny models on the CPU
     python benchmarks/bench_engine.py --models smollm2 --lengths 1024,4096
+    python benchmarks/bench_engine.py --deterministic --lengths 4096,32768   # issue 41
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import os
 import random
 import statistics
@@ -70,7 +79,9 @@ import torch  # noqa: E402
 from benchmarks.common import device_name, emit, parallel_read_s, write_random_file  # noqa: E402
 from engine_integration.engine.core import Engine, kv_layout_for  # noqa: E402
 from engine_integration.engine.embedded import load_model, smollm2_path  # noqa: E402
+from engine_integration.engine.model import deterministic  # noqa: E402
 from engine_integration.engine.model.config import EngineConfig, ModelConfig, tiny_model_config  # noqa: E402
+from engine_integration.engine.model.forward import Model  # noqa: E402
 from engine_integration.engine.sampling import SamplingParams  # noqa: E402
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig  # noqa: E402
 from hicache.controller import HiCache  # noqa: E402
@@ -130,6 +141,9 @@ MODELS = {
 }
 POLICY = PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
 ONE_TOKEN = SamplingParams(max_new_tokens=1)
+# The deterministic path's goal: at most this times the default path's time (issue 41).
+DETERMINISTIC_GOAL = 1.2
+CASES = ("cold", "l1", "l2", "l3", "l3_new", "decode")
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 # The L3 reader's threads, leaving a quarter of the cores to the threads that take the GIL
 # between its reads (the engine's, which submits each batch's load, and the event loop's):
@@ -169,11 +183,37 @@ def parse_args() -> argparse.Namespace:
         help="the file reader's window (its _WINDOW_BYTES; 0: a stretch in one read, then "
         "hashed, as before issue 21's fused check), for A/B runs",
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also run the deterministic path (EngineConfig.deterministic) on the same "
+        "weights, in turns with the default, and print its ratios to it",
+    )
+    parser.add_argument(
+        "--decode-steps", type=int, default=16, help="decode steps timed after each prompt"
+    )
+    parser.add_argument(
+        "--gemm-tiles",
+        default=None,
+        metavar="M,N,K,WARPS,STAGES",
+        help="the deterministic matmul's 16-bit tile configuration, for A/B runs (default: "
+        "deterministic.GEMM_16BIT); one configuration for every M, as always",
+    )
     parser.add_argument("--device", default=None, help="default: cuda when available")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.decode_steps < 1:
+        parser.error("--decode-steps must be >= 1")
+    if args.gemm_tiles is not None:
+        try:
+            values = [int(v) for v in args.gemm_tiles.split(",")]
+            deterministic.GEMM_16BIT = deterministic.GemmTiles(*values)
+        except (ValueError, TypeError):
+            parser.error(
+                f"--gemm-tiles {args.gemm_tiles}: expected five integers M,N,K,WARPS,STAGES"
+            )
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.models is None:
         args.models = "1b,8b" if args.device.startswith("cuda") else "tiny,tiny-full"
@@ -181,6 +221,9 @@ def parse_args() -> argparse.Namespace:
     unknown = [name for name in args.models if name not in MODELS and not _is_checkpoint(name)]
     if unknown:
         parser.error(f"unknown models {unknown}; known: {sorted(MODELS)}")
+    gemma = [name for name in args.models if name in MODELS and MODELS[name].gemma]
+    if args.deterministic and gemma:
+        parser.error(f"--deterministic: the deterministic path does not run Gemma's block {gemma}")
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.read_chunk = parse_size(args.read_chunk)
     if args.read_window is not None:
@@ -214,7 +257,9 @@ def main() -> None:
             directory = Path(scratch) / f"l3-{index}"
             directory.mkdir()
             rows += _run_model(args, name, directory, Path(scratch) / "ceiling.bin")
-    _print_table(rows, args)
+    _print_table([r for r in rows if r["path"] == "default"], args)
+    if args.deterministic:
+        _print_ratios(rows, args)
 
 
 def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dict]:
@@ -227,6 +272,10 @@ def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dic
         batch_invariant=True if gemma else None,
     )
     model = _load(name, config, args.seed)
+    paths = [("default", model, config)]
+    if args.deterministic:  # the same weights through the deterministic kernels
+        exact = Model(model.config, model.weights, block_rows=None, deterministic=True)
+        paths.append(("deterministic", exact, dataclasses.replace(config, deterministic=True)))
     model_config = model.config
     page_size = config.page_size
     page_bytes = kv_layout_for(model, page_size).bytes_per_page
@@ -264,19 +313,27 @@ def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dic
         "read_chunk_bytes": args.read_chunk,
         "read_window_bytes": file_read._WINDOW_BYTES,
         "cpus": CPUS,
+        "gemm_tiles_16bit": list(dataclasses.astuple(deterministic.GEMM_16BIT)),
     }
-    bench = _Bench(model, config, url, l1_pages, args, ceiling_file)
+    benches = []
     rows = []
     try:
+        for number, (path, path_model, path_config) in enumerate(paths):
+            path_url = url.replace(f"{directory}?", f"{directory}/{number}?")
+            benches.append(
+                (path, _Bench(path_model, path_config, path_url, l1_pages, args, ceiling_file))
+            )
         rng = random.Random(args.seed)
-        for length in args.lengths:
+        for length in args.lengths:  # each path in turn at each length
             prompt = [rng.randrange(model_config.vocab_size) for _ in range(length)]
-            row = {"name": _label(name), **bench.measure(prompt)}
-            emit({**meta, **row})
-            rows.append(row)
+            for path, bench in benches:
+                row = {"name": _label(name), "path": path, **bench.measure(prompt)}
+                emit({**meta, **row})
+                rows.append(row)
     finally:
-        bench.close()
-        del model
+        for _path, bench in benches:
+            bench.close()
+        del model, paths
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
@@ -330,6 +387,7 @@ class _Bench:
         cold = [_ttft(self.off, prompt) for _ in range(repeats)]
         _ttft(engine, prompt)  # cold on the cache: fills L1, backs up to L2 and L3
         cache.flush()
+        decode_s = _decode_step_s(self.off, prompt, self.args.decode_steps, repeats)
         from_l1 = [_ttft(engine, prompt) for _ in range(repeats)]
         from_l2 = []
         for _ in range(repeats):
@@ -355,7 +413,7 @@ class _Bench:
                 fresh.close()
         l3_bytes = max(read_bytes // max(1, repeats), hit_pages * cache.layout.bytes_per_page)
         ceiling_s = _read_ceiling(self.ceiling_file, l3_bytes, self.config.on_cuda)
-        return _row(
+        row = _row(
             prompt,
             cold,
             from_l1,
@@ -371,6 +429,8 @@ class _Bench:
                 "l3_rates": cache.fetch_rates(),
             },
         )
+        row["decode_ms"] = round(decode_s * 1e3, 3)
+        return row
 
 
 def _row(prompt, cold, from_l1, from_l2, from_l3, new_cache, rates: dict) -> dict:
@@ -398,6 +458,20 @@ def _ttft(engine: Engine, prompt: list[int]):
     (output,) = engine.run()
     assert output.request_id == request.request_id
     return output.metrics
+
+
+def _decode_step_s(engine: Engine, prompt: list[int], steps: int, repeats: int) -> float:
+    """The median time of one decode step after `prompt` (cache off): a request of
+    `steps` + 1 new tokens, its steps after the first token timed together, `repeats` times."""
+    params = SamplingParams(max_new_tokens=steps + 1, stop_token_ids=())
+    times = []
+    for _ in range(repeats):
+        _sync(engine)
+        engine.add_request(prompt, params)
+        (output,) = engine.run()
+        metrics = output.metrics
+        times.append((metrics.finish_s - metrics.first_token_s) / steps)
+    return _median(times)
 
 
 def _sync(engine: Engine) -> None:
@@ -466,6 +540,39 @@ def _time(fn, cache) -> float:
     return statistics.median(times[1:])
 
 
+def _print_ratios(rows: list[dict], args) -> None:
+    """The deterministic path's time over the default path's, case by case, and the goal."""
+    print()
+    print(
+        f"deterministic path / default path, medians of {args.repeats} ({args.device}; "
+        f"goal <= {DETERMINISTIC_GOAL}x)"
+    )
+    header = ["model", "prompt", *CASES, "worst", "goal"]
+    widths = [9, 8, 8, 8, 8, 8, 8, 8, 8, 7]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    default = {(r["name"], r["prompt_tokens"]): r for r in rows if r["path"] == "default"}
+    ratios = []
+    for r in rows:
+        if r["path"] != "deterministic":
+            continue
+        base = default[(r["name"], r["prompt_tokens"])]
+        row = {case: r[f"{case}_ms"] / base[f"{case}_ms"] for case in CASES}
+        worst = max(row.values())
+        ratios.append({"name": r["name"], "prompt_tokens": r["prompt_tokens"], **row})
+        cells = [r["name"], f"{r['prompt_tokens']:,}", *(f"{row[c]:.2f}x" for c in CASES)]
+        cells += [f"{worst:.2f}x", "met" if worst <= DETERMINISTIC_GOAL else "MISSED"]
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    emit(
+        {
+            "bench": "engine_deterministic",
+            "device": device_name(args.device),
+            "goal_ratio": DETERMINISTIC_GOAL,
+            "ratios": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+                       for r in ratios],
+        }
+    )  # fmt: skip
+
+
 def _print_table(rows: list[dict], args) -> None:
     print()
     print(
@@ -482,17 +589,19 @@ def _print_table(rows: list[dict], args) -> None:
         "L2 hit",
         "L3 hit",
         "L3 new",
+        "decode",
         "fetched",
         "L3 read / ceiling",
         "L2 load / ceiling",
     ]
-    widths = [9, 8, 10, 17, 17, 17, 17, 8, 23, 23]
+    widths = [9, 8, 10, 17, 17, 17, 17, 9, 8, 23, 23]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
     for r in rows:
         cells = [r["name"], f"{r['prompt_tokens']:,}", f"{r['cold_ms']:.1f}ms"]
         for case in cases[1:]:
             ms = r[f"{case}_ms"]
             cells.append(f"{ms:.1f}ms ({r['cold_ms'] / ms:.1f}x)")
+        cells.append(f"{r['decode_ms']:.2f}ms")
         cells.append(f"{r['l3_fetched']:.0%}")
         for rate, ceiling in (
             (r["l3_read_gb_s"], r["l3_ceiling_gb_s"]),

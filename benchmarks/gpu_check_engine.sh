@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine: the gpu-marked engine tests, then benchmarks/bench_engine.py.
+# On a GPU machine: the gpu-marked engine tests, the demo (default and --deterministic), then
+# benchmarks/bench_engine.py (pass --deterministic to price the deterministic path).
 # Logs go to $OUT (default ./out); the benchmark's table is printed last.
 #   bash benchmarks/gpu_check_engine.sh [bench_engine.py options]
 set -uo pipefail
@@ -21,6 +22,22 @@ tests_rc=${PIPESTATUS[0]}
 XDG_CACHE_HOME="$OUT/xdg" python3 -m hicache.cli demo --device cuda --fresh >"$OUT/demo_cuda.log" 2>&1
 echo "demo on cuda exit $?"; grep -A4 '^totals' "$OUT/demo_cuda.log"
 rm -rf "$OUT/xdg"
+
+# the deterministic path (issue 41): the built-in random model, cold (--fresh) then warm from
+# its L3, and SmolLM2 where installed; each must say "outputs identical: 16/16"
+for model in builtin default; do
+    flags=(--device cuda --deterministic)
+    [ "$model" = builtin ] && flags+=(--model builtin)
+    for run in cold warm; do
+        extra=()
+        [ "$run" = cold ] && extra=(--fresh)
+        XDG_CACHE_HOME="$OUT/xdg-det" python3 -m hicache.cli demo "${flags[@]}" "${extra[@]}" \
+            >"$OUT/demo_cuda_deterministic_${model}_${run}.log" 2>&1
+        echo "deterministic demo ($model, $run) exit $?"
+        grep 'against the cache off' "$OUT/demo_cuda_deterministic_${model}_${run}.log"
+    done
+    rm -rf "$OUT/xdg-det"
+done
 
 python3 benchmarks/bench_engine.py "$@" 2>&1 | tee "$OUT/bench_engine.log" | grep -v '^{'
 bench_rc=${PIPESTATUS[0]}

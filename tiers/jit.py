@@ -10,8 +10,14 @@ arithmetic, still work.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
+
+# Triton's interpreter (TRITON_INTERPRET=1, read by triton at import): kernels run on the CPU
+# through numpy. Its tl.dot of bfloat16 operands is wrong (numpy has no bfloat16), so a
+# kernel that multiplies bfloat16 tiles upcasts them to float32 first when interpreted.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class TritonMissingError(ImportError):
@@ -54,4 +60,4 @@ except ImportError:
     tl = None  # only kernel bodies and their (unevaluated) annotations name it
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "TritonMissingError", "tl", "triton"]
+__all__ = ["HAVE_TRITON", "INTERPRETED", "TritonMissingError", "tl", "triton"]

@@ -33,6 +33,13 @@ from radix.keys import Namespace, encode_tokens
 from tiers.layout import KVLayout
 
 
+def numerics_key(model: Model) -> str:
+    """What a page's bits depend on beyond the model and layout: the deterministic path's
+    kernels round otherwise than the default path's, so its pages live apart (a hit on a
+    page the other path wrote would be right only to rounding, which it promises more than)."""
+    return "numerics=deterministic" if model.deterministic else ""
+
+
 def kv_layout_for(model: Model, page_size: int) -> KVLayout:
     """The KV layout hicache holds for `model`: its source layers' KV, then (a hybrid model)
     the boundary residual in `num_boundary_layers` more layers of the same shape."""
@@ -72,7 +79,9 @@ class Engine:
                     f"{layout.descriptor()}"
                 )
             self.namespace = namespace or Namespace(
-                model_id=model.config.model_id, layout=layout.descriptor()
+                model_id=model.config.model_id,
+                layout=layout.descriptor(),
+                extra_key=numerics_key(model),
             )
             pages = CachedPages(cache, self.namespace)
             num_pages = cache.executor.num_device_pages

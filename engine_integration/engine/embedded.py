@@ -62,12 +62,14 @@ def load_model(
     dtype = getattr(torch, engine_config.dtype_name)
     device = engine_config.device
     block_rows = engine_config.block_tokens if engine_config.invariant else None
+    deterministic = engine_config.deterministic
     if model_path is None:
         config = _with_plan(
             model_config or tiny_model_config(seed), num_source_layers, window_tokens, window_layers
         )
         weights = random_weights(config, seed, dtype=dtype, device=device)
-        return Model(config, weights, block_rows=block_rows), load_tokenizer(None)
+        model = Model(config, weights, block_rows=block_rows, deterministic=deterministic)
+        return model, load_tokenizer(None)
     path = Path(model_path)
     if path.is_file():
         from engine_integration.engine.model.gguf_checkpoint import (
@@ -93,7 +95,7 @@ def load_model(
         raise CheckpointError(
             f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}"
         )
-    return Model(config, weights, block_rows=block_rows), tokenizer
+    return Model(config, weights, block_rows=block_rows, deterministic=deterministic), tokenizer
 
 
 def _with_plan(

@@ -108,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-compare", dest="compare", action="store_false", help="skip the run with the cache off"
     )
     add("--fresh", action="store_true", help="empty the default L3 directory first")
+    add(
+        "--deterministic",
+        action="store_true",
+        help="CUDA: batch-invariant kernels, so a hit gives the cache-off logits bit for bit "
+        "(EngineConfig.deterministic)",
+    )
     add("--debug", action="store_true", help="on a mistake, print the traceback too")
 
 

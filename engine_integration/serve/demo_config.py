@@ -34,6 +34,7 @@ class DemoConfig:
     threads: int = 1  # torch CPU threads (steady on a busy machine; more can help when idle)
     compare: bool = True  # also run with the cache off
     fresh: bool = False  # empty the default L3 directory first
+    deterministic: bool = False  # EngineConfig.deterministic (CUDA)
 
     def __post_init__(self) -> None:
         positive = (
@@ -60,6 +61,11 @@ class DemoConfig:
             raise ValueError(
                 "--fresh empties the demo's own L3 directory; with --l3-url, empty that "
                 "store yourself (or point the demo at another one)"
+            )
+        if self.deterministic and not self.device.startswith("cuda"):
+            raise ValueError(
+                "--deterministic runs its kernels on CUDA (--device cuda); on the CPU the "
+                "engine is batch-invariant, bitwise, already"
             )
         if self.l3_url and self.l2_pages == 0:
             raise ValueError("an L3 needs an L2 (--l2-pages > 0): pages reach L3 through L2")

@@ -133,6 +133,7 @@ def run_demo(config: DemoConfig) -> int:
         device=config.device,
         page_size=config.page_size,
         max_running_requests=config.concurrency,
+        deterministic=config.deterministic,
     )
     with step(f"loading {_model_name(model_path)}"):
         model, tokenizer = load_model(model_path, engine_config, seed=config.seed)
@@ -176,11 +177,12 @@ def run_demo(config: DemoConfig) -> int:
     finally:
         cache.close()
     if config.compare:
-        promise = (
-            "bitwise identical expected (fp32, batch-invariant)"
-            if engine_config.invariant
-            else "equal up to rounding: bf16 kernels round by batch shape"
-        )
+        if engine_config.deterministic:
+            promise = "bitwise identical expected (deterministic kernels)"
+        elif engine_config.invariant:
+            promise = "bitwise identical expected (fp32, batch-invariant)"
+        else:
+            promise = "equal up to rounding: bf16 kernels round by batch shape"
         _say(f"\nwith the cache off (the same prompts, uncached and unsplit; {promise}):")
         _run_cache_off(model, engine_config, records, config, params)
     _print_table(records, config.compare)
@@ -239,7 +241,9 @@ def _with_window_layers(model: Model, config: DemoConfig, checkpoint: bool) -> M
     plan = model.config.replace(
         num_source_layers=model.config.num_layers - layers, window_tokens=config.window
     )
-    return Model(plan, model.weights, block_rows=model.block_rows)
+    return Model(
+        plan, model.weights, block_rows=model.block_rows, deterministic=model.deterministic
+    )
 
 
 def _print_header(config: DemoConfig, model: Model, sizes: CacheSizes) -> None:

@@ -106,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "measured against; --l1-pages then sizes the engine's own KV pages",
     )
     a(
+        "--deterministic",
+        action="store_true",
+        help="CUDA: batch-invariant kernels, so a prefix hit never changes a logit's bits "
+        "(EngineConfig.deterministic)",
+    )
+    a(
         "--threads",
         type=int,
         default=0,
@@ -142,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             cache=not args.no_cache,
+            deterministic=args.deterministic,
         )
     except ValueError as error:
         print(f"hicache engine serve: error: {error}", file=sys.stderr)

@@ -161,6 +161,7 @@ class Replica:
             page_size=config.page_size,
             max_running_requests=config.max_running_requests,
             dtype=config.dtype,
+            deterministic=config.deterministic,
         )
         self.model, self.tokenizer = load_model(
             config.model_path, engine_config, seed=config.seed, model_config=config.model_config

@@ -35,6 +35,7 @@ class ReplicaConfig:
     device: str = "cpu"  # or "cuda[:N]"
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
     cache: bool = True  # False: no hicache at all (the baseline a cache is measured against)
+    deterministic: bool = False  # EngineConfig.deterministic (CUDA)
 
     def __post_init__(self) -> None:
         if self.model_path and self.model_config:
@@ -61,5 +62,10 @@ class ReplicaConfig:
                     ("--role", self.role != "both")) if value]  # fmt: skip
             if kept:
                 raise ValueError(f"--no-cache leaves no cache for {', '.join(kept)}")
+        if self.deterministic and not self.device.startswith("cuda"):
+            raise ValueError(
+                "--deterministic runs its kernels on CUDA (--device cuda); on the CPU the "
+                "engine is batch-invariant, bitwise, already"
+            )
         if self.events_format not in ("vllm", "sglang"):
             raise ValueError(f"--events-format must be vllm or sglang, got {self.events_format!r}")

@@ -73,3 +73,18 @@ def test_an_abbreviated_flag_is_one_line_and_exit_code_2(capsys, argv, named):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unrecognized arguments" in err[0] and named in err[0], err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--deterministic"], "--deterministic runs its kernels on CUDA (--device cuda)"),
+        (["--device", "tpu"], "--device must be 'cpu' or 'cuda[:N]', got 'tpu'"),
+    ],
+)
+def test_engine_serve_refuses_what_it_cannot_run_before_loading(capsys, argv, message):
+    """`--deterministic` needs CUDA; a device is 'cpu' or 'cuda[:N]': one line, exit 2."""
+    assert main(["engine", "serve", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hicache engine serve: error: "), err
+    assert message in err[0]

@@ -12,6 +12,8 @@
     paged_attention.py  CUDA: a few queries straight over a request's pages (Triton)
     fused.py        CUDA: RMS norm, and RoPE with the K/V rows, one Triton kernel each
     graphs.py       CUDA graphs of a layer's parts (or of a whole source layer), per row bucket
+    deterministic.py  the deterministic path's batch-invariant matmul and SwiGLU (Triton)
+    deterministic_attention.py  its attention: keys cut at fixed positions, merged in order
 
 It knows nothing of requests or scheduling; of the engine it imports only `errors`.
 """

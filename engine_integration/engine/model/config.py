@@ -257,6 +257,12 @@ class EngineConfig:
                           (bitwise-equal hits on the CPU). None: on for the CPU, off on CUDA.
     block_tokens:         rows per block in batch-invariant mode; must divide page_size.
     dtype:                None: float32 on the CPU, bfloat16 on CUDA.
+    deterministic:        the deterministic path (CUDA): batch-invariant Triton kernels for
+                          every matmul, norm and attention (`model/deterministic*.py`), so a
+                          position's logits depend only on the tokens up to it, bit for bit:
+                          never on a hit boundary, the chunking or the batch. Off by default;
+                          on the CPU only under Triton's interpreter (tests): the CPU's own
+                          path is `batch_invariant`. Not with batch_invariant=True.
     """
 
     device: str = "cpu"
@@ -266,6 +272,7 @@ class EngineConfig:
     batch_invariant: bool | None = None
     block_tokens: int = 16
     dtype: str | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -290,12 +297,20 @@ class EngineConfig:
             f"got {self.dtype!r}",
         )
 
+        _require(
+            not (self.deterministic and self.batch_invariant),
+            "EngineConfig.deterministic and batch_invariant=True are two paths: pick one "
+            "(deterministic runs dense batches through its own batch-invariant kernels)",
+        )
+
     @property
     def on_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
     @property
     def invariant(self) -> bool:
+        if self.deterministic:  # dense batches: its kernels are batch-invariant themselves
+            return False
         return (not self.on_cuda) if self.batch_invariant is None else self.batch_invariant
 
     @property

@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine_integration.engine.model import fused, paged_attention
+from engine_integration.engine.model import (
+    deterministic,
+    deterministic_attention,
+    fused,
+    paged_attention,
+)
 from engine_integration.engine.model.attention import (
     check_tile_invariance,
     fresh_window_attention,
@@ -51,6 +56,7 @@ from engine_integration.engine.model.rows import (
 from engine_integration.engine.model.weights import LayerWeights, ModelWeights
 from engine_integration.engine.model.window import LateWindow
 from hicache.fetch_plan import COMPUTE_SAMPLES
+from tiers.jit import HAVE_TRITON, INTERPRETED
 
 
 @dataclass
@@ -136,19 +142,51 @@ def _projection_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
-def check_dense_cuda(config: ModelConfig) -> None:
-    """Refuse, by name, what the dense CUDA path (fused norm and RoPE kernels, paged
-    attention, CUDA graphs of whole layers) does not implement, rather than run it wrong."""
+def _dense_missing(config: ModelConfig) -> list[str]:
+    """What of `config` the dense CUDA path (and the deterministic one) does not implement."""
     missing = []
     if config.gemma:
         missing.append("Gemma 3's block (1 + w norms, query/key norms, GELU gating)")
     if config.windowed_layers:
         missing.append("windowed source layers (interleaved sliding windows)")
+    return missing
+
+
+def check_dense_cuda(config: ModelConfig) -> None:
+    """Refuse, by name, what the dense CUDA path (fused norm and RoPE kernels, paged
+    attention, CUDA graphs of whole layers) does not implement, rather than run it wrong."""
+    missing = _dense_missing(config)
     if missing:
         raise ValueError(
             f"{config.model_id}: the dense CUDA path does not implement "
             f"{' or '.join(missing)}; run it with batch_invariant=True or on the CPU"
         )
+
+
+def check_deterministic(config: ModelConfig, device: torch.device, block_rows: int | None) -> None:
+    """Refuse, by name, a deterministic model its kernels cannot run: what the dense CUDA
+    path does not implement (`check_dense_cuda`), head shapes the attention kernel does not
+    take, the CPU outside Triton's interpreter, no triton at all."""
+    where = f"{config.model_id}: EngineConfig.deterministic"
+    if block_rows is not None:
+        raise ValueError(f"{where} runs dense batches, not blocks of {block_rows} rows")
+    if not HAVE_TRITON:
+        raise ValueError(f"{where} needs triton (pip install 'hicache[gpu]')")
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError(
+            f"{where} runs its Triton kernels on CUDA (on the CPU only under "
+            "TRITON_INTERPRET=1, for tests); the CPU's own bitwise path is batch_invariant"
+        )
+    dim = config.head_dim
+    if dim < 16 or dim & (dim - 1) or config.num_heads // config.num_kv_heads > 128:
+        raise ValueError(
+            f"{where}: its attention takes a power-of-two head_dim >= 16 and at most 128 "
+            f"query heads a KV head, got head_dim {dim}, {config.num_heads} over "
+            f"{config.num_kv_heads}"
+        )
+    missing = _dense_missing(config)
+    if missing:
+        raise ValueError(f"{where} does not implement {' or '.join(missing)}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -178,7 +216,8 @@ class Model:
     """Weights plus the forward pass. `block_rows` is the batch-invariant block size
     (None: dense batches, for CUDA). `cuda_graphs`: dense batches on CUDA replay the
     row-wise halves of each layer as CUDA graphs (`graphs.py`); False runs
-    every kernel eagerly."""
+    every kernel eagerly. `deterministic`: dense batches through batch-invariant kernels
+    (`EngineConfig.deterministic`; on CUDA, or on the CPU under Triton's interpreter)."""
 
     def __init__(
         self,
@@ -187,6 +226,7 @@ class Model:
         *,
         block_rows: int | None,
         cuda_graphs: bool = True,
+        deterministic: bool = False,
     ):
         if len(weights.layers) != config.num_layers:
             raise ValueError(
@@ -197,6 +237,9 @@ class Model:
         self.block_rows = block_rows
         self.device = weights.device
         self.dtype = weights.dtype
+        self.deterministic = deterministic
+        if deterministic:
+            check_deterministic(config, self.device, block_rows)
         self.scale = config.attention_scale
         self.rope = RotaryTable(config, self.device, self.dtype)
         # The windowed layers' rotary table, where their base differs (Gemma 3).
@@ -220,13 +263,15 @@ class Model:
             row_group = gemm_row_group(_projection_shapes(config), self.dtype, block_rows)
         # Rows are laid out in groups of the measured G (rows.py), or of the default.
         self.align_rows = row_group or ALIGN_ROWS
-        self.bitwise_invariant = row_group is not None
-        if self.bitwise_invariant and self.device.type == "cpu":
+        # Whether a hit gives the cold prefill's bits: the CPU's measured premises, or the
+        # deterministic path's kernels (`deterministic*.py`).
+        self.bitwise_invariant = deterministic or row_group is not None
+        if row_group is not None and self.device.type == "cpu":
             self.bitwise_invariant = check_tile_invariance(
                 config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
             )
         dense_cuda = block_rows is None and self.device.type == "cuda"
-        if dense_cuda:
+        if dense_cuda and not deterministic:
             check_dense_cuda(config)
         # The last layer computes only the rows whose output is read (`logits_runs`); False:
         # every row, the reference the tests compare it with.
@@ -234,16 +279,20 @@ class Model:
         self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
         # Dense batches on CUDA norm and rotate in one kernel each (`fused`); elsewhere the
         # torch ops, whose bits the CPU's batch invariance rests on.
-        self.fused_kernels = dense_cuda
+        # The deterministic path uses them too: a program per row, one order per row.
+        self.fused_kernels = dense_cuda or deterministic
         # ... and attend a few queries (a hit's step, a decode step) straight over the pages
-        # (`paged_attention`), not through a gathered copy of them.
-        self.attend_pages = dense_cuda
+        # (`paged_attention`), not through a gathered copy of them; the deterministic path
+        # through its own kernel over the pages (`deterministic_attention`), always.
+        self.attend_pages = dense_cuda and not deterministic
         # ... and a one-request step of few rows runs each source layer as one graph, which
-        # reads the step's position, rows and pages from the device (`DeviceStep`).
+        # reads the step's position, rows and pages from the device (`DeviceStep`); on the
+        # deterministic path one graph per count of key partitions too (`_device_slots`).
         self.layer_steps = dense_cuda
         self._step: DeviceStep | None = None
         # The CPU reuses its per-layer gemm outputs (rows.Workspace); None: fresh tensors.
-        self.workspace = Workspace() if self.device.type == "cpu" else None
+        cpu_gemms = self.device.type == "cpu" and not deterministic
+        self.workspace = Workspace() if cpu_gemms else None
         # (rows, attention pairs, seconds) of the latest steps engines ran on this model,
         # newest last (`Engine`): a cache attached later starts from this compute rate. As
         # many as its compute fit uses.
@@ -344,6 +393,7 @@ class Model:
         pages, the rest of the layer, the next layer's projection and its K/V into the pool,
         all reading the step from `step` on the device. -> (x, q) of the last source layer."""
         pool = page_layer(0)  # (for the layers' shape and dtype: `step` names each layer)
+        slots = self._device_slots(seq)
         paged_attention.write_step_kv(kv, pool, 0, step)
         for i in range(self.config.num_source_layers - 1):
             if seq.wait_layer is not None:
@@ -351,7 +401,7 @@ class Model:
             weights, following = self.weights.layers[i], self.weights.layers[i + 1]
 
             def layer(x, q, cos, sin, i=i, weights=weights, following=following):
-                attn = paged_attention.paged_attention_on_device(q, pool, i, step, scale=self.scale)
+                attn = self._attend_on_device(q, pool, i, step, slots)
                 out = self._finish_rows(weights, x, layout, attn)
                 q, kv = self._project_rows(following, out, layout, (cos, sin))
                 paged_attention.write_step_kv(kv, pool, i + 1, step)
@@ -360,10 +410,24 @@ class Model:
             if self._graphs is None:
                 x, q = layer(x, q, *rope)
             else:
-                x, q = self._graphs.run(
-                    ("layer on device", id(weights)), layer, (x, q), shared=rope
-                )
+                key = ("layer on device", id(weights), slots)
+                x, q = self._graphs.run(key, layer, (x, q), shared=rope)
         return x, q
+
+    def _device_slots(self, seq: SeqRows) -> int | None:
+        """The key partitions a deterministic device step's attention covers for `seq`
+        (a graph per count: `deterministic_attention.slots_for`); None on the default path."""
+        if not self.deterministic:
+            return None
+        return deterministic_attention.slots_for(seq.end, self.config.head_dim)
+
+    def _attend_on_device(self, q, pool, layer: int, step: DeviceStep, slots: int | None):
+        """Attention of a device step's rows over pool layer `layer` (`step` names it)."""
+        if slots is None:
+            return paged_attention.paged_attention_on_device(q, pool, layer, step, scale=self.scale)
+        return deterministic_attention.paged_attention_on_device(
+            q, pool, layer, step, scale=self.scale, num_slots=slots
+        )
 
     def _last_source_layer(self, i, x, layout, seqs, attn, held, every_row):
         """The last source layer's rest after attention (`attn`, of the rows `held` names:
@@ -398,6 +462,10 @@ class Model:
                         self.config.window_tokens,
                         scale=self.scale,
                         block_rows=self.block_rows,
+                    )
+                elif self.deterministic:
+                    out = deterministic_attention.paged_attention(
+                        run_q, start, kv_layer, seq.page_table, scale=self.scale
                     )
                 elif self.attend_pages and paged_attention.takes(len(run_q), q.shape[1], kv_layer):
                     out = paged_attention.paged_attention(
@@ -485,8 +553,9 @@ class Model:
             outputs, offset = [], 0
             for _, seq, start, end in runs:
                 n = end - start
+                attend = self._deterministic_window if self.deterministic else window_attention
                 outputs.append(
-                    window_attention(
+                    attend(
                         q[offset : offset + n],
                         kv[offset : offset + n],
                         start,
@@ -522,7 +591,7 @@ class Model:
         """Whether late layer `layer` runs whole (`_fresh_window_layer`) this step: dense
         batches, one request's late rows (a prefill's first: a hit's replay with its new
         rows, or a cold prompt's last rows), whose ring holds no key they see."""
-        if self.block_rows is not None or len(runs) != 1:
+        if self.block_rows is not None or self.deterministic or len(runs) != 1:
             return False
         _, seq, start, _ = runs[0]
         return not seq.window.holds_from(layer, start - self.config.window_tokens + 1)
@@ -544,6 +613,10 @@ class Model:
         key = ("fresh window", id(weights), finish)
         return self._graphs.run(key, layer, (x,), shared=rope)
 
+    def _deterministic_window(self, q, kv, start, window, layer, *, scale, block_rows):
+        """`window_attention` through the deterministic kernel."""
+        return deterministic_attention.window_attention(q, kv, start, window, layer, scale=scale)
+
     def _rows(self, rows: list[int]) -> torch.Tensor:
         return as_index(rows, self.device)
 
@@ -564,7 +637,7 @@ class Model:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         layout = RowLayout.build(runs, self.block_rows, self.device, align_rows=self.align_rows)
         normed = self._norm(layout, layout.pack(last), self.weights.final_norm)
-        logits = layout.unpack(layout.linear(normed, self.weights.lm_head))
+        logits = layout.unpack(self._linear(layout, normed, self.weights.lm_head))
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -604,9 +677,7 @@ class Model:
         config = self.config
         sizes = [config.q_size, config.kv_size, config.kv_size]
         normed = self._norm(layout, x, weights.input_norm)
-        qkv = layout.linear(
-            normed, weights.qkv, weights.qkv_bias, out=self._buffer("qkv", normed, weights.qkv)
-        )
+        qkv = self._linear(layout, normed, weights.qkv, weights.qkv_bias, name="qkv")
         if self.fused_kernels:
             return fused.rope_qkv(qkv, *rope, config.num_heads, config.num_kv_heads)
 
@@ -638,6 +709,14 @@ class Model:
             )
         return self._finish_rows(weights, x, layout, attn)
 
+    def _linear(self, layout: RowLayout, x, weight, bias=None, *, name: str | None = None):
+        """x (packed rows, in) by weight (out, in): the deterministic path's batch-invariant
+        matmul, or `layout.linear` (into the workspace's buffer `name`, if any)."""
+        if self.deterministic:
+            return deterministic.matmul(x, weight, bias)
+        out = self._buffer(name, x, weight) if name is not None else None
+        return layout.linear(x, weight, bias, out=out)
+
     def _buffer(self, name: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """The workspace's buffer for the gemm of x by weight (None without a workspace)."""
         if self.workspace is None:
@@ -646,14 +725,12 @@ class Model:
 
     def _finish_rows(self, weights: LayerWeights, x, layout: RowLayout, attn) -> torch.Tensor:
         attn = layout.pack(attn.flatten(1))
-        out = layout.linear(attn, weights.o, weights.o_bias, out=self._buffer("o", attn, weights.o))
+        out = self._linear(layout, attn, weights.o, weights.o_bias, name="o")
         if weights.attn_out_norm is not None:  # Gemma 3
             out = self._norm(layout, out, weights.attn_out_norm)
         x = x + out
         normed = self._norm(layout, x, weights.post_norm)
-        gate_up = layout.linear(
-            normed, weights.gate_up, out=self._buffer("gate_up", normed, weights.gate_up)
-        )
+        gate_up = self._linear(layout, normed, weights.gate_up, name="gate_up")
 
         def swiglu(block):  # in place: the gate half of `block` becomes the activation
             gate, up = block.chunk(2, dim=-1)
@@ -664,10 +741,11 @@ class Model:
             return gate.copy_(F.gelu(gate, approximate="tanh")).mul_(up)
 
         gated = geglu if self.config.gemma else swiglu
-        activated = layout.pointwise(gated, gate_up, width=self.config.intermediate_size)
-        out = layout.linear(
-            activated, weights.down, out=self._buffer("down", activated, weights.down)
-        )
+        if self.deterministic:  # (not Gemma: `check_deterministic`)
+            activated = deterministic.silu_mul(gate_up)
+        else:
+            activated = layout.pointwise(gated, gate_up, width=self.config.intermediate_size)
+        out = self._linear(layout, activated, weights.down, name="down")
         if weights.mlp_out_norm is not None:  # Gemma 3
             out = self._norm(layout, out, weights.mlp_out_norm)
         return x + out

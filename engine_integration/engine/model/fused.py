@@ -14,7 +14,9 @@ to the dtype before the weight, as `rms_norm` does, but sums the squares in anot
 so its mean can differ in the last bits of float32 (results within one step of the dtype).
 
 On the CPU these run only under TRITON_INTERPRET=1 (the tests); the model uses them on
-CUDA only (`Model`), where the dense path is not bit-for-bit batch invariant anyway.
+CUDA (`Model`). A row's result depends on that row alone (a program per row, its reduction
+in one order whatever the row count), which the deterministic path
+(`EngineConfig.deterministic`) relies on: it uses them as they are.
 """
 
 from __future__ import annotations

@@ -76,3 +76,80 @@ def test_the_graphs_kernels_keep_their_loads_vectorised():
     assert graph_loads <= eager_loads + 8, counts  # (the step's own scalars: a few loads)
     vector_stores, stores = counts["write"]
     assert vector_stores == stores > 0, counts  # a K/V row: 16-byte stores
+
+
+_DETERMINISTIC_SCRIPT = r"""
+import json, re
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as exc:
+    print(json.dumps({"unavailable": str(exc)})); raise SystemExit
+from engine_integration.engine.model import deterministic as d, deterministic_attention as da
+
+def ptx(kernel, types, constexprs, options):
+    signature = {name: "constexpr" for name in constexprs}
+    signature.update(types)
+    pointers = [i for i, name in enumerate(kernel.arg_names) if types.get(name, "").startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+def count(text, pattern):
+    return len(re.findall(pattern, text))
+
+out = {}
+g = d.GEMM_16BIT
+text = ptx(d._matmul_kernel,
+           {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "num_rows": "i32", "x_stride": "i32", "out_stride": "i32"},
+           {"N": 2048, "K": 2048, "HAS_BIAS": False, "BLOCK_M": g.block_m, "BLOCK_N": g.block_n,
+            "BLOCK_K": g.block_k, "PRECISION": "tf32", "UPCAST": False},
+           {"num_warps": g.warps, "num_stages": g.stages})
+out["matmul"] = [count(text, r"wgmma\.mma_async"), count(text, r"mma\.sync")]
+t = da.tiles_for(64)
+types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "table_ptr": "*i64", "valid_ptr": "*i8",
+         "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "step_ptr": "*i64",
+         "start": "i32", "num_rows": "i32", "key_first": "i32", "key_end": "i32", "window": "i32",
+         "row_stride": "i32", "layer": "i32", "scale_log2": "fp32"}
+shape = {"NUM_HEADS": 32, "NUM_KV": 8, "GROUP": 4, "DIM": 64, "PAGE": 64, "BLOCK_M": t.block_m,
+         "BLOCK_N": t.block_n, "PART_TILES": t.part_tiles, "PRECISION": "tf32", "UPCAST": False,
+         "KV_UNIT": 8, "PAGED": True, "HAS_VALID": False}
+options = {"num_warps": t.warps, "num_stages": t.stages, "enable_fp_fusion": False}
+for split, on_device in ((False, False), (True, False), (True, True)):
+    text = ptx(da._attention_kernel, types, {**shape, "SPLIT": split, "ON_DEVICE": on_device},
+               options)
+    out[f"attention {split} {on_device}"] = [count(text, r"wgmma\.mma_async"),
+                                             count(text, r"fma\.rn\.f32")]
+text = ptx(da._combine_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
+                                "row_stride": "i32", "num_slots": "i32"},
+           {"NUM_HEADS": 32, "DIM": 64}, {"num_warps": 1, "enable_fp_fusion": False})
+out["combine"] = [1, count(text, r"fma\.rn\.f32")]
+print(json.dumps(out))
+"""
+
+
+def test_the_deterministic_kernels_compile_for_sm90_with_no_contraction():
+    """The deterministic path's kernels compile for an H100/H200 (what the interpreter never
+    checks): the bf16 matmul and attention on the tensor cores (wgmma), and no multiply and
+    add contracted into one (`fma.rn.f32`: 72 of them with contraction on) in the
+    attention's launches or its merge kernel, so the merge in registers and the merge from
+    memory round alike (`deterministic_attention`; the `fma.rn.ftz.f32` of libdevice's log2
+    are the same code in every variant)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", _DETERMINISTIC_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    if "unavailable" in counts:
+        pytest.skip(f"Triton cannot compile for CUDA here: {counts['unavailable']}")
+    assert counts.pop("matmul")[0] > 0, counts
+    for name, (tensor_core, fused) in counts.items():
+        assert tensor_core > 0 and fused == 0, (name, counts)

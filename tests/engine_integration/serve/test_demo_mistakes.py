@@ -31,6 +31,7 @@ CASES = [
     (["--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
     (["--turns", "0"], "--turns must be >= 1"),
     (["--fresh", "--l3-url", "memory://"], "--fresh empties the demo's own L3 directory"),
+    (["--deterministic"], "--deterministic runs its kernels on CUDA"),
     (
         ["--model", "builtin", "--l1-pages", "1", "--no-compare", "--turns", "1", "--users", "1"],
         "--l1-pages is too few: .* the L1 pool has 1",
