@@ -16,6 +16,7 @@ from hicache.config import L3_WRITE_POLICIES, PolicyConfig
 from hicache.routing import POLICIES
 from hicache.simulate.hardware import HardwareSpec
 from hicache.simulate.models import ModelSpec
+from hicache.simulate.profile import HardwareProfile
 
 HOURS_PER_MONTH = 730.0
 ROUTING = POLICIES  # hicache.routing: the policies of `hicache route`
@@ -62,6 +63,10 @@ class SimulationConfig:
     route_balance_s: float = 1.0  # prefix routing: skip instances this much busier than the least
     mfu: float = 0.4
     prices: Prices | None = None  # None: the hardware's GPU price and default tier prices
+    # Measured on a replica (`hicache simulate --calibrate`): prefill costs its compute fit,
+    # not FLOPs / (peak x mfu). Its link rates are the caller's to put in `hardware` and the
+    # L3 fields (the CLI does).
+    profile: HardwareProfile | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -85,6 +90,16 @@ class SimulationConfig:
         for name in ("l3_bandwidth_bytes_per_s", "l3_aggregate_bytes_per_s"):
             value = getattr(self, name)
             checks.append((value is None or value > 0, f"{name} must be > 0"))
+        if self.profile is not None:
+            checks.append(
+                (
+                    self.profile.page_size == self.page_size
+                    and self.profile.page_bytes == self.page_bytes,
+                    f"the profile measured pages of {self.profile.page_size} tokens, "
+                    f"{self.profile.page_bytes} bytes; this run's are {self.page_size} tokens, "
+                    f"{self.page_bytes} bytes",
+                )
+            )
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"SimulationConfig: {message}")
@@ -114,6 +129,13 @@ class SimulationConfig:
     @property
     def l3_pages(self) -> int:
         return int(self.l3_bytes // self.page_bytes)
+
+    def prefill_s(self, num_cached: int, num_tokens: int) -> float:
+        """Seconds one instance takes to prefill tokens [num_cached, num_tokens): the
+        profile's measured steps, else the model's FLOPs at the instance's FLOP/s."""
+        if self.profile is not None:
+            return self.profile.prefill_s(num_cached, num_tokens)
+        return self.model.prefill_flops(num_cached, num_tokens) / self.instance_flops
 
     @property
     def instance_flops(self) -> float:

@@ -242,9 +242,7 @@ class TracePlayer:
 
     def _arrive(self, index: int, request: Request) -> None:
         job = _Job(index, request, request.token_bytes())
-        job.estimate_s = self.config.model.prefill_flops(0, request.input_length) / (
-            self.config.instance_flops
-        )
+        job.estimate_s = self.config.prefill_s(0, request.input_length)
         instance = self._route(job, request.arrival_s)
         instance.executor.advance_to(request.arrival_s)
         if instance.running is None:
@@ -265,7 +263,7 @@ class TracePlayer:
         matched_s = executor.now()
         length = job.request.input_length
         computed_from = min(match.num_tokens, length - 1)  # the last token is always computed
-        prefill_s = c.model.prefill_flops(computed_from, length) / c.instance_flops
+        prefill_s = c.prefill_s(computed_from, length)
         end_s = matched_s + prefill_s
         if executor.loads_done_s > matched_s:  # layer i attends once its load is in
             last_layer_s = prefill_s / c.model.num_layers

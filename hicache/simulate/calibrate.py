@@ -1,0 +1,85 @@
+"""`hicache simulate --calibrate URL`: a hardware profile from a running replica.
+
+It sends the replica a few cold prompts of several lengths (random token ids, one output
+token each: one engine step per prompt up to the prefill chunk), so that its compute fit
+has samples across rows and attention pairs, then reads `GET /v1/hicache/profile` and
+returns it checked (`hicache.simulate.profile`). The prompts go into the replica's cache
+like any others: calibrate a replica before its measured run, or one started for the
+purpose. Stdlib HTTP only (torch-free).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.error
+import urllib.request
+from typing import Any
+
+from hicache.simulate.errors import SimulationError
+from hicache.simulate.profile import PROFILE_PATH, HardwareProfile, profile_from_dict
+
+WARMUP_LENGTHS = (64, 128, 256, 512, 1024, 2048)  # cut at the replica's prefill chunk
+_TIMEOUT_S = 300.0
+
+
+def calibrate(url: str, *, rounds: int = 2, seed: int = 0) -> HardwareProfile:
+    """The replica at `url`'s profile, after `rounds` warm-up prompts of each length."""
+    if rounds < 0:
+        raise SimulationError(f"--calibrate-rounds must be >= 0, got {rounds}")
+    base = url.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise SimulationError(f"--calibrate {url}: expected an http:// or https:// URL")
+    where = f"--calibrate {url}"
+    first = _get(base + PROFILE_PATH, where)
+    if not isinstance(first, dict) or not isinstance(first.get("model"), dict):
+        raise SimulationError(f"{where}: the reply is not a hardware profile")
+    vocab = first["model"].get("vocab_size")
+    chunk = first.get("prefill_chunk_tokens")
+    if not isinstance(vocab, int) or vocab < 2 or not isinstance(chunk, int) or chunk < 1:
+        raise SimulationError(f"{where}: the profile has no usable vocab_size/prefill chunk")
+    lengths = [n for n in WARMUP_LENGTHS if n <= chunk] or [chunk]
+    generator = random.Random(seed)
+    for _ in range(rounds):
+        for length in lengths:
+            prompt = [generator.randrange(vocab) for _ in range(length)]
+            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+            _post(base + "/v1/completions", body, where)
+    data = _get(base + PROFILE_PATH, where)
+    if isinstance(data, dict) and data.get("compute") is None:
+        raise SimulationError(
+            f"{where}: the replica has not fitted its step costs yet (it needs 3 steps); "
+            "give --calibrate-rounds 1 or more"
+        )
+    if isinstance(data, dict):
+        data = {**data, "source": url}
+    return profile_from_dict(data, where)
+
+
+def _get(url: str, where: str) -> Any:
+    return _request(urllib.request.Request(url), where)
+
+
+def _post(url: str, body: dict, where: str) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    return _request(request, where)
+
+
+def _request(request: urllib.request.Request, where: str) -> Any:
+    try:
+        with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as reply:
+            raw = reply.read(16 << 20)
+    except urllib.error.HTTPError as error:
+        raise SimulationError(
+            f"{where}: {request.full_url} answered HTTP {error.code}"
+            + (" (is it a `hicache engine serve` replica?)" if error.code == 404 else "")
+        ) from None
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise SimulationError(f"{where}: cannot reach {request.full_url}: {reason}") from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SimulationError(f"{where}: {request.full_url} did not answer JSON") from None
