@@ -4,7 +4,9 @@ The document is `hicache.simulate.profile`'s (format, version, fields): the comp
 the engine's steps and the link and L3 rates its cache measured for the load-or-recompute
 choice (`hicache.fetch_plan`), the model as the simulator's `ModelSpec` fields, the page
 size and bytes per page of the engine's KV layout, its prefill chunk, the device and the
-dtype. `compute` is null until the engine has run enough steps to fit it (three).
+dtype. `compute` is null until the engine has run enough steps to fit it (three). A
+replica without a cache (`--no-cache`) fits its model's own step costs the same way and
+reports the cache's priors for the rates, with 0 samples.
 `hicache simulate --calibrate URL` reads it and writes it to a file.
 """
 
@@ -19,7 +21,9 @@ import torch
 from engine_integration.engine.core import kv_layout_for
 from engine_integration.engine.model.config import EngineConfig, ModelConfig
 from engine_integration.engine.model.forward import Model
+from hicache.config import PolicyConfig
 from hicache.controller import HiCache
+from hicache.fetch_plan import FetchRates
 from hicache.simulate.profile import PROFILE_FORMAT, PROFILE_VERSION
 
 
@@ -52,10 +56,20 @@ def device_name(device: str) -> str:
     return f"cpu ({machine}, {torch.get_num_threads()} torch threads)"
 
 
-def replica_profile(model: Model, engine_config: EngineConfig, cache: HiCache) -> dict:
+def replica_profile(model: Model, engine_config: EngineConfig, cache: HiCache | None) -> dict:
     """The profile document of this replica, as measured so far."""
     dtype = str(model.dtype).removeprefix("torch.")
-    rates = cache.fetch_rates()
+    if cache is not None:
+        rates = cache.fetch_rates()
+    else:  # no cache: the model's own steps, through the same fit
+        policy = PolicyConfig()
+        own = FetchRates(
+            l3_read_prior_bytes_per_s=policy.l3_read_prior_bytes_per_s,
+            l2_load_prior_bytes_per_s=policy.l2_load_prior_bytes_per_s,
+        )
+        for cost in list(model.step_costs):
+            own.record_compute(*cost)
+        rates = own.snapshot()
     layout = kv_layout_for(model, engine_config.page_size)
     return {
         "format": PROFILE_FORMAT,

@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import sys
 
-from engine_integration.serve.replica_config import ROLES, ReplicaConfig
+from engine_integration.serve.replica_config import DTYPES, ROLES, ReplicaConfig
 
 # The one line `hicache --help` shows for this subcommand.
 HELP = "serve the embedded engine over HTTP, OpenAI-compatible (`hicache engine serve`)"
@@ -84,6 +84,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the events' schema: vLLM's or SGLang's (int64 hashes, its media names) "
         "(default: %(default)s)",
     )
+    a("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: %(default)s)")
+    a(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="the model's and the KV's dtype (default: float32 on the CPU, bfloat16 on CUDA)",
+    )
+    a(
+        "--no-cache",
+        action="store_true",
+        help="serve without hicache (every prompt computed whole): the baseline a cache is "
+        "measured against; --l1-pages then sizes the engine's own KV pages",
+    )
     a(
         "--threads",
         type=int,
@@ -114,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
             events_topic=args.events_topic,
             events_format=args.events_format,
             threads=args.threads,
+            device=args.device,
+            dtype=args.dtype,
+            cache=not args.no_cache,
         )
     except ValueError as error:
         print(f"hicache engine serve: error: {error}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROLES = ("both", "prefill", "decode")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class ReplicaConfig:
     events_topic: str | None = None  # None: kv@<host>@<model>
     events_format: str = "vllm"  # or "sglang"
     threads: int = 0  # torch's CPU threads (0: torch's default)
+    device: str = "cpu"  # or "cuda[:N]"
+    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
+    cache: bool = True  # False: no hicache at all (the baseline a cache is measured against)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -42,5 +46,15 @@ class ReplicaConfig:
             raise ValueError(f"--l1-pages must be >= 1, got {self.l1_pages}")
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("--events-replay-endpoint needs --events-endpoint")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not self.cache:
+            kept = [flag for flag, value in (("--l2-pages", self.l2_pages),
+                    ("--l3-url", self.l3_url), ("--events-endpoint", self.events_endpoint),
+                    ("--role", self.role != "both")) if value]  # fmt: skip
+            if kept:
+                raise ValueError(f"--no-cache leaves no cache for {', '.join(kept)}")
         if self.events_format not in ("vllm", "sglang"):
             raise ValueError(f"--events-format must be vllm or sglang, got {self.events_format!r}")
