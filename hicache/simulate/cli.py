@@ -145,6 +145,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and the link presets",
     )
     model.add_argument(
+        "--engine-requests",
+        action="store_true",
+        help="play requests as `hicache engine serve` runs them: look up the prompt but its "
+        "last token, and cache the answer's pages with the prompt's (default: prompts only, "
+        "as on a P/D prefill side)",
+    )
+    model.add_argument(
         "--calibrate",
         metavar="URL",
         help="measure a running `hicache engine serve` replica (warm-up prompts, then its "
@@ -549,6 +556,7 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
         mfu=args.mfu if args.mfu is not None else _DEFAULT["mfu"].default,
         prices=prices,
         profile=profile,
+        engine_requests=args.engine_requests,
     )
 
 

@@ -67,6 +67,12 @@ class SimulationConfig:
     # not FLOPs / (peak x mfu). Its link rates are the caller's to put in `hardware` and the
     # L3 fields (the CLI does).
     profile: HardwareProfile | None = None
+    # Requests as the embedded engine (`hicache engine serve`) runs them: it looks up the
+    # prompt but its last token (whose logits it needs), and caches the answer's pages with
+    # the prompt's (the prompt and all but the last output token; the answer's tokens are
+    # the request's own, shared with nothing). Off: prompts only, looked up whole (the
+    # prefill side of a P/D deployment).
+    engine_requests: bool = False
 
     def __post_init__(self) -> None:
         checks = [

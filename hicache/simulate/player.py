@@ -39,6 +39,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config
 from hicache.controller import CachedPrefix, HiCache, Match
 from hicache.routing import NOTHING_CACHED, Candidate, Router, RoutingConfig
@@ -48,10 +50,13 @@ from hicache.simulate.executor import URL_SCHEME, Link, Links, VirtualExecutor
 from hicache.simulate.l3 import SimulatedL3
 from hicache.simulate.result import RequestStats, SimulationResult, summarize
 from hicache.simulate.trace import Request, Trace
-from radix.keys import Namespace
+from radix.keys import TOKEN_BYTES, Namespace
 from tiers.errors import PoolExhaustedError
 
 ProgressCallback = Callable[[int, int], None]  # (requests done, total)
+# Steps (rows, attention pairs) on a profile's compute fit, enough for the controller's
+# least squares to find that fit again: three independent points.
+_FIT_POINTS = ((1, 1), (64, 64 * 65 // 2), (64, 1088 * 1089 // 2 - 1024 * 1025 // 2))
 _FINISH, _TICK = 0, 1  # event kinds
 
 
@@ -60,6 +65,8 @@ class _Job:
     index: int
     request: Request
     data: bytes  # the prompt, encoded once
+    lookup: bytes  # what the match looks up (`SimulationConfig.engine_requests`)
+    cached: bytes  # what is inserted when it ends
     match: Match | None = None
     new_page_ids: list[int] | None = None
     estimate_s: float = 0.0  # prefill time without a cache (routing's load estimate)
@@ -108,7 +115,7 @@ class TracePlayer:
             raise SimulationError("the model's page layout and its KV bytes per token disagree")
         # One model on every instance: they share prefixes (and a shared L3) in one namespace.
         self._namespace = Namespace(model_id=config.model.name, layout=self._layout.descriptor())
-        self._trace_pages = sum(r.input_length // config.page_size for r in trace.requests)
+        self._trace_pages = sum(self._cached_length(r) // config.page_size for r in trace.requests)
         self._stores = self._make_stores()
         aggregate = config.l3_aggregate_bytes_per_s
         self._shared_links = (  # the shared store's own bandwidth, one side per direction
@@ -169,7 +176,7 @@ class TracePlayer:
     def _make_instance(self, index: int) -> _Instance:
         c = self.config
         links = self._make_links(index)
-        headroom = -(-self.trace.max_input_length // c.page_size)
+        headroom = -(-max(map(self._cached_length, self.trace.requests)) // c.page_size)
         # A tier that can hold every page of the trace behaves the same at any larger size:
         # cap the pools there (a 100 TB L1 of 16-token pages would be a billion page ids).
         l1_pages = min(c.l1_pages, self._trace_pages)
@@ -197,7 +204,11 @@ class TracePlayer:
             ),
             policy=c.policy,
         )
-        return _Instance(index, HiCache(cache_config, executor), executor, l1_pages)
+        cache = HiCache(cache_config, executor)
+        if c.profile is not None:  # its load-or-recompute choice weighs the measured steps
+            for num_rows, num_pairs in _FIT_POINTS:
+                cache.record_compute(num_rows, num_pairs, c.profile.step_s(num_rows, num_pairs))
+        return _Instance(index, cache, executor, l1_pages)
 
     # ------------------------------------------------------------------ the event loop
 
@@ -240,8 +251,24 @@ class TracePlayer:
             elapsed_s=time.perf_counter() - started,
         )
 
+    def _cached_length(self, request: Request) -> int:
+        """Tokens a request inserts when it ends (its prompt; with the answer, as the
+        engine does, when `engine_requests`)."""
+        if self.config.engine_requests:
+            return request.input_length + max(0, request.output_length - 1)
+        return request.input_length
+
+    def _job(self, index: int, request: Request) -> _Job:
+        data = request.token_bytes()
+        if not self.config.engine_requests:
+            return _Job(index, request, data, data, data)
+        # The answer: tokens of this request alone (above any prompt token a trace holds).
+        answer = np.arange(max(0, request.output_length - 1), dtype="<u4")
+        answer = (answer + np.uint32(0x8000_0000 + (index << 12) % 0x7FFF_0000)).tobytes()
+        return _Job(index, request, data, data[:-TOKEN_BYTES], data + answer)
+
     def _arrive(self, index: int, request: Request) -> None:
-        job = _Job(index, request, request.token_bytes())
+        job = self._job(index, request)
         job.estimate_s = self.config.prefill_s(0, request.input_length)
         instance = self._route(job, request.arrival_s)
         instance.executor.advance_to(request.arrival_s)
@@ -252,14 +279,14 @@ class TracePlayer:
         instance.queued_s += job.estimate_s
         if instance.executor.has_l3:
             # the scheduler's hint for a queued request
-            instance.cache.prefetch(job.data, self._namespace)
+            instance.cache.prefetch(job.lookup, self._namespace)
 
     def _start(self, instance: _Instance, job: _Job, at_s: float) -> None:
         c = self.config
         executor, cache = instance.executor, instance.cache
         executor.advance_to(at_s)
         began_s = executor.now()  # later than at_s when the scheduler was blocked
-        match = cache.match(job.data, self._namespace)
+        match = cache.match(job.lookup, self._namespace)
         matched_s = executor.now()
         length = job.request.input_length
         computed_from = min(match.num_tokens, length - 1)  # the last token is always computed
@@ -268,7 +295,7 @@ class TracePlayer:
         if executor.loads_done_s > matched_s:  # layer i attends once its load is in
             last_layer_s = prefill_s / c.model.num_layers
             end_s = max(end_s, executor.loads_done_s + last_layer_s)
-        num_new = length // c.page_size - match.num_pages
+        num_new = len(job.cached) // TOKEN_BYTES // c.page_size - match.num_pages
         try:
             job.new_page_ids = cache.alloc_device_pages(num_new)
         except PoolExhaustedError as error:  # the pool has room for one whole request
@@ -294,7 +321,7 @@ class TracePlayer:
         job = instance.running
         cache = instance.cache
         instance.executor.advance_to(at_s)
-        cache.insert(job.data, job.match.device_page_ids + job.new_page_ids, self._namespace)
+        cache.insert(job.cached, job.match.device_page_ids + job.new_page_ids, self._namespace)
         cache.release(job.match)
         self._trim_l1(instance)
         instance.running = None
@@ -345,7 +372,7 @@ class TracePlayer:
         candidates = [
             Candidate(
                 instance.index,
-                _cached_prefix(instance.cache, job.data, self._namespace)
+                _cached_prefix(instance.cache, job.lookup, self._namespace)
                 if self.config.routing == "prefix"
                 else NOTHING_CACHED,
                 instance.backlog_s(now_s),

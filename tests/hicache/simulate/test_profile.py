@@ -202,3 +202,43 @@ def test_cli_plans_with_the_profile(tmp_path):
     assert out["config"]["page_size"] == PAGE and out["config"]["mfu"] is None
     assert out["config"]["profile"]["device"] == "cpu (test)"
     assert out["config"]["l3_latency_us"] == pytest.approx(200.0)
+
+
+def _config(**changes) -> SimulationConfig:
+    values = dict(
+        model=MODEL,
+        hardware=HARDWARE["h200"],
+        page_size=PAGE,
+        gpus_per_instance=1,
+        l1_bytes=100 * MODEL.kv_bytes_per_token * PAGE,
+        l2_bytes=0,
+        profile=make_profile(),
+    )
+    values.update(changes)
+    return SimulationConfig(**values)
+
+
+def test_the_controllers_weigh_fetches_by_the_profile():
+    request = Request(arrival_s=0.0, input_length=32, output_length=1,
+                      stream=np.arange(32, dtype=np.uint32))  # fmt: skip
+    player = TracePlayer(_config(), Trace("one", [request]))
+    fit = player.caches[0].fetch_rates().compute
+    expected = make_profile().compute
+    for name in ("per_step_s", "per_row_s", "per_pair_s"):
+        assert getattr(fit, name) == pytest.approx(getattr(expected, name), rel=1e-6)
+
+
+@pytest.mark.parametrize(("engine", "hit_pages"), [(False, 4), (True, 3)])
+def test_engine_requests_look_up_all_but_the_last_token(engine, hit_pages):
+    """A prompt of 4 whole pages, twice: the engine looks up 63 tokens (3 pages), and
+    caches each answer's page too (output 20 tokens: 64 + 19 -> 5 pages, the fifth each
+    request's own): 4 prompt pages + 2 answer pages."""
+    prompt = np.arange(64, dtype=np.uint32)
+    requests = [
+        Request(arrival_s=100.0 * i, input_length=64, output_length=20, stream=prompt)
+        for i in range(2)
+    ]
+    player = TracePlayer(_config(engine_requests=engine), Trace("twice", requests))
+    player.run()
+    assert player.request_stats.hit_pages[1].tolist() == [hit_pages, 0, 0]
+    assert player.caches[0].pages_in_use("l1") == (6 if engine else 4)
