@@ -3,15 +3,19 @@
 It sends the replica a few cold prompts of several lengths (random token ids, one output
 token each: one engine step per prompt up to the prefill chunk), so that its compute fit
 has samples across rows and attention pairs, then reads `GET /v1/hicache/profile` and
-returns it checked (`hicache.simulate.profile`). The prompts go into the replica's cache
+returns it checked (`hicache.simulate.profile`), with the request overhead: the median of
+the prompts' wall times less their fitted steps. The prompts go into the replica's cache
 like any others: calibrate a replica before its measured run, or one started for the
 purpose. Stdlib HTTP only (torch-free).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import statistics
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -40,11 +44,14 @@ def calibrate(url: str, *, rounds: int = 2, seed: int = 0) -> HardwareProfile:
         raise SimulationError(f"{where}: the profile has no usable vocab_size/prefill chunk")
     lengths = [n for n in WARMUP_LENGTHS if n <= chunk] or [chunk]
     generator = random.Random(seed)
+    walls = []  # (prompt length, seconds from send to answer)
     for _ in range(rounds):
         for length in lengths:
             prompt = [generator.randrange(vocab) for _ in range(length)]
             body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+            began = time.perf_counter()
             _post(base + "/v1/completions", body, where)
+            walls.append((length, time.perf_counter() - began))
     data = _get(base + PROFILE_PATH, where)
     if isinstance(data, dict) and data.get("compute") is None:
         raise SimulationError(
@@ -53,7 +60,17 @@ def calibrate(url: str, *, rounds: int = 2, seed: int = 0) -> HardwareProfile:
         )
     if isinstance(data, dict):
         data = {**data, "source": url}
-    return profile_from_dict(data, where)
+    profile = profile_from_dict(data, where)
+    return dataclasses.replace(profile, request_overhead_s=_overhead_s(profile, walls))
+
+
+def _overhead_s(profile: HardwareProfile, walls: list[tuple[int, float]]) -> float:
+    """The median of each warm-up request's wall time less its one fitted step (0 without
+    warm-up requests; never below 0)."""
+    if not walls:
+        return 0.0
+    rest = [wall - profile.prefill_s(0, length) for length, wall in walls]
+    return max(0.0, statistics.median(rest))
 
 
 def _get(url: str, where: str) -> Any:

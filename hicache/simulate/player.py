@@ -309,7 +309,7 @@ class TracePlayer:
             arrival_s=job.request.arrival_s,
             began_s=began_s,
             matched_s=matched_s,
-            end_s=end_s,
+            end_s=end_s + (c.profile.request_overhead_s if c.profile else 0.0),
             match=match,
             page_size=c.page_size,
             computed_from=computed_from,

@@ -8,7 +8,8 @@ presets.
     seconds = per_step_s + per_row_s * rows + per_pair_s * pairs
 
 (`pairs`: the (row, attended position) pairs of the step's causal attention), the L2 -> L1
-load rate, the L3 read rate and the L3 lookup round trip; plus the model the replica runs
+load rate, the L3 read rate and the L3 lookup round trip; what a request costs outside the
+engine's steps (HTTP and the hand-over to the engine thread); plus the model the replica runs
 (as the simulator's `ModelSpec` fields), its page size and bytes per page, its prefill
 chunk, the device and the dtype. It writes them as one versioned JSON document;
 `hicache simulate --profile FILE` reads it back and then:
@@ -18,13 +19,14 @@ chunk, the device and the dtype. It writes them as one versioned JSON document;
   (`prefill_s`), instead of FLOPs / (peak x MFU);
 - moves L1 <-> L2 pages at the measured load rate (the latency is inside that rate), and
   L3 pages at the measured read rate and round trip, instead of the link presets;
-- sizes pages by the engine's own layout (`page_bytes`), so a tier of N pages is N pages.
+- sizes pages by the engine's own layout (`page_bytes`), so a tier of N pages is N pages;
+- adds the request overhead to every TTFT (it occupies no GPU).
 
 What the profile leaves out, and so the simulator too: decode steps batched with a
-prefill, the replay of cached rows through a hybrid model's late layers, the HTTP and
-router hops. `benchmarks/bench_planner.py` measures how far that puts a plan from a live
-run. A rate the replica never measured (no L3 read yet) is the cache's prior; the profile
-says how many samples stand behind each rate.
+prefill, the replay of cached rows through a hybrid model's late layers, the router's hop
+(the overhead is measured at the replica). `benchmarks/bench_planner.py` measures how far
+that puts a plan from a live run. A rate the replica never measured (no L3 read yet) is the
+cache's prior; the profile says how many samples stand behind each rate.
 
 Torch-free (the simulator and the daemon must run without it).
 """
@@ -64,6 +66,10 @@ class HardwareProfile:
     l3_read_bytes_per_s: float
     num_read_samples: int
     l3_latency_s: float
+    # A request's time outside the engine's steps, as a client sees it: HTTP, tokenizing,
+    # handing it to the engine thread and the answer back (`calibrate`: the median, over
+    # its warm-up prompts, of the wall time less the fitted step). Added to every TTFT.
+    request_overhead_s: float = 0.0
     source: str = ""  # the URL it was measured at
     measured_at: str = ""  # ISO 8601, UTC
 
@@ -80,6 +86,10 @@ class HardwareProfile:
             value = getattr(self, name)
             if not _number(value) or not value > 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not _number(self.request_overhead_s) or self.request_overhead_s < 0:
+            raise ValueError(
+                f"request_overhead_s must be a finite number >= 0, got {self.request_overhead_s!r}"
+            )
         if not _number(self.l3_latency_s) or self.l3_latency_s < 0:
             raise ValueError(
                 f"l3_latency_s must be a finite number >= 0, got {self.l3_latency_s!r}"
@@ -155,7 +165,8 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
             f"{PROFILE_VERSION} (calibrate again)"
         )
     names = {field.name for field in fields(HardwareProfile)}
-    missing = sorted(n for n in names if n not in data and n not in ("source", "measured_at"))
+    optional = ("source", "measured_at", "request_overhead_s")
+    missing = sorted(n for n in names if n not in data and n not in optional)
     if missing:
         raise SimulationError(f"{where}: the profile has no {missing[0]!r}")
     unknown = sorted(set(data) - names - {"format", "version"})

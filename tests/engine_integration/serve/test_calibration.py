@@ -56,6 +56,7 @@ def test_calibrate_fits_the_steps_it_sent(served):
     # a longer prompt costs more, as the engine's steps did
     assert profile.prefill_s(0, 2048) > profile.prefill_s(0, 64)
     assert profile.source == served.url
+    assert 0 <= profile.request_overhead_s < 10  # HTTP and the hand-over, never negative
     assert profile.page_bytes == profile.model.kv_bytes_per_token * PAGE
 
 
@@ -65,7 +66,9 @@ def test_the_command_writes_a_profile_the_simulator_reads(served, tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"wrote {path}" in done.stdout
     profile = load_profile(path)
-    assert json.loads(path.read_text())["source"] == served.url
+    document = json.loads(path.read_text())
+    assert document["source"] == served.url
+    assert document["request_overhead_s"] == profile.request_overhead_s >= 0
     planned = run_hicache(
         "simulate", "--profile", str(path), "--trace", "conversations:sessions=2,turns=2",
         "--l1", "8MB", "--l2", "0", "--no-verdict", "--json",

@@ -96,8 +96,8 @@ def test_prefill_is_one_step_per_chunk():
 
 def test_simulated_ttft_is_the_profile_formula():
     """Requests far apart (no queueing), no cache: each TTFT is the prefill of its whole
-    prompt but the last token's position, by the profile's steps and nothing else."""
-    profile = make_profile()
+    prompt, by the profile's steps, plus its request overhead, and nothing else."""
+    profile = make_profile(request_overhead_s=0.004)
     rng = np.random.default_rng(0)
     lengths = [40, 130, 257, 64]
     requests = [
@@ -119,7 +119,7 @@ def test_simulated_ttft_is_the_profile_formula():
     player.run()
     stats = player.request_stats
     ttft = stats.end_s - stats.arrival_s
-    expected = [profile.prefill_s(0, n) for n in lengths]
+    expected = [profile.prefill_s(0, n) + 0.004 for n in lengths]
     np.testing.assert_allclose(ttft, expected, rtol=1e-9)
     assert ttft[2] > ttft[1] > ttft[0]
 
@@ -146,6 +146,7 @@ def test_a_profile_of_other_pages_is_refused():
         ({"page_bytes": 12}, "page_bytes 12 is not the model's"),
         ({"l2_load_bytes_per_s": -1.0}, "l2_load_bytes_per_s must be a finite number > 0"),
         ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens must be an integer >= 1"),
+        ({"request_overhead_s": float("nan")}, "request_overhead_s must be a finite number"),
         ({"extra": 1}, "unknown field 'extra'"),
     ],
 )
