@@ -84,6 +84,15 @@ def _post(url: str, body: dict, where: str) -> Any:
     return _request(request, where)
 
 
+def _reason(error: urllib.error.HTTPError) -> str:
+    """The error message of an OpenAI-style error body, on one line (else nothing)."""
+    try:
+        message = json.loads(error.read(4096))["error"]["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return ": " + " ".join(str(message).split())[:300]
+
+
 def _request(request: urllib.request.Request, where: str) -> Any:
     try:
         with urllib.request.urlopen(request, timeout=_TIMEOUT_S) as reply:
@@ -92,6 +101,7 @@ def _request(request: urllib.request.Request, where: str) -> Any:
         raise SimulationError(
             f"{where}: {request.full_url} answered HTTP {error.code}"
             + (" (is it a `hicache engine serve` replica?)" if error.code == 404 else "")
+            + _reason(error)
         ) from None
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)

@@ -181,8 +181,13 @@ class TracePlayer:
         # cap the pools there (a 100 TB L1 of 16-token pages would be a billion page ids).
         l1_pages = min(c.l1_pages, self._trace_pages)
         l2_pages = min(c.l2_pages, self._trace_pages)
+        pool_pages = l1_pages + headroom
+        if c.engine_requests and c.l1_pages >= headroom:
+            # The engine's own pool: a request reserves its pages (the prompt's and the
+            # answer's) in it at the start, evicting cached pages to make room then.
+            pool_pages = l1_pages = min(c.l1_pages, self._trace_pages + headroom)
         executor = VirtualExecutor(
-            num_device_pages=l1_pages + headroom,
+            num_device_pages=pool_pages,
             num_host_pages=l2_pages,
             page_bytes=c.page_bytes,
             links=links,
@@ -195,7 +200,7 @@ class TracePlayer:
             url = URL_SCHEME + ("shared" if c.l3_shared else f"instance-{index}")
         cache_config = HiCacheConfig(
             layout=self._layout,
-            l1=L1Config(device="cpu", num_pages=l1_pages + headroom),
+            l1=L1Config(device="cpu", num_pages=pool_pages),
             l2=L2Config(budget_bytes=l2_pages * c.page_bytes, reserve_bytes=0, pin_memory=False),
             l3=L3Config(
                 url=url,
@@ -258,6 +263,14 @@ class TracePlayer:
             return request.input_length + max(0, request.output_length - 1)
         return request.input_length
 
+    def _reserved_pages(self, job: _Job) -> int:
+        """L1 pages a request holds while it runs: its full prompt pages; as the engine
+        reserves them, every page its prompt and answer touch."""
+        num_tokens = len(job.cached) // TOKEN_BYTES
+        if self.config.engine_requests:
+            return -(-num_tokens // self.config.page_size)
+        return num_tokens // self.config.page_size
+
     def _job(self, index: int, request: Request) -> _Job:
         data = request.token_bytes()
         if not self.config.engine_requests:
@@ -295,7 +308,7 @@ class TracePlayer:
         if executor.loads_done_s > matched_s:  # layer i attends once its load is in
             last_layer_s = prefill_s / c.model.num_layers
             end_s = max(end_s, executor.loads_done_s + last_layer_s)
-        num_new = len(job.cached) // TOKEN_BYTES // c.page_size - match.num_pages
+        num_new = self._reserved_pages(job) - match.num_pages
         try:
             job.new_page_ids = cache.alloc_device_pages(num_new)
         except PoolExhaustedError as error:  # the pool has room for one whole request
@@ -321,7 +334,11 @@ class TracePlayer:
         job = instance.running
         cache = instance.cache
         instance.executor.advance_to(at_s)
-        cache.insert(job.cached, job.match.device_page_ids + job.new_page_ids, self._namespace)
+        page_ids = job.match.device_page_ids + job.new_page_ids
+        num_full = len(job.cached) // TOKEN_BYTES // self.config.page_size
+        cache.insert(job.cached, page_ids[:num_full], self._namespace)
+        if num_full < len(page_ids):  # the answer's last, partial page
+            cache.free_device_pages(page_ids[num_full:])
         cache.release(job.match)
         self._trim_l1(instance)
         instance.running = None
