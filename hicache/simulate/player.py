@@ -72,6 +72,35 @@ class _Job:
     estimate_s: float = 0.0  # prefill time without a cache (routing's load estimate)
 
 
+class _DecodeSteps:
+    """The decode steps an engine runs between prefills (`engine_requests` with a profile).
+
+    After its first token a request decodes `output_length - 1` more steps, one row each,
+    batched with whatever else decodes. A prefill that arrives meanwhile is admitted when
+    the step running ends (the engine's scheduler runs between steps), and its own step
+    carries the decode rows on (they lose no time but that step's length).
+    """
+
+    def __init__(self) -> None:
+        self.start_s = 0.0  # steps run from here, `step_s` each, until `until_s`
+        self.until_s = 0.0
+        self.step_s = 0.0
+
+    def wait_s(self, at_s: float) -> float:
+        """How long a prefill ready at `at_s` waits for the step running then."""
+        if at_s >= self.until_s or self.step_s <= 0:
+            return 0.0
+        into = (at_s - self.start_s) % self.step_s
+        return self.step_s - into if into > 0 else 0.0
+
+    def prefilled(self, began_s: float, end_s: float, num_steps: int, step_s: float) -> None:
+        """A prefill ran [began_s, end_s) and its request decodes `num_steps` steps."""
+        left_s = max(0.0, self.until_s - began_s - self.step_s)  # one step rode along
+        self.step_s = max(step_s, self.step_s if left_s > 0 else 0.0)
+        self.start_s = end_s
+        self.until_s = end_s + max(left_s, num_steps * self.step_s)
+
+
 class _Instance:
     """One serving instance: its cache, its clock, its GPU and its queue."""
 
@@ -87,6 +116,7 @@ class _Instance:
         self.queued_s = 0.0  # summed no-cache estimates of the queued requests
         self.busy_s = 0.0
         self.num_routed = 0
+        self.decode = _DecodeSteps()
 
     def backlog_s(self, now_s: float) -> float:
         return max(0.0, self.free_at_s - now_s) + self.queued_s
@@ -298,6 +328,9 @@ class TracePlayer:
         c = self.config
         executor, cache = instance.executor, instance.cache
         executor.advance_to(at_s)
+        decodes = c.engine_requests and c.profile is not None
+        if decodes:
+            executor.advance_to(executor.now() + instance.decode.wait_s(executor.now()))
         began_s = executor.now()  # later than at_s when the scheduler was blocked
         match = cache.match(job.lookup, self._namespace)
         matched_s = executor.now()
@@ -308,6 +341,10 @@ class TracePlayer:
         if executor.loads_done_s > matched_s:  # layer i attends once its load is in
             last_layer_s = prefill_s / c.model.num_layers
             end_s = max(end_s, executor.loads_done_s + last_layer_s)
+        if decodes:
+            num_steps = max(0, job.request.output_length - 1)
+            step_s = c.profile.step_s(1, length + 1)  # one row over the prompt
+            instance.decode.prefilled(began_s, end_s, num_steps, step_s)
         num_new = self._reserved_pages(job) - match.num_pages
         try:
             job.new_page_ids = cache.alloc_device_pages(num_new)

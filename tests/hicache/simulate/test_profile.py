@@ -243,3 +243,27 @@ def test_engine_requests_look_up_all_but_the_last_token(engine, hit_pages):
     player.run()
     assert player.request_stats.hit_pages[1].tolist() == [hit_pages, 0, 0]
     assert player.caches[0].pages_in_use("l1") == (6 if engine else 4)
+
+
+def test_a_prefill_waits_for_the_decode_step_running():
+    """With engine requests and a profile, the first request decodes 10 steps after its
+    first token; a second arriving in the middle of the third step starts when it ends."""
+    profile = make_profile()
+    first_s = profile.prefill_s(0, 32)
+    step_s = profile.step_s(1, 33)
+    arrival_s = first_s + 2.5 * step_s
+    requests = [
+        Request(arrival_s=0.0, input_length=32, output_length=11,
+                stream=np.arange(32, dtype=np.uint32)),
+        Request(arrival_s=arrival_s, input_length=48, output_length=2,
+                stream=np.arange(1000, 1048, dtype=np.uint32)),
+        Request(arrival_s=arrival_s + 10.0, input_length=16, output_length=1,
+                stream=np.arange(2000, 2016, dtype=np.uint32)),
+    ]  # fmt: skip
+    player = TracePlayer(_config(engine_requests=True), Trace("three", requests))
+    player.run()
+    stats = player.request_stats
+    ttft = stats.end_s - stats.arrival_s
+    assert ttft[0] == pytest.approx(first_s)
+    assert ttft[1] == pytest.approx(0.5 * step_s + profile.prefill_s(0, 48))
+    assert ttft[2] == pytest.approx(profile.prefill_s(0, 16))  # every decode long done
