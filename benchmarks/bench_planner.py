@@ -70,6 +70,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace, list[
     a("--profile", type=Path, help="a hardware profile (default: calibrate a replica now)")
     a("--calibrate-rounds", type=int, default=2, help="warm-up prompts of each length")
     a("--planner-json-out", type=Path, help="also write this script's JSON lines here")
+    a("--serving-json-out", type=Path, help="keep bench_serving's JSON lines here")
+    a("--profile-out", type=Path, help="keep the calibrated profile here")
     ours, rest = p.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         p.print_help()
@@ -85,7 +87,7 @@ def measure(ours, rest: list[str], workdir: Path) -> list[dict]:
     """bench_serving's lines: from --serving-json, or from running it now."""
     path = ours.serving_json
     if path is None:
-        path = workdir / "serving.jsonl"
+        path = ours.serving_json_out or workdir / "serving.jsonl"
         code = bench_serving.main([*rest, "--json-out", str(path)])
         if code != 0 and not path.exists():
             raise SystemExit(f"bench_planner: bench_serving failed (exit {code})")
@@ -232,6 +234,8 @@ def main(argv=None) -> int:
         profile = load_profile(ours.profile)
     else:
         profile = calibrate_replica(serving, ours.calibrate_rounds)
+        if ours.profile_out is not None:
+            profile.write(ours.profile_out)
     print(f"\nbench_planner: profile of {profile.model.name} on {profile.device} "
           f"({profile.dtype}): step {profile.compute.per_step_s * 1e3:.3f} ms + "
           f"{profile.compute.per_row_s * 1e6:.3f} us/row + "
