@@ -57,7 +57,7 @@ ProgressCallback = Callable[[int, int], None]  # (requests done, total)
 # Steps (rows, attention pairs) on a profile's compute fit, enough for the controller's
 # least squares to find that fit again: three independent points.
 _FIT_POINTS = ((1, 1), (64, 64 * 65 // 2), (64, 1088 * 1089 // 2 - 1024 * 1025 // 2))
-_FINISH, _TICK = 0, 1  # event kinds
+_FINISH, _TICK, _PREFILLED = 0, 1, 2  # event kinds
 
 
 @dataclass(eq=False)
@@ -69,6 +69,7 @@ class _Job:
     cached: bytes  # what is inserted when it ends
     match: Match | None = None
     new_page_ids: list[int] | None = None
+    decoded_s: float = 0.0  # when its last token is out (engine requests with a profile)
     estimate_s: float = 0.0  # prefill time without a cache (routing's load estimate)
 
 
@@ -117,6 +118,7 @@ class _Instance:
         self.busy_s = 0.0
         self.num_routed = 0
         self.decode = _DecodeSteps()
+        self.decoding: list[_Job] = []  # past their first token, holding their pages
 
     def backlog_s(self, now_s: float) -> float:
         return max(0.0, self.free_at_s - now_s) + self.queued_s
@@ -147,6 +149,7 @@ class TracePlayer:
         self._namespace = Namespace(model_id=config.model.name, layout=self._layout.descriptor())
         self._trace_pages = sum(self._cached_length(r) // config.page_size for r in trace.requests)
         self._stores = self._make_stores()
+        self._decodes = config.engine_requests and config.profile is not None
         aggregate = config.l3_aggregate_bytes_per_s
         self._shared_links = (  # the shared store's own bandwidth, one side per direction
             (Link("l3-write", aggregate), Link("l3-read", aggregate))
@@ -156,7 +159,8 @@ class TracePlayer:
         self._instances = [self._make_instance(i) for i in range(config.num_instances)]
         self._stats = RequestStats.empty(trace.num_requests)
         self._router = Router(RoutingConfig(config.routing, config.route_balance_s))
-        self._events: list[tuple[float, int, int, _Instance]] = []  # (time, seq, kind, where)
+        # (time, seq, kind, where, the request or None)
+        self._events: list[tuple[float, int, int, _Instance, _Job | None]] = []
         self._seq = itertools.count()
 
     @property
@@ -212,6 +216,8 @@ class TracePlayer:
         l1_pages = min(c.l1_pages, self._trace_pages)
         l2_pages = min(c.l2_pages, self._trace_pages)
         pool_pages = l1_pages + headroom
+        if self._decodes and c.l1_pages < headroom:  # room for the requests running at once
+            pool_pages = l1_pages + headroom * c.profile.max_running_requests
         if c.engine_requests and c.l1_pages >= headroom:
             # The engine's own pool: a request reserves its pages (the prompt's and the
             # answer's) in it at the start, evicting cached pages to make room then.
@@ -259,11 +265,14 @@ class TracePlayer:
             if events and (
                 next_arrival >= total or events[0][0] <= requests[next_arrival].arrival_s
             ):
-                at_s, _, kind, instance = heapq.heappop(events)
+                at_s, _, kind, instance, job = heapq.heappop(events)
                 if kind == _TICK:
                     self._tick(instance, at_s)
                     continue
-                self._finish(instance, at_s)
+                if kind == _PREFILLED:
+                    self._prefilled(instance, job, at_s)
+                    continue
+                self._finish(instance, job, at_s)
                 done += 1
                 if self.progress is not None and done % report_every == 0:
                     self.progress(done, total)
@@ -315,8 +324,11 @@ class TracePlayer:
         job.estimate_s = self.config.prefill_s(0, request.input_length)
         instance = self._route(job, request.arrival_s)
         instance.executor.advance_to(request.arrival_s)
-        if instance.running is None:
-            self._start(instance, job, request.arrival_s)
+        if (
+            instance.running is None
+            and not instance.queue
+            and self._start(instance, job, request.arrival_s)
+        ):
             return
         instance.queue.append(job)
         instance.queued_s += job.estimate_s
@@ -324,11 +336,16 @@ class TracePlayer:
             # the scheduler's hint for a queued request
             instance.cache.prefetch(job.lookup, self._namespace)
 
-    def _start(self, instance: _Instance, job: _Job, at_s: float) -> None:
+    def _start(self, instance: _Instance, job: _Job, at_s: float) -> bool:
+        """Run `job`'s match and prefill on `instance`; False (nothing changed but the
+        match's side effects, as in the engine) when the engine cannot take it yet: as
+        many requests as it runs at once, or no L1 pages for it until one ends."""
         c = self.config
         executor, cache = instance.executor, instance.cache
         executor.advance_to(at_s)
-        decodes = c.engine_requests and c.profile is not None
+        decodes = self._decodes
+        if decodes and len(instance.decoding) >= c.profile.max_running_requests:
+            return False
         if decodes:
             executor.advance_to(executor.now() + instance.decode.wait_s(executor.now()))
         began_s = executor.now()  # later than at_s when the scheduler was blocked
@@ -341,15 +358,19 @@ class TracePlayer:
         if executor.loads_done_s > matched_s:  # layer i attends once its load is in
             last_layer_s = prefill_s / c.model.num_layers
             end_s = max(end_s, executor.loads_done_s + last_layer_s)
-        if decodes:
-            num_steps = max(0, job.request.output_length - 1)
-            step_s = c.profile.step_s(1, length + 1)  # one row over the prompt
-            instance.decode.prefilled(began_s, end_s, num_steps, step_s)
         num_new = self._reserved_pages(job) - match.num_pages
         try:
             job.new_page_ids = cache.alloc_device_pages(num_new)
         except PoolExhaustedError as error:  # the pool has room for one whole request
+            if decodes and instance.decoding:  # the engine waits for a request to end
+                cache.release(match)
+                return False
             raise SimulationError(f"instance {instance.index}: {error}") from error
+        if decodes:
+            num_steps = max(0, job.request.output_length - 1)
+            step_s = c.profile.step_s(1, length + 1)  # one row over the prompt
+            instance.decode.prefilled(began_s, end_s, num_steps, step_s)
+            job.decoded_s = end_s + num_steps * instance.decode.step_s
         job.match = match
         instance.running = job
         instance.free_at_s = end_s
@@ -365,10 +386,30 @@ class TracePlayer:
             computed_from=computed_from,
             instance=instance.index,
         )
-        heapq.heappush(self._events, (end_s, next(self._seq), _FINISH, instance))
+        kind = _PREFILLED if decodes else _FINISH
+        heapq.heappush(self._events, (end_s, next(self._seq), kind, instance, job))
+        return True
 
-    def _finish(self, instance: _Instance, at_s: float) -> None:
-        job = instance.running
+    def _prefilled(self, instance: _Instance, job: _Job, at_s: float) -> None:
+        """Its first token: the request decodes on (holding its pages) until `decoded_s`,
+        and the engine takes the next request."""
+        instance.running = None
+        instance.decoding.append(job)
+        heapq.heappush(self._events, (job.decoded_s, next(self._seq), _FINISH, instance, job))
+        self._start_queued(instance, at_s)
+
+    def _start_queued(self, instance: _Instance, at_s: float) -> None:
+        if instance.running is None and instance.queue:
+            following = instance.queue.popleft()
+            if self._start(instance, following, at_s):
+                instance.queued_s = max(0.0, instance.queued_s - following.estimate_s)
+                return
+            instance.queue.appendleft(following)  # until a request ends
+        if instance.running is None:
+            self._schedule_tick(instance)
+
+    def _finish(self, instance: _Instance, job: _Job, at_s: float) -> None:
+        """The request ends: its full pages go into the cache, the rest back."""
         cache = instance.cache
         instance.executor.advance_to(at_s)
         page_ids = job.match.device_page_ids + job.new_page_ids
@@ -378,13 +419,11 @@ class TracePlayer:
             cache.free_device_pages(page_ids[num_full:])
         cache.release(job.match)
         self._trim_l1(instance)
-        instance.running = None
-        if instance.queue:
-            following = instance.queue.popleft()
-            instance.queued_s = max(0.0, instance.queued_s - following.estimate_s)
-            self._start(instance, following, at_s)
+        if self._decodes:
+            instance.decoding.remove(job)
         else:
-            self._schedule_tick(instance)
+            instance.running = None
+        self._start_queued(instance, at_s)
 
     def _schedule_tick(self, instance: _Instance) -> None:
         """An idle instance looks at its cache again when its next transfer ends.
@@ -399,7 +438,7 @@ class TracePlayer:
             return
         instance.tick_pending = True
         at_s = max(next_s, instance.executor.now())
-        heapq.heappush(self._events, (at_s, next(self._seq), _TICK, instance))
+        heapq.heappush(self._events, (at_s, next(self._seq), _TICK, instance, None))
 
     def _tick(self, instance: _Instance, at_s: float) -> None:
         instance.tick_pending = False

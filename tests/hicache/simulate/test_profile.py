@@ -267,3 +267,20 @@ def test_a_prefill_waits_for_the_decode_step_running():
     assert ttft[0] == pytest.approx(first_s)
     assert ttft[1] == pytest.approx(0.5 * step_s + profile.prefill_s(0, 48))
     assert ttft[2] == pytest.approx(profile.prefill_s(0, 16))  # every decode long done
+
+
+def test_pages_reach_the_cache_when_the_answer_ends():
+    """As in the engine, a request's pages are cached when its last token is out: the
+    same prompt again while the first still decodes finds nothing; after, 3 pages."""
+    profile = make_profile()
+    prompt = np.arange(64, dtype=np.uint32)
+    first_s = profile.prefill_s(0, 64)
+    requests = [
+        Request(arrival_s=0.0, input_length=64, output_length=11, stream=prompt),
+        Request(arrival_s=first_s + 1.5 * profile.step_s(1, 65), input_length=64,
+                output_length=2, stream=prompt),
+        Request(arrival_s=100.0, input_length=64, output_length=1, stream=prompt),
+    ]  # fmt: skip
+    player = TracePlayer(_config(engine_requests=True), Trace("again", requests))
+    player.run()
+    assert player.request_stats.hit_pages[:, 0].tolist() == [0, 0, 3]
