@@ -44,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_serving  # noqa: E402
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import emit, git_revision  # noqa: E402
 from hicache.config import PolicyConfig  # noqa: E402
 from hicache.simulate import TracePlayer  # noqa: E402
 from hicache.simulate.calibrate import WARMUP_LENGTHS, calibrate  # noqa: E402
@@ -266,7 +266,9 @@ def main(argv=None) -> int:
     for result in results:
         emit(result)
     if ours.planner_json_out:
-        ours.planner_json_out.write_text("".join(json.dumps(r) + "\n" for r in results))
+        revision = git_revision()
+        lines = [json.dumps({"git": revision, **r}) + "\n" for r in results]
+        ours.planner_json_out.write_text("".join(lines))
     missed = [
         f"{r['config']}: {f['figure']}" for r in results for f in r["figures"] if not f["met"]
     ]
