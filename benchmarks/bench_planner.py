@@ -103,18 +103,19 @@ def calibrate_replica(serving, rounds: int) -> HardwareProfile:
     from tests.support.replicas import HttpProcess
 
     l1_pages = max(serving.l1_pages, -(-max(WARMUP_LENGTHS) // serving.page_size) + 2)
-    setup = bench_serving.Setup(
-        serving.model, serving.device, serving.dtype, 1, serving.routing, serving.page_size,
-        serving.max_running, l1_pages, serving.l2_pages, serving.l3_capacity,
-        serving.threads, serving.seed,
-    )  # fmt: skip
-    flags = bench_serving.replica_flags(setup, "l1l2", None)
-    process = HttpProcess("engine", "serve", "--port", "0", "--name", "calibration", *flags)
-    process.start(timeout_s=900)
-    try:
-        return calibrate(process.url, rounds=rounds)
-    finally:
-        process.stop()
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-planner-model-") as workdir:
+        setup = bench_serving.Setup(
+            tuple(bench_serving.model_flags(serving.model, Path(workdir))), serving.device,
+            serving.dtype, 1, serving.routing, serving.page_size, serving.max_running,
+            l1_pages, serving.l2_pages, serving.l3_capacity, serving.threads, serving.seed,
+        )  # fmt: skip
+        flags = bench_serving.replica_flags(setup, "l1l2", None)
+        process = HttpProcess("engine", "serve", "--port", "0", "--name", "calibration", *flags)
+        process.start(timeout_s=900)
+        try:
+            return calibrate(process.url, rounds=rounds)
+        finally:
+            process.stop()
 
 
 def simulated_trace(serving, vocab_size: int) -> Trace:

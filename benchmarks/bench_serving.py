@@ -14,7 +14,9 @@ The trace (`--trace`): a Mooncake JSONL file or the bundled `mooncake`, whose `h
 become prompts of `--block-tokens` deterministic token ids per id (`block_tokens`), so
 equal ids are equal tokens and shared prefixes are real shared tokens; or the simulator's
 conversation generator (`conversations:sessions=8,...`), whose token streams are used as
-they are (modulo the vocabulary). Requests are sent at the trace's arrival times divided by
+they are (modulo the vocabulary). A block is `--block-tokens` tokens here, not 512: the
+simulator plays the same sharing at a page size of `page_size * 512 / block_tokens` (the
+last, cut blocks' pages rounded alike). Requests are sent at the trace's arrival times divided by
 `--rate-scale` (2: twice the request rate), whatever is still in flight (open loop), each
 streamed on its own connection, `max_tokens` = the trace's output length (at most
 `--max-output-tokens`), EOS ignored, greedy.
@@ -236,7 +238,7 @@ def _per_replica(done: list[Outcome]) -> dict:
 class Setup:
     """What every configuration of one run shares (from the command line)."""
 
-    model: str | None
+    model_flags: tuple[str, ...]  # `model_flags`
     device: str
     dtype: str | None
     replicas: int
@@ -256,8 +258,7 @@ def replica_flags(setup: Setup, config: str, l3_url: str | None) -> list[str]:
         "--l1-pages", str(setup.l1_pages), "--device", setup.device, "--seed", str(setup.seed),
         "--threads", str(setup.threads),
     ]  # fmt: skip
-    if setup.model:
-        flags += ["--model", setup.model]
+    flags += list(setup.model_flags)
     if setup.dtype:
         flags += ["--dtype", setup.dtype]
     if config == "off":
@@ -321,13 +322,35 @@ class Deployment:
             self.tmp.cleanup()
 
 
+def model_flags(name: str | None, workdir: Path) -> list[str]:
+    """`hicache engine serve`'s flags for `--model`: none (the tiny model), a packaged
+    checkpoint (`smollm2`, `gemma3`) or a checkpoint's path, which the replica takes as they
+    are, or a synthetic model of bench_engine's (`1b`, `8b`, `tiny-full`: its config written
+    to `workdir`, random weights)."""
+    if name is None or name == "tiny":
+        return []
+    if name in ("smollm2", "gemma3") or Path(name).exists():
+        return ["--model", name]
+    from benchmarks.bench_engine import MODELS
+    from engine_integration.engine.model.config import model_config_to_json
+
+    if name not in MODELS:
+        raise SystemExit(f"bench_serving: --model {name}: no such file, and not one of "
+                         f"smollm2, gemma3, {', '.join(sorted(MODELS))}")  # fmt: skip
+    path = workdir / f"{name}.json"
+    path.write_text(model_config_to_json(MODELS[name]))
+    return ["--model-config", str(path)]
+
+
 # ---------------------------------------------------------------------------- the run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--model", default=None, help="a .gguf file or HF directory (default: the tiny model)")
+    a("--model", default=None, help="smollm2, gemma3 (their packages), a .gguf file or HF "
+      "directory, or a synthetic model of bench_engine's: 1b, 8b, tiny-full (default: the "
+      "tiny model)")  # fmt: skip
     a("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: %(default)s)")
     a("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     a("--replicas", type=int, default=2)
@@ -419,6 +442,7 @@ def run_config(setup: Setup, config: str, trace: Trace, args, work_cache: dict) 
         "l1_pages": args.l1_pages,
         "l2_pages": args.l2_pages if cache_on and config != "l1" else 0,
         "l3_url": l3_url,
+        "l3_capacity": args.l3_capacity if l3_url else None,
         "page_size": args.page_size,
         "ttft_target_ms": args.ttft_target_ms,
         **result,
@@ -464,22 +488,23 @@ def _ms(value) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     trace = load_trace(args.trace, args.requests)
-    setup = Setup(args.model, args.device, args.dtype, args.replicas, args.routing,
-                  args.page_size, args.max_running, args.l1_pages, args.l2_pages,
-                  args.l3_capacity, args.threads, args.seed)  # fmt: skip
-    print(f"bench_serving: {trace.num_requests} requests of {trace.name} over "
-          f"{trace.duration_s / args.rate_scale:.1f} s, {args.replicas} replicas, "
-          f"{args.routing} routing; configurations: {', '.join(args.configs)}",
-          flush=True)  # fmt: skip
-    rows, work_cache = [], {}
-    for config in args.configs:
-        started = time.perf_counter()
-        rows.append(run_config(setup, config, trace, args, work_cache))
-        print(f"  {config}: {rows[-1]['answered']}/{rows[-1]['requests']} answered "
-              f"({time.perf_counter() - started:.0f} s with start-up)", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-serving-") as workdir:
+        flags = tuple(model_flags(args.model, Path(workdir)))
+        setup = Setup(flags, args.device, args.dtype, args.replicas, args.routing,
+                      args.page_size, args.max_running, args.l1_pages, args.l2_pages,
+                      args.l3_capacity, args.threads, args.seed)  # fmt: skip
+        print(f"bench_serving: {trace.num_requests} requests of {trace.name} over "
+              f"{trace.duration_s / args.rate_scale:.1f} s, {args.replicas} replicas, "
+              f"{args.routing} routing; configurations: {', '.join(args.configs)}",
+              flush=True)  # fmt: skip
+        rows, work_cache = [], {}
+        for config in args.configs:
+            started = time.perf_counter()
+            rows.append(run_config(setup, config, trace, args, work_cache))
+            print(f"  {config}: {rows[-1]['answered']}/{rows[-1]['requests']} answered "
+                  f"({time.perf_counter() - started:.0f} s with start-up)", flush=True)  # fmt: skip
     add_ratios(rows)
     print_table(rows)
-    lines = []
     for row in rows:
         emit(row)
     if args.json_out:

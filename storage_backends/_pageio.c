@@ -48,8 +48,40 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+/* -- the glibc this module asks for ------------------------------------------------------------ */
+
+/* One wheel installs on any Linux with glibc 2.17 or newer (manylinux2014), whatever glibc it was
+ * built on: the module asks only for symbol versions that old. Two are newer on a current glibc:
+ * pthread_create and pthread_attr_setstacksize, moved into libc at 2.34 under a new version and
+ * still exported under their first one, which is the one bound here; and preadv2 (2.26), called
+ * through syscall(2) instead (the kernel's call is from Linux 4.6; before it the read gets
+ * ENOSYS and takes the plain path, as read_one_stretch already does for a file system without
+ * RWF_NOWAIT). `.ci/wheel` checks the outcome (auditwheel names the lowest tag that holds). */
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GLIBC_PREREQ)
+#if __GLIBC_PREREQ(2, 34)
+__asm__(".symver pthread_create,pthread_create@GLIBC_2.2.5");
+__asm__(".symver pthread_attr_setstacksize,pthread_attr_setstacksize@GLIBC_2.2.5");
+#endif
+#endif
+
+#ifndef RWF_NOWAIT
+#define RWF_NOWAIT 0x00000008 /* the kernel's value (linux/fs.h), absent from old glibc headers */
+#endif
+
+static ssize_t preadv_nowait(int fd, const struct iovec *iov, int count, long long offset) {
+#ifdef SYS_preadv2
+    /* the offset as (low, high) words; on a 64-bit kernel the low word holds all of it */
+    return syscall(SYS_preadv2, fd, iov, count, (unsigned long)offset, 0UL, RWF_NOWAIT);
+#else
+    (void)fd, (void)iov, (void)count, (void)offset;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the object format is little-endian and so is this implementation"
@@ -569,7 +601,7 @@ static void read_one_stretch(batch_t *batch, size_t unit) {
     while (done < s->total) {
         size_t want;
         int n = window_of(s, done, reads->window_bytes, window, &want);
-        ssize_t got = preadv2(s->fd, window, n, s->offset + done, RWF_NOWAIT);
+        ssize_t got = preadv_nowait(s->fd, window, n, s->offset + done);
         if (got < 0 && done == 0) {
             s->err = errno;
             if (errno == EAGAIN)

@@ -14,8 +14,9 @@ batched by the engine's scheduler (continuous batching), never by the server.
 
 Roles (`--role`): `both` serves everything. `prefill` is for a P/D deployment's prefill side:
 its `/hicache/prefill` computes a prompt and returns once its pages are in L3. `decode`
-matches what L3 holds and waits for the whole prefetch (prefetch policy `wait_complete`), so
-a handed-off prompt is computed only from its last page on. Both need `--l3-url`.
+matches what L3 holds, fetches all of it and waits for the whole prefetch (`l3_fetch_policy`
+`always`, prefetch policy `wait_complete`), so a handed-off prompt is computed only from its
+last page on. Both need `--l3-url`. `--no-cache` serves without hicache: the baseline.
 """
 
 from __future__ import annotations
@@ -166,17 +167,22 @@ class Replica:
             dtype=config.dtype,
         )
         self.engine_config = engine_config
-        self.model, self.tokenizer = load_model(config.model_path, engine_config, seed=config.seed)
+        self.model, self.tokenizer = load_model(
+            config.model_path, engine_config, seed=config.seed, model_config=config.model_config
+        )
         # What first calls cost (CUDA graphs, kernel choices) is paid before the first
         # request, and the step costs it measures seed the cache's load-or-recompute choice.
         warm_up(self.model, engine_config)
         self.cache = None
         if config.cache:
             # Write-through, so that a page reaches L2 (and L3) as soon as it is inserted; a
-            # decode replica waits for the prefetch of a handed-off prompt to complete.
+            # decode replica fetches all of a handed-off prompt (the prefill side computed it
+            # so that this side would not) and waits for the prefetch to complete.
+            decode = config.role == "decode"
             policy = PolicyConfig(
                 write_policy="write_through",
-                prefetch_policy="wait_complete" if config.role == "decode" else "timeout",
+                prefetch_policy="wait_complete" if decode else "timeout",
+                l3_fetch_policy="always" if decode else "measured",
             )
             sizes = CacheSizes(config.l1_pages, config.l2_pages, config.l3_url, policy)
             self.cache = build_cache(self.model, engine_config, sizes)
@@ -251,7 +257,7 @@ class Replica:
                 "model": self.model_name,
                 "namespace_digest": self.namespace.digest.hex(),
                 "page_size": self.config.page_size,
-                "vocab_size": self.model.config.vocab_size,
+                "vocab_size": self.tokenizer.vocab_size,  # what a prompt's ids may be
                 "cache": self.cache is not None,
                 "device": self.config.device,
                 "dtype": str(self.model.dtype).removeprefix("torch."),

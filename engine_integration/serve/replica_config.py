@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_integration.engine.model.config import ModelConfig
+
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -14,6 +16,7 @@ class ReplicaConfig:
     """One replica: its model, its cache, its role, where it listens and publishes."""
 
     model_path: str | None = None  # None: the built-in tiny model (random weights)
+    model_config: ModelConfig | None = None  # or a synthetic model of this shape (random)
     seed: int = 0
     name: str = ""
     role: str = "both"
@@ -34,6 +37,8 @@ class ReplicaConfig:
     cache: bool = True  # False: no hicache at all (the baseline a cache is measured against)
 
     def __post_init__(self) -> None:
+        if self.model_path and self.model_config:
+            raise ValueError("give --model or --model-config, not both")
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.role != "both" and not self.l3_url:
