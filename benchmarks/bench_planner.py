@@ -153,6 +153,10 @@ def simulation_config(row: dict, profile: HardwareProfile, serving) -> Simulatio
         routing=row["routing"],
         profile=profile,
         engine_requests=True,
+        # bench_serving starts every replica on the same --device: on a GPU they share it
+        # (on the CPU each replica has its own --threads, on cores of their own if the box
+        # has them)
+        shared_device=serving.device.startswith("cuda"),
     )
 
 

@@ -152,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "as on a P/D prefill side)",
     )
     model.add_argument(
+        "--shared-device",
+        action="store_true",
+        help="every instance runs on one device (replicas sharing a GPU): their prefills "
+        "take turns on it",
+    )
+    model.add_argument(
         "--calibrate",
         metavar="URL",
         help="measure a running `hicache engine serve` replica (warm-up prompts, then its "
@@ -557,6 +563,7 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
         prices=prices,
         profile=profile,
         engine_requests=args.engine_requests,
+        shared_device=args.shared_device,
     )
 
 

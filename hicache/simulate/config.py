@@ -73,6 +73,9 @@ class SimulationConfig:
     # the request's own, shared with nothing). Off: prompts only, looked up whole (the
     # prefill side of a P/D deployment).
     engine_requests: bool = False
+    # Every instance runs on one device (replicas sharing a GPU): their prefills take
+    # turns on it, first come first served. Off: each instance has its own GPUs.
+    shared_device: bool = False
 
     def __post_init__(self) -> None:
         checks = [

@@ -150,6 +150,7 @@ class TracePlayer:
         self._trace_pages = sum(self._cached_length(r) // config.page_size for r in trace.requests)
         self._stores = self._make_stores()
         self._decodes = config.engine_requests and config.profile is not None
+        self._device_free_s = 0.0  # `shared_device`: when the device's last prefill ends
         aggregate = config.l3_aggregate_bytes_per_s
         self._shared_links = (  # the shared store's own bandwidth, one side per direction
             (Link("l3-write", aggregate), Link("l3-read", aggregate))
@@ -354,8 +355,11 @@ class TracePlayer:
         length = job.request.input_length
         computed_from = min(match.num_tokens, length - 1)  # the last token is always computed
         prefill_s = c.prefill_s(computed_from, length)
-        end_s = matched_s + prefill_s
-        if executor.loads_done_s > matched_s:  # layer i attends once its load is in
+        compute_s = matched_s  # when its prefill starts: on a shared device, in turn
+        if c.shared_device:
+            compute_s = max(matched_s, self._device_free_s)
+        end_s = compute_s + prefill_s
+        if executor.loads_done_s > compute_s:  # layer i attends once its load is in
             last_layer_s = prefill_s / c.model.num_layers
             end_s = max(end_s, executor.loads_done_s + last_layer_s)
         num_new = self._reserved_pages(job) - match.num_pages
@@ -374,7 +378,9 @@ class TracePlayer:
         job.match = match
         instance.running = job
         instance.free_at_s = end_s
-        instance.busy_s += end_s - matched_s
+        instance.busy_s += end_s - compute_s
+        if c.shared_device:
+            self._device_free_s = end_s
         self._stats.record(
             job.index,
             arrival_s=job.request.arrival_s,

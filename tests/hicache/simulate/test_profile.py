@@ -284,3 +284,23 @@ def test_pages_reach_the_cache_when_the_answer_ends():
     player = TracePlayer(_config(engine_requests=True), Trace("again", requests))
     player.run()
     assert player.request_stats.hit_pages[:, 0].tolist() == [0, 0, 3]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_instances_on_one_device_take_turns(shared):
+    """Two requests at once, one per instance (round robin): on a device of their own
+    both prefill at once; on one shared device the second waits for the first."""
+    profile = make_profile()
+    requests = [
+        Request(arrival_s=0.0, input_length=96, output_length=1,
+                stream=np.arange(i * 1000, i * 1000 + 96, dtype=np.uint32))
+        for i in range(2)
+    ]  # fmt: skip
+    config = _config(num_instances=2, routing="round_robin", shared_device=shared)
+    player = TracePlayer(config, Trace("two", requests))
+    player.run()
+    stats = player.request_stats
+    ttft = sorted(stats.end_s - stats.arrival_s)
+    alone = profile.prefill_s(0, 96)
+    assert sorted(stats.instance.tolist()) == [0, 1]
+    assert ttft == pytest.approx([alone, 2 * alone if shared else alone])
