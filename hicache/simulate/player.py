@@ -25,6 +25,18 @@ TTFT = queueing + the match's waits (L3 lookups and prefetch) + prefill, where p
 the uncached tokens overlaps the per-layer loads. Only prompt pages are cached (the KV a
 prefill produces; as on the prefill side of a P/D deployment).
 
+`SimulationConfig.engine_requests` plays requests as `hicache engine serve` runs them
+instead: the match looks up the prompt but its last token; the L1 pool is exactly the
+capacity (when it holds one request), a request reserving every page its prompt and answer
+touch when it starts and freeing the partial last one when it ends; the answer's full pages
+are cached with the prompt's. With a calibrated profile too (`hicache.simulate.profile`),
+prefill costs the measured steps, and after its first token a request decodes on
+(`DecodeSteps`), holding its pages, up to the engine's `max_running_requests` at once: its
+pages reach the cache when its answer ends, a prefill that arrives meanwhile starts when
+the decode step running ends, and a request that finds no L1 room waits for one to end.
+`shared_device` has all instances' prefills take turns on one device. TTFT then adds the
+profile's request overhead (HTTP, the hand-over to the engine thread).
+
 This module knows the controller only through its public API, plus one side-effect-free
 look at an instance's index for routing (`_cached_prefix`), scored by `hicache.routing`, the
 code `hicache route` runs.
@@ -45,6 +57,7 @@ from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config
 from hicache.controller import CachedPrefix, HiCache, Match
 from hicache.routing import NOTHING_CACHED, Candidate, Router, RoutingConfig
 from hicache.simulate.config import SimulationConfig
+from hicache.simulate.decode import DecodeSteps
 from hicache.simulate.errors import SimulationError
 from hicache.simulate.executor import URL_SCHEME, Link, Links, VirtualExecutor
 from hicache.simulate.l3 import SimulatedL3
@@ -73,35 +86,6 @@ class _Job:
     estimate_s: float = 0.0  # prefill time without a cache (routing's load estimate)
 
 
-class _DecodeSteps:
-    """The decode steps an engine runs between prefills (`engine_requests` with a profile).
-
-    After its first token a request decodes `output_length - 1` more steps, one row each,
-    batched with whatever else decodes. A prefill that arrives meanwhile is admitted when
-    the step running ends (the engine's scheduler runs between steps), and its own step
-    carries the decode rows on (they lose no time but that step's length).
-    """
-
-    def __init__(self) -> None:
-        self.start_s = 0.0  # steps run from here, `step_s` each, until `until_s`
-        self.until_s = 0.0
-        self.step_s = 0.0
-
-    def wait_s(self, at_s: float) -> float:
-        """How long a prefill ready at `at_s` waits for the step running then."""
-        if at_s >= self.until_s or self.step_s <= 0:
-            return 0.0
-        into = (at_s - self.start_s) % self.step_s
-        return self.step_s - into if into > 0 else 0.0
-
-    def prefilled(self, began_s: float, end_s: float, num_steps: int, step_s: float) -> None:
-        """A prefill ran [began_s, end_s) and its request decodes `num_steps` steps."""
-        left_s = max(0.0, self.until_s - began_s - self.step_s)  # one step rode along
-        self.step_s = max(step_s, self.step_s if left_s > 0 else 0.0)
-        self.start_s = end_s
-        self.until_s = end_s + max(left_s, num_steps * self.step_s)
-
-
 class _Instance:
     """One serving instance: its cache, its clock, its GPU and its queue."""
 
@@ -117,7 +101,7 @@ class _Instance:
         self.queued_s = 0.0  # summed no-cache estimates of the queued requests
         self.busy_s = 0.0
         self.num_routed = 0
-        self.decode = _DecodeSteps()
+        self.decode = DecodeSteps()
         self.decoding: list[_Job] = []  # past their first token, holding their pages
 
     def backlog_s(self, now_s: float) -> float:
