@@ -21,10 +21,12 @@ DOCS = (0, 1, 2, 0, 3, 4, 5, 1, 2, 6, 0, 3)
 
 
 def write_trace(path) -> None:
-    """Each request a document and a block of its own, 0.5 s apart (each long done before
-    the next, so the caches see the trace's order whatever the machine's load)."""
+    """Each request a document and a block of its own, 1.5 s apart: each is done (an
+    80-token prompt and 3 tokens of the tiny model: tens of ms, a few hundred on a box at
+    load 10) before the next arrives, so that the live caches see the trace's order and
+    one request at a time, as the simulator plays it, whatever the machine's load."""
     records = [
-        {"timestamp": 500 * i, "input_length": 5 * 512, "output_length": 3,
+        {"timestamp": 1500 * i, "input_length": 5 * 512, "output_length": 3,
          "hash_ids": [100 * doc + b for b in range(4)] + [1000 + i]}
         for i, doc in enumerate(DOCS)
     ]  # fmt: skip
@@ -52,7 +54,7 @@ def test_planner_predicts_the_live_hits(tmp_path):
         hits = [f for f in result["figures"] if f["figure"].startswith("hit tokens")]
         assert len(hits) == 3 and len(result["figures"]) == 5
         for figure in hits:  # the same policy code on the same requests
-            assert figure["predicted"] == figure["measured"], (config, figure)
+            assert figure["predicted"] == figure["measured"], (config, figure, done.stdout)
             assert figure["met"]
         assert all(f["verdict"] in ("met", "MISSED") for f in result["figures"])
     assert results["off"]["measured"]["hit_tokens"]["computed"] == 12 * 5 * BLOCK
