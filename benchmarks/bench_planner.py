@@ -68,7 +68,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace, list[
     a = p.add_argument
     a("--serving-json", type=Path, help="bench_serving's JSON lines (default: run it now)")
     a("--profile", type=Path, help="a hardware profile (default: calibrate a replica now)")
-    a("--calibrate-rounds", type=int, default=2, help="warm-up prompts of each length")
+    a("--calibrate-rounds", type=int, default=3, help="warm-up prompts of each length")
     a("--planner-json-out", type=Path, help="also write this script's JSON lines here")
     a("--serving-json-out", type=Path, help="keep bench_serving's JSON lines here")
     a("--profile-out", type=Path, help="keep the calibrated profile here")
@@ -98,18 +98,21 @@ def measure(ours, rest: list[str], workdir: Path) -> list[dict]:
 
 
 def calibrate_replica(serving, rounds: int) -> HardwareProfile:
-    """A profile of a fresh replica set up as bench_serving's L1+L2 replicas are, but with
-    L1 room for the longest warm-up prompt (the pool's size changes no step's cost)."""
+    """A profile of a fresh replica of bench_serving's model, device, dtype, page size and
+    engine, whose L1 holds about one of the longest warm-up prompts and L2 two (pool sizes
+    change no step's cost), over a file:// L3: calibration's repeated prompts then come back
+    from L3 and measure its read rate (3 rounds: 3 reads, the last 2 sampled)."""
     from tests.support.replicas import HttpProcess
 
-    l1_pages = max(serving.l1_pages, -(-max(WARMUP_LENGTHS) // serving.page_size) + 2)
-    with tempfile.TemporaryDirectory(prefix="hicache-bench-planner-model-") as workdir:
+    pages = -(-max(WARMUP_LENGTHS) // serving.page_size) + 2
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-planner-") as workdir:
         setup = bench_serving.Setup(
             tuple(bench_serving.model_flags(serving.model, Path(workdir))), serving.device,
             serving.dtype, 1, serving.routing, serving.page_size, serving.max_running,
-            l1_pages, serving.l2_pages, serving.l3_capacity, serving.threads, serving.seed,
+            pages, 2 * pages, serving.l3_capacity, serving.threads, serving.seed,
         )  # fmt: skip
-        flags = bench_serving.replica_flags(setup, "l1l2", None)
+        l3_url = f"file://{workdir}/l3?capacity={serving.l3_capacity}"
+        flags = bench_serving.replica_flags(setup, "l1l2l3-file", l3_url)
         process = HttpProcess("engine", "serve", "--port", "0", "--name", "calibration", *flags)
         process.start(timeout_s=900)
         try:

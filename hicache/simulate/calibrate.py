@@ -4,9 +4,13 @@ It sends the replica a few cold prompts of several lengths (random token ids, on
 token each: one engine step per prompt up to the prefill chunk), so that its compute fit
 has samples across rows and attention pairs, then reads `GET /v1/hicache/profile` and
 returns it checked (`hicache.simulate.profile`), with the request overhead: the median of
-the prompts' wall times less their fitted steps. The prompts go into the replica's cache
-like any others: calibrate a replica before its measured run, or one started for the
-purpose. Stdlib HTTP only (torch-free).
+the prompts' wall times less their fitted steps. Before reading it, it sends each round's
+longest prompt again, oldest first: on a replica whose L1 holds about one of them and L2
+two, over an L3, these come back from L3 (the first read of a cache is no sample of
+the store's rate, the second is), so the profile's L3 read rate is measured, not the
+prior; on others they are L1 or L2 hits (loads, which sample the L2 link). The prompts go
+into the replica's cache like any others: calibrate a replica before its measured run, or
+one started for the purpose. Stdlib HTTP only (torch-free).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ WARMUP_LENGTHS = (64, 128, 256, 512, 1024, 2048)  # cut at the replica's prefill
 _TIMEOUT_S = 300.0
 
 
-def calibrate(url: str, *, rounds: int = 2, seed: int = 0) -> HardwareProfile:
+def calibrate(url: str, *, rounds: int = 3, seed: int = 0) -> HardwareProfile:
     """The replica at `url`'s profile, after `rounds` warm-up prompts of each length."""
     if rounds < 0:
         raise SimulationError(f"--calibrate-rounds must be >= 0, got {rounds}")
@@ -45,13 +49,16 @@ def calibrate(url: str, *, rounds: int = 2, seed: int = 0) -> HardwareProfile:
     lengths = [n for n in WARMUP_LENGTHS if n <= chunk] or [chunk]
     generator = random.Random(seed)
     walls = []  # (prompt length, seconds from send to answer)
+    longest = []  # each round's longest prompt
     for _ in range(rounds):
         for length in lengths:
             prompt = [generator.randrange(vocab) for _ in range(length)]
-            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
             began = time.perf_counter()
-            _post(base + "/v1/completions", body, where)
+            _complete(base, prompt, where)
             walls.append((length, time.perf_counter() - began))
+        longest.append(prompt)
+    for prompt in longest:  # again, oldest first: hits from wherever they went (L2, L3)
+        _complete(base, prompt, where)
     data = _get(base + PROFILE_PATH, where)
     if isinstance(data, dict) and data.get("compute") is None:
         raise SimulationError(
@@ -71,6 +78,11 @@ def _overhead_s(profile: HardwareProfile, walls: list[tuple[int, float]]) -> flo
         return 0.0
     rest = [wall - profile.prefill_s(0, length) for length, wall in walls]
     return max(0.0, statistics.median(rest))
+
+
+def _complete(base: str, prompt: list[int], where: str) -> None:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    _post(base + "/v1/completions", body, where)
 
 
 def _get(url: str, where: str) -> Any:

@@ -167,7 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--calibrate-rounds",
         type=int,
-        default=2,
+        default=3,
         help="warm-up prompts of each length --calibrate sends first (0: none)",
     )
     for flag, name, unit in (
