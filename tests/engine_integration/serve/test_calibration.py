@@ -86,3 +86,20 @@ def test_calibrate_names_an_address_that_is_not_a_replica(served):
         "hicache simulate: error: --calibrate ftp://example.invalid: expected an http:// or "
         "https:// URL"
     ]
+
+
+def test_calibrate_samples_l3_reads_on_a_replica_sized_for_it(tmp_path):
+    """L1 for about one of the longest warm-up prompts (2,048 tokens: 128 pages), L2 for
+    two, over a file:// L3: the repeated prompts come back from L3, and the profile's L3
+    read rate is measured (the first read of a cache is no sample), not the prior."""
+    process = replica(
+        "--page-size", str(PAGE), "--l1-pages", "130", "--l2-pages", "260",
+        "--l3-url", f"file://{tmp_path}/l3?capacity=1GiB",
+    )  # fmt: skip
+    process.start()
+    try:
+        profile = calibrate(process.url, rounds=3)
+    finally:
+        process.stop()
+    assert profile.num_read_samples >= 1 and profile.num_load_samples >= 1
+    assert profile.l3_latency_s > 0
