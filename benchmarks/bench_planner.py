@@ -160,6 +160,7 @@ def simulation_config(row: dict, profile: HardwareProfile, serving) -> Simulatio
         # (on the CPU each replica has its own --threads, on cores of their own if the box
         # has them)
         shared_device=serving.device.startswith("cuda"),
+        engine_pool_pages=None if cache_on else row["l1_pages"],  # `off`'s private pages
     )
 
 

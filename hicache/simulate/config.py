@@ -76,6 +76,10 @@ class SimulationConfig:
     # Every instance runs on one device (replicas sharing a GPU): their prefills take
     # turns on it, first come first served. Off: each instance has its own GPUs.
     shared_device: bool = False
+    # Engine requests with a profile and an L1 smaller than a request (the cache off): the
+    # engine's own KV pool in pages, which bounds the requests it runs at once (None: room
+    # for `max_running_requests` of the largest).
+    engine_pool_pages: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -95,6 +99,10 @@ class SimulationConfig:
                 f"l3_write_policy must be one of {L3_WRITE_POLICIES}",
             ),
             (self.route_balance_s >= 0, "route_balance_s must be >= 0"),
+            (
+                self.engine_pool_pages is None or self.engine_pool_pages >= 1,
+                f"engine_pool_pages must be >= 1 (or None), got {self.engine_pool_pages}",
+            ),
         ]
         for name in ("l3_bandwidth_bytes_per_s", "l3_aggregate_bytes_per_s"):
             value = getattr(self, name)

@@ -203,6 +203,8 @@ class TracePlayer:
         pool_pages = l1_pages + headroom
         if self._decodes and c.l1_pages < headroom:  # room for the requests running at once
             pool_pages = l1_pages + headroom * c.profile.max_running_requests
+            if c.engine_pool_pages:  # as much as the engine's own pool holds
+                pool_pages = l1_pages + max(headroom, c.engine_pool_pages)
         if c.engine_requests and c.l1_pages >= headroom:
             # The engine's own pool: a request reserves its pages (the prompt's and the
             # answer's) in it at the start, evicting cached pages to make room then.

@@ -304,3 +304,29 @@ def test_instances_on_one_device_take_turns(shared):
     alone = profile.prefill_s(0, 96)
     assert sorted(stats.instance.tolist()) == [0, 1]
     assert ttft == pytest.approx([alone, 2 * alone if shared else alone])
+
+
+@pytest.mark.parametrize("pool_pages", [None, 3])
+def test_a_cache_off_engine_runs_what_its_pool_holds(pool_pages):
+    """No cache (L1 0), the engine's pool 3 pages: a request of 32 + 10 tokens holds all 3
+    while it decodes, so the next waits for it to end; a pool of None holds both."""
+    profile = make_profile()
+    first_s = profile.prefill_s(0, 32)
+    step_s = profile.step_s(1, 33)
+    arrival_s = first_s + 0.5 * step_s
+    requests = [
+        Request(arrival_s=0.0, input_length=32, output_length=11,
+                stream=np.arange(32, dtype=np.uint32)),
+        Request(arrival_s=arrival_s, input_length=32, output_length=1,
+                stream=np.arange(100, 132, dtype=np.uint32)),
+    ]  # fmt: skip
+    config = _config(l1_bytes=0, engine_requests=True, engine_pool_pages=pool_pages)
+    player = TracePlayer(config, Trace("two", requests))
+    player.run()
+    stats = player.request_stats
+    waited_s = stats.began_s[1] - arrival_s
+    if pool_pages is None:
+        assert waited_s == pytest.approx(0.5 * step_s)  # the decode step running
+    else:
+        assert waited_s == pytest.approx(first_s + 10 * step_s - arrival_s)
+    assert stats.hit_pages.sum() == 0
