@@ -18,10 +18,12 @@
    Exits 1 when any figure missed.
 
 What the simulator leaves out, and so where a TTFT can miss (the note in
-docs/performance.md): the engine batches requests (decode rows ride in prefill steps, several
-prefills share a step), the simulator runs one prefill at a time per replica; the HTTP and
-router hops; the GIL between a replica's HTTP thread and its engine thread; decode time
-before a request's pages are inserted (the simulator inserts them at its first token).
+docs/performance.md): several prefills sharing one engine step (it runs one prefill at a
+time per replica, each decode step it models one row); the router's hop (the request
+overhead is measured at a replica); the GIL between a replica's HTTP thread and its engine
+thread; on a CPU, the replicas, router and client contending for cores. It models a
+request's decode steps (holding its pages, its pages cached when its answer ends), a
+prefill waiting for the decode step running, and replicas on one GPU taking turns.
 
     python benchmarks/bench_planner.py --trace conversations:sessions=12,system_prompts=2,\\
         system_tokens=300,turns=3,user_tokens=120,output_tokens=8,think_s=3,rate=1 \\
