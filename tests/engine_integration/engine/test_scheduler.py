@@ -136,7 +136,9 @@ def test_best_effort_uses_what_the_queue_time_prefetch_brought(small_model, engi
     run_one(writer, tokens)
     writer.cache.flush()
     writer.cache.close()
-    policy = PolicyConfig(write_policy="write_through", prefetch_policy="best_effort")
+    policy = PolicyConfig(  # the whole run fetched, whatever the rates (they rest on timings)
+        write_policy="write_through", prefetch_policy="best_effort", l3_fetch_policy="always"
+    )
     reader = engines(small_model, l2_pages=64, l3_url=url, policy=policy)
     request = reader.add_request(tokens + [1, 2, 3], GREEDY)  # queued: prefetch starts
     deadline = time.monotonic() + 10
