@@ -4,6 +4,8 @@
     POST /hicache/prefill      the prompt's KV into the cache and through to L3 (P/D)
     POST /hicache/tokenize/v1/completions (or .../chat/completions): the prompt's token ids
     GET  /hicache/info         name, role, namespace digest, page size, event sockets, load
+    GET  /v1/hicache/profile   what it measured: step costs, link and L3 rates, model, device
+                               (`calibration.py`; `hicache simulate --calibrate` reads it)
     GET  /health, /v1/models
 
 The engine runs on one thread of its own (`EngineLoop`): HTTP handlers hand it requests
@@ -37,6 +39,7 @@ from engine_integration.engine.errors import EngineError, RequestTooLargeError
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.request import Request, RequestOutput
 from engine_integration.engine.sampling import SamplingParams
+from engine_integration.serve.calibration import replica_profile
 from engine_integration.serve.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -53,6 +56,7 @@ from engine_integration.serve.openai_api import (
 )
 from engine_integration.serve.replica_config import ReplicaConfig
 from hicache.config import PolicyConfig
+from hicache.simulate.profile import PROFILE_PATH
 from radix.keys import Namespace
 
 logger = logging.getLogger(__name__)
@@ -163,6 +167,7 @@ class Replica:
             dtype=config.dtype,
             deterministic=config.deterministic,
         )
+        self.engine_config = engine_config
         self.model, self.tokenizer = load_model(
             config.model_path, engine_config, seed=config.seed, model_config=config.model_config
         )
@@ -226,6 +231,7 @@ class Replica:
         app.router.add_post("/hicache/prefill", self.prefill)
         app.router.add_post("/hicache/tokenize/{endpoint:v1/.+}", self.tokenize)
         app.router.add_get("/hicache/info", self.info)
+        app.router.add_get(PROFILE_PATH, self.profile)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         return app
@@ -264,6 +270,10 @@ class Replica:
                 "pid": os.getpid(),
             }
         )
+
+    async def profile(self, _request: web.Request) -> web.Response:
+        document = replica_profile(self.model, self.engine_config, self.cache)
+        return web.json_response({**document, "source": self.name})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         api = await self._parse(request, "/" + request.match_info["endpoint"])

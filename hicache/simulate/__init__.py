@@ -12,6 +12,8 @@ only the clock and the byte movement are modelled. Nothing here imports torch.
     l3.py         SimulatedL3: a shared LRU store whose pages appear when their write ends
     executor.py   VirtualExecutor: the controller's ops on contended links in virtual time
     player.py     TracePlayer: routing, queueing, match / prefill / insert, TTFT
+    decode.py     DecodeSteps: an engine's decode steps between prefills (engine requests)
+    profile.py    HardwareProfile: a replica's measured costs;  calibrate.py: --calibrate
     result.py     SimulationResult: hit rates, TTFT, bytes per link, costs
     sweep.py      capacity sweeps, run in parallel processes
     verdict.py    where the next dollar of cache goes; whether a shared L3 pays off

@@ -23,6 +23,7 @@ from hicache.config import (
     L3Config,
     PolicyConfig,
 )
+from hicache.simulate.calibrate import calibrate
 from hicache.simulate.config import (
     ROUTING,
     Prices,
@@ -38,6 +39,7 @@ from hicache.simulate.l3 import STORE_PRESETS
 from hicache.simulate.models import PRESETS as MODEL_PRESETS
 from hicache.simulate.models import canonical_dtype, load_model
 from hicache.simulate.player import TracePlayer
+from hicache.simulate.profile import load_profile
 from hicache.simulate.progress import ProgressBar
 from hicache.simulate.report import (
     best_sweep_point,
@@ -54,6 +56,7 @@ from hicache.simulate.trace import CONVERSATIONS, Trace, load_trace
 from hicache.simulate.verdict import build_verdict, plan_probes
 
 _POLICY = PolicyConfig()
+_SWEEP_OUT = Path("hicache-sweep")
 _L3 = L3Config()
 _DEFAULT = SimulationConfig.__dataclass_fields__
 
@@ -91,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model and hardware")
     model.add_argument(
         "--model",
-        default="deepseek-v3",
-        help=f"a preset ({', '.join(MODEL_PRESETS)}) or a config.json path",
+        help=f"a preset ({', '.join(MODEL_PRESETS)}) or a config.json path "
+        "(default: the --profile's model, else deepseek-v3)",
     )
     model.add_argument("--kv-dtype", help="KV cache dtype (bf16, fp8, ...; default: the model's)")
     model.add_argument(
@@ -128,7 +131,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "busy)",
     )
     model.add_argument(
-        "--mfu", type=float, default=_DEFAULT["mfu"].default, help="prefill model-FLOPs utilization"
+        "--mfu",
+        type=float,
+        help=f"prefill model-FLOPs utilization (default: {_DEFAULT['mfu'].default}; "
+        "not with --profile)",
+    )
+    model.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="a hardware profile measured on a replica (--calibrate): prefill costs its "
+        "measured engine steps and the links its measured rates, instead of --mfu, --tflops "
+        "and the link presets",
+    )
+    model.add_argument(
+        "--engine-requests",
+        action="store_true",
+        help="play requests as `hicache engine serve` runs them: look up the prompt but its "
+        "last token, and cache the answer's pages with the prompt's (default: prompts only, "
+        "as on a P/D prefill side)",
+    )
+    model.add_argument(
+        "--shared-device",
+        action="store_true",
+        help="every instance runs on one device (replicas sharing a GPU): their prefills "
+        "take turns on it",
+    )
+    model.add_argument(
+        "--calibrate",
+        metavar="URL",
+        help="measure a running `hicache engine serve` replica (warm-up prompts, then its "
+        "/v1/hicache/profile) and write the profile to --out (default: print it); runs nothing "
+        "else",
+    )
+    model.add_argument(
+        "--calibrate-rounds",
+        type=int,
+        default=3,
+        help="warm-up prompts of each length --calibrate sends first (0: none)",
     )
     for flag, name, unit in (
         ("--hbm", "hbm_bytes", "GB per GPU"),
@@ -225,8 +265,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--out",
         type=Path,
-        default=Path("hicache-sweep"),
-        help="where a sweep writes sweep.json, sweep.md and sweep.png",
+        help=f"where a sweep writes sweep.json, sweep.md and sweep.png (default: "
+        f"{_SWEEP_OUT}); the file --calibrate writes",
     )
     out.add_argument(
         "--jobs", type=int, help="processes for sweeps and the verdict (default: one per CPU)"
@@ -246,6 +286,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.calibrate:
+            return _calibrate(args)
         return _run(args)
     except (SimulationError, ValueError) as error:
         if args.debug:
@@ -273,14 +315,30 @@ def check_flags(args: argparse.Namespace) -> None:
             raise SimulationError(
                 f"--{name.replace('_', '-')} must be >= {least} {unit}, got {value}"
             )
-    if not 0 < args.mfu <= 1:
+    if args.profile is not None:
+        for flag, value in (
+            ("--mfu", args.mfu),
+            ("--tflops", args.hw_flops),
+            ("--host-link-bandwidth", args.hw_host_link_bytes_per_s),
+            ("--kv-dtype", args.kv_dtype),
+            ("--draft", args.draft),
+        ):
+            if value is not None:
+                raise SimulationError(
+                    f"{flag} and --profile: the profile's measured costs replace {flag}; "
+                    "give one of them"
+                )
+        if args.mtp:
+            raise SimulationError("--mtp and --profile: the profile measured the model as served")
+        load_profile(args.profile)  # a bad file is named before the trace is read
+    if args.mfu is not None and not 0 < args.mfu <= 1:
         raise SimulationError(
             f"--mfu must be in (0, 1] (a fraction of peak FLOP/s), got {args.mfu}"
         )
     for name in ("l1", "l2", "l3"):
         if getattr(args, name) is not None:
             _capacity(args, name)
-    if args.sweep and args.out.exists() and not args.out.is_dir():
+    if args.sweep and args.out and args.out.exists() and not args.out.is_dir():
         raise SimulationError(f"--out {args.out}: exists and is not a directory")
     if args.sweep:
         from hicache.simulate.plots import require_matplotlib
@@ -368,7 +426,7 @@ def _sweep_output(args, config, trace: Trace, axes, configs, results, verdict, t
     best = best_sweep_point(axes, rows)
     best_result = results[max(range(len(rows)), key=lambda i: rows[i]["net_per_month"])]
     basis = savings_basis(best_result, configs[0])
-    out_dir: Path = args.out
+    out_dir: Path = args.out or _SWEEP_OUT
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -430,7 +488,16 @@ def _sweep_output(args, config, trace: Trace, axes, configs, results, verdict, t
 
 
 def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
-    model = load_model(args.model)
+    profile = load_profile(args.profile) if args.profile is not None else None
+    if profile is None:
+        model = load_model(args.model or "deepseek-v3")
+    else:
+        model = profile.model
+        if args.model and load_model(args.model).name != model.name:
+            raise SimulationError(
+                f"--model {args.model} and --profile {args.profile}: the profile measured "
+                f"{model.name}; calibrate a replica of {args.model} instead"
+            )
     if args.kv_dtype:
         model = model.replace(kv_dtype=canonical_dtype(args.kv_dtype))
     if args.mtp:
@@ -440,7 +507,13 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
     if args.draft:
         model = model.replace(draft=load_model(args.draft))
     hardware = _hardware(args)
-    gpus = args.gpus_per_instance or default_gpus_per_instance(model, hardware)
+    if profile is not None:
+        gpus = args.gpus_per_instance or 1  # the profile measured one replica
+        hardware = hardware.replace(  # the measured rate holds the copies' latency
+            host_link_bytes_per_s=profile.l2_load_bytes_per_s / gpus, host_link_latency_s=0.0
+        )
+    else:
+        gpus = args.gpus_per_instance or default_gpus_per_instance(model, hardware)
     l1 = _capacity(args, "l1") if args.l1 else default_l1_bytes(model, hardware, gpus)
     if not args.l1 and l1 <= 0:
         raise SimulationError(
@@ -471,39 +544,68 @@ def build_config(args: argparse.Namespace, trace: Trace) -> SimulationConfig:
     return SimulationConfig(
         model=model,
         hardware=hardware,
-        page_size=args.page_size or trace.block_size or 64,
+        page_size=args.page_size or (profile.page_size if profile else trace.block_size or 64),
         gpus_per_instance=gpus,
         l1_bytes=l1,
         l2_bytes=l2,
         l3_bytes=_capacity(args, "l3"),
         num_instances=args.instances,
         l3_shared=not args.l3_local,
-        l3_bandwidth_bytes_per_s=_l3_bandwidth(args),
+        l3_bandwidth_bytes_per_s=_l3_bandwidth(args, profile),
         l3_aggregate_bytes_per_s=(
             args.l3_aggregate_bandwidth * 1e9 if args.l3_aggregate_bandwidth else None
         ),
-        l3_latency_s=_l3_latency(args),
+        l3_latency_s=_l3_latency(args, profile),
         l3_write_policy=args.l3_write_policy,
         policy=policy,
         routing=args.routing,
-        mfu=args.mfu,
+        mfu=args.mfu if args.mfu is not None else _DEFAULT["mfu"].default,
         prices=prices,
+        profile=profile,
+        engine_requests=args.engine_requests,
+        shared_device=args.shared_device,
     )
 
 
-def _l3_bandwidth(args: argparse.Namespace) -> float | None:
-    """Bytes/s per instance to L3: the flag, else the store preset's, else None (the NICs)."""
+def _l3_bandwidth(args: argparse.Namespace, profile) -> float | None:
+    """Bytes/s per instance to L3: the flag, else the store preset's, else the profile's
+    measured read rate, else None (the NICs)."""
     if args.l3_bandwidth:
         return args.l3_bandwidth * 1e9
-    return STORE_PRESETS[args.l3_store].bandwidth_bytes_per_s if args.l3_store else None
+    if args.l3_store:
+        return STORE_PRESETS[args.l3_store].bandwidth_bytes_per_s
+    return profile.l3_read_bytes_per_s if profile else None
 
 
-def _l3_latency(args: argparse.Namespace) -> float:
+def _l3_latency(args: argparse.Namespace, profile) -> float:
     if args.l3_latency_us is not None:
         return args.l3_latency_us / 1e6
     if args.l3_store:
         return STORE_PRESETS[args.l3_store].latency_s
+    if profile is not None:
+        return profile.l3_latency_s
     return _DEFAULT["l3_latency_s"].default
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """`--calibrate URL`: measure the replica, write (or print) its profile."""
+    if args.profile is not None:
+        raise SimulationError("--calibrate and --profile: calibrate first, then plan with it")
+    profile = calibrate(args.calibrate, rounds=args.calibrate_rounds)
+    if args.out is None:
+        print(json.dumps(profile.as_dict()))
+        return 0
+    profile.write(args.out)
+    fit = profile.compute
+    print(
+        f"wrote {args.out}: {profile.model.name} on {profile.device} ({profile.dtype}), "
+        f"step {fit.per_step_s * 1e3:.3f} ms + {fit.per_row_s * 1e6:.3f} us/row + "
+        f"{fit.per_pair_s * 1e9:.4f} ns/pair ({profile.num_compute_samples} steps), "
+        f"L2 load {profile.l2_load_bytes_per_s / 1e9:.2f} GB/s ({profile.num_load_samples}), "
+        f"L3 read {profile.l3_read_bytes_per_s / 1e9:.2f} GB/s ({profile.num_read_samples}), "
+        f"L3 lookup {profile.l3_latency_s * 1e6:.0f} us"
+    )
+    return 0
 
 
 def _hardware(args: argparse.Namespace):

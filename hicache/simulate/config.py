@@ -16,6 +16,7 @@ from hicache.config import L3_WRITE_POLICIES, PolicyConfig
 from hicache.routing import POLICIES
 from hicache.simulate.hardware import HardwareSpec
 from hicache.simulate.models import ModelSpec
+from hicache.simulate.profile import HardwareProfile
 
 HOURS_PER_MONTH = 730.0
 ROUTING = POLICIES  # hicache.routing: the policies of `hicache route`
@@ -62,6 +63,23 @@ class SimulationConfig:
     route_balance_s: float = 1.0  # prefix routing: skip instances this much busier than the least
     mfu: float = 0.4
     prices: Prices | None = None  # None: the hardware's GPU price and default tier prices
+    # Measured on a replica (`hicache simulate --calibrate`): prefill costs its compute fit,
+    # not FLOPs / (peak x mfu). Its link rates are the caller's to put in `hardware` and the
+    # L3 fields (the CLI does).
+    profile: HardwareProfile | None = None
+    # Requests as the embedded engine (`hicache engine serve`) runs them: it looks up the
+    # prompt but its last token (whose logits it needs), and caches the answer's pages with
+    # the prompt's (the prompt and all but the last output token; the answer's tokens are
+    # the request's own, shared with nothing). Off: prompts only, looked up whole (the
+    # prefill side of a P/D deployment).
+    engine_requests: bool = False
+    # Every instance runs on one device (replicas sharing a GPU): their prefills take
+    # turns on it, first come first served. Off: each instance has its own GPUs.
+    shared_device: bool = False
+    # Engine requests with a profile and an L1 smaller than a request (the cache off): the
+    # engine's own KV pool in pages, which bounds the requests it runs at once (None: room
+    # for `max_running_requests` of the largest).
+    engine_pool_pages: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -81,10 +99,24 @@ class SimulationConfig:
                 f"l3_write_policy must be one of {L3_WRITE_POLICIES}",
             ),
             (self.route_balance_s >= 0, "route_balance_s must be >= 0"),
+            (
+                self.engine_pool_pages is None or self.engine_pool_pages >= 1,
+                f"engine_pool_pages must be >= 1 (or None), got {self.engine_pool_pages}",
+            ),
         ]
         for name in ("l3_bandwidth_bytes_per_s", "l3_aggregate_bytes_per_s"):
             value = getattr(self, name)
             checks.append((value is None or value > 0, f"{name} must be > 0"))
+        if self.profile is not None:
+            checks.append(
+                (
+                    self.profile.page_size == self.page_size
+                    and self.profile.page_bytes == self.page_bytes,
+                    f"the profile measured pages of {self.profile.page_size} tokens, "
+                    f"{self.profile.page_bytes} bytes; this run's are {self.page_size} tokens, "
+                    f"{self.page_bytes} bytes",
+                )
+            )
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"SimulationConfig: {message}")
@@ -114,6 +146,13 @@ class SimulationConfig:
     @property
     def l3_pages(self) -> int:
         return int(self.l3_bytes // self.page_bytes)
+
+    def prefill_s(self, num_cached: int, num_tokens: int) -> float:
+        """Seconds one instance takes to prefill tokens [num_cached, num_tokens): the
+        profile's measured steps, else the model's FLOPs at the instance's FLOP/s."""
+        if self.profile is not None:
+            return self.profile.prefill_s(num_cached, num_tokens)
+        return self.model.prefill_flops(num_cached, num_tokens) / self.instance_flops
 
     @property
     def instance_flops(self) -> float:

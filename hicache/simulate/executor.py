@@ -249,6 +249,14 @@ class VirtualExecutor(Executor):
     def wait_layer(self, op: LoadOp, layer: int) -> None:
         """Free: the player overlaps loads with compute layer by layer in its time model."""
 
+    def link_sample(self) -> tuple[int, float] | None:
+        """One page's L2 -> L1 load on the modelled link, as the real executor times one
+        when it is built (with an L2): the controller's load rate before any load."""
+        if not self._num_host_pages:
+            return None
+        link = self._links.host_to_device
+        return self._page_bytes, self._page_bytes / link.bytes_per_s + self._links.host_latency_s
+
     def l3_exists(self, keys: list[bytes], timeout_s: float) -> int:
         if self._store is None or not keys:
             return 0

@@ -91,6 +91,9 @@ class ModelSpec:
     use_mtp: bool = False
     weight_dtype: str = "bfloat16"
     kv_dtype: str = "bfloat16"
+    # Layers of the same shape the embedded engine adds to every cached page of a hybrid
+    # model (its boundary residual: `ModelConfig.num_boundary_layers`); 0 for the presets.
+    num_boundary_layers: int = 0
     draft: ModelSpec | None = None
 
     def __post_init__(self) -> None:
@@ -114,6 +117,8 @@ class ModelSpec:
             )
         if self.kv_dtype not in DTYPE_BYTES:
             raise ValueError(f"{self.name}: kv_dtype must be one of {sorted(DTYPE_BYTES)}")
+        if self.num_boundary_layers < 0:
+            raise ValueError(f"{self.name}: num_boundary_layers must be >= 0")
 
     def replace(self, **changes) -> ModelSpec:
         return dataclasses.replace(self, **changes)
@@ -132,10 +137,19 @@ class ModelSpec:
         return (self.kv_lora_rank + self.qk_rope_dim) * dtype_bytes
 
     @property
+    def num_cached_layers(self) -> int:
+        """Layers of KV in a cached page: full-attention, boundary, and MTP when used."""
+        return (
+            self.num_full_layers
+            + self.num_boundary_layers
+            + (self.mtp_layers if self.use_mtp else 0)
+        )
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV the cache holds per prompt token: full-attention layers, plus MTP
-        layers when used, plus the draft model's."""
-        layers = self.num_full_layers + (self.mtp_layers if self.use_mtp else 0)
+        """Bytes of KV the cache holds per prompt token: full-attention layers (and the
+        engine's boundary layers), plus MTP layers when used, plus the draft model's."""
+        layers = self.num_cached_layers
         own = layers * self.kv_bytes_per_token_per_layer
         return own + (self.draft.kv_bytes_per_token if self.draft else 0)
 
@@ -154,7 +168,7 @@ class ModelSpec:
         the controller's ops exactly the page size in bytes.
         """
         if self.draft is None:
-            layers = self.num_full_layers + (self.mtp_layers if self.use_mtp else 0)
+            layers = self.num_cached_layers
             if self.attention == "gqa":
                 return KVLayout(
                     kind="mha",

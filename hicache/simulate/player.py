@@ -25,6 +25,18 @@ TTFT = queueing + the match's waits (L3 lookups and prefetch) + prefill, where p
 the uncached tokens overlaps the per-layer loads. Only prompt pages are cached (the KV a
 prefill produces; as on the prefill side of a P/D deployment).
 
+`SimulationConfig.engine_requests` plays requests as `hicache engine serve` runs them
+instead: the match looks up the prompt but its last token; the L1 pool is exactly the
+capacity (when it holds one request), a request reserving every page its prompt and answer
+touch when it starts and freeing the partial last one when it ends; the answer's full pages
+are cached with the prompt's. With a calibrated profile too (`hicache.simulate.profile`),
+prefill costs the measured steps, and after its first token a request decodes on
+(`DecodeSteps`), holding its pages, up to the engine's `max_running_requests` at once: its
+pages reach the cache when its answer ends, a prefill that arrives meanwhile starts when
+the decode step running ends, and a request that finds no L1 room waits for one to end.
+`shared_device` has all instances' prefills take turns on one device. TTFT then adds the
+profile's request overhead (HTTP, the hand-over to the engine thread).
+
 This module knows the controller only through its public API, plus one side-effect-free
 look at an instance's index for routing (`_cached_prefix`), scored by `hicache.routing`, the
 code `hicache route` runs.
@@ -39,20 +51,26 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config
 from hicache.controller import CachedPrefix, HiCache, Match
 from hicache.routing import NOTHING_CACHED, Candidate, Router, RoutingConfig
 from hicache.simulate.config import SimulationConfig
+from hicache.simulate.decode import DecodeSteps
 from hicache.simulate.errors import SimulationError
 from hicache.simulate.executor import URL_SCHEME, Link, Links, VirtualExecutor
 from hicache.simulate.l3 import SimulatedL3
 from hicache.simulate.result import RequestStats, SimulationResult, summarize
 from hicache.simulate.trace import Request, Trace
-from radix.keys import Namespace
+from radix.keys import TOKEN_BYTES, Namespace
 from tiers.errors import PoolExhaustedError
 
 ProgressCallback = Callable[[int, int], None]  # (requests done, total)
-_FINISH, _TICK = 0, 1  # event kinds
+# Steps (rows, attention pairs) on a profile's compute fit, enough for the controller's
+# least squares to find that fit again: three independent points.
+_FIT_POINTS = ((1, 1), (64, 64 * 65 // 2), (64, 1088 * 1089 // 2 - 1024 * 1025 // 2))
+_FINISH, _TICK, _PREFILLED = 0, 1, 2  # event kinds
 
 
 @dataclass(eq=False)
@@ -60,8 +78,11 @@ class _Job:
     index: int
     request: Request
     data: bytes  # the prompt, encoded once
+    lookup: bytes  # what the match looks up (`SimulationConfig.engine_requests`)
+    cached: bytes  # what is inserted when it ends
     match: Match | None = None
     new_page_ids: list[int] | None = None
+    decoded_s: float = 0.0  # when its last token is out (engine requests with a profile)
     estimate_s: float = 0.0  # prefill time without a cache (routing's load estimate)
 
 
@@ -80,6 +101,8 @@ class _Instance:
         self.queued_s = 0.0  # summed no-cache estimates of the queued requests
         self.busy_s = 0.0
         self.num_routed = 0
+        self.decode = DecodeSteps()
+        self.decoding: list[_Job] = []  # past their first token, holding their pages
 
     def backlog_s(self, now_s: float) -> float:
         return max(0.0, self.free_at_s - now_s) + self.queued_s
@@ -108,8 +131,10 @@ class TracePlayer:
             raise SimulationError("the model's page layout and its KV bytes per token disagree")
         # One model on every instance: they share prefixes (and a shared L3) in one namespace.
         self._namespace = Namespace(model_id=config.model.name, layout=self._layout.descriptor())
-        self._trace_pages = sum(r.input_length // config.page_size for r in trace.requests)
+        self._trace_pages = sum(self._cached_length(r) // config.page_size for r in trace.requests)
         self._stores = self._make_stores()
+        self._decodes = config.engine_requests and config.profile is not None
+        self._device_free_s = 0.0  # `shared_device`: when the device's last prefill ends
         aggregate = config.l3_aggregate_bytes_per_s
         self._shared_links = (  # the shared store's own bandwidth, one side per direction
             (Link("l3-write", aggregate), Link("l3-read", aggregate))
@@ -119,7 +144,8 @@ class TracePlayer:
         self._instances = [self._make_instance(i) for i in range(config.num_instances)]
         self._stats = RequestStats.empty(trace.num_requests)
         self._router = Router(RoutingConfig(config.routing, config.route_balance_s))
-        self._events: list[tuple[float, int, int, _Instance]] = []  # (time, seq, kind, where)
+        # (time, seq, kind, where, the request or None)
+        self._events: list[tuple[float, int, int, _Instance, _Job | None]] = []
         self._seq = itertools.count()
 
     @property
@@ -169,13 +195,22 @@ class TracePlayer:
     def _make_instance(self, index: int) -> _Instance:
         c = self.config
         links = self._make_links(index)
-        headroom = -(-self.trace.max_input_length // c.page_size)
+        headroom = -(-max(map(self._cached_length, self.trace.requests)) // c.page_size)
         # A tier that can hold every page of the trace behaves the same at any larger size:
         # cap the pools there (a 100 TB L1 of 16-token pages would be a billion page ids).
         l1_pages = min(c.l1_pages, self._trace_pages)
         l2_pages = min(c.l2_pages, self._trace_pages)
+        pool_pages = l1_pages + headroom
+        if self._decodes and c.l1_pages < headroom:  # room for the requests running at once
+            pool_pages = l1_pages + headroom * c.profile.max_running_requests
+            if c.engine_pool_pages:  # as much as the engine's own pool holds
+                pool_pages = l1_pages + max(headroom, c.engine_pool_pages)
+        if c.engine_requests and c.l1_pages >= headroom:
+            # The engine's own pool: a request reserves its pages (the prompt's and the
+            # answer's) in it at the start, evicting cached pages to make room then.
+            pool_pages = l1_pages = min(c.l1_pages, self._trace_pages + headroom)
         executor = VirtualExecutor(
-            num_device_pages=l1_pages + headroom,
+            num_device_pages=pool_pages,
             num_host_pages=l2_pages,
             page_bytes=c.page_bytes,
             links=links,
@@ -188,7 +223,7 @@ class TracePlayer:
             url = URL_SCHEME + ("shared" if c.l3_shared else f"instance-{index}")
         cache_config = HiCacheConfig(
             layout=self._layout,
-            l1=L1Config(device="cpu", num_pages=l1_pages + headroom),
+            l1=L1Config(device="cpu", num_pages=pool_pages),
             l2=L2Config(budget_bytes=l2_pages * c.page_bytes, reserve_bytes=0, pin_memory=False),
             l3=L3Config(
                 url=url,
@@ -197,7 +232,11 @@ class TracePlayer:
             ),
             policy=c.policy,
         )
-        return _Instance(index, HiCache(cache_config, executor), executor, l1_pages)
+        cache = HiCache(cache_config, executor)
+        if c.profile is not None:  # its load-or-recompute choice weighs the measured steps
+            for num_rows, num_pairs in _FIT_POINTS:
+                cache.record_compute(num_rows, num_pairs, c.profile.step_s(num_rows, num_pairs))
+        return _Instance(index, cache, executor, l1_pages)
 
     # ------------------------------------------------------------------ the event loop
 
@@ -213,11 +252,14 @@ class TracePlayer:
             if events and (
                 next_arrival >= total or events[0][0] <= requests[next_arrival].arrival_s
             ):
-                at_s, _, kind, instance = heapq.heappop(events)
+                at_s, _, kind, instance, job = heapq.heappop(events)
                 if kind == _TICK:
                     self._tick(instance, at_s)
                     continue
-                self._finish(instance, at_s)
+                if kind == _PREFILLED:
+                    self._prefilled(instance, job, at_s)
+                    continue
+                self._finish(instance, job, at_s)
                 done += 1
                 if self.progress is not None and done % report_every == 0:
                     self.progress(done, total)
@@ -240,72 +282,140 @@ class TracePlayer:
             elapsed_s=time.perf_counter() - started,
         )
 
+    def _cached_length(self, request: Request) -> int:
+        """Tokens a request inserts when it ends (its prompt; with the answer, as the
+        engine does, when `engine_requests`)."""
+        if self.config.engine_requests:
+            return request.input_length + max(0, request.output_length - 1)
+        return request.input_length
+
+    def _reserved_pages(self, job: _Job) -> int:
+        """L1 pages a request holds while it runs: its full prompt pages; as the engine
+        reserves them, every page its prompt and answer touch."""
+        num_tokens = len(job.cached) // TOKEN_BYTES
+        if self.config.engine_requests:
+            return -(-num_tokens // self.config.page_size)
+        return num_tokens // self.config.page_size
+
+    def _job(self, index: int, request: Request) -> _Job:
+        data = request.token_bytes()
+        if not self.config.engine_requests:
+            return _Job(index, request, data, data, data)
+        # The answer: tokens of this request alone (above any prompt token a trace holds).
+        answer = np.arange(max(0, request.output_length - 1), dtype="<u4")
+        answer = (answer + np.uint32(0x8000_0000 + (index << 12) % 0x7FFF_0000)).tobytes()
+        return _Job(index, request, data, data[:-TOKEN_BYTES], data + answer)
+
     def _arrive(self, index: int, request: Request) -> None:
-        job = _Job(index, request, request.token_bytes())
-        job.estimate_s = self.config.model.prefill_flops(0, request.input_length) / (
-            self.config.instance_flops
-        )
+        job = self._job(index, request)
+        job.estimate_s = self.config.prefill_s(0, request.input_length)
         instance = self._route(job, request.arrival_s)
         instance.executor.advance_to(request.arrival_s)
-        if instance.running is None:
-            self._start(instance, job, request.arrival_s)
+        if (
+            instance.running is None
+            and not instance.queue
+            and self._start(instance, job, request.arrival_s)
+        ):
             return
         instance.queue.append(job)
         instance.queued_s += job.estimate_s
         if instance.executor.has_l3:
             # the scheduler's hint for a queued request
-            instance.cache.prefetch(job.data, self._namespace)
+            instance.cache.prefetch(job.lookup, self._namespace)
 
-    def _start(self, instance: _Instance, job: _Job, at_s: float) -> None:
+    def _start(self, instance: _Instance, job: _Job, at_s: float) -> bool:
+        """Run `job`'s match and prefill on `instance`; False (nothing changed but the
+        match's side effects, as in the engine) when the engine cannot take it yet: as
+        many requests as it runs at once, or no L1 pages for it until one ends."""
         c = self.config
         executor, cache = instance.executor, instance.cache
         executor.advance_to(at_s)
+        decodes = self._decodes
+        if decodes and len(instance.decoding) >= c.profile.max_running_requests:
+            return False
+        if decodes:
+            executor.advance_to(executor.now() + instance.decode.wait_s(executor.now()))
         began_s = executor.now()  # later than at_s when the scheduler was blocked
-        match = cache.match(job.data, self._namespace)
+        match = cache.match(job.lookup, self._namespace)
         matched_s = executor.now()
         length = job.request.input_length
         computed_from = min(match.num_tokens, length - 1)  # the last token is always computed
-        prefill_s = c.model.prefill_flops(computed_from, length) / c.instance_flops
-        end_s = matched_s + prefill_s
-        if executor.loads_done_s > matched_s:  # layer i attends once its load is in
+        prefill_s = c.prefill_s(computed_from, length)
+        compute_s = matched_s  # when its prefill starts: on a shared device, in turn
+        if c.shared_device:
+            compute_s = max(matched_s, self._device_free_s)
+        end_s = compute_s + prefill_s
+        if executor.loads_done_s > compute_s:  # layer i attends once its load is in
             last_layer_s = prefill_s / c.model.num_layers
             end_s = max(end_s, executor.loads_done_s + last_layer_s)
-        num_new = length // c.page_size - match.num_pages
+        num_new = self._reserved_pages(job) - match.num_pages
         try:
             job.new_page_ids = cache.alloc_device_pages(num_new)
         except PoolExhaustedError as error:  # the pool has room for one whole request
+            if decodes and instance.decoding:  # the engine waits for a request to end
+                cache.release(match)
+                return False
             raise SimulationError(f"instance {instance.index}: {error}") from error
+        if decodes:
+            num_steps = max(0, job.request.output_length - 1)
+            step_s = c.profile.step_s(1, length + 1)  # one row over the prompt
+            instance.decode.prefilled(began_s, end_s, num_steps, step_s)
+            job.decoded_s = end_s + num_steps * instance.decode.step_s
         job.match = match
         instance.running = job
         instance.free_at_s = end_s
-        instance.busy_s += end_s - matched_s
+        instance.busy_s += end_s - compute_s
+        if c.shared_device:
+            self._device_free_s = end_s
         self._stats.record(
             job.index,
             arrival_s=job.request.arrival_s,
             began_s=began_s,
             matched_s=matched_s,
-            end_s=end_s,
+            end_s=end_s + (c.profile.request_overhead_s if c.profile else 0.0),
             match=match,
             page_size=c.page_size,
             computed_from=computed_from,
             instance=instance.index,
         )
-        heapq.heappush(self._events, (end_s, next(self._seq), _FINISH, instance))
+        kind = _PREFILLED if decodes else _FINISH
+        heapq.heappush(self._events, (end_s, next(self._seq), kind, instance, job))
+        return True
 
-    def _finish(self, instance: _Instance, at_s: float) -> None:
-        job = instance.running
+    def _prefilled(self, instance: _Instance, job: _Job, at_s: float) -> None:
+        """Its first token: the request decodes on (holding its pages) until `decoded_s`,
+        and the engine takes the next request."""
+        instance.running = None
+        instance.decoding.append(job)
+        heapq.heappush(self._events, (job.decoded_s, next(self._seq), _FINISH, instance, job))
+        self._start_queued(instance, at_s)
+
+    def _start_queued(self, instance: _Instance, at_s: float) -> None:
+        if instance.running is None and instance.queue:
+            following = instance.queue.popleft()
+            if self._start(instance, following, at_s):
+                instance.queued_s = max(0.0, instance.queued_s - following.estimate_s)
+                return
+            instance.queue.appendleft(following)  # until a request ends
+        if instance.running is None:
+            self._schedule_tick(instance)
+
+    def _finish(self, instance: _Instance, job: _Job, at_s: float) -> None:
+        """The request ends: its full pages go into the cache, the rest back."""
         cache = instance.cache
         instance.executor.advance_to(at_s)
-        cache.insert(job.data, job.match.device_page_ids + job.new_page_ids, self._namespace)
+        page_ids = job.match.device_page_ids + job.new_page_ids
+        num_full = len(job.cached) // TOKEN_BYTES // self.config.page_size
+        cache.insert(job.cached, page_ids[:num_full], self._namespace)
+        if num_full < len(page_ids):  # the answer's last, partial page
+            cache.free_device_pages(page_ids[num_full:])
         cache.release(job.match)
         self._trim_l1(instance)
-        instance.running = None
-        if instance.queue:
-            following = instance.queue.popleft()
-            instance.queued_s = max(0.0, instance.queued_s - following.estimate_s)
-            self._start(instance, following, at_s)
+        if self._decodes:
+            instance.decoding.remove(job)
         else:
-            self._schedule_tick(instance)
+            instance.running = None
+        self._start_queued(instance, at_s)
 
     def _schedule_tick(self, instance: _Instance) -> None:
         """An idle instance looks at its cache again when its next transfer ends.
@@ -320,7 +430,7 @@ class TracePlayer:
             return
         instance.tick_pending = True
         at_s = max(next_s, instance.executor.now())
-        heapq.heappush(self._events, (at_s, next(self._seq), _TICK, instance))
+        heapq.heappush(self._events, (at_s, next(self._seq), _TICK, instance, None))
 
     def _tick(self, instance: _Instance, at_s: float) -> None:
         instance.tick_pending = False
@@ -347,7 +457,7 @@ class TracePlayer:
         candidates = [
             Candidate(
                 instance.index,
-                _cached_prefix(instance.cache, job.data, self._namespace)
+                _cached_prefix(instance.cache, job.lookup, self._namespace)
                 if self.config.routing == "prefix"
                 else NOTHING_CACHED,
                 instance.backlog_s(now_s),

@@ -48,7 +48,24 @@ def format_header(config: SimulationConfig, trace: Trace) -> str:
             f"prefetch {config.policy.prefetch_policy}, eviction {config.policy.eviction_policy}, "
             f"routing {config.routing}",
         ]
+        + _profile_line(config)
     )
+
+
+def _profile_line(config: SimulationConfig) -> list[str]:
+    """With a calibrated profile: where its costs were measured, and how many samples
+    stand behind each (0: the cache's prior, not a measurement)."""
+    p = config.profile
+    if p is None:
+        return []
+    fit = p.compute
+    return [
+        f"costs measured on {p.device} ({p.dtype}) at {p.source or '?'} {p.measured_at}: "
+        f"step {fit.per_step_s * 1e3:.3f} ms + {fit.per_row_s * 1e6:.3f} us/row + "
+        f"{fit.per_pair_s * 1e9:.4f} ns/pair ({p.num_compute_samples} steps); L2->L1 "
+        f"{p.l2_load_bytes_per_s / 1e9:.2f} GB/s ({p.num_load_samples} loads); L3 read "
+        f"{config.l3_instance_bytes_per_s / 1e9:.2f} GB/s ({p.num_read_samples} reads)"
+    ]
 
 
 def format_result(result: SimulationResult, config: SimulationConfig, where: str = "") -> str:

@@ -287,17 +287,21 @@ def _pd_handoff(lengths: np.ndarray, hit_pages: np.ndarray, page_size: int) -> d
 
 
 def _prefill(config: SimulationConfig, lengths: np.ndarray, computed_from: np.ndarray):
+    """FLOPs by the model; GPU-seconds by `config.prefill_s` (FLOPs at the instance's
+    FLOP/s, or the calibrated profile's measured steps)."""
     model = config.model
-    flops = without = 0.0
+    flops = without = seconds = seconds_without = 0.0
     for length, start in zip(lengths.tolist(), computed_from.tolist(), strict=True):
         flops += model.prefill_flops(start, length)
         without += model.prefill_flops(0, length)
-    per_gpu = config.instance_flops / config.gpus_per_instance
+        seconds += config.prefill_s(start, length)
+        seconds_without += config.prefill_s(0, length)
+    gpus = config.gpus_per_instance
     return PrefillResult(
         flops_without_cache=without,
         flops=flops,
-        gpu_seconds=flops / per_gpu,
-        gpu_seconds_saved=(without - flops) / per_gpu,
+        gpu_seconds=seconds * gpus,
+        gpu_seconds_saved=(seconds_without - seconds) * gpus,
     )
 
 
@@ -323,7 +327,17 @@ def describe(config: SimulationConfig) -> dict:
         "prefetch_policy": policy.prefetch_policy,
         "eviction_policy": policy.eviction_policy,
         "routing": config.routing,
-        "mfu": config.mfu,
+        "mfu": None if config.profile else config.mfu,
+        "profile": (
+            {
+                "source": config.profile.source,
+                "device": config.profile.device,
+                "dtype": config.profile.dtype,
+                "measured_at": config.profile.measured_at,
+            }
+            if config.profile
+            else None
+        ),
         "gpu_hour_price": prices.gpu_hour,
         "price_per_gb_month": {
             "l1": round(prices.l1_per_gb_month, 4),

@@ -124,7 +124,10 @@ def tier_limits(config: SimulationConfig) -> dict[str, float]:
 
 def plan_probes(config: SimulationConfig, trace: Trace) -> dict[str, Probe]:
     probes: dict[str, Probe] = {}
-    every_page = (trace.total_tokens // config.page_size + 1) * config.page_bytes
+    cached_tokens = trace.total_tokens  # (with their answers, as the engine caches them)
+    if config.engine_requests:
+        cached_tokens += sum(request.output_length for request in trace.requests)
+    every_page = (cached_tokens // config.page_size + 1) * config.page_bytes
     probes["ceiling"] = Probe(
         config.replace(
             l1_bytes=every_page, l2_bytes=0.0, l3_bytes=0.0, num_instances=1, routing="round_robin"

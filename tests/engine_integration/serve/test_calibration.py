@@ -1,0 +1,105 @@
+"""`GET /v1/hicache/profile` on a real `hicache engine serve` replica (the built-in tiny
+model, random weights, on a free loopback port), and `hicache simulate --calibrate` against
+it: what the endpoint answers, and the profile file the command writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_integration.engine.core import kv_layout_for
+from engine_integration.engine.embedded import load_model
+from engine_integration.engine.model.config import EngineConfig
+from hicache.simulate.calibrate import calibrate
+from hicache.simulate.errors import SimulationError
+from hicache.simulate.profile import PROFILE_FORMAT, PROFILE_PATH, load_profile
+from tests.support.cli import run_hicache
+from tests.support.replicas import get_json, replica
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def served():
+    process = replica("--page-size", str(PAGE), "--l1-pages", "512", "--max-running", "4")
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def test_the_endpoint_answers_what_the_replica_runs(served):
+    document = get_json(served.url + PROFILE_PATH)
+    assert document["format"] == PROFILE_FORMAT and document["version"] == 1
+    model, _ = load_model(None, EngineConfig(page_size=PAGE))
+    assert document["model"]["name"] == model.config.model_id
+    assert document["model"]["num_layers"] == model.config.num_layers
+    assert document["model"]["num_sliding_layers"] == model.config.num_late_layers
+    assert document["model"]["num_boundary_layers"] == model.config.num_boundary_layers
+    assert document["page_size"] == PAGE
+    assert document["page_bytes"] == kv_layout_for(model, PAGE).bytes_per_page
+    assert document["dtype"] == "float32" and document["device"].startswith("cpu")
+    assert document["prefill_chunk_tokens"] == EngineConfig().prefill_chunk_tokens
+    assert document["max_running_requests"] == 4
+    for name in ("l2_load_bytes_per_s", "l3_read_bytes_per_s"):
+        assert document[name] > 0
+    assert document["l3_latency_s"] >= 0
+
+
+def test_calibrate_fits_the_steps_it_sent(served):
+    profile = calibrate(served.url, rounds=1)
+    assert profile.num_compute_samples >= 6  # one step per warm-up prompt
+    fit = profile.compute
+    assert fit.per_row_s > 0 or fit.per_pair_s > 0
+    # a longer prompt costs more, as the engine's steps did
+    assert profile.prefill_s(0, 2048) > profile.prefill_s(0, 64)
+    assert profile.source == served.url
+    assert 0 <= profile.request_overhead_s < 10  # HTTP and the hand-over, never negative
+    assert profile.page_bytes == profile.model.kv_bytes_per_token * PAGE
+
+
+def test_the_command_writes_a_profile_the_simulator_reads(served, tmp_path):
+    path = tmp_path / "replica.json"
+    done = run_hicache("simulate", "--calibrate", served.url, "--out", str(path))
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {path}" in done.stdout
+    profile = load_profile(path)
+    document = json.loads(path.read_text())
+    assert document["source"] == served.url
+    assert document["request_overhead_s"] == profile.request_overhead_s >= 0
+    planned = run_hicache(
+        "simulate", "--profile", str(path), "--trace", "conversations:sessions=2,turns=2",
+        "--l1", "8MB", "--l2", "0", "--no-verdict", "--json",
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["config"]["model"] == profile.model.name
+
+
+def test_calibrate_names_an_address_that_is_not_a_replica(served):
+    with pytest.raises(SimulationError, match="answered HTTP 404"):
+        calibrate(served.url + "/nothing-here", rounds=0)
+    done = run_hicache("simulate", "--calibrate", "ftp://example.invalid")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "hicache simulate: error: --calibrate ftp://example.invalid: expected an http:// or "
+        "https:// URL"
+    ]
+
+
+def test_calibrate_samples_l3_reads_on_a_replica_sized_for_it(tmp_path):
+    """L1 for about one of the longest warm-up prompts (2,048 tokens: 128 pages), L2 for
+    two, over a file:// L3: the repeated prompts come back from L3, and the profile's L3
+    read rate is measured (the first read of a cache is no sample), not the prior."""
+    process = replica(
+        "--page-size", str(PAGE), "--l1-pages", "130", "--l2-pages", "260",
+        "--l3-url", f"file://{tmp_path}/l3?capacity=1GiB",
+    )  # fmt: skip
+    process.start()
+    try:
+        profile = calibrate(process.url, rounds=3)
+    finally:
+        process.stop()
+    assert profile.num_read_samples >= 1 and profile.num_load_samples >= 1
+    assert profile.l3_latency_s > 0
