@@ -10,7 +10,8 @@ two, over an L3, these come back from L3 (the first read of a cache is no sample
 the store's rate, the second is), so the profile's L3 read rate is measured, not the
 prior; on others they are L1 or L2 hits (loads, which sample the L2 link). The prompts go
 into the replica's cache like any others: calibrate a replica before its measured run, or
-one started for the purpose. Stdlib HTTP only (torch-free).
+one started for the purpose. A replica still starting (its port not yet open, or loading
+its model) is waited for, up to `wait_s`. Stdlib HTTP only (torch-free).
 """
 
 from __future__ import annotations
@@ -29,16 +30,22 @@ from hicache.simulate.profile import PROFILE_PATH, HardwareProfile, profile_from
 
 WARMUP_LENGTHS = (64, 128, 256, 512, 1024, 2048)  # cut at the replica's prefill chunk
 _TIMEOUT_S = 300.0
+WAIT_S = 120.0  # for a replica that is still starting
 
 
-def calibrate(url: str, *, rounds: int = 3, seed: int = 0) -> HardwareProfile:
+def calibrate(
+    url: str, *, rounds: int = 3, seed: int = 0, wait_s: float = WAIT_S
+) -> HardwareProfile:
     """The replica at `url`'s profile, after `rounds` warm-up prompts of each length."""
     if rounds < 0:
         raise SimulationError(f"--calibrate-rounds must be >= 0, got {rounds}")
+    if not 0 <= wait_s <= 3600:
+        raise SimulationError(f"--calibrate-wait must be in [0, 3600] seconds, got {wait_s}")
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise SimulationError(f"--calibrate {url}: expected an http:// or https:// URL")
     where = f"--calibrate {url}"
+    _wait_until_up(base + "/health", where, wait_s)
     first = _get(base + PROFILE_PATH, where)
     if not isinstance(first, dict) or not isinstance(first.get("model"), dict):
         raise SimulationError(f"{where}: the reply is not a hardware profile")
@@ -69,6 +76,26 @@ def calibrate(url: str, *, rounds: int = 3, seed: int = 0) -> HardwareProfile:
         data = {**data, "source": url}
     profile = profile_from_dict(data, where)
     return dataclasses.replace(profile, request_overhead_s=_overhead_s(profile, walls))
+
+
+def _wait_until_up(url: str, where: str, wait_s: float) -> None:
+    """Return once `url` answers at all (any HTTP status); a refused or reset connection is
+    a replica still starting, tried again until `wait_s` has passed."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=min(_TIMEOUT_S, max(wait_s, 1.0))):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers: what it answers is for the calls that follow
+        except (urllib.error.URLError, OSError) as error:
+            if time.monotonic() >= end:
+                reason = getattr(error, "reason", error)
+                raise SimulationError(
+                    f"{where}: cannot reach {url} within {wait_s:.0f} s (--calibrate-wait): "
+                    f"{reason}"
+                ) from None
+        time.sleep(0.5)
 
 
 def _overhead_s(profile: HardwareProfile, walls: list[tuple[int, float]]) -> float:

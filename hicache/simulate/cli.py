@@ -23,7 +23,7 @@ from hicache.config import (
     L3Config,
     PolicyConfig,
 )
-from hicache.simulate.calibrate import calibrate
+from hicache.simulate.calibrate import WAIT_S, calibrate
 from hicache.simulate.config import (
     ROUTING,
     Prices,
@@ -169,6 +169,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=3,
         help="warm-up prompts of each length --calibrate sends first (0: none)",
+    )
+    model.add_argument(
+        "--calibrate-wait",
+        type=float,
+        default=WAIT_S,
+        metavar="SECONDS",
+        help="how long --calibrate waits for a replica that is still starting "
+        "(default: %(default)s)",
     )
     for flag, name, unit in (
         ("--hbm", "hbm_bytes", "GB per GPU"),
@@ -591,7 +599,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     """`--calibrate URL`: measure the replica, write (or print) its profile."""
     if args.profile is not None:
         raise SimulationError("--calibrate and --profile: calibrate first, then plan with it")
-    profile = calibrate(args.calibrate, rounds=args.calibrate_rounds)
+    profile = calibrate(args.calibrate, rounds=args.calibrate_rounds, wait_s=args.calibrate_wait)
     if args.out is None:
         print(json.dumps(profile.as_dict()))
         return 0

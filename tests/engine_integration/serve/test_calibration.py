@@ -5,6 +5,7 @@ it: what the endpoint answers, and the profile file the command writes."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -16,6 +17,7 @@ from hicache.simulate.errors import SimulationError
 from hicache.simulate.profile import PROFILE_FORMAT, PROFILE_PATH, load_profile
 from tests.support.cli import run_hicache
 from tests.support.replicas import get_json, replica
+from tests.support.servers import free_port
 
 PAGE = 16
 
@@ -103,3 +105,24 @@ def test_calibrate_samples_l3_reads_on_a_replica_sized_for_it(tmp_path):
         process.stop()
     assert profile.num_read_samples >= 1 and profile.num_load_samples >= 1
     assert profile.l3_latency_s > 0
+
+
+def test_calibrate_waits_for_a_replica_that_is_still_starting(tmp_path):
+    """As the README pastes it: the replica started in the background, --calibrate at once.
+    The port opens only once the server is up (here: a replica started after the call)."""
+    port = free_port()
+    late = replica("--page-size", str(PAGE), "--l1-pages", "512", "--port", str(port))
+    starter = threading.Timer(1.0, late.start)  # the call below begins before the replica
+    starter.start()
+    try:
+        profile = calibrate(f"http://127.0.0.1:{port}", rounds=1, wait_s=300)
+        assert profile.num_compute_samples >= 3
+    finally:
+        starter.join()
+        late.stop()
+
+
+def test_calibrate_gives_up_on_nothing_listening_naming_the_wait():
+    port = free_port()
+    with pytest.raises(SimulationError, match=r"within 0 s \(--calibrate-wait\)"):
+        calibrate(f"http://127.0.0.1:{port}", wait_s=0)
