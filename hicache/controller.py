@@ -77,7 +77,9 @@ class HiCache:
     def executor(self) -> Executor:
         return self._executor
 
-    def match(self, tokens, namespace: Namespace, *, priority: int = 0) -> Match:
+    def match(
+        self, tokens, namespace: Namespace, *, priority: int = 0, record: bool = True
+    ) -> Match:
         """The longest cached prefix of `tokens`, ready for the engine to attend over.
 
         L1 pages are usable at once; L2 pages are loaded into fresh L1 pages layer by layer
@@ -86,15 +88,18 @@ class HiCache:
         as soon as it lands, waiting as the prefetch policy says. L3 trouble (down, slow,
         corrupt pages) makes the match shorter; it never raises. The result is locked until
         `release`. `priority` is the request's (the `priority` eviction policy keeps
-        high-priority runs longest).
+        high-priority runs longest). `record=False`: not a request of its own (an engine's
+        look at a sidecar, engine/sidecar.py), so not counted in the request and hit stats.
         """
         data = _request_tokens(tokens, namespace)
         with self._lock:
             self._check_background()
             self._mover.apply_completions()
             first = self._tree.match_prefix(data, namespace)
-            self._metrics.requests += 1
-            self._metrics.requested_tokens += len(data) // 4 // self.page_size * self.page_size
+            if record:
+                self._metrics.requests += 1
+                num_tokens = len(data) // 4 // self.page_size * self.page_size
+                self._metrics.requested_tokens += num_tokens
             end, prefetch = self._start_prefetch(data, first)
         landed = Landed()
         if prefetch is not None:
@@ -104,9 +109,89 @@ class HiCache:
                 self._mover.apply_completions()
                 if prefetch is not None and not prefetch.done:
                     self._metrics.prefetches_cut_short += 1
-                return self._finish_match(end, namespace, priority, landed)
+                return self._finish_match(end, namespace, priority, landed, record)
             finally:
                 landed.let_go(self._tree)
+
+    def shorten(self, match: Match, num_tokens: int) -> Match | None:
+        """The first `num_tokens` (whole pages, fewer than `match` holds) of a held match as
+        a match of its own, locked; `match` is released. None for 0 tokens. For an engine
+        that finds part of the KV a hit needs missing past a shorter boundary (an
+        interleaved model's sidecar, engine/sidecar.py): the hit stats count the shorter
+        match, and the tokens cut in `shortened_tokens`."""
+        num_pages = num_tokens // self.page_size
+        if num_tokens % self.page_size or not 0 <= num_pages < match.num_pages:
+            raise ValueError(
+                f"shorten: {num_tokens} tokens is not whole pages below the match's "
+                f"{match.num_tokens}"
+            )
+        with self._lock:
+            if match.released:
+                raise HiCacheError("shorten: this match was already released")
+            node = self._node_at(match._node, num_pages) if num_pages else None
+            if node is not None:
+                self._tree.lock(node)
+            self.release(match)
+            counts = {}
+            left = num_pages
+            for tier, pages in (
+                ("l1", match.num_l1_pages),
+                ("l2", match.num_l2_pages),
+                ("l3", match.num_l3_pages),
+            ):
+                counts[tier] = min(pages, left)
+                left -= counts[tier]
+                self._metrics.record_hit(tier, counts[tier] - pages, self.page_size)
+            self._metrics.shortened_tokens += match.num_tokens - num_tokens
+            if node is None:
+                return None
+            return Match(
+                namespace=match.namespace,
+                num_tokens=num_tokens,
+                num_pages=num_pages,
+                num_l1_pages=counts["l1"],
+                num_l2_pages=counts["l2"],
+                num_l3_pages=counts["l3"],
+                _node=node,
+                _loads=list(match._loads),
+            )
+
+    def _node_at(self, end: Node, num_pages: int) -> Node:
+        """The run ending `num_pages` pages into the path of `end` (split there)."""
+        depth = 0
+        for run in RadixTree.path(end):
+            if depth + run.num_pages == num_pages:
+                return run
+            if depth + run.num_pages > num_pages:
+                return self._tree.split(run, num_pages - depth)
+            depth += run.num_pages
+        raise HiCacheError(f"the match holds fewer than {num_pages} pages")
+
+    def branch_depths(self, tokens, namespace: Namespace, first_page) -> list[int]:
+        """Where, along the indexed prefix of `tokens`, a run whose first page is
+        `first_page` (page_size token ids) branches off, in pages from the start, ascending,
+        by the index alone (any tier; L3 copies the index has not heard of are not found).
+        Changes nothing a match would. For an engine's sidecars (engine/sidecar.py)."""
+        data = _request_tokens(tokens, namespace)
+        page = encode_tokens(first_page)
+        if len(page) != 4 * self.page_size:
+            raise ValueError(f"first_page must be {self.page_size} token ids")
+        with self._lock:
+            found = self._tree.match_prefix(data, namespace, touch=False)
+            depths, depth = [], 0
+            for run in RadixTree.path(found.last_node):
+                depth += run.num_pages
+                if page in run.children:
+                    depths.append(depth)
+            return depths
+
+    def held_device_pages(self, tokens, namespace: Namespace) -> list[int]:
+        """The L1 page ids the index maps for the leading pages of `tokens` now, as far as
+        they are in L1: what an `insert` that extends a cached prefix passes for it. Valid
+        until the next call that can evict (under the caller's own single thread)."""
+        data = _request_tokens(tokens, namespace)
+        with self._lock:
+            return self._tree.match_prefix(data, namespace, touch=False).device_page_ids
 
     def prefetch(self, tokens, namespace: Namespace) -> int:
         """Start fetching the L3 part of `tokens`' prefix into L2, without waiting.
@@ -323,7 +408,7 @@ class HiCache:
     # ------------------------------------------------------------------ match internals
 
     def _finish_match(
-        self, end: Node, namespace: Namespace, priority: int, landed: Landed
+        self, end: Node, namespace: Namespace, priority: int, landed: Landed, record: bool
     ) -> Match:
         """Load the L2 part of the request's usable prefix (read up from `end`, the node the
         request holds) into L1, lock it, count the hits (with those `landed` loaded while
@@ -358,7 +443,8 @@ class HiCache:
             ("l2", num_loaded - num_from_l3),
             ("l3", num_from_l3),
         ):
-            self._metrics.record_hit(tier, pages, self.page_size)
+            if record:
+                self._metrics.record_hit(tier, pages, self.page_size)
         if self._policy.write_policy == "write_through_selective" and self._host.num_pages:
             for run in path:
                 if (

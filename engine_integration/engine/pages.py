@@ -3,8 +3,11 @@
 `CachedPages` is the engine's whole conversation with hicache: `prefetch` when a request is
 queued, `match` on admission (a locked prefix, loading layer by layer), `alloc` for new KV,
 `wait_layer` before attending, and at the end `finish`: insert the full pages, free the
-rest, release the match. `PrivatePages` has the same face over a `tiers.DevicePool` the
-engine owns alone: no prefix is ever shared, nothing outlives a request.
+rest, release the match. An interleaved model's hit also needs a sidecar (engine/sidecar.py):
+`serve_window` fills the request's ring from the deepest whole one at or below the match,
+shortening the match to it, and `finish` stores the sidecars the request took.
+`PrivatePages` has the same face over a `tiers.DevicePool` the engine owns alone: no prefix
+is ever shared, nothing outlives a request.
 """
 
 from __future__ import annotations
@@ -13,15 +16,19 @@ from typing import Protocol
 
 import torch
 
+from engine_integration.engine import sidecar
+from engine_integration.engine.model.window import LateWindow
 from hicache.controller import HiCache, Match
-from radix.keys import Namespace
+from radix.keys import TOKEN_BYTES, Namespace, encode_tokens
 from tiers.allocator import PageAllocator
 from tiers.device_pool import DevicePool
+from tiers.errors import PoolExhaustedError
 from tiers.layout import KVLayout
 
 
 class PageSource(Protocol):
     page_size: int
+    shape: sidecar.SidecarShape | None  # an interleaved model's sidecars (None: none)
 
     def layer(self, i: int) -> torch.Tensor: ...
 
@@ -34,7 +41,15 @@ class PageSource(Protocol):
 
     def wait_layer(self, match: Match, layer: int) -> None: ...
 
-    def finish(self, tokens: list[int], page_ids: list[int], match: Match | None) -> None: ...
+    def serve_window(self, tokens: bytes, match: Match, window: LateWindow) -> Match | None: ...
+
+    def finish(
+        self,
+        tokens: list[int],
+        page_ids: list[int],
+        match: Match | None,
+        sidecars: dict[int, torch.Tensor] | None = None,
+    ) -> None: ...
 
     def abandon(self, own_page_ids: list[int], match: Match | None) -> None: ...
 
@@ -42,10 +57,13 @@ class PageSource(Protocol):
 class CachedPages:
     """Pages through a HiCache, under `namespace` (model id + KV layout)."""
 
-    def __init__(self, cache: HiCache, namespace: Namespace) -> None:
+    def __init__(
+        self, cache: HiCache, namespace: Namespace, shape: sidecar.SidecarShape | None = None
+    ) -> None:
         self.cache = cache
         self.namespace = namespace
         self.page_size = cache.page_size
+        self.shape = shape  # an interleaved model's sidecars (None: none)
 
     def layer(self, i: int) -> torch.Tensor:
         return self.cache.device_pool.layer(i)
@@ -62,8 +80,48 @@ class CachedPages:
     def wait_layer(self, match: Match, layer: int) -> None:
         self.cache.wait_layer(match, layer)
 
-    def finish(self, tokens: list[int], page_ids: list[int], match: Match | None) -> None:
-        """Insert the full pages of `tokens` (page i in page_ids[i]); free the rest."""
+    def serve_window(self, tokens: bytes, match: Match, window: LateWindow) -> Match | None:
+        """The part of `match` (of `tokens`, encoded) whose windowed KV a sidecar supplies,
+        with `window` filled from it: the match itself where its own boundary's sidecar is
+        whole, else shortened (`HiCache.shorten`) to the deepest boundary below it whose
+        sidecar the index holds and is whole, else None (released)."""
+        if self.shape is None:
+            return match
+        depth = match.num_tokens
+        below = self.cache.branch_depths(
+            tokens[: depth * TOKEN_BYTES], self.namespace, self.shape.tag_page
+        )
+        candidates = [depth] + [p * self.page_size for p in reversed(below)]
+        for boundary in dict.fromkeys(b for b in candidates if 0 < b <= depth):
+            if self._load_sidecar(tokens, boundary, window):
+                return match if boundary == depth else self.cache.shorten(match, boundary)
+        return self.cache.shorten(match, 0)
+
+    def _load_sidecar(self, tokens: bytes, boundary: int, window: LateWindow) -> bool:
+        """Fill `window` from the sidecar of `boundary` if the cache holds all of it."""
+        shape = self.shape
+        found = self.cache.match(shape.tokens(tokens, boundary), self.namespace, record=False)
+        try:
+            num_pages = shape.num_pages(boundary)
+            if found.num_tokens != boundary + num_pages * self.page_size:
+                return False
+            for layer in range(shape.num_page_layers):
+                self.cache.wait_layer(found, layer)
+            ids = found.device_page_ids[-num_pages:]
+            sidecar.unpack(shape, boundary, self.layer, ids, window)
+            return True
+        finally:
+            self.cache.release(found)
+
+    def finish(
+        self,
+        tokens: list[int],
+        page_ids: list[int],
+        match: Match | None,
+        sidecars: dict[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Insert the full pages of `tokens` (page i in page_ids[i]); free the rest; store
+        `sidecars` (boundary -> `sidecar.snapshot`) below their boundaries."""
         num_full = len(tokens) // self.page_size
         try:
             if num_full:
@@ -72,9 +130,30 @@ class CachedPages:
                 )
             if len(page_ids) > num_full:
                 self.cache.free_device_pages(page_ids[num_full:])
+            if sidecars:
+                encoded = encode_tokens(tokens)
+                for boundary, kv in sorted(sidecars.items()):
+                    self._store_sidecar(encoded, boundary, kv)
         finally:
             if match is not None:
                 self.cache.release(match)
+
+    def _store_sidecar(self, tokens: bytes, boundary: int, kv: torch.Tensor) -> bool:
+        """Index the sidecar `kv` of `boundary` below the cached prefix `tokens[:boundary]`;
+        False (nothing stored) when no L1 pages are free or that prefix left L1 meanwhile."""
+        shape = self.shape
+        try:
+            ids = self.cache.alloc_device_pages(shape.num_pages(boundary))
+        except PoolExhaustedError:
+            return False
+        num_prefix = boundary // self.page_size
+        held = self.cache.held_device_pages(tokens[: boundary * TOKEN_BYTES], self.namespace)
+        if len(held) < num_prefix:
+            self.cache.free_device_pages(ids)
+            return False
+        sidecar.pack(shape, kv, self.layer, ids)
+        self.cache.insert(shape.tokens(tokens, boundary), held[:num_prefix] + ids, self.namespace)
+        return True
 
     def abandon(self, own_page_ids: list[int], match: Match | None) -> None:
         """Give back a request's own pages unused (an abort) and release its match."""
@@ -94,6 +173,7 @@ class PrivatePages:
         self.pool = DevicePool(layout, num_pages, device)
         self.allocator = PageAllocator(num_pages, name="private L1")
         self.page_size = layout.page_size
+        self.shape = None  # nothing outlives a request: no sidecars
 
     def layer(self, i: int) -> torch.Tensor:
         return self.pool.layer(i)
@@ -110,7 +190,16 @@ class PrivatePages:
     def wait_layer(self, match: Match, layer: int) -> None:
         pass
 
-    def finish(self, tokens: list[int], page_ids: list[int], match: Match | None) -> None:
+    def serve_window(self, tokens: bytes, match: Match, window: LateWindow) -> Match | None:
+        return match
+
+    def finish(
+        self,
+        tokens: list[int],
+        page_ids: list[int],
+        match: Match | None,
+        sidecars: dict[int, torch.Tensor] | None = None,
+    ) -> None:
         self.allocator.free(page_ids)
 
     def abandon(self, own_page_ids: list[int], match: Match | None) -> None:

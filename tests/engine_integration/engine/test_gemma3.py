@@ -22,12 +22,13 @@ import os
 import pytest
 import torch
 
+from engine_integration.engine.core import Engine
 from engine_integration.engine.embedded import CacheSizes, load_model
 from engine_integration.engine.errors import CheckpointError
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.model.hf_config import read_hf_config, write_hf_config
 from engine_integration.engine.sampling import SamplingParams
-from tests.support.engines import cache_off, random_prompt, run_one, run_through_tiers
+from tests.support.engines import cache_off, random_prompt, run_one
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,16 +113,38 @@ def _policy():
     return PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
 
 
-def _scenarios(model, first, second, tmp_path, params):
-    """The engine's outputs for `second` in each way it can be served, after `first` (which
-    shares a prefix with it) warmed the cache."""
+def _scenarios(model, first, second, third, tmp_path, params):
+    """The engine's outputs for `third` in each way it can be served: cache off, and, after
+    `first` warmed the cache and `second` (which parts from `first` where `third` does)
+    took the sidecar there, as a hit from L1, from L2 (L1 evicted) and from L3 (a new cache
+    over the same store). `second` is served shorter: no sidecar at its boundary yet."""
+    from engine_integration.engine.embedded import build_cache
+
     url = f"file://{tmp_path}/l3?capacity=64MiB"
     out = {
-        "cache off": run_one(cache_off(model, CONFIG), second, params),
-        "cache off, dense": run_one(cache_off(model, DENSE), second, params),
+        "cache off": run_one(cache_off(model, CONFIG), third, params),
+        "cache off, dense": run_one(cache_off(model, DENSE), third, params),
     }
     sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
-    out.update(run_through_tiers(model, CONFIG, sizes, first, second, params))
+    cache = build_cache(model, CONFIG, sizes)
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        out["cold"] = run_one(engine, first, params)
+        out["cut"] = run_one(engine, second, params)
+        out["cut, cache off"] = run_one(cache_off(model, CONFIG), second, params)
+        out["L1 hit"] = run_one(engine, third, params)
+        cache.flush()
+        cache.evict("l1", 10_000)
+        out["L2 hit"] = run_one(engine, third, params)
+        cache.flush()
+        out["stats"] = cache.stats()
+    finally:
+        cache.close()
+    cache = build_cache(model, CONFIG, sizes)
+    try:
+        out["L3 hit"] = run_one(Engine(model, CONFIG, cache=cache), third, params)
+    finally:
+        cache.close()
     return out
 
 
@@ -137,22 +160,33 @@ def test_gemma3_matches_transformers_cached_and_not(
     config = model.config
     assert config.block == "gemma3" and config.windowed_layers == (0, 1, 3, 4)
     assert config.window_tokens == WINDOW and config.num_source_layers == 6
+    assert config.num_page_layers == 2  # pages hold the full layers' KV alone
     first = random_prompt(1, 90)
     second = first[:shared] + random_prompt(2, 12)
+    third = first[:shared] + random_prompt(4, 12)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
-    outputs = _scenarios(model, first, second, tmp_path, params)
+    outputs = _scenarios(model, first, second, third, tmp_path, params)
+    stats = outputs.pop("stats")
     expected = {"first": reference.run(first), "second": reference.run(second)}
+    expected["third"] = reference.run(third)
+    prompt_of = {"cold": "first", "cut": "second", "cut, cache off": "second"}
     errors = {}
     for scenario, output in outputs.items():
-        logits, tokens = expected["first" if scenario == "cold" else "second"]
+        logits, tokens = expected[prompt_of.get(scenario, "third")]
         errors[scenario] = _relative_error(output.logits[0], logits)
         assert errors[scenario] < TOLERANCE, (scenario, errors[scenario])
         assert output.token_ids == tokens, scenario
+    # No sidecar at `second`'s boundary yet: the hit shortens to none there (counted) ...
+    cut = outputs["cut"].metrics
+    assert cut.total_hit_tokens == 0 and cut.window_cut_tokens == expected_hit
+    assert stats.shortened_tokens >= expected_hit
+    assert torch.equal(outputs["cut"].logits, outputs["cut, cache off"].logits)
+    # ... and `second` took it: `third` hits there, and later at its own lookup end.
     assert outputs["L1 hit"].metrics.hit_tokens["l1"] == expected_hit
     for tier in ("l1", "l2", "l3"):
         hit = outputs[f"{tier.upper()} hit"]
-        # (the L1 hit cached the second prompt's own pages: later hits reach further)
         assert hit.metrics.hit_tokens[tier] >= expected_hit, tier
+        assert hit.metrics.window_cut_tokens == 0, tier
         assert torch.equal(hit.logits, outputs["cache off"].logits), tier
     print({k: f"{v:.1e}" for k, v in errors.items()})
 
