@@ -191,6 +191,105 @@ def test_gemma3_matches_transformers_cached_and_not(
     print({k: f"{v:.1e}" for k, v in errors.items()})
 
 
+def _sidecar_keys(engine, prompt_tokens, boundary) -> list[bytes]:
+    """The L3 keys of the sidecar of `boundary` below `prompt_tokens`' prefix."""
+    from engine_integration.engine.sidecar import SidecarShape
+    from radix.keys import encode_tokens, page_keys
+
+    shape = engine.pages.shape
+    assert isinstance(shape, SidecarShape)
+    keys = page_keys(shape.tokens(encode_tokens(prompt_tokens), boundary), engine.namespace, 16)
+    return keys[-shape.num_pages(boundary) :]
+
+
+def test_gemma3_hit_whose_sidecar_was_evicted_is_shorter(gemma_dir):
+    """The sidecar, a leaf of the index, leaves L1 first: the pages it belonged to stay,
+    unusable, and the hit shortens (to nothing: no other sidecar), counted, never wrong."""
+    from engine_integration.engine.embedded import build_cache
+
+    model, _ = load_model(gemma_dir, CONFIG)
+    first = random_prompt(5, 90)
+    second = first[:85] + random_prompt(6, 10)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    expected = run_one(cache_off(model, CONFIG), second, params)
+    cache = build_cache(model, CONFIG, CacheSizes(l1_pages=64))
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        run_one(engine, first, params)  # its sidecar at 80: 4 windowed layers' page, 2 pages
+        assert engine.pages.shape.num_pages(80) == 2
+        assert cache.evict("l1", 2) == 2
+        assert cache.cached_prefix(first[:80], engine.namespace).num_l1_pages == 5
+        output = run_one(engine, second, params)
+        assert output.metrics.total_hit_tokens == 0
+        assert output.metrics.window_cut_tokens == 80
+        assert cache.stats().shortened_tokens == 80
+        assert torch.equal(output.logits, expected.logits)
+        again = run_one(engine, second, params)  # `second` took the sidecar at 80 again
+        assert again.metrics.hit_tokens["l1"] == 80
+        assert torch.equal(again.logits, expected.logits)
+    finally:
+        cache.close()
+
+
+def test_gemma3_damaged_sidecar_in_l3_is_a_counted_miss(gemma_dir, tmp_path):
+    """One flipped byte in one sidecar page in L3: a verified miss (counted), the hit
+    shortens to the next boundary down whose sidecar is whole, never wrong KV."""
+    from engine_integration.engine.embedded import build_cache
+    from tests.hicache.test_faults import flip_byte, locate
+
+    model, _ = load_model(gemma_dir, CONFIG)
+    first = random_prompt(7, 60)
+    longer = first + random_prompt(8, 40)  # a second turn
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    expected = run_one(cache_off(model, CONFIG), longer, params)
+    directory = tmp_path / "l3"
+    sizes = CacheSizes(
+        l1_pages=64, l2_pages=64, l3_url=f"file://{directory}?capacity=64MiB", policy=_policy()
+    )
+    cache = build_cache(model, CONFIG, sizes)
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        run_one(engine, first, params)  # sidecars at 48 (its lookup end) and 64 (its end)
+        assert run_one(engine, longer, params).metrics.hit_tokens["l1"] == 48  # (60 shared)
+        cache.flush()
+        cache.evict("l1", 10_000)
+        cache.evict("l2", 10_000)  # the index keeps what L3 holds
+        path = next(directory.rglob(_sidecar_keys(engine, longer, 96)[-1].hex()))
+        offset, length = locate(path)
+        flip_byte(path, offset + length - 5)
+        output = run_one(engine, longer, params)
+        stats = cache.stats()
+    finally:
+        cache.close()
+    assert stats.l3_corrupt_pages == 1
+    assert output.metrics.hit_tokens["l3"] == 48  # the sidecar at 48 is whole
+    assert output.metrics.window_cut_tokens == 96 - 48
+    assert torch.equal(output.logits, expected.logits)
+
+
+def test_gemma3_hit_then_decode_across_the_window_edge(gemma_dir, reference):
+    """A hit at 16 of a 20-token prompt (its ring filled from the sidecar), then 20 decode
+    steps: the windowed layers' queries leave the sidecar's positions behind while
+    decoding; greedy tokens as transformers', logits bit-equal to cache off."""
+    from engine_integration.engine.embedded import build_cache
+
+    model, _ = load_model(gemma_dir, CONFIG)
+    prompt = random_prompt(9, 20)
+    _, tokens = reference.run(prompt, new_tokens=20)
+    params = SamplingParams(max_new_tokens=20, return_logits=True)
+    expected = run_one(cache_off(model, CONFIG), prompt, params)
+    cache = build_cache(model, CONFIG, CacheSizes(l1_pages=64))
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        run_one(engine, prompt[:17], SamplingParams(max_new_tokens=1))  # a sidecar at 16
+        output = run_one(engine, prompt, params)
+    finally:
+        cache.close()
+    assert output.metrics.hit_tokens["l1"] == 16
+    assert output.token_ids == tokens
+    assert torch.equal(output.logits, expected.logits)
+
+
 def test_gemma3_decodes_across_the_window_edge(gemma_dir, reference):
     """A 10-token prompt decoding 20 tokens: the windowed layers' first query that no
     longer sees position 0 is a decode step."""
