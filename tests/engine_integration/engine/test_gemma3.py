@@ -374,6 +374,29 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_270m, tmp_path):
     assert "the capital" in tokenizer.decode(run_one(cache_off(model), first, params).token_ids)
 
 
+def test_gemma3_270m_hit_past_the_window_is_exact(gemma3_270m):
+    """The real 270M: a second turn hits the first's pages and the sidecar at its lookup
+    end, a boundary past the 512-token window, bit-equal to cache off."""
+    from engine_integration.engine.embedded import build_cache
+
+    _, model, tokenizer = gemma3_270m
+    first = tokenizer.encode(" ".join(f"Step {i} comes after step {i - 1}." for i in range(1, 70)))
+    assert len(first) > 600
+    second = first + tokenizer.encode(" What comes after step 69?")[1:]
+    params = SamplingParams(max_new_tokens=4, return_logits=True)
+    expected = run_one(cache_off(model, CONFIG, num_pages=128), second, params)
+    cache = build_cache(model, CONFIG, CacheSizes(l1_pages=256))
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        run_one(engine, first, params)
+        output = run_one(engine, second, params)
+    finally:
+        cache.close()
+    assert output.metrics.hit_tokens["l1"] >= (len(first) - 1) // 16 * 16 > 512 + 16
+    assert output.metrics.window_cut_tokens == 0
+    assert torch.equal(output.logits, expected.logits)
+
+
 def test_gemma3_270m_tokenizer_matches_transformers(gemma3_270m):
     path, _, tokenizer = gemma3_270m
     theirs = transformers.AutoTokenizer.from_pretrained(
