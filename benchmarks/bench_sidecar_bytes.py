@@ -12,7 +12,7 @@ the cache's page bytes; "every layer" is the same sequence's full pages with all
 Two requests a length: a prompt of L + 1 tokens and one new token (L tokens cached: the
 lookup end and the sequence's end are one boundary, one sidecar), and a prompt of L tokens
 with 64 new tokens (two sidecars: the prompt's lookup end, for a repeat of the prompt, and
-the sequence's end, for the next turn). The ratio does not depend on the heads' width or
+the sequence's end, for the next turn, a page further: a delta of one page over the first). The ratio does not depend on the heads' width or
 the dtype (both sides scale alike), so the model is Gemma 3 270M's plan with narrow heads
 and hidden size, random weights, float32 on the CPU, to run 32K tokens in a minute.
 
@@ -108,7 +108,7 @@ def main() -> None:
         )
         print(
             f"{cached:>6} tokens: stored / every layer {one:.3f} (one sidecar), "
-            f"{two:.3f} (two), design {predicted:.3f}; on the 270M in bf16 "
+            f"{two:.3f} (two, one a delta), design {predicted:.3f}; on the 270M in bf16 "
             f"{one * GEMMA3_270M_BYTES_PER_TOKEN:,.0f} of "
             f"{GEMMA3_270M_BYTES_PER_TOKEN:,} bytes a token",
             flush=True,

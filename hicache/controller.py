@@ -167,21 +167,22 @@ class HiCache:
             depth += run.num_pages
         raise HiCacheError(f"the match holds fewer than {num_pages} pages")
 
-    def branch_depths(self, tokens, namespace: Namespace, first_page) -> list[int]:
-        """Where, along the indexed prefix of `tokens`, a run whose first page is
-        `first_page` (page_size token ids) branches off, in pages from the start, ascending,
-        by the index alone (any tier; L3 copies the index has not heard of are not found).
-        Changes nothing a match would. For an engine's sidecars (engine/sidecar.py)."""
+    def branch_depths(self, tokens, namespace: Namespace, first_pages) -> list[int]:
+        """Where, along the indexed prefix of `tokens`, a run whose first page is one of
+        `first_pages` (each page_size token ids) branches off, in pages from the start,
+        ascending, by the index alone (any tier; L3 copies the index has not heard of are
+        not found). Changes nothing a match would. For an engine's sidecars
+        (engine/sidecar.py)."""
         data = _request_tokens(tokens, namespace)
-        page = encode_tokens(first_page)
-        if len(page) != 4 * self.page_size:
-            raise ValueError(f"first_page must be {self.page_size} token ids")
+        pages = {encode_tokens(page) for page in first_pages}
+        if any(len(page) != 4 * self.page_size for page in pages):
+            raise ValueError(f"first_pages must be pages of {self.page_size} token ids")
         with self._lock:
             found = self._tree.match_prefix(data, namespace, touch=False)
             depths, depth = [], 0
             for run in RadixTree.path(found.last_node):
                 depth += run.num_pages
-                if page in run.children:
+                if not pages.isdisjoint(run.children):
                     depths.append(depth)
             return depths
 

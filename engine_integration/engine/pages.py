@@ -41,7 +41,9 @@ class PageSource(Protocol):
 
     def wait_layer(self, match: Match, layer: int) -> None: ...
 
-    def serve_window(self, tokens: bytes, match: Match, window: LateWindow) -> Match | None: ...
+    def serve_window(
+        self, tokens: bytes, match: Match, window: LateWindow
+    ) -> tuple[Match | None, bool]: ...
 
     def finish(
         self,
@@ -80,35 +82,57 @@ class CachedPages:
     def wait_layer(self, match: Match, layer: int) -> None:
         self.cache.wait_layer(match, layer)
 
-    def serve_window(self, tokens: bytes, match: Match, window: LateWindow) -> Match | None:
+    def serve_window(
+        self, tokens: bytes, match: Match, window: LateWindow
+    ) -> tuple[Match | None, bool]:
         """The part of `match` (of `tokens`, encoded) whose windowed KV a sidecar supplies,
         with `window` filled from it: the match itself where its own boundary's sidecar is
         whole, else shortened (`HiCache.shorten`) to the deepest boundary below it whose
-        sidecar the index holds and is whole, else None (released)."""
+        sidecar the index holds and is whole, else None (released); and whether that
+        sidecar is a whole one (not a delta: a later delta may build on it)."""
         if self.shape is None:
-            return match
+            return match, False
         depth = match.num_tokens
         below = self.cache.branch_depths(
-            tokens[: depth * TOKEN_BYTES], self.namespace, self.shape.tag_page
+            tokens[: depth * TOKEN_BYTES], self.namespace, self.shape.tag_pages()
         )
         candidates = [depth] + [p * self.page_size for p in reversed(below)]
         for boundary in dict.fromkeys(b for b in candidates if 0 < b <= depth):
-            if self._load_sidecar(tokens, boundary, window):
-                return match if boundary == depth else self.cache.shorten(match, boundary)
-        return self.cache.shorten(match, 0)
+            window.clear()
+            runs = self._load_sidecar(tokens, boundary, window)
+            if runs:
+                served = match if boundary == depth else self.cache.shorten(match, boundary)
+                return served, runs == 1
+        window.clear()
+        return self.cache.shorten(match, 0), False
 
-    def _load_sidecar(self, tokens: bytes, boundary: int, window: LateWindow) -> bool:
-        """Fill `window` from the sidecar of `boundary` if the cache holds all of it."""
+    def _load_sidecar(self, tokens: bytes, boundary: int, window: LateWindow) -> int:
+        """Write the sidecar of `boundary` into `window` if the cache holds all of it: a
+        whole one, or a delta of k pages and the whole sidecar k pages up. Returns the runs
+        read (1 or 2), 0 if it is not all there."""
         shape = self.shape
-        found = self.cache.match(shape.tokens(tokens, boundary), self.namespace, record=False)
+        for delta_pages in range(min(shape.span_pages, boundary // self.page_size)):
+            if not self._load_run(tokens, boundary, delta_pages, window):
+                continue
+            if not delta_pages:
+                return 1
+            base = boundary - delta_pages * self.page_size
+            return 2 if self._load_run(tokens, base, 0, window) else 0
+        return 0
+
+    def _load_run(self, tokens: bytes, boundary: int, delta_pages: int, window) -> bool:
+        """Write one sidecar run (whole, or a delta) into `window` if the cache has it all."""
+        shape = self.shape
+        path = shape.tokens(tokens, boundary, delta_pages)
+        found = self.cache.match(path, self.namespace, record=False)
         try:
-            num_pages = shape.num_pages(boundary)
+            num_pages = shape.num_pages(boundary, delta_pages)
             if found.num_tokens != boundary + num_pages * self.page_size:
                 return False
             for layer in range(shape.num_page_layers):
                 self.cache.wait_layer(found, layer)
             ids = found.device_page_ids[-num_pages:]
-            sidecar.unpack(shape, boundary, self.layer, ids, window)
+            sidecar.unpack(shape, boundary, delta_pages, self.layer, ids, window)
             return True
         finally:
             self.cache.release(found)
@@ -118,7 +142,7 @@ class CachedPages:
         tokens: list[int],
         page_ids: list[int],
         match: Match | None,
-        sidecars: dict[int, torch.Tensor] | None = None,
+        sidecars: dict[int, torch.Tensor | None] | None = None,
     ) -> None:
         """Insert the full pages of `tokens` (page i in page_ids[i]); free the rest; store
         `sidecars` (boundary -> `sidecar.snapshot`) below their boundaries."""
@@ -131,19 +155,37 @@ class CachedPages:
             if len(page_ids) > num_full:
                 self.cache.free_device_pages(page_ids[num_full:])
             if sidecars:
-                encoded = encode_tokens(tokens)
-                for boundary, kv in sorted(sidecars.items()):
-                    self._store_sidecar(encoded, boundary, kv)
+                self._store_sidecars(encode_tokens(tokens), sidecars)
         finally:
             if match is not None:
                 self.cache.release(match)
 
-    def _store_sidecar(self, tokens: bytes, boundary: int, kv: torch.Tensor) -> bool:
-        """Index the sidecar `kv` of `boundary` below the cached prefix `tokens[:boundary]`;
-        False (nothing stored) when no L1 pages are free or that prefix left L1 meanwhile."""
+    def _store_sidecars(self, tokens: bytes, sidecars: dict[int, torch.Tensor | None]) -> None:
+        """Index each sidecar (boundary -> `sidecar.snapshot`; None: a whole one the cache
+        holds already), shallowest first; one closer than a span below the last whole one
+        is stored as a delta over it (so a delta's base is always whole)."""
+        span = self.shape.span_pages * self.page_size
+        whole = None
+        for boundary, kv in sorted(sidecars.items()):
+            if kv is None:
+                whole = boundary
+                continue
+            delta_pages = 0
+            if whole is not None and boundary - whole < span:
+                delta_pages = (boundary - whole) // self.page_size
+                kv = kv[:, kv.shape[1] - delta_pages * self.page_size :]
+            if self._store_sidecar(tokens, boundary, delta_pages, kv) and not delta_pages:
+                whole = boundary
+
+    def _store_sidecar(
+        self, tokens: bytes, boundary: int, delta_pages: int, kv: torch.Tensor
+    ) -> bool:
+        """Index the sidecar `kv` of `boundary` (whole, or a delta) below the cached prefix
+        `tokens[:boundary]`; False (nothing stored) when no L1 pages are free or that prefix
+        left L1 meanwhile."""
         shape = self.shape
         try:
-            ids = self.cache.alloc_device_pages(shape.num_pages(boundary))
+            ids = self.cache.alloc_device_pages(shape.num_pages(boundary, delta_pages))
         except PoolExhaustedError:
             return False
         num_prefix = boundary // self.page_size
@@ -152,7 +194,8 @@ class CachedPages:
             self.cache.free_device_pages(ids)
             return False
         sidecar.pack(shape, kv, self.layer, ids)
-        self.cache.insert(shape.tokens(tokens, boundary), held[:num_prefix] + ids, self.namespace)
+        path = shape.tokens(tokens, boundary, delta_pages)
+        self.cache.insert(path, held[:num_prefix] + ids, self.namespace)
         return True
 
     def abandon(self, own_page_ids: list[int], match: Match | None) -> None:
@@ -190,8 +233,10 @@ class PrivatePages:
     def wait_layer(self, match: Match, layer: int) -> None:
         pass
 
-    def serve_window(self, tokens: bytes, match: Match, window: LateWindow) -> Match | None:
-        return match
+    def serve_window(
+        self, tokens: bytes, match: Match, window: LateWindow
+    ) -> tuple[Match | None, bool]:
+        return match, False
 
     def finish(
         self,

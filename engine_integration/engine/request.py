@@ -88,7 +88,8 @@ class Request:
     late_runs: list[tuple[int, int]] = field(default_factory=list)  # prompt rows for late layers
     loads_waited: bool = False
     sidecar_at: list[int] = field(default_factory=list)  # boundaries to take sidecars at
-    sidecars: dict[int, torch.Tensor] = field(default_factory=dict)  # taken: boundary -> KV
+    # taken: boundary -> KV (None: the whole sidecar its hit was served from)
+    sidecars: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -128,8 +128,9 @@ class Scheduler:
         match = self.pages.match(request.lookup_tokens)
         indexed = match.num_tokens if match is not None else 0
         window = self._windowed_ring()
+        whole = False
         if window is not None and indexed:  # the hit needs a sidecar too
-            match = self.pages.serve_window(request.lookup_tokens, match, window)
+            match, whole = self.pages.serve_window(request.lookup_tokens, match, window)
         hit = match.num_tokens if match is not None else 0
         try:
             own = self.pages.alloc(self._pages_for(request) - hit // self.page_size)
@@ -143,6 +144,8 @@ class Scheduler:
             if self.shape is not None:
                 lookup_end = (request.num_prompt_tokens - 1) // self.page_size * self.page_size
                 request.sidecar_at = sorted({b for b in (indexed, lookup_end) if b > hit})
+                if whole:  # the hit's sidecar: those it takes close below may be deltas on it
+                    request.sidecars[hit] = None
         request.match = match
         request.page_ids = (list(match.device_page_ids) if match is not None else []) + own
         request.page_table = as_index(request.page_ids, self.config.device)  # no device sync

@@ -19,7 +19,9 @@ hit shortens to the deepest boundary whose sidecar is whole (`HiCache.shorten`).
 The engine writes a sidecar where a later request can hit: at the end of each finished
 sequence (its last full page, from the request's ring), at its prompt's lookup end, and at
 the depth the index held past the hit it was served (the ring is copied when the prefill
-reaches those boundaries: `snapshot`).
+reaches those boundaries: `snapshot`). Where two of one request's boundaries are closer
+than a sidecar's span, the deeper one is a *delta*: only its windowed KV past the shallower
+one (k pages, tag `TAG_TOKEN - k`), whole together with the sidecar k pages up its path.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from engine_integration.engine.model.config import ModelConfig
 from engine_integration.engine.model.window import LateWindow
 from radix.keys import TOKEN_BYTES
 
-TAG_TOKEN = 0xFFFF_FFFF
+TAG_TOKEN = 0xFFFF_FFFF  # a whole sidecar's; TAG_TOKEN - k: a delta of k pages
 
 
 @dataclass(frozen=True)
@@ -62,24 +64,34 @@ class SidecarShape:
         read off the ring (one page more than a sidecar's span)."""
         return (self.span_pages + 1) * self.page_size
 
-    @property
-    def tag_page(self) -> list[int]:
-        return [TAG_TOKEN] * self.page_size
+    def tag_page(self, delta_pages: int = 0) -> list[int]:
+        """The first page of a sidecar's run in the index: a whole sidecar's, or a delta's of
+        `delta_pages` pages."""
+        return [TAG_TOKEN - delta_pages] * self.page_size
+
+    def tag_pages(self) -> list[list[int]]:
+        """The first page of every kind of sidecar run (whole, then each delta)."""
+        return [self.tag_page(k) for k in range(self.span_pages)]
 
     def pages_before(self, boundary: int) -> int:
-        """Pages of windowed KV the sidecar of `boundary` holds."""
+        """Pages of windowed KV the whole sidecar of `boundary` holds."""
         return min(self.span_pages, boundary // self.page_size)
 
-    def num_pages(self, boundary: int) -> int:
-        """Cache pages the sidecar of `boundary` takes."""
-        pieces = self.num_windowed_layers * self.pages_before(boundary)
+    def window_pages(self, boundary: int, delta_pages: int = 0) -> int:
+        """Pages of windowed KV the sidecar of `boundary` holds: whole, or a delta's."""
+        return delta_pages or self.pages_before(boundary)
+
+    def num_pages(self, boundary: int, delta_pages: int = 0) -> int:
+        """Cache pages the sidecar of `boundary` takes (whole, or a delta)."""
+        pieces = self.num_windowed_layers * self.window_pages(boundary, delta_pages)
         return -(-pieces // self.num_page_layers)
 
-    def tokens(self, tokens: bytes, boundary: int) -> bytes:
+    def tokens(self, tokens: bytes, boundary: int, delta_pages: int = 0) -> bytes:
         """The index tokens of the sidecar of `boundary` of `tokens` (encoded): the prefix,
-        then the tag pages."""
-        tag = TAG_TOKEN.to_bytes(TOKEN_BYTES, "little")
-        return tokens[: boundary * TOKEN_BYTES] + tag * (self.num_pages(boundary) * self.page_size)
+        then the tag pages (a whole sidecar's, or a delta's)."""
+        tag = (TAG_TOKEN - delta_pages).to_bytes(TOKEN_BYTES, "little")
+        num_tokens = self.num_pages(boundary, delta_pages) * self.page_size
+        return tokens[: boundary * TOKEN_BYTES] + tag * num_tokens
 
 
 def snapshot(shape: SidecarShape, window: LateWindow, boundary: int) -> torch.Tensor | None:
@@ -109,11 +121,17 @@ def pack(shape: SidecarShape, kv: torch.Tensor, page_layer, page_ids: list[int])
 
 
 def unpack(
-    shape: SidecarShape, boundary: int, page_layer, page_ids: list[int], window: LateWindow
+    shape: SidecarShape,
+    boundary: int,
+    delta_pages: int,
+    page_layer,
+    page_ids: list[int],
+    window: LateWindow,
 ) -> None:
-    """Fill the request's ring with the sidecar of `boundary` held in `page_ids`."""
+    """Write the sidecar of `boundary` (whole, or a delta) held in `page_ids` into the
+    request's ring."""
     size = shape.page_size
-    pieces = shape.pages_before(boundary)
+    pieces = shape.window_pages(boundary, delta_pages)
     start = boundary - pieces * size
     for u in range(pieces * shape.num_windowed_layers):
         page, layer = divmod(u, shape.num_windowed_layers)

@@ -191,8 +191,9 @@ def test_branch_depths_and_held_pages_read_the_index_alone(cache_factory):
         assert len(held) == depth
         ids = cache.alloc_device_pages(1)
         cache.insert(tokens[: depth * 4] + tag, held + ids, NS)
-    assert cache.branch_depths(tokens, NS, tag) == [1, 3]
-    assert cache.branch_depths(tokens[:8], NS, tag) == [1]
+    assert cache.branch_depths(tokens, NS, [tag]) == [1, 3]
+    assert cache.branch_depths(tokens[:8], NS, [[5] * 4, tag]) == [1]
+    assert cache.branch_depths(tokens, NS, [[5] * 4]) == []
     before = cache.stats()
     look = cache.match(tokens[:12] + tag, NS, record=False)
     assert look.num_pages == 4

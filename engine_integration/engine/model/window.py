@@ -44,6 +44,11 @@ class LateWindow:
         # reader can tell without the device that the ring holds nothing it needs.
         self._written_end = [0] * num_layers
 
+    def clear(self) -> None:
+        """Forget every position (the KV stays, unread)."""
+        self.positions.fill_(_EMPTY)
+        self._written_end = [0] * len(self._written_end)
+
     def holds_from(self, layer: int, position: int) -> bool:
         """Whether layer `layer`'s ring may hold a position >= `position`."""
         return self._written_end[layer] > max(position, 0)

@@ -290,6 +290,50 @@ def test_gemma3_hit_then_decode_across_the_window_edge(gemma_dir, reference):
     assert torch.equal(output.logits, expected.logits)
 
 
+def test_gemma3_close_sidecars_are_deltas(gemma_dir):
+    """Pages of 8 tokens, a window of 16: a sidecar spans 2 pages. A request's lookup end
+    (40) and end (48) are one page apart, so the one at 48 holds only its last page over
+    the one at 40: half the pages, and a hit at 48 reads both, bit-equal to cache off. The
+    same over the whole sidecar a request's hit was served from."""
+    from engine_integration.engine.embedded import build_cache
+
+    config = EngineConfig(page_size=8, block_tokens=8, prefill_chunk_tokens=64)
+    model, _ = load_model(gemma_dir, config)
+    prompt = random_prompt(10, 43)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    cache = build_cache(model, config, CacheSizes(l1_pages=128))
+    try:
+        engine = Engine(model, config, cache=cache)
+        shape = engine.pages.shape
+        assert (shape.span_pages, shape.num_pages(40), shape.num_pages(48, 1)) == (2, 4, 2)
+        first = run_one(engine, prompt, params)
+        used = cache.pages_in_use("l1")
+        assert used == 48 // 8 + shape.num_pages(40) + shape.num_pages(48, 1)
+        next_turn = prompt + first.token_ids[:5] + random_prompt(11, 9)
+        repeat = run_one(engine, prompt, params)  # the whole sidecar at 40
+        turn = run_one(engine, next_turn, params)  # the delta at 48 and the sidecar at 40
+        # Parting after 41 tokens: a hit at 40, and its end's sidecar a delta over that one.
+        other = prompt[:41] + random_prompt(12, 2)
+        used = cache.pages_in_use("l1")
+        parted = run_one(engine, other, params)
+        assert cache.pages_in_use("l1") == used + 1 + shape.num_pages(48, 1)
+        other_turn = other + parted.token_ids[:5] + random_prompt(13, 4)
+        parted_turn = run_one(engine, other_turn, params)
+    finally:
+        cache.close()
+    assert repeat.metrics.hit_tokens["l1"] == 40 and turn.metrics.hit_tokens["l1"] == 48
+    assert parted.metrics.hit_tokens["l1"] == 40 and parted_turn.metrics.hit_tokens["l1"] == 48
+    assert turn.metrics.window_cut_tokens == parted_turn.metrics.window_cut_tokens == 0
+    for output, tokens in (
+        (repeat, prompt),
+        (turn, next_turn),
+        (parted, other),
+        (parted_turn, other_turn),
+    ):
+        expected = run_one(cache_off(model, config), tokens, params)
+        assert torch.equal(output.logits, expected.logits)
+
+
 def test_gemma3_decodes_across_the_window_edge(gemma_dir, reference):
     """A 10-token prompt decoding 20 tokens: the windowed layers' first query that no
     longer sees position 0 is a decode step."""
