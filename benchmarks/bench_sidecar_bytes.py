@@ -12,9 +12,10 @@ the cache's page bytes; "every layer" is the same sequence's full pages with all
 Two requests a length: a prompt of L + 1 tokens and one new token (L tokens cached: the
 lookup end and the sequence's end are one boundary, one sidecar), and a prompt of L tokens
 with 64 new tokens (two sidecars: the prompt's lookup end, for a repeat of the prompt, and
-the sequence's end, for the next turn, a page further: a delta of one page over the first). The ratio does not depend on the heads' width or
-the dtype (both sides scale alike), so the model is Gemma 3 270M's plan with narrow heads
-and hidden size, random weights, float32 on the CPU, to run 32K tokens in a minute.
+the sequence's end, for the next turn, a page further: a delta of one page over the
+first). The ratio does not depend on the heads' width or the dtype (both sides scale
+alike), so the model is Gemma 3 270M's plan with narrow heads and hidden size, random
+weights, float32 on the CPU (32K tokens take minutes on 2 cores).
 
     python benchmarks/bench_sidecar_bytes.py                  # 512, 4096, 32768 tokens
     python benchmarks/bench_sidecar_bytes.py --lengths 512,4096
