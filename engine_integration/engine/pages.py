@@ -19,6 +19,7 @@ import torch
 from engine_integration.engine import sidecar
 from engine_integration.engine.model.window import LateWindow
 from hicache.controller import HiCache, Match
+from hicache.errors import BackgroundTransferError
 from radix.keys import TOKEN_BYTES, Namespace, encode_tokens
 from tiers.allocator import PageAllocator
 from tiers.device_pool import DevicePool
@@ -50,7 +51,7 @@ class PageSource(Protocol):
         tokens: list[int],
         page_ids: list[int],
         match: Match | None,
-        sidecars: dict[int, torch.Tensor] | None = None,
+        sidecars: dict[int, torch.Tensor | None] | None = None,
     ) -> None: ...
 
     def abandon(self, own_page_ids: list[int], match: Match | None) -> None: ...
@@ -129,8 +130,11 @@ class CachedPages:
             num_pages = shape.num_pages(boundary, delta_pages)
             if found.num_tokens != boundary + num_pages * self.page_size:
                 return False
-            for layer in range(shape.num_page_layers):
-                self.cache.wait_layer(found, layer)
+            try:
+                for layer in range(shape.num_page_layers):
+                    self.cache.wait_layer(found, layer)
+            except BackgroundTransferError:  # its load failed: the pages hold wrong KV
+                return False
             ids = found.device_page_ids[-num_pages:]
             sidecar.unpack(shape, boundary, delta_pages, self.layer, ids, window)
             return True
@@ -243,7 +247,7 @@ class PrivatePages:
         tokens: list[int],
         page_ids: list[int],
         match: Match | None,
-        sidecars: dict[int, torch.Tensor] | None = None,
+        sidecars: dict[int, torch.Tensor | None] | None = None,
     ) -> None:
         self.allocator.free(page_ids)
 
