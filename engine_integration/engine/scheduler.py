@@ -28,7 +28,7 @@ a sidecar's span plus a page). A hit fills it from a sidecar (engine/sidecar.py)
 to the deepest boundary that has one; the request then takes the sidecars later requests can
 hit: at its prompt's lookup end and at the depth the index held past its hit (the prefill
 stops at each for a step, and the ring is copied there), and at its last full page when it
-finishes.
+finishes (one close past a whole one as a delta over it: engine/sidecar.py).
 """
 
 from __future__ import annotations
