@@ -334,6 +334,54 @@ def test_gemma3_close_sidecars_are_deltas(gemma_dir):
         assert torch.equal(output.logits, expected.logits)
 
 
+def test_gemma3_random_traffic_under_eviction_is_exact(gemma_dir, tmp_path):
+    """Random requests over a few shared stems (repeats, next turns, partings), small
+    pools and random evictions from L1 and L2 between them: sidecars and deltas come
+    and go, hits shorten; every output is bit-equal to cache off."""
+    import random
+
+    from engine_integration.engine.embedded import build_cache
+
+    config = EngineConfig(page_size=8, block_tokens=8, prefill_chunk_tokens=64)
+    model, _ = load_model(gemma_dir, config)
+    rng = random.Random(39)
+    stems = [random_prompt(20 + k, 50) for k in range(3)]
+    history: list[list[int]] = []
+    sizes = CacheSizes(
+        l1_pages=48, l2_pages=64, l3_url=f"file://{tmp_path}/l3?capacity=64MiB", policy=_policy()
+    )
+    cache = build_cache(model, config, sizes)
+    hits = cut = 0
+    try:
+        engine = Engine(model, config, cache=cache)
+        for step in range(16):
+            kind = rng.choice(["stem", "repeat", "turn", "part"]) if history else "stem"
+            if kind == "stem":
+                prompt = rng.choice(stems)[: rng.randrange(20, 50)] + random_prompt(step, 5)
+            elif kind == "repeat":
+                prompt = rng.choice(history)
+            elif kind == "turn":
+                prompt = rng.choice(history) + random_prompt(100 + step, rng.randrange(3, 12))
+            else:
+                base = rng.choice(history)
+                prompt = base[: rng.randrange(10, len(base))] + random_prompt(200 + step, 4)
+            params = SamplingParams(max_new_tokens=rng.randrange(1, 8), return_logits=True)
+            output = run_one(engine, prompt, params)
+            expected = run_one(cache_off(model, config), prompt, params)
+            assert torch.equal(output.logits, expected.logits), (step, kind)
+            history.append(prompt + output.token_ids[:-1])
+            hits += output.metrics.total_hit_tokens > 0
+            cut += output.metrics.window_cut_tokens > 0
+            cache.flush()
+            tier = rng.choice(["l1", "l2", None])
+            if tier is not None:
+                cache.evict(tier, rng.randrange(1, 40))
+            cache.check_invariants()
+    finally:
+        cache.close()
+    assert hits >= 4 and cut >= 1, (hits, cut)
+
+
 def test_gemma3_decodes_across_the_window_edge(gemma_dir, reference):
     """A 10-token prompt decoding 20 tokens: the windowed layers' first query that no
     longer sees position 0 is a decode step."""
