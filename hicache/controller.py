@@ -78,7 +78,13 @@ class HiCache:
         return self._executor
 
     def match(
-        self, tokens, namespace: Namespace, *, priority: int = 0, record: bool = True
+        self,
+        tokens,
+        namespace: Namespace,
+        *,
+        priority: int = 0,
+        record: bool = True,
+        whole: bool = False,
     ) -> Match:
         """The longest cached prefix of `tokens`, ready for the engine to attend over.
 
@@ -90,6 +96,8 @@ class HiCache:
         `release`. `priority` is the request's (the `priority` eviction policy keeps
         high-priority runs longest). `record=False`: not a request of its own (an engine's
         look at a sidecar, engine/sidecar.py), so not counted in the request and hit stats.
+        `whole`: only all of it is of use (a sidecar), so the L3 part found is fetched
+        whole, not as much as beats recomputing it, and waited for (`wait_complete`).
         """
         data = _request_tokens(tokens, namespace)
         with self._lock:
@@ -100,10 +108,10 @@ class HiCache:
                 self._metrics.requests += 1
                 num_tokens = len(data) // 4 // self.page_size * self.page_size
                 self._metrics.requested_tokens += num_tokens
-            end, prefetch = self._start_prefetch(data, first)
+            end, prefetch = self._start_prefetch(data, first, fetch_all=whole)
         landed = Landed()
         if prefetch is not None:
-            landed = self._wait_prefetch(prefetch, end)
+            landed = self._wait_prefetch(prefetch, end, wait_all=whole)
         with self._lock:
             try:
                 self._mover.apply_completions()
@@ -493,7 +501,9 @@ class HiCache:
 
     # ------------------------------------------------------------------ L3 lookup and wait
 
-    def _start_prefetch(self, data: bytes, first: MatchResult) -> tuple[Node, PrefetchOp | None]:
+    def _start_prefetch(
+        self, data: bytes, first: MatchResult, *, fetch_all: bool = False
+    ) -> tuple[Node, PrefetchOp | None]:
         """Look past the match `first` in L3, index what L3 holds, and start fetching the L3
         part of the prefix into L2.
 
@@ -519,7 +529,9 @@ class HiCache:
             self._rates.record_lookup(self._executor.now() - began)
             if found:
                 end = self._tree.extend_l3(end, data, first.matched_pages + found).last_node
-        num_pages = self._pages_worth_fetching(data, first, first.num_l3_pages + found)
+        num_pages = first.num_l3_pages + found
+        if not fetch_all:
+            num_pages = self._pages_worth_fetching(data, first, num_pages)
         if num_pages < self._policy.prefetch_min_pages:
             return end, None
         tail = self._l3_cut(RadixTree.trailing(end, Tier.L3), num_pages)
@@ -551,7 +563,7 @@ class HiCache:
             num_pages -= node.num_pages
         return l3_nodes[-1] if l3_nodes else None
 
-    def _wait_prefetch(self, op: PrefetchOp, end: Node) -> Landed:
+    def _wait_prefetch(self, op: PrefetchOp, end: Node, *, wait_all: bool = False) -> Landed:
         """Wait for an L3 prefetch as the policy says, the cache's lock not held, and load
         each part into L1 as soon as it lands in L2: the L2 -> L1 copy of one read batch
         overlaps the L3 read of the next (and the match's L2 pages go first, at once).
@@ -559,7 +571,7 @@ class HiCache:
         Returns what was loaded meanwhile; its runs stay locked for the match (`Landed`).
         """
         landed = Landed()
-        deadline = self._prefetch_deadline(op)
+        deadline = None if wait_all else self._prefetch_deadline(op)
         seen = -1
         while True:
             with self._lock:

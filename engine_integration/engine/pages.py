@@ -125,7 +125,7 @@ class CachedPages:
         """Write one sidecar run (whole, or a delta) into `window` if the cache has it all."""
         shape = self.shape
         path = shape.tokens(tokens, boundary, delta_pages)
-        found = self.cache.match(path, self.namespace, record=False)
+        found = self.cache.match(path, self.namespace, record=False, whole=True)
         try:
             num_pages = shape.num_pages(boundary, delta_pages)
             if found.num_tokens != boundary + num_pages * self.page_size:

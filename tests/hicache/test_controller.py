@@ -201,3 +201,20 @@ def test_branch_depths_and_held_pages_read_the_index_alone(cache_factory):
     after = cache.stats()
     assert (after.requests, after.hit_tokens) == (before.requests, before.hit_tokens)
     cache.check_invariants()
+
+
+def test_a_whole_match_fetches_all_it_finds_in_l3_and_waits(cache_factory, tmp_path):
+    """`whole=True` (an engine's sidecar: of use only all together): the L3 part is
+    fetched whole and waited for, whatever the prefetch and fetch policies say."""
+    url = f"file://{tmp_path / 'l3'}?capacity=1GiB"
+    tokens = tokens_for(8, 4)
+    writer = cache_factory(write_policy="write_through", l3_url=url)
+    written = put(writer, tokens, seed=8)
+    writer.flush()
+    reader = cache_factory(l3_url=url, prefetch_policy="best_effort")
+    match = reader.match(tokens, NS, whole=True, record=False)
+    assert match.num_pages == 4 and match.num_l3_pages == 4
+    wait_all_layers(reader, match)
+    assert torch.equal(read_pages(reader, match.device_page_ids), written)
+    reader.release(match)
+    assert reader.stats().requests == 0
