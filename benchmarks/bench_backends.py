@@ -13,10 +13,10 @@ Claim (issue 4): with batches of 32 pages of 64 KiB, 256 KiB and 2 MiB,
   the same bytes on the same store (`batch_put_from` / `batch_get_into` between registered
   buffers: no framing, no verification), with verification on. The store is a
   `mooncake_master` and a `mooncake_client` holding the pages, on loopback, started here;
-  both clients lend it nothing, as an engine's would. (SGLang's own Mooncake backend cannot
-  be measured on a CPU-only host: it imports SGLang's host pools, whose import chain needs a
-  torchvision that loads against the CPU torch, and none does; see
-  tests/support/sglang_pools.py.)
+  the clients lend it nothing, as an engine's would. Both sides move the pages of one pool
+  registered with (lent to) the client. Also timed in turn, as a second baseline: SGLang's
+  own Mooncake backend (`MooncakeStore`) with its real host pool on the CPU (the guards of
+  tests/support/sglang_cpu.py), putting and getting the same number of bytes.
 
 Also measured, as context: `memory` against a Python memcpy of the same bytes, and the file
 backend's way of doing I/O against `aiofiles` with one await per open/write/read/rename
@@ -91,6 +91,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="directory for file:// (default: a temp dir)")
     parser.add_argument("--file-options", default="", help="extra file:// query, e.g. fsync=1")
+    parser.add_argument(
+        "--no-sglang", dest="sglang", action="store_false",
+        help="leave SGLang's own Mooncake backend out of the mooncake case",
+    )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one rep")
     args = parser.parse_args()
     if args.smoke:
@@ -114,8 +118,18 @@ class Workload:
         self.pool = bytearray(page_bytes * batch_pages)
         view = memoryview(self.pool)
         self.into = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages)]
+        # The same pages as one "L2 pool" of their own, for a backend that takes a lent pool
+        # (and the raw Mooncake client, which puts from registered memory).
+        self.source = bytearray(b"".join(self.pages))
+        view = memoryview(self.source)
+        self.source_pages = [
+            view[i * page_bytes : (i + 1) * page_bytes] for i in range(len(self.pages))
+        ]
         self.rep = 0
         self.all_batches: list[list[bytes]] = []
+        # Untimed, after each repetition: sides that drop the repetition's pages (a store
+        # whose holder would otherwise fault in fresh memory for every repetition's puts).
+        self.forgetters: list[Callable[[list[list[bytes]]], Awaitable[None]]] = []
         self.start_rep(0)
 
     def start_rep(self, rep: int) -> None:
@@ -167,10 +181,14 @@ def backend_ops(url: str, work: Workload) -> tuple[Timed, Timed, Timed, Timed]:
     async def setup() -> None:
         state["store"] = open_backend(url, layout=LAYOUT)
         await state["store"].connect()
+        state["pages"] = work.pages
+        # Lend the pools, as the engine lends its L2 pool, where the backend takes them.
+        if state["store"].lend(work.pool) and state["store"].lend(work.source):
+            state["pages"] = work.source_pages
 
     async def put() -> None:
         for keys in work.batches:
-            stored = await state["store"].batch_put(keys, work.pages)
+            stored = await state["store"].batch_put(keys, state["pages"])
             assert all(stored), f"{url}: put failed: {state['store'].stats()}"
 
     async def get() -> None:
@@ -183,6 +201,13 @@ def backend_ops(url: str, work: Workload) -> tuple[Timed, Timed, Timed, Timed]:
             await state["store"].delete(keys)
         await state["store"].close()
 
+    if url.startswith("mooncake://"):
+
+        async def forget(batches: list[list[bytes]]) -> None:
+            for keys in batches:
+                await state["store"].delete(keys)
+
+        work.forgetters.append(forget)
     return setup, put, get, teardown
 
 
@@ -374,7 +399,7 @@ def raw_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]
     client = MooncakeDistributedStore()
     if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
         raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
-    source = np.frombuffer(b"".join(work.pages), dtype=np.uint8).copy()
+    source = np.frombuffer(work.source, dtype=np.uint8)
     target = np.frombuffer(work.pool, dtype=np.uint8)
     for array in (source, target):
         if client.register_buffer(array.ctypes.data, array.nbytes) != 0:
@@ -397,6 +422,12 @@ def raw_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]
             codes = client.batch_get_into(names(keys), targets, sizes)
             assert all(code == size for code in codes), f"raw get failed: {codes}"
 
+    async def forget(batches: list[list[bytes]]) -> None:
+        for keys in batches:
+            client.batch_remove(names(keys), True)
+
+    work.forgetters.append(forget)
+
     async def close() -> None:
         for keys in work.all_batches:
             client.batch_remove(names(keys), True)
@@ -405,6 +436,84 @@ def raw_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]
         client.close()
 
     return put, get, close
+
+
+SGLANG_LAYER_BYTES = 2 * 16 * 8 * 128 * 2  # K and V of 16 tokens, 8 heads of 128, bf16
+
+
+def sglang_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]:
+    """SGLang's own Mooncake backend (`MooncakeStore`, v1 API) on the same store, with its
+    real host pool on the CPU (tests/support/sglang_cpu): an MHA page_first pool whose pages
+    are the workload's size (16 tokens, 8 heads of 128, bf16; one layer per 64 KiB). It
+    puts a batch's pages from the pool's first half and reads them into its second, as its
+    HiCache controller does: no header, no checksum (its K and V are an object each)."""
+    tokens, layers = 16, work.page_bytes // SGLANG_LAYER_BYTES
+    if layers < 1 or layers * SGLANG_LAYER_BYTES != work.page_bytes:
+        raise ValueError(f"no SGLang MHA page of {work.page_bytes} bytes (64 KiB multiples)")
+    from tests.support import sglang_cpu
+
+    sglang_cpu.install()  # the guards SGLang's host pools need on a CPU-only machine
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    num_pages = len(work.pages)
+    pool = sglang_cpu.host_pool(
+        "mha", "page_first", layer_num=layers, page_size=tokens, num_pages=2 * num_pages,
+        head_num=8, head_dim=128,
+    )  # fmt: skip
+    raw = pool.kv_buffer.view(torch.uint8)
+    seeded = torch.Generator().manual_seed(work.seed)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=seeded))
+    os.environ.update(
+        MOONCAKE_MASTER=address, MOONCAKE_PROTOCOL="tcp", MOONCAKE_DEVICE="",
+        MOONCAKE_TE_META_DATA_SERVER="P2PHANDSHAKE", MOONCAKE_GLOBAL_SEGMENT_SIZE="0",
+        MOONCAKE_LOCAL_HOSTNAME="127.0.0.1",
+    )  # fmt: skip
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="bench/sglang", extra_config={},
+    )  # fmt: skip
+    store = MooncakeStore(config, pool)
+    store.register_mem_pool_host(pool)
+    written = torch.arange(num_pages * tokens)
+    read = torch.arange(num_pages * tokens, 2 * num_pages * tokens)
+
+    def names(keys: list[bytes]) -> list[str]:
+        return ["sglang-" + key.hex() for key in keys]
+
+    async def put() -> None:
+        for keys in work.batches:
+            assert all(store.batch_set_v1(names(keys), written)), "sglang put failed"
+
+    async def get() -> None:
+        for keys in work.batches:
+            assert all(store.batch_get_v1(names(keys), read)), "sglang get missed"
+
+    async def forget(batches: list[list[bytes]]) -> None:
+        for keys in batches:
+            objects = [f"{n}_{store.mha_suffix}_{kv}" for n in names(keys) for kv in "kv"]
+            store.store.batch_remove(objects, True)
+
+    work.forgetters.append(forget)
+
+    async def close() -> None:
+        await forget(work.all_batches)
+        store.close()
+
+    return put, get, close
+
+
+def sglang_missing() -> str | None:
+    """Why SGLang's Mooncake backend cannot be measured here, or None."""
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed"
+    from tests.support.sglang_cpu import TEST_SITE
+
+    if importlib.util.find_spec("torchvision") is None and not TEST_SITE.is_dir():
+        return f"no torchvision for SGLang's imports (.ci/run puts one in {TEST_SITE.name})"
+    return None
 
 
 async def mooncake_latency(url: str, address: str, work: Workload, num: int = 50) -> dict:
@@ -481,6 +590,15 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
     # (one large file written with fsync), for `file_fsync` the cost of answering each batch
     # durably without hicache (an fsync after each batch's bytes).
     more_put_ceilings: dict[str, Timed] = {}
+    more_get_ceilings: dict[str, Timed] = {}
+    close_sglang = None
+    if name == "mooncake" and env.get("sglang") and work.page_bytes % SGLANG_LAYER_BYTES:
+        print(f"not measuring SGLang's Mooncake backend at {work.page_bytes}-byte pages: its "
+              f"MHA pages come in {SGLANG_LAYER_BYTES}-byte layers", file=sys.stderr)  # fmt: skip
+    elif name == "mooncake" and env.get("sglang"):  # SGLang's own Mooncake backend, in turn
+        sglang_put, sglang_get, close_sglang = sglang_mooncake_ops(env["mooncake"].address, work)
+        more_put_ceilings["sglang_put"] = sglang_put
+        more_get_ceilings["sglang_get"] = sglang_get
     if name == "file":
         more_put_ceilings["fsync_put"] = raw_file_ops(env["dir"], work, fsync="end")[0]
     elif name == "file_fsync":
@@ -502,7 +620,7 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         # (`settle`).
         groups = [
             [("put", put), ("ceiling_put", ceiling_put), *more_put_ceilings.items()],
-            [("get", get), ("ceiling_get", ceiling_get)],
+            [("get", get), ("ceiling_get", ceiling_get), *more_get_ceilings.items()],
         ]
         for group in groups:
             if group[0][0] == "get":
@@ -514,6 +632,8 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
             rows[f"{label}_put"] = await measure(ref_put, nbytes)
             settle(env["dir"], min(nbytes, 64 << 20))
             rows[f"{label}_get"] = await measure(ref_get, nbytes)
+        for forget in work.forgetters:
+            await forget(work.batches)
         if rep > 0:  # rep 0 warms up
             for key, value in rows.items():
                 rates.setdefault(key, []).append(value)
@@ -528,8 +648,14 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         shutil.rmtree(env["dir"] / leftover, ignore_errors=True)
     for ceiling_file in env["dir"].glob("ceiling-*.bin"):
         ceiling_file.unlink()
+    if close_sglang is not None:
+        await close_sglang()
+    for label in more_get_ceilings:
+        context[f"{label}_gbps"] = _sig(med[label])
+        context[f"get_ratio_vs_{label}"] = _sig(_median_ratio(rates["get"], rates[label]))
     for label in more_put_ceilings:
-        context[f"{label}_ceiling_gbps"] = _sig(med[label])
+        rate = f"{label}_gbps" if label.startswith("sglang") else f"{label}_ceiling_gbps"
+        context[rate] = _sig(med[label])
         context[f"put_ratio_vs_{label}"] = _sig(_median_ratio(rates["put"], rates[label]))
     if references:
         context |= {
@@ -623,6 +749,12 @@ def print_table(rows: list[dict]) -> None:
                 f"   (put vs write + fsync per batch: {r['batch_fsync_put_ceiling_gbps']:.3f}"
                 f" = {r['put_ratio_vs_batch_fsync_put']:.0%})"
             )
+        if "sglang_put_gbps" in r:
+            target += (
+                f"   (SGLang's Mooncake backend: put {r['sglang_put_gbps']:.3f} ="
+                f" {r['put_ratio_vs_sglang_put']:.0%}, get {r['sglang_get_gbps']:.3f} ="
+                f" {r['get_ratio_vs_sglang_get']:.0%})"
+            )
         if "per_file_put_gbps" in r:
             target += (
                 f"   (bare: file per page get {r['per_file_get_gbps']:.3f},"
@@ -690,7 +822,12 @@ async def main_async(args: argparse.Namespace) -> None:
             # Room for every repetition of the largest case, both clients' pages: no eviction.
             largest = max(int(size) for size in args.page_sizes.split(","))
             per_rep = args.total_bytes * (largest + header_size(LAYOUT) + 64) // largest
-            segment = max(64 << 20, 2 * (args.reps + 2) * per_rep)
+            lacking = sglang_missing() if args.sglang else "--no-sglang"
+            if lacking:
+                print(f"not measuring SGLang's Mooncake backend: {lacking}", file=sys.stderr)
+            env["sglang"] = lacking is None
+            clients = 3 if env["sglang"] else 2  # ours, the raw client's, SGLang's pages
+            segment = max(64 << 20, clients * (args.reps + 2) * per_rep)
             env["mooncake"], holder = start_mooncake(scratch, segment)
         for page_bytes in [int(s) for s in args.page_sizes.split(",")]:
             work = Workload(page_bytes, args.batch_pages, args.total_bytes, args.seed)
@@ -703,9 +840,11 @@ async def main_async(args: argparse.Namespace) -> None:
             if redis_proc is not None:
                 env["redis_url"] = lambda: f"redis://127.0.0.1:{env['redis_port']}/0?timeout=30s"
             if holder is not None:
-                buffer = max(
-                    1 << 20, 2 * args.batch_pages * (page_bytes + header_size(LAYOUT) + 128)
-                )
+                # Room for two whole batches: each batch moves in one round (a round is half
+                # the buffer), as the raw client moves it in one call. A buffer cut to the bare
+                # object sizes split each batch into rounds of 31 + 1 pages (the read's slot
+                # keeps room for a signed or longer object), two transfers for one.
+                buffer = max(1 << 20, 2 * args.batch_pages * (page_bytes + 4096))
                 env["mooncake_url"] = lambda b=buffer: (
                     f"mooncake://{env['mooncake'].address}?timeout=30s&buffer={b}"
                 )

@@ -32,9 +32,9 @@ after evicting L1; from L3 after evicting L1 and L2 (the index still knows L3 ho
 pages; the cache has measured its rates on the requests before); and "L3 new": the first
 request of a new cache over the same directory (an empty index, the lookup included, L3
 never read: the cache knows the model's compute rate from the steps run so far, as after a
-server's warm-up, and its link's, timed when built; it fetches the part of the run that a
-store at no cost would make worth it). "fetched" is the share of the prompt the L3 hit took
-from L3 (the rest it recomputed).
+server's warm-up, and its link's, timed when built; it weighs the read at the priors, 2 GB/s
+and 2 ms, and looks the run up only if some fetch of it could pay). "fetched" is the share of
+the prompt the L3 hit took from L3 (the rest it recomputed).
 
 Rates, each against its ceiling measured in the same run:
   L3 read     the L3 hits' prefetch bytes over their op time (submit to the last page

@@ -11,7 +11,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 {
     nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,memory.used,memory.total --format=csv
     python3 -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
-    python3 -c "import sys, engine_integration.embedded, storage_backends.file_store; print('lz4/redis imported:', [m for m in sys.modules if m.split('.')[0] in ('lz4', 'redis')])"
+    python3 -c "import sys, engine_integration.engine.embedded, storage_backends.file_store; print('lz4/redis imported:', [m for m in sys.modules if m.split('.')[0] in ('lz4', 'redis')])"
 } 2>&1 | tee "$OUT/machine.txt"
 
 python3 -m pytest -m gpu tests/engine_integration -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | grep -vE '^(PASSED|SKIPPED) '

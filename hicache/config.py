@@ -24,6 +24,7 @@ L3_WRITE_POLICIES = ("on_backup", "on_evict")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 L3_FETCH_POLICIES = ("measured", "always")
+L2_LOAD_POLICIES = ("measured", "always")
 
 
 # The longest wait a setting may ask for. Far longer ones are mistakes, and past about 2**33 s
@@ -165,25 +166,39 @@ class PolicyConfig:
     # estimated time to first token (L3 read + L2->L1, by the rates this cache measured)
     # beats recomputing it (by the compute rate the engine reports: `record_compute`);
     # "always" fetches the whole run. Until the compute rate is reported, "measured" fetches
-    # all; until L3 has been read, it declines only what even a store at no cost would not
-    # make worth fetching (`fetch_plan`).
+    # all; until L3 has been read, it weighs a read at the priors below, so a short run is
+    # recomputed until a read has measured the store; a run no fetch could pay for is not
+    # even looked up in L3 (`fetch_plan`).
     l3_fetch_policy: str = "measured"
-    # Priors of the rates until measured (bytes/s): an L3 read (reported until the first
-    # read; no choice rests on it), an L2 -> L1 load (a GPU's cache times one when built).
+    # Whether a match loads the L2 run that ends its prefix into L1: "measured" loads it
+    # unless loading (its pages over the L2 -> L1 link) takes longer than recomputing its
+    # tokens would (a small model whose step costs the same at any length); "always" loads.
+    # Until the compute rate is reported, "measured" loads.
+    l2_load_policy: str = "measured"
+    # Priors of the rates until measured (bytes/s): an L3 read, an L2 -> L1 load (a GPU's
+    # cache times one when built); and the latency an unread store's first read is charged
+    # (s): what a backend's first read costs once (its threads started, its tables read).
     l3_read_prior_bytes_per_s: float = 2e9
     l2_load_prior_bytes_per_s: float = 10e9
+    l3_latency_prior_s: float = 2e-3
 
     def __post_init__(self) -> None:
         _one_of("PolicyConfig", "write_policy", self.write_policy, WRITE_POLICIES)
         _one_of("PolicyConfig", "prefetch_policy", self.prefetch_policy, PREFETCH_POLICIES)
         _one_of("PolicyConfig", "eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         _one_of("PolicyConfig", "l3_fetch_policy", self.l3_fetch_policy, L3_FETCH_POLICIES)
+        _one_of("PolicyConfig", "l2_load_policy", self.l2_load_policy, L2_LOAD_POLICIES)
         for name in ("l3_read_prior_bytes_per_s", "l2_load_prior_bytes_per_s"):
             value = getattr(self, name)
             _require(
                 math.isfinite(value) and value > 0,
                 f"PolicyConfig.{name} must be finite and > 0, got {value}",
             )
+        _require(
+            math.isfinite(self.l3_latency_prior_s) and 0 <= self.l3_latency_prior_s <= 60,
+            f"PolicyConfig.l3_latency_prior_s must be in [0, 60] seconds, "
+            f"got {self.l3_latency_prior_s}",
+        )
         _require(
             self.write_through_threshold >= 1,
             "PolicyConfig.write_through_threshold must be >= 1, "
@@ -294,6 +309,8 @@ ENV_VARIABLES = {
     "HICACHE_L3_READ_CHUNK": ("l3", "read_chunk_bytes", parse_size),
     "HICACHE_L3_EXISTS_TIMEOUT_S": ("l3", "exists_timeout_s", float),
     "HICACHE_L3_FETCH_POLICY": ("policy", "l3_fetch_policy", str),
+    "HICACHE_L3_LATENCY_PRIOR_S": ("policy", "l3_latency_prior_s", float),
+    "HICACHE_L2_LOAD_POLICY": ("policy", "l2_load_policy", str),
     "HICACHE_WRITE_POLICY": ("policy", "write_policy", str),
     "HICACHE_WRITE_THROUGH_THRESHOLD": ("policy", "write_through_threshold", int),
     "HICACHE_PREFETCH_POLICY": ("policy", "prefetch_policy", str),

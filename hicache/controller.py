@@ -60,6 +60,7 @@ class HiCache:
         self._rates = FetchRates(
             l3_read_prior_bytes_per_s=config.policy.l3_read_prior_bytes_per_s,
             l2_load_prior_bytes_per_s=config.policy.l2_load_prior_bytes_per_s,
+            l3_latency_prior_s=config.policy.l3_latency_prior_s,
         )
         link = executor.link_sample()
         if link is not None:
@@ -96,8 +97,9 @@ class HiCache:
         `release`. `priority` is the request's (the `priority` eviction policy keeps
         high-priority runs longest). `record=False`: not a request of its own (an engine's
         look at a sidecar, engine/sidecar.py), so not counted in the request and hit stats.
-        `whole`: only all of it is of use (a sidecar), so the L3 part found is fetched
-        whole, not as much as beats recomputing it, and waited for (`wait_complete`).
+        `whole`: only all of it is of use (a sidecar), so its L2 part is loaded and the L3
+        part found is fetched whole, not as much as beats recomputing them, and waited for
+        (`wait_complete`).
         """
         data = _request_tokens(tokens, namespace)
         with self._lock:
@@ -117,7 +119,9 @@ class HiCache:
                 self._mover.apply_completions()
                 if prefetch is not None and not prefetch.done:
                     self._metrics.prefetches_cut_short += 1
-                return self._finish_match(end, namespace, priority, landed, record)
+                return self._finish_match(
+                    end, namespace, priority, landed, len(data) // 4, record=record, whole=whole
+                )
             finally:
                 landed.let_go(self._tree)
 
@@ -417,7 +421,15 @@ class HiCache:
     # ------------------------------------------------------------------ match internals
 
     def _finish_match(
-        self, end: Node, namespace: Namespace, priority: int, landed: Landed, record: bool
+        self,
+        end: Node,
+        namespace: Namespace,
+        priority: int,
+        landed: Landed,
+        num_tokens: int,
+        *,
+        record: bool,
+        whole: bool,
     ) -> Match:
         """Load the L2 part of the request's usable prefix (read up from `end`, the node the
         request holds) into L1, lock it, count the hits (with those `landed` loaded while
@@ -428,6 +440,8 @@ class HiCache:
         a list of runs taken before pages moved.
         """
         usable = self._usable_runs(end)
+        if not whole:  # (a whole match's L2 part is of use only all loaded)
+            usable = self._worth_loading(usable, num_tokens)
         node = usable[-1] if usable else None
         num_loaded = num_from_l3 = 0
         loads: list[LoadOp] = []
@@ -471,6 +485,33 @@ class HiCache:
             _node=node,
             _loads=loads,
         )
+
+    def _worth_loading(self, usable: list[Node], num_tokens: int) -> list[Node]:
+        """`usable` without the L2 runs that end it when loading them into L1 would take
+        longer than recomputing their tokens (`fetch_plan.FetchRates.worth_loading`). Runs
+        a prefetch brought from L3 are kept (their fetch was weighed with their load)."""
+        if self._policy.l2_load_policy == "always":
+            return usable
+        num_l2 = 0
+        for run in reversed(usable):
+            if run.level != Tier.L2:
+                break
+            if status_of(run) is not None:  # from L3, or in motion: already decided
+                return usable
+            num_l2 += 1
+        if not num_l2:
+            return usable
+        num_l2_pages = sum(run.num_pages for run in usable[-num_l2:])
+        num_pages = sum(run.num_pages for run in usable)
+        run = RunToFetch(
+            hit_tokens=(num_pages - num_l2_pages) * self.page_size,
+            num_pages=num_l2_pages,
+            page_size=self.page_size,
+            page_bytes=self.layout.bytes_per_page,
+            total_tokens=num_tokens,
+            batch_pages=num_l2_pages,  # one load
+        )
+        return usable if self._rates.worth_loading(run) else usable[:-num_l2]
 
     @staticmethod
     def _usable_runs(end: Node) -> list[Node]:
@@ -522,6 +563,9 @@ class HiCache:
         if first.num_l3_pages + unmatched < self._policy.prefetch_min_pages:
             return end, None
         found = 0
+        num_l3_pages = first.num_l3_pages + unmatched
+        if unmatched and not fetch_all and not self._worth_looking(data, first, num_l3_pages):
+            return end, None  # no fetch could pay, whatever L3 holds: no lookup either
         if unmatched:
             keys = self._tree.keys_after(end, data)
             began = self._executor.now()
@@ -544,8 +588,18 @@ class HiCache:
         leading part that beats recomputing them (`measured`: `fetch_plan`)."""
         if self._policy.l3_fetch_policy == "always" or not num_l3_pages:
             return num_l3_pages
+        return self._rates.plan(self._run_to_fetch(data, match, num_l3_pages)).num_pages
+
+    def _worth_looking(self, data: bytes, match: MatchResult, num_l3_pages: int) -> bool:
+        """Whether an L3 lookup could change what the match fetches, were all of the
+        `num_l3_pages` past its L1/L2 hit in L3 (`fetch_plan.FetchRates.worth_looking`)."""
+        if self._policy.l3_fetch_policy == "always":
+            return True
+        return self._rates.worth_looking(self._run_to_fetch(data, match, num_l3_pages))
+
+    def _run_to_fetch(self, data: bytes, match: MatchResult, num_l3_pages: int) -> RunToFetch:
         hit_pages = match.matched_pages - match.num_l3_pages
-        run = RunToFetch(
+        return RunToFetch(
             hit_tokens=hit_pages * self.page_size,
             num_pages=num_l3_pages,
             page_size=self.page_size,
@@ -553,7 +607,6 @@ class HiCache:
             total_tokens=len(data) // 4,
             batch_pages=self.config.l3.pages_per_read(self.layout.bytes_per_page),
         )
-        return self._rates.plan(run).num_pages
 
     def _l3_cut(self, l3_nodes: list[Node], num_pages: int) -> Node | None:
         """The L3 run ending the first `num_pages` L3 pages of a path (a run split there)."""

@@ -83,6 +83,7 @@ class RealExecutor(Executor):
         self._done: collections.deque[TransferOp] = collections.deque()
         self._events: dict[int, threading.Event] = {}
         self._backend = None
+        self._lent_to: list = []  # backends L2 was lent to (they say which pages they move)
         self._io: LoopThread | None = None
 
     # ------------------------------------------------------------------ Executor
@@ -191,6 +192,9 @@ class RealExecutor(Executor):
         if self._backend is not None:
             self._io.run(self._backend.close())
             self._backend = None
+        if self._lent_to:  # a closed backend is asked only while its transfers still run
+            region = [self.host_pool.region()]
+            self._lent_to = [b for b in self._lent_to if b.quarantined(region) == [True]]
         if url is None:
             return
         if self.host_pool is None:
@@ -218,7 +222,20 @@ class RealExecutor(Executor):
             url += ("&" if "?" in url else "?") + urlencode({"secret_file": self._l3_secret_file})
         backend = open_backend(url, layout=self._layout.descriptor())
         await backend.connect()  # a wrong URL fails here, loudly, not later as misses
+        if backend.lend(self.host_pool.region()):  # pages move straight into and out of L2
+            self._lent_to.append(backend)
         return backend
+
+    def quarantined_host_pages(self, host_page_ids: list[int]) -> list[bool]:
+        """Pages of L2 a backend it was lent to still moves (a transfer past its deadline);
+        a backend detached since still counts, until its transfers are over."""
+        busy = [False] * len(host_page_ids)
+        if not self._lent_to or self.host_pool is None:
+            return busy
+        pages = [self.host_pool.page_bytes(page) for page in host_page_ids]
+        for backend in self._lent_to:
+            busy = [b or q for b, q in zip(busy, backend.quarantined(pages), strict=True)]
+        return busy
 
     async def _run_io(self, op: TransferOp, runner) -> None:
         try:

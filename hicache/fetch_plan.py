@@ -17,14 +17,25 @@ owns it, with a prior until measured:
 recomputing the rest, for n at every read batch's end and the whole run, and returns the
 fastest.
 Until the compute rate has been measured it fetches the whole run (what a cache without this
-choice does). Before L3 has been read once it plans as if the store cost nothing, neither
-latency nor bandwidth, so that only the L2 -> L1 link stands between the pages and the
-engine: a run not worth fetching even then is declined (a small model, whose step costs the
-same whatever its rows, recomputes faster than it loads), and the rest fetch what that
-bound says is worth it (a read measures the store). A run it has declined many times in a
-row is probed with one read batch, so a store that got faster is seen again. Measured end to
-end by benchmarks/bench_engine.py (an L3 hit against recomputing it); the figures are in
-docs/performance.md.
+choice does). Before L3 has been read once, a read is not free: it is weighed at the prior
+read rate, with the prior latency (`l3_latency_prior_s`, what a store's first read costs
+once: its reader's threads starting, its tables read) as its round trip, so a short run is
+recomputed until a read has measured the store, and a new cache's first hit is never slower
+than cold; a run worth even that read is fetched (and measures the store).
+A match asks `worth_looking` before its L3 lookup: when no fetch of the run could pay even
+if L3 held every page of it, the lookup is skipped too (on the H200 a 1K-token L3 hit that
+fetched nothing cost 0.9x of cold in its lookup and decision). Every `PROBE_EVERY` runs
+declined in a row (looked up or not), one is looked up and probed with one read batch, so a
+store, or a model, that got faster is seen again. Measured end to end by
+benchmarks/bench_engine.py (an L3 hit against recomputing it) and under load by
+benchmarks/bench_serving.py; the figures are in docs/performance.md.
+
+The same weighing decides whether a match loads the L2 run that ends its prefix into L1
+(`worth_loading`, `PolicyConfig.l2_load_policy`): all of it when its pages' trip over the
+L2 -> L1 link takes less than recomputing its tokens, else none (SmolLM2-135M on the H200,
+whose step costs the same at any length, took 0.8x of cold for a 1K-token L2 hit). The
+estimate adds the load to the compute, though the engine overlaps them layer by layer: a
+pessimistic bound, so an L2 hit it keeps is faster than cold.
 
 Torch-free, clock-free: every time is given in seconds by the caller.
 """
@@ -42,7 +53,7 @@ _ALPHA = 0.3  # weight of a new sample in a rate's moving average
 _MIN_READ_BYTES = 1 << 20  # smaller prefetches are all latency: no bandwidth sample
 COMPUTE_SAMPLES = 64  # engine steps the compute fit uses (the latest)
 _MIN_COMPUTE_SAMPLES = 3
-_PROBE_EVERY = 32  # fully declined fetches before one read batch is fetched anyway
+PROBE_EVERY = 32  # runs declined in a row before one is looked up and one read batch fetched
 
 
 class _Average:
@@ -104,7 +115,7 @@ class FetchPlan:
     num_pages: int
     fetch_s: float  # estimated time to first token fetching those pages
     recompute_s: float  # ... fetching none (recomputing the whole run)
-    measured: bool  # False: a rate not measured yet (the whole run, or the bound's share)
+    measured: bool  # False: a rate not measured yet (the whole run, or the prior's share)
 
 
 @dataclass(frozen=True)
@@ -117,21 +128,33 @@ class FetchRatesSnapshot:
     num_load_samples: int
     num_compute_samples: int
     pages_declined: int  # L3 pages left to recompute because fetching them was slower
+    lookups_skipped: int  # runs not looked up in L3: no fetch of them could have paid
+    l2_pages_declined: int  # L2 pages recomputed because loading them was slower
 
 
 class FetchRates:
     """The rates one cache measured (see the module docstring). The owner serialises calls."""
 
-    def __init__(self, *, l3_read_prior_bytes_per_s: float, l2_load_prior_bytes_per_s: float):
+    def __init__(
+        self,
+        *,
+        l3_read_prior_bytes_per_s: float,
+        l2_load_prior_bytes_per_s: float,
+        l3_latency_prior_s: float,
+    ):
         self.l3_read = _Average(l3_read_prior_bytes_per_s)
         self.l3_latency = _Average(0.0)
+        self.l3_latency_prior_s = l3_latency_prior_s
         self.l2_load = _Average(l2_load_prior_bytes_per_s)
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=COMPUTE_SAMPLES)
         self._fit: ComputeFit | None = None
         self._fit_stale = False
         self._declined_in_a_row = 0
+        self._probe_due = False  # a skipped lookup's turn came: the next declined plan probes
         self._first_read_seen = False
         self.pages_declined = 0
+        self.lookups_skipped = 0
+        self.l2_pages_declined = 0
 
     # ------------------------------------------------------------------ measurements
 
@@ -181,33 +204,79 @@ class FetchRates:
             num_load_samples=self.l2_load.num_samples,
             num_compute_samples=len(self._steps),
             pages_declined=self.pages_declined,
+            lookups_skipped=self.lookups_skipped,
+            l2_pages_declined=self.l2_pages_declined,
         )
 
     # ------------------------------------------------------------------ the choice
+
+    def _store_rates(self) -> tuple[float, float, bool]:
+        """(read bytes/s, latency s, measured): what an L3 read is weighed at. Until a read
+        is measured: the prior rate, and the prior latency or the lookups' if longer."""
+        if self.l3_read.num_samples:
+            return self.l3_read.value, self.l3_latency.value, True
+        latency = max(self.l3_latency.value, self.l3_latency_prior_s)
+        return self.l3_read.value, latency, False
+
+    def worth_looking(self, best_case: RunToFetch) -> bool:
+        """Whether to look `best_case` up in L3 at all: the run as long as L3 could hold it
+        (every page past the cached prefix). False when fetching no part of it could beat
+        recomputing it, so that the plan after a lookup would fetch nothing anyway; then
+        every PROBE_EVERY declined runs one is looked up all the same (and probed)."""
+        compute = self.compute
+        if compute is None or best_case.num_pages == 0:
+            return best_case.num_pages > 0  # unmeasured: the whole run is fetched
+        read_bytes_per_s, latency_s, _ = self._store_rates()
+        if _any_fetch_pays(best_case, compute, read_bytes_per_s, latency_s, self.l2_load.value):
+            return True
+        self._declined_in_a_row += 1
+        if self._declined_in_a_row >= PROBE_EVERY:  # look at the store again
+            self._declined_in_a_row = 0
+            self._probe_due = True
+            return True
+        self.lookups_skipped += 1
+        return False
+
+    def worth_loading(self, run: RunToFetch) -> bool:
+        """Whether loading all of `run`, an L2 run past the L1 hit, into L1 beats
+        recomputing its tokens: T(N) <= T(0) with the pages already in host memory (no
+        read, no latency), only the L2 -> L1 link between them and the engine. True until
+        the compute rate is measured."""
+        compute = self.compute
+        if compute is None or run.num_pages == 0:
+            return True
+        rates = (math.inf, 0.0, self.l2_load.value)
+        load_s = _time_to_first_token(run, compute, run.num_pages, *rates)
+        if load_s <= _time_to_first_token(run, compute, 0, *rates):
+            return True
+        self.l2_pages_declined += run.num_pages
+        return False
 
     def plan(self, run: RunToFetch) -> FetchPlan:
         """How much of `run` to fetch (the leading part that is fastest in all)."""
         compute = self.compute
         if compute is None or run.num_pages == 0:
             return FetchPlan(run.num_pages, 0.0, 0.0, measured=False)
-        read = self.l3_read.num_samples > 0  # else: a store at no cost (the bound above)
+        read_bytes_per_s, latency_s, measured = self._store_rates()
         plan = plan_fetch(
             run,
             compute,
-            read_bytes_per_s=self.l3_read.value if read else math.inf,
-            latency_s=self.l3_latency.value if read else 0.0,
+            read_bytes_per_s=read_bytes_per_s,
+            latency_s=latency_s,
             load_bytes_per_s=self.l2_load.value,
         )
-        if not read:
+        if not measured:
             plan = dataclasses.replace(plan, measured=False)
         if plan.num_pages == 0:
             self._declined_in_a_row += 1
-            if self._declined_in_a_row >= _PROBE_EVERY:  # look at the store again
+            if self._probe_due or self._declined_in_a_row >= PROBE_EVERY:  # look again
                 self._declined_in_a_row = 0
+                self._probe_due = False
                 probe = min(run.num_pages, run.batch_pages)
                 return FetchPlan(probe, plan.fetch_s, plan.recompute_s, measured=True)
         else:
             self._declined_in_a_row = 0
+            self._probe_due = False
         self.pages_declined += run.num_pages - plan.num_pages
         return plan
 
@@ -230,6 +299,49 @@ class RunToFetch:
     batch_pages: int = 1
 
 
+def _time_to_first_token(
+    run: RunToFetch,
+    compute: ComputeFit,
+    num_pages: int,
+    read_bytes_per_s: float,
+    latency_s: float,
+    load_bytes_per_s: float,
+) -> float:
+    """T(num_pages) of `plan_fetch`."""
+    io = 0.0
+    if num_pages:
+        slow = min(read_bytes_per_s, load_bytes_per_s)
+        fast = max(read_bytes_per_s, load_bytes_per_s)
+        io = (
+            latency_s
+            + num_pages * run.page_bytes / slow
+            + min(num_pages, max(1, run.batch_pages)) * run.page_bytes / fast
+        )
+    start = min(run.hit_tokens + num_pages * run.page_size, run.total_tokens)
+    rows = run.total_tokens - start
+    return io + compute.seconds(rows, attention_pairs(start, run.total_tokens))
+
+
+def _any_fetch_pays(
+    run: RunToFetch,
+    compute: ComputeFit,
+    read_bytes_per_s: float,
+    latency_s: float,
+    load_bytes_per_s: float,
+) -> bool:
+    """Whether fetching some n in [1, run.num_pages] pages is at least as fast as none.
+
+    T(n) - T(0) is concave in n over [1, N] while hit + N * page_size <= total (io(n) is
+    concave: linear, then less steep past one batch; the compute saved is convex: rows
+    linear, attention pairs quadratic), so its least value is at n = 1 or n = N: checking
+    both answers for every n, and for every shorter run L3 may turn out to hold."""
+    rates = (read_bytes_per_s, latency_s, load_bytes_per_s)
+    recompute_s = _time_to_first_token(run, compute, 0, *rates)
+    return any(
+        _time_to_first_token(run, compute, n, *rates) <= recompute_s for n in {1, run.num_pages}
+    )
+
+
 def plan_fetch(
     run: RunToFetch,
     compute: ComputeFit,
@@ -246,27 +358,9 @@ def plan_fetch(
         T(n)       = io(n) + compute(n)          (io(0) = 0)
 
     Ties go to the larger n (the same time, and the GPU is left to other requests)."""
-    slow = min(read_bytes_per_s, load_bytes_per_s)
-    fast = max(read_bytes_per_s, load_bytes_per_s)
     batch = max(1, run.batch_pages)
-
-    def time_to_first_token(num_pages: int) -> float:
-        io = 0.0
-        if num_pages:
-            io = (
-                latency_s
-                + num_pages * run.page_bytes / slow
-                + min(num_pages, batch) * run.page_bytes / fast
-            )
-        start = min(run.hit_tokens + num_pages * run.page_size, run.total_tokens)
-        rows = run.total_tokens - start
-        return io + compute.seconds(rows, attention_pairs(start, run.total_tokens))
-
+    rates = (read_bytes_per_s, latency_s, load_bytes_per_s)
     candidates = set(range(0, run.num_pages, batch)) | {run.num_pages}
-    best = max(candidates, key=lambda n: (-time_to_first_token(n), n))
-    return FetchPlan(
-        num_pages=best,
-        fetch_s=time_to_first_token(best),
-        recompute_s=time_to_first_token(0),
-        measured=True,
-    )
+    times = {n: _time_to_first_token(run, compute, n, *rates) for n in candidates}
+    best = max(candidates, key=lambda n: (-times[n], n))
+    return FetchPlan(num_pages=best, fetch_s=times[best], recompute_s=times[0], measured=True)

@@ -54,7 +54,7 @@ from hicache.ops import (
     filling_op,
     status_of,
 )
-from hicache.ownership import INDEX, op_owner
+from hicache.ownership import INDEX, QUARANTINE, op_owner
 from radix.node import Node, Tier
 from radix.tree import RadixTree
 from tiers.allocator import PageAllocator
@@ -128,6 +128,7 @@ class PageMover:
         self._rates = rates
         self._inflight: dict[int, TransferOp] = {}
         self._failed_loads: list[Node] = []  # runs whose L1 copy a failed load left wrong
+        self._quarantined: list[int] = []  # L2 pages a timed-out L3 transfer may still write
         self._error: BaseException | None = None
         self.max_l3_pages = 0  # L3-only pages the index keeps (0: no L3 attached)
 
@@ -502,6 +503,8 @@ class PageMover:
                 self._advance_prefetch(op)
         if self._failed_loads:
             self._drop_failed_loads()
+        if self._quarantined:
+            self._release_quarantined()
 
     def _complete(self, op: TransferOp) -> None:
         run = op.context
@@ -582,12 +585,31 @@ class PageMover:
         # Pages L3 promised but did not deliver: their host pages go back, and the index
         # stops believing L3 holds them (where nothing else holds them open).
         self._metrics.prefetch_pages_missing += missing
-        self._host.free(op.host_page_ids[op.num_ready :], op_owner(op))
+        self._let_go_of_unfilled(op, op.host_page_ids[op.num_ready :])
         pieces = [p for p in self._pieces(run) if filling_op(p) is op]
         for piece in reversed(pieces):
             piece.meta = None
             if not piece.children and not piece.lock_ref and piece.level == Tier.L3:
                 self._tree.clear_l3(piece)
+
+    def _let_go_of_unfilled(self, op: PrefetchOp, host_page_ids: list[int]) -> None:
+        """Free the host pages a prefetch did not fill, except those a transfer that
+        outlived the op's call still writes (a lent L2 pool): they are quarantined, and
+        freed only once the executor says that transfer is over."""
+        busy = self._executor.quarantined_host_pages(host_page_ids)
+        late = [page for page, b in zip(host_page_ids, busy, strict=True) if b]
+        self._host.free([page for page, b in zip(host_page_ids, busy, strict=True) if not b],
+                        op_owner(op))  # fmt: skip
+        if late:
+            self._host.give(late, op_owner(op), QUARANTINE)
+            self._quarantined.extend(late)
+
+    def _release_quarantined(self) -> None:
+        busy = self._executor.quarantined_host_pages(self._quarantined)
+        over = [page for page, b in zip(self._quarantined, busy, strict=True) if not b]
+        if over:
+            self._host.free(over, QUARANTINE)
+            self._quarantined = [p for p, b in zip(self._quarantined, busy, strict=True) if b]
 
     # ------------------------------------------------------------------ waiting
 

@@ -189,6 +189,12 @@ class Executor(abc.ABC):
         """How many pages the attached L3 can hold at most, where it says (else None)."""
         return None
 
+    def quarantined_host_pages(self, host_page_ids: list[int]) -> list[bool]:
+        """Which of these L2 pages an L3 transfer that outlived its op may still write (the
+        backend writes straight into a lent L2 pool): they must not be reused until this
+        says False. By default none is."""
+        return [False] * len(host_page_ids)
+
     def link_sample(self) -> tuple[int, float] | None:
         """(bytes, seconds) of an L2 -> L1 load timed when the executor was built, where it
         timed one (else None): the link's rate before any request has measured it."""

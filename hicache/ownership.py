@@ -3,9 +3,11 @@
 Every allocated page id has exactly one owner, which its pool records
 (`tiers.allocator.PageAllocator`): the index (a run maps it), a request (allocated by
 `HiCache.alloc_device_pages`, not inserted or freed yet), or an op in flight (`op_owner`: a
-prefetch's pages until they land). `free` and `give` name the owner they expect, so a page
-can only leave the party that holds it. `check_ownership` recomputes all of it page by page,
-for `HiCache.check_invariants`. Torch-free.
+prefetch's pages until they land), or a late transfer (`QUARANTINE`: pages an L3 read that
+outlived its call may still write, until the executor says it is over). `free` and `give`
+name the owner they expect, so a page can only leave the party that holds it.
+`check_ownership` recomputes all of it page by page, for `HiCache.check_invariants`.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tiers.errors import PoolExhaustedError
 
 INDEX = "the index"  # the pages the index maps
 REQUEST = "a request"  # allocated by alloc_device_pages, not inserted or freed yet
+QUARANTINE = "a late transfer"  # L2 pages an L3 transfer that outlived its call still writes
 
 
 def op_owner(op: TransferOp) -> str:
@@ -74,5 +77,5 @@ def _check_pool(tier: Tier, pool, mapped: list[int], ops: set[str]) -> None:
         )
     for page in range(pool.num_pages):
         owner = pool.owner_of(page)
-        if owner not in (None, INDEX, REQUEST) and owner not in ops:
+        if owner not in (None, INDEX, REQUEST, QUARANTINE) and owner not in ops:
             raise HiCacheError(f"{tier.name} page {page} is owned by {owner}, not in flight")

@@ -48,8 +48,40 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+/* -- the glibc this module asks for ------------------------------------------------------------ */
+
+/* One wheel installs on any Linux with glibc 2.17 or newer (manylinux2014), whatever glibc it was
+ * built on: the module asks only for symbol versions that old. Two are newer on a current glibc:
+ * pthread_create and pthread_attr_setstacksize, moved into libc at 2.34 under a new version and
+ * still exported under their first one, which is the one bound here; and preadv2 (2.26), called
+ * through syscall(2) instead (the kernel's call is from Linux 4.6; before it the read gets
+ * ENOSYS and takes the plain path, as read_one_stretch already does for a file system without
+ * RWF_NOWAIT). `.ci/wheel` checks the outcome (auditwheel names the lowest tag that holds). */
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GLIBC_PREREQ)
+#if __GLIBC_PREREQ(2, 34)
+__asm__(".symver pthread_create,pthread_create@GLIBC_2.2.5");
+__asm__(".symver pthread_attr_setstacksize,pthread_attr_setstacksize@GLIBC_2.2.5");
+#endif
+#endif
+
+#ifndef RWF_NOWAIT
+#define RWF_NOWAIT 0x00000008 /* the kernel's value (linux/fs.h), absent from old glibc headers */
+#endif
+
+static ssize_t preadv_nowait(int fd, const struct iovec *iov, int count, long long offset) {
+#ifdef SYS_preadv2
+    /* the offset as (low, high) words; on a 64-bit kernel the low word holds all of it */
+    return syscall(SYS_preadv2, fd, iov, count, (unsigned long)offset, 0UL, RWF_NOWAIT);
+#else
+    (void)fd, (void)iov, (void)count, (void)offset;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the object format is little-endian and so is this implementation"
@@ -467,7 +499,9 @@ typedef struct {
     long long offset;
     Py_ssize_t first_page; /* index in the batch of the stretch's first page */
     int num_pages;
-    struct iovec *iov; /* header, payload, header, payload, ... */
+    struct iovec *iov; /* header, its payload's pieces, header, pieces, ... */
+    int num_iov;
+    int *starts;       /* num_pages + 1: where each page's header is in iov, then num_iov */
     long long total;
     long long got; /* bytes read; 0: not cached; -1 error (errno in err); -2 no RWF_NOWAIT */
     int err;
@@ -488,7 +522,7 @@ typedef struct {
     int page;             /* in the stretch */
     long long start;      /* its first byte's offset in the stretch */
     int hashing;          /* its header checked out: `stream` takes in its bytes */
-    struct iovec pieces[4];
+    struct iovec pieces[MAX_IOV + 2];
     stream_t stream;
 } arriving_t;
 
@@ -498,22 +532,26 @@ typedef struct {
 static void take_arrived(const reads_t *reads, const stretch_t *s, arriving_t *a,
                          long long done) {
     while (a->page < s->num_pages) {
-        const struct iovec *parts = &s->iov[2 * a->page];
+        const struct iovec *parts = &s->iov[s->starts[a->page]];
+        int count = s->starts[a->page + 1] - s->starts[a->page]; /* header + payload pieces */
         Py_ssize_t page = s->first_page + a->page;
-        long long size = (long long)(parts[0].iov_len + parts[1].iov_len);
+        long long payload = 0;
+        for (int i = 1; i < count; i++)
+            payload += (long long)parts[i].iov_len;
+        long long size = (long long)parts[0].iov_len + payload;
         long long arrived = done - a->start;
         int code = UNCHECKED;
         if (!a->hashing) {
             if (arrived < (long long)parts[0].iov_len)
                 return;
             expect_t want = {reads->keys + KEY_BYTES * page, reads->layout, reads->layout_len,
-                             (long long)parts[1].iov_len};
+                             payload};
             found_t found;
-            code = check_head(parts, 2, &want, &found);
+            code = check_head(parts, count, &want, &found);
             if (code == SPLIT_HEADER)
                 code = UNCHECKED; /* longer than its buffer: the page by page read joins it */
             if (code == HEAD_OK) {
-                int num = hashed_pieces(parts, 2, found.header_bytes, a->pieces);
+                int num = hashed_pieces(parts, count, found.header_bytes, a->pieces);
                 stream_start(&a->stream, a->pieces, num, (size_t)size - UNHASHED_BYTES);
                 a->hashing = 1;
             }
@@ -539,7 +577,7 @@ static int window_of(const stretch_t *s, long long skip, size_t limit, struct io
                      size_t *bytes) {
     int n = 0;
     size_t taken = 0;
-    for (int i = 0; i < 2 * s->num_pages && taken < limit; i++) {
+    for (int i = 0; i < s->num_iov && taken < limit; i++) {
         size_t len = s->iov[i].iov_len;
         if (skip >= (long long)len) {
             skip -= (long long)len;
@@ -569,7 +607,7 @@ static void read_one_stretch(batch_t *batch, size_t unit) {
     while (done < s->total) {
         size_t want;
         int n = window_of(s, done, reads->window_bytes, window, &want);
-        ssize_t got = preadv2(s->fd, window, n, s->offset + done, RWF_NOWAIT);
+        ssize_t got = preadv_nowait(s->fd, window, n, s->offset + done);
         if (got < 0 && done == 0) {
             s->err = errno;
             if (errno == EAGAIN)
@@ -593,18 +631,52 @@ static void read_one_stretch(batch_t *batch, size_t unit) {
 PyDoc_STRVAR(read_stretches_doc,
 "read_stretches(stretches, keys, layout, results, threads, window_bytes) -> list[int]\n\n"
 "Read each stretch (fd, offset, buffers, first_page) - `buffers` alternating a page's header\n"
-"buffer (all of one size) and its payload buffer, the pages of the batch from `first_page`\n"
-"on - with preadv2(RWF_NOWAIT) calls of `window_bytes` each, and check every page as\n"
+"buffer (all of one size) and its payload: a buffer, or a list of buffers (its pieces, in\n"
+"order: the page is read straight into them), the pages of the batch from `first_page` on\n"
+"- with preadv2(RWF_NOWAIT) calls of `window_bytes` each, and check every page as\n"
 "check_object does, against its key (16 bytes each, joined in `keys`), `layout` and its\n"
-"payload buffer's size, hashing each window as it lands: results[page] = 1 when it checked\n"
+"payload's size, hashing each window as it lands: results[page] = 1 when it checked\n"
 "out, else the reason's number (0 where the page was not read whole; a stretch not read\n"
 "whole may have results for its first pages). Returns, per stretch, the bytes read: 0 when\n"
 "the page cache had none, -1 on an error, -2 when the filesystem refuses RWF_NOWAIT. Runs\n"
 "without the GIL, on up to `threads` threads.");
 
-/* Take one stretch's buffers into held and `iov`; 0 with an exception. */
+/* A page's payload, as the callers give it: one buffer, or a list of buffers whose
+ * concatenation is the payload (its pieces: the scattered parts of a page in an engine's
+ * pool, read into and written from where they lie). The iovecs it takes; -1 with an
+ * exception (an empty list, or more than MAX_IOV pieces). */
+static Py_ssize_t payload_pieces(PyObject *payload, const char *what) {
+    if (!PyList_Check(payload))
+        return 1;
+    Py_ssize_t n = PyList_GET_SIZE(payload);
+    if (n < 1 || n > MAX_IOV - 1) {
+        PyErr_Format(PyExc_ValueError, "%s: a page's payload is a buffer or a list of 1 to "
+                                       "1023 buffers", what);
+        return -1;
+    }
+    return n;
+}
+
+/* Take a payload's buffers (payload_pieces) into held and `iov`; the iovecs filled, their
+ * bytes added to *bytes; -1 with an exception. */
+static Py_ssize_t hold_payload(held_t *held, PyObject *payload, int writable, const char *what,
+                               struct iovec *iov, long long *bytes) {
+    Py_ssize_t n = PyList_Check(payload) ? PyList_GET_SIZE(payload) : 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *piece = PyList_Check(payload) ? PyList_GET_ITEM(payload, i) : payload;
+        Py_buffer *view = hold(held, piece, writable, what);
+        if (view == NULL)
+            return -1;
+        iov[i] = (struct iovec){view->buf, (size_t)view->len};
+        *bytes += view->len;
+    }
+    return n;
+}
+
+/* Take one stretch's buffers into held, `iov` and `starts` (num_pages + 1 of them); 0 with
+ * an exception. */
 static int hold_stretch(held_t *held, PyObject *item, stretch_t *s, struct iovec *iov,
-                        Py_ssize_t num_pages) {
+                        int *starts, Py_ssize_t num_pages) {
     PyObject *buffers = PyTuple_GET_ITEM(item, 2);
     s->fd = (int)PyLong_AsLong(PyTuple_GET_ITEM(item, 0));
     s->offset = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 1));
@@ -617,26 +689,35 @@ static int hold_stretch(held_t *held, PyObject *item, stretch_t *s, struct iovec
         return 0;
     }
     s->iov = iov;
-    for (Py_ssize_t b = 0; b < PyList_GET_SIZE(buffers); b++) {
-        Py_buffer *view = hold(held, PyList_GET_ITEM(buffers, b), 1, "read_stretches");
-        if (view == NULL)
+    s->starts = starts;
+    int at = 0;
+    for (int p = 0; p < s->num_pages; p++) {
+        starts[p] = at;
+        Py_buffer *head = hold(held, PyList_GET_ITEM(buffers, 2 * p), 1, "read_stretches");
+        if (head == NULL)
             return 0;
-        if (b % 2 == 0 && view->len < FIXED_BYTES) {
+        if (head->len < FIXED_BYTES) {
             PyErr_SetString(PyExc_ValueError, "read_stretches: a header buffer is shorter than "
                                               "56 bytes");
             return 0;
         }
-        iov->iov_base = view->buf;
-        iov->iov_len = (size_t)view->len;
-        s->total += view->len;
-        iov++;
+        iov[at++] = (struct iovec){head->buf, (size_t)head->len};
+        s->total += head->len;
+        Py_ssize_t n = hold_payload(held, PyList_GET_ITEM(buffers, 2 * p + 1), 1,
+                                    "read_stretches", &iov[at], &s->total);
+        if (n < 0)
+            return 0;
+        at += (int)n;
     }
+    starts[s->num_pages] = at;
+    s->num_iov = at;
     return 1;
 }
 
-/* The buffers of all stretches; -1 with an exception. */
-static Py_ssize_t count_stretch_buffers(PyObject *list) {
+/* The buffers (iovecs) of all stretches, and their pages in *pages; -1 with an exception. */
+static Py_ssize_t count_stretch_buffers(PyObject *list, Py_ssize_t *pages) {
     Py_ssize_t total = 0;
+    *pages = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); i++) {
         PyObject *item = PyList_GET_ITEM(list, i);
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4 ||
@@ -645,13 +726,26 @@ static Py_ssize_t count_stretch_buffers(PyObject *list) {
                             "read_stretches: each stretch is (fd, offset, buffers, first_page)");
             return -1;
         }
-        Py_ssize_t n = PyList_GET_SIZE(PyTuple_GET_ITEM(item, 2));
+        PyObject *buffers = PyTuple_GET_ITEM(item, 2);
+        Py_ssize_t n = PyList_GET_SIZE(buffers), iovs = 0;
         if (n == 0 || n % 2 || n > MAX_IOV) {
             PyErr_SetString(PyExc_ValueError,
                             "read_stretches: a stretch has 1 to 512 (header, payload) pairs");
             return -1;
         }
-        total += n;
+        for (Py_ssize_t b = 1; b < n; b += 2) {
+            Py_ssize_t pieces = payload_pieces(PyList_GET_ITEM(buffers, b), "read_stretches");
+            if (pieces < 0)
+                return -1;
+            iovs += 1 + pieces;
+        }
+        if (iovs > MAX_IOV) {
+            PyErr_SetString(PyExc_ValueError, "read_stretches: a stretch has at most 1024 "
+                                              "buffers, headers and pieces together");
+            return -1;
+        }
+        total += iovs;
+        *pages += n / 2;
     }
     return total;
 }
@@ -671,6 +765,7 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
     held_t held = {NULL, 0};
     stretch_t *stretches = NULL;
     struct iovec *iovs = NULL;
+    int *starts = NULL;
     if (keys.len % KEY_BYTES || results.len < num_pages || layout.len > MAX_LAYOUT_BYTES ||
         window_bytes < 1) {
         PyErr_SetString(PyExc_ValueError, "read_stretches: keys must be 16 bytes each, results "
@@ -678,21 +773,25 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
                                           "window_bytes at least 1");
         goto done;
     }
-    Py_ssize_t num_buffers = count_stretch_buffers(list);
+    Py_ssize_t stretch_pages;
+    Py_ssize_t num_buffers = count_stretch_buffers(list, &stretch_pages);
     if (num_buffers < 0)
         goto done;
     stretches = PyMem_Calloc(num ? num : 1, sizeof *stretches);
     iovs = PyMem_Calloc(num_buffers ? num_buffers : 1, sizeof *iovs);
+    starts = PyMem_Calloc(stretch_pages + num + 1, sizeof *starts);
     held.views = PyMem_Calloc(num_buffers ? num_buffers : 1, sizeof *held.views);
-    if (stretches == NULL || iovs == NULL || held.views == NULL) {
+    if (stretches == NULL || iovs == NULL || starts == NULL || held.views == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     struct iovec *iov = iovs;
+    int *start = starts;
     for (Py_ssize_t i = 0; i < num; i++) {
-        if (!hold_stretch(&held, PyList_GET_ITEM(list, i), &stretches[i], iov, num_pages))
+        if (!hold_stretch(&held, PyList_GET_ITEM(list, i), &stretches[i], iov, start, num_pages))
             goto done;
-        iov += 2 * stretches[i].num_pages;
+        iov += stretches[i].num_iov;
+        start += stretches[i].num_pages + 1;
     }
     reads_t reads = {stretches, keys.buf, layout.buf, (size_t)layout.len, results.buf,
                      (size_t)window_bytes};
@@ -709,6 +808,7 @@ static PyObject *read_stretches(PyObject *self, PyObject *args) {
 done:
     release_all(&held);
     PyMem_Free(iovs);
+    PyMem_Free(starts);
     PyMem_Free(stretches);
     PyBuffer_Release(&keys);
     PyBuffer_Release(&layout);
@@ -861,29 +961,43 @@ typedef struct {
     uint8_t *headers; /* (FIXED_BYTES + layout_len) per page */
 } frames_t;
 
-/* The header of one uncompressed page into `head`: `plain` with the key and lengths filled in,
- * the checksum, the layout. */
-static void frame_page(const uint8_t *plain, const uint8_t *layout, size_t layout_len,
-                       const uint8_t *key, const uint8_t *payload, size_t payload_len,
-                       uint8_t *head) {
-    uint64_t length = (uint64_t)payload_len;
+/* The header of one uncompressed page into `head` but its checksum: `plain` with the key and
+ * lengths filled in, the layout. The payload is `count` pieces (at most MAX_IOV - 1), in
+ * order. What the checksum takes in, in order, goes to `pieces` (room for count + 2); returns
+ * how many. */
+static int header_fields(const uint8_t *plain, const uint8_t *layout, size_t layout_len,
+                         const uint8_t *key, const struct iovec *payload, int count,
+                         uint8_t *head, struct iovec *pieces) {
+    uint64_t length = 0;
+    for (int i = 0; i < count; i++)
+        length += payload[i].iov_len;
     memcpy(head, plain, PLAIN_BYTES);
     memcpy(head + KEY_OFFSET, key, KEY_BYTES);
     memcpy(head + STORED_OFFSET, &length, 8);
     memcpy(head + STORED_OFFSET + 8, &length, 8);
     memcpy(head + FIXED_BYTES, layout, layout_len);
-    struct iovec pieces[3] = {
-        {head, PLAIN_BYTES}, {head + FIXED_BYTES, layout_len}, {(void *)payload, payload_len}};
-    uint64_t checksum = hash_pieces(pieces, 3);
+    pieces[0] = (struct iovec){head, PLAIN_BYTES};
+    pieces[1] = (struct iovec){head + FIXED_BYTES, layout_len};
+    memcpy(&pieces[2], payload, (size_t)count * sizeof *payload);
+    return count + 2;
+}
+
+/* The header of one uncompressed page into `head`: header_fields, then the checksum. */
+static void frame_page(const uint8_t *plain, const uint8_t *layout, size_t layout_len,
+                       const uint8_t *key, const struct iovec *payload, int count,
+                       uint8_t *head) {
+    struct iovec pieces[MAX_IOV + 2];
+    int num = header_fields(plain, layout, layout_len, key, payload, count, head, pieces);
+    uint64_t checksum = hash_pieces(pieces, num);
     memcpy(head + PLAIN_BYTES, &checksum, 8);
 }
 
 static void frame_one(batch_t *batch, size_t unit) {
     frames_t *frames = batch->data;
     size_t header_bytes = FIXED_BYTES + frames->layout_len;
+    struct iovec page = {frames->pages[unit].buf, (size_t)frames->pages[unit].len};
     frame_page(frames->plain, frames->layout, frames->layout_len,
-               frames->keys + KEY_BYTES * unit, frames->pages[unit].buf,
-               (size_t)frames->pages[unit].len, frames->headers + header_bytes * unit);
+               frames->keys + KEY_BYTES * unit, &page, 1, frames->headers + header_bytes * unit);
 }
 
 PyDoc_STRVAR(frame_headers_doc,
@@ -1075,10 +1189,13 @@ typedef struct {
     const uint8_t *table;
     size_t table_len;
     const uint8_t *keys; /* KEY_BYTES per page */
-    Py_buffer *pages;  /* the pages; or, where headers is NULL, the objects' parts */
     int num_pages;     /* (the number of parts, where headers is NULL) */
     uint8_t *headers;  /* (FIXED_BYTES + layout_len) per page, filled in here; or NULL */
-    struct iovec *iov; /* the table, then header, payload, header, payload, ... */
+    struct iovec *iov; /* the table, then header, payload pieces, header, pieces, ... (the
+                        * pages' headers' iovecs filled in by write_one); or, where headers
+                        * is NULL, the table then the objects' parts */
+    int num_iov;
+    int *starts;       /* num_pages + 1: where each page's header is in iov (headers only) */
     int error;         /* errno of the create, write or close; 0 when written */
 } pack_t;
 
@@ -1089,12 +1206,17 @@ typedef struct {
     size_t layout_len;
 } writes_t;
 
+typedef struct framing framing_t;
+static int frame_until(framing_t *f, long long written, long long upto);
+
 /* Write the buffers in order, at most WRITE_BYTES per call: a single 2 MiB write into a new
- * file ran at a tenth of the speed of 256 KiB calls (file_store._write_all). 0 or the errno. */
-static int write_all(int fd, const struct iovec *iov, int count) {
+ * file ran at a tenth of the speed of 256 KiB calls (file_store._write_all). Before each call,
+ * `framing` (unless NULL) checksums what it is about to write (frame_until). 0 or the errno. */
+static int write_all(int fd, const struct iovec *iov, int count, framing_t *framing) {
     struct iovec chunk[MAX_IOV];
     int first = 0;
     size_t skip = 0; /* bytes of iov[first] written already */
+    long long written_bytes = 0;
     while (first < count) {
         int n = 0;
         size_t size = 0;
@@ -1112,6 +1234,11 @@ static int write_all(int fd, const struct iovec *iov, int count) {
         }
         if (n == 0)
             return 0; /* only empty buffers were left */
+        if (framing != NULL) {
+            int error = frame_until(framing, written_bytes, written_bytes + (long long)size);
+            if (error)
+                return error;
+        }
         ssize_t written = writev(fd, chunk, n);
         if (written < 0) {
             if (errno == EINTR)
@@ -1120,6 +1247,7 @@ static int write_all(int fd, const struct iovec *iov, int count) {
         }
         if (written == 0)
             return EIO;
+        written_bytes += written;
         size_t left = (size_t)written; /* a short write (a signal, a full disk): go on after it */
         while (first < count) {
             size_t rest = iov[first].iov_len - skip;
@@ -1163,30 +1291,72 @@ static int make_parents(const char *path) {
     return 0;
 }
 
+/* The pages of a pack checksummed as they are written, a write call's share at a time, just
+ * before the call: the kernel then copies bytes the checksum has just brought into this
+ * core's cache (hashing a page of a few MiB whole, then writing it, read it from memory
+ * twice). One page is being hashed at a time (the pages lie in order). A page's checksum is
+ * in its header, written before its payload: where the header went out already, the 8 bytes
+ * are written again in place once known (the pack is a temporary file: nobody reads it yet). */
+struct framing {
+    int fd;
+    const writes_t *writes;
+    const pack_t *pack;
+    int page;          /* the page being hashed, or the next */
+    int open;          /* its stream is started */
+    long long head_at; /* its header's offset in the pack */
+    long long end_at;  /* one past its last byte */
+    stream_t stream;
+    struct iovec pieces[MAX_IOV + 2];
+};
+
+/* Hash every page's bytes in the pack up to offset `upto` (`written` bytes are written): a
+ * page whose last byte is reached gets its checksum. 0 or the errno of a write in place. */
+static int frame_until(framing_t *f, long long written, long long upto) {
+    const pack_t *pack = f->pack;
+    const writes_t *writes = f->writes;
+    size_t header_bytes = FIXED_BYTES + writes->layout_len;
+    while (f->page < pack->num_pages) {
+        uint8_t *head = pack->headers + header_bytes * (size_t)f->page;
+        if (!f->open) {
+            if (f->head_at >= upto)
+                return 0;
+            int at = pack->starts[f->page], count = pack->starts[f->page + 1] - at - 1;
+            int num = header_fields(writes->plain, writes->layout, writes->layout_len,
+                                    pack->keys + KEY_BYTES * f->page, &pack->iov[at + 1], count,
+                                    head, f->pieces);
+            size_t len = 0;
+            for (int i = 0; i < num; i++)
+                len += f->pieces[i].iov_len;
+            stream_start(&f->stream, f->pieces, num, len);
+            f->end_at = f->head_at + (long long)(len + UNHASHED_BYTES);
+            f->open = 1;
+        }
+        long long reach = (upto < f->end_at ? upto : f->end_at) - f->head_at;
+        /* bytes of the page up to `reach` that the checksum takes in: all but its own 8 */
+        long long taken = reach <= PLAIN_BYTES ? reach
+                          : reach <= FIXED_BYTES ? PLAIN_BYTES : reach - UNHASHED_BYTES;
+        stream_take(&f->stream, (size_t)taken);
+        if (f->head_at + reach < f->end_at)
+            return 0;
+        uint64_t checksum = stream_end(&f->stream);
+        memcpy(head + PLAIN_BYTES, &checksum, 8);
+        if (f->head_at + PLAIN_BYTES < written &&
+            pwrite(f->fd, head + PLAIN_BYTES, 8, f->head_at + PLAIN_BYTES) != 8)
+            return errno ? errno : EIO;
+        f->page++;
+        f->open = 0;
+        f->head_at = f->end_at;
+    }
+    return 0;
+}
+
 static void write_one(batch_t *batch, size_t unit) {
     writes_t *writes = batch->data;
     pack_t *pack = &writes->packs[unit];
     size_t header_bytes = FIXED_BYTES + writes->layout_len;
     struct iovec *iov = pack->iov;
-    iov[0].iov_base = (void *)pack->table;
-    iov[0].iov_len = pack->table_len;
-    int count = 1 + 2 * pack->num_pages;
-    if (pack->headers == NULL) { /* framed already: the parts as they are */
-        count = 1 + pack->num_pages;
-        for (int i = 0; i < pack->num_pages; i++) {
-            iov[1 + i].iov_base = pack->pages[i].buf;
-            iov[1 + i].iov_len = (size_t)pack->pages[i].len;
-        }
-    }
-    for (int i = 0; pack->headers != NULL && i < pack->num_pages; i++) {
-        uint8_t *head = pack->headers + header_bytes * i;
-        frame_page(writes->plain, writes->layout, writes->layout_len, pack->keys + KEY_BYTES * i,
-                   pack->pages[i].buf, (size_t)pack->pages[i].len, head);
-        iov[1 + 2 * i].iov_base = head;
-        iov[1 + 2 * i].iov_len = header_bytes;
-        iov[2 + 2 * i].iov_base = pack->pages[i].buf;
-        iov[2 + 2 * i].iov_len = (size_t)pack->pages[i].len;
-    }
+    for (int i = 0; pack->headers != NULL && i < pack->num_pages; i++)
+        iov[pack->starts[i]] = (struct iovec){pack->headers + header_bytes * i, header_bytes};
     int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC;
     int fd = open(pack->temp, flags, 0644);
     if (fd < 0 && errno == ENOENT && make_parents(pack->temp) == 0)
@@ -1195,7 +1365,15 @@ static void write_one(batch_t *batch, size_t unit) {
         pack->error = errno;
         return;
     }
-    int error = write_all(fd, iov, count);
+    framing_t framing; /* (on the stack: the XXH3 state wants its 64-byte alignment) */
+    framing.fd = fd;
+    framing.writes = writes;
+    framing.pack = pack;
+    framing.page = 0;
+    framing.open = 0;
+    framing.head_at = (long long)pack->table_len;
+    framing_t *f = pack->headers != NULL ? &framing : NULL;
+    int error = write_all(fd, iov, pack->num_iov, f);
     if (close(fd) != 0 && error == 0 && errno != EINTR)
         error = errno;
     if (error) {
@@ -1209,14 +1387,17 @@ PyDoc_STRVAR(write_packs_doc,
 "Write each pack (temp, table, keys, pages, headers) on its own thread, without the GIL:\n"
 "frame its uncompressed pages into `headers` (as frame_headers does), create `temp`\n"
 "(O_EXCL; its two folders made if missing), write the table then each header and page,\n"
-"close (no fsync: sync_all makes a batch durable). A pack of objects framed already has\n"
-"keys and headers None, and `pages` its objects' parts (header, payload, ...), written as\n"
-"they are. Returns the errno of each pack: 0 when written; otherwise its temporary file is\n"
-"removed.");
+"close (no fsync: sync_all makes a batch durable). A page is a buffer, or a list of buffers\n"
+"(its pieces, in order: hashed and written where they lie, gathered by writev). A pack of\n"
+"objects framed already has keys and headers None, and `pages` its objects' parts (header,\n"
+"payload, ...), written as they are. Returns the errno of each pack: 0 when written;\n"
+"otherwise its temporary file is removed.");
 
-/* The number of list entries of all packs (pages, or parts); -1 with an exception. */
-static Py_ssize_t count_pack_entries(PyObject *list) {
+/* The iovecs of all packs' pages (a header and each piece, or each part) in *iovs, and their
+ * pages in *pages; -1 with an exception. */
+static Py_ssize_t count_pack_entries(PyObject *list, Py_ssize_t *pages) {
     Py_ssize_t total = 0;
+    *pages = 0;
     for (Py_ssize_t p = 0; p < PyList_GET_SIZE(list); p++) {
         PyObject *item = PyList_GET_ITEM(list, p);
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5 ||
@@ -1225,20 +1406,32 @@ static Py_ssize_t count_pack_entries(PyObject *list) {
                                              "pages, headers) with a list of pages");
             return -1;
         }
-        Py_ssize_t n = PyList_GET_SIZE(PyTuple_GET_ITEM(item, 3));
+        PyObject *entries = PyTuple_GET_ITEM(item, 3);
+        Py_ssize_t n = PyList_GET_SIZE(entries);
         if (n == 0 || n > (1 << 20)) {
             PyErr_SetString(PyExc_ValueError, "write_packs: a pack has 1 to 2**20 pages");
             return -1;
         }
-        total += n;
+        *pages += n;
+        if (PyTuple_GET_ITEM(item, 4) == Py_None) { /* framed already: parts, one iovec each */
+            total += n;
+            continue;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t pieces = payload_pieces(PyList_GET_ITEM(entries, i), "write_packs");
+            if (pieces < 0)
+                return -1;
+            total += 1 + pieces;
+        }
     }
     return total;
 }
 
-/* Take one pack's buffers into held and `pack` (its iovecs from `iov`); the iovecs it will
- * use, or 0 with an exception. `temp` gets the encoded name (the caller releases it). */
+/* Take one pack's buffers into held and `pack` (its iovecs from `iov`, its page starts from
+ * `starts`); the iovecs it uses, or 0 with an exception. `temp` gets the encoded name (the
+ * caller releases it). */
 static Py_ssize_t hold_pack(held_t *held, PyObject *item, pack_t *pack, struct iovec *iov,
-                            size_t header_bytes, PyObject **temp) {
+                            int *starts, size_t header_bytes, PyObject **temp) {
     PyObject *pages = PyTuple_GET_ITEM(item, 3);
     Py_ssize_t n = PyList_GET_SIZE(pages);
     if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(item, 0), temp))
@@ -1251,9 +1444,18 @@ static Py_ssize_t hold_pack(held_t *held, PyObject *item, pack_t *pack, struct i
     pack->table_len = (size_t)table->len;
     pack->num_pages = (int)n;
     pack->iov = iov;
-    pack->pages = &held->views[held->count];
-    if (PyTuple_GET_ITEM(item, 4) == Py_None && PyTuple_GET_ITEM(item, 2) == Py_None)
-        return hold_list(held, pages, 0, "write_packs: part") ? 1 + n : 0; /* framed already */
+    iov[0] = (struct iovec){(void *)pack->table, pack->table_len};
+    long long bytes = 0;
+    if (PyTuple_GET_ITEM(item, 4) == Py_None && PyTuple_GET_ITEM(item, 2) == Py_None) {
+        for (Py_ssize_t i = 0; i < n; i++) { /* framed already: the parts as they are */
+            Py_buffer *part = hold(held, PyList_GET_ITEM(pages, i), 0, "write_packs: part");
+            if (part == NULL)
+                return 0;
+            iov[1 + i] = (struct iovec){part->buf, (size_t)part->len};
+        }
+        pack->num_iov = (int)(1 + n);
+        return 1 + n;
+    }
     Py_buffer *keys = hold(held, PyTuple_GET_ITEM(item, 2), 0, "write_packs: keys");
     Py_buffer *headers =
         keys ? hold(held, PyTuple_GET_ITEM(item, 4), 1, "write_packs: headers") : NULL;
@@ -1266,8 +1468,19 @@ static Py_ssize_t hold_pack(held_t *held, PyObject *item, pack_t *pack, struct i
     }
     pack->keys = keys->buf;
     pack->headers = headers->buf;
-    pack->pages = &held->views[held->count];
-    return hold_list(held, pages, 0, "write_packs: page") ? 1 + 2 * n : 0;
+    pack->starts = starts;
+    int at = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        starts[i] = at++; /* the header's iovec: filled in once framed */
+        Py_ssize_t got = hold_payload(held, PyList_GET_ITEM(pages, i), 0, "write_packs: page",
+                                      &iov[at], &bytes);
+        if (got < 0)
+            return 0;
+        at += (int)got;
+    }
+    starts[n] = at;
+    pack->num_iov = at;
+    return at;
 }
 
 static PyObject *write_packs(PyObject *self, PyObject *args) {
@@ -1283,29 +1496,34 @@ static PyObject *write_packs(PyObject *self, PyObject *args) {
     pack_t *packs = NULL;
     PyObject **temps = NULL;
     struct iovec *iovs = NULL;
+    int *starts = NULL;
     if (plain.len != PLAIN_BYTES || layout.len > MAX_LAYOUT_BYTES) {
         PyErr_SetString(PyExc_ValueError, "write_packs: plain must be 48 bytes, the layout at "
                                           "most 65535");
         goto done;
     }
-    Py_ssize_t total_pages = count_pack_entries(list);
-    if (total_pages < 0)
+    Py_ssize_t total_pages;
+    Py_ssize_t total_iovs = count_pack_entries(list, &total_pages);
+    if (total_iovs < 0)
         goto done;
     packs = PyMem_Calloc(num + 1, sizeof *packs);
-    held.views = PyMem_Calloc(3 * num + total_pages + 1, sizeof *held.views);
+    held.views = PyMem_Calloc(3 * num + total_iovs + 1, sizeof *held.views);
     temps = PyMem_Calloc(num + 1, sizeof *temps);
-    iovs = PyMem_Calloc(num + 2 * total_pages + 1, sizeof *iovs);
-    if (!packs || !held.views || !temps || !iovs) {
+    iovs = PyMem_Calloc(num + total_iovs + 1, sizeof *iovs);
+    starts = PyMem_Calloc(num + total_pages + 1, sizeof *starts);
+    if (!packs || !held.views || !temps || !iovs || !starts) {
         PyErr_NoMemory();
         goto done;
     }
     struct iovec *iov = iovs;
+    int *start = starts;
     for (Py_ssize_t p = 0; p < num; p++) {
-        Py_ssize_t used = hold_pack(&held, PyList_GET_ITEM(list, p), &packs[p], iov,
+        Py_ssize_t used = hold_pack(&held, PyList_GET_ITEM(list, p), &packs[p], iov, start,
                                     FIXED_BYTES + (size_t)layout.len, &temps[p]);
         if (used == 0)
             goto done;
         iov += used;
+        start += packs[p].num_pages + 1;
     }
     writes_t writes = {packs, plain.buf, layout.buf, (size_t)layout.len};
     batch_t batch = {.num_units = (size_t)num, .run = write_one, .data = &writes};
@@ -1317,6 +1535,7 @@ done:
         Py_XDECREF(temps[p]);
     PyMem_Free(temps);
     PyMem_Free(iovs);
+    PyMem_Free(starts);
     PyMem_Free(packs);
     PyBuffer_Release(&plain);
     PyBuffer_Release(&layout);

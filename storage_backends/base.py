@@ -21,7 +21,9 @@ Contracts every backend keeps (the contract suite in tests/storage_backends chec
   counted in `num_short_circuited`) for `breaker_backoff`, then one probe goes through
   (`breaker`): a hung backend costs one timeout per back-off, not one per call.
 - After `batch_get` returns, the backend never writes into the caller's buffers again, and
-  after `batch_put` returns it keeps no reference to the caller's pages.
+  after `batch_put` returns it keeps no reference to the caller's pages; except pages of a
+  region the caller lent (`lend`): a transfer that outlived its call may still move those,
+  and `quarantined` says which, until it is over (`lent.LentRegions`).
 - The first use of a backend that cannot be reached raises `BackendUnavailableError` (a wrong
   URL fails loudly); once it has worked, outages are faults as above.
 - Calls may run concurrently on one event loop. A backend object belongs to one event loop;
@@ -49,13 +51,18 @@ from .objects import (
     FramedObject,
     MacKey,
     ObjectParts,
-    byte_view,
+    PageBuffers,
+    PageView,
     check_keys,
     check_same_length,
     frame_objects,
     join_parts,
+    joined_page,
     layout_bytes,
     load_secret,
+    page_nbytes,
+    page_view,
+    scatter_page,
     split_object,
     writable_views,
 )
@@ -97,6 +104,11 @@ class StorageBackend(Connection):
     """
 
     scheme: ClassVar[str]
+    # Whether `_fetch_into` and `_frame_and_store` take a page in pieces (a list of views) as
+    # it is: read straight into its pieces, hashed and written from them. Where not, the base
+    # reads such a page through a buffer of its own, copied into the pieces once verified,
+    # and joins the pieces of a page to store (one copy each way).
+    takes_pieces: ClassVar[bool] = False
 
     def __init__(self, options: BackendOptions, layout: str | None, *, name: str = "") -> None:
         super().__init__(options, name or f"{self.scheme}://")
@@ -166,6 +178,20 @@ class StorageBackend(Connection):
     def _usage(self) -> Usage:
         return Usage(None, None, None)
 
+    # -- lending the caller's pool --------------------------------------------------------
+
+    def lend(self, region: Buffer) -> bool:
+        """Lend `region`, the caller's page pool (the pinned L2 pool), for transfers straight
+        into and out of its pages; False where this backend has no use for it (nothing
+        changes then). A caller that lends keeps the rule of `quarantined`."""
+        return False
+
+    def quarantined(self, pages: Sequence[Buffer]) -> list[bool]:
+        """Which of `pages` a transfer that outlived its call (it timed out) still moves.
+        Such a page is still the backend's: the caller must not write it or hand it out
+        until this says False. Only pages of a lent region are ever quarantined."""
+        return [False] * len(pages)
+
     # -- public API -----------------------------------------------------------------------
 
     async def batch_exists(self, keys: Sequence[bytes]) -> int:
@@ -180,13 +206,14 @@ class StorageBackend(Connection):
         result = await self._call("batch_exists", lambda: self._exists(keys))
         return 0 if result is FAULT else result
 
-    async def batch_get(self, keys: Sequence[bytes], into: Sequence[Buffer]) -> list[bool]:
+    async def batch_get(self, keys: Sequence[bytes], into: Sequence[PageBuffers]) -> list[bool]:
         """Read pages into caller buffers (e.g. slices of the pinned L2 pool); one bool per key.
 
-        `into[i]` must be exactly the page's size. True: `into[i]` holds the verified page.
-        False: a miss (absent, corrupt, or lost to a fault); `into[i]` is then unspecified
-        (usually untouched) and must not be used. The backend never writes `into` after
-        returning.
+        `into[i]` must be exactly the page's size: one buffer, or a list of buffers, its
+        pieces in order (a page scattered over an engine's pool). True: `into[i]` holds the
+        verified page. False: a miss (absent, corrupt, or lost to a fault); `into[i]` is then
+        unspecified (bytes may have landed before the check failed) and must not be used. The
+        backend never writes `into` after returning.
         """
         keys = check_keys(keys)
         views = writable_views(into)
@@ -194,17 +221,24 @@ class StorageBackend(Connection):
         self._require_layout("batch_get")
         if not keys:
             return []
+        targets = views if self.takes_pieces else _flat_targets(views)
         guard = CopyGuard()
         try:
-            outcomes = await self._call("batch_get", lambda: self._fetch_into(keys, views, guard))
+            outcomes = await self._call(
+                "batch_get", lambda: self._fetch_into(keys, targets, guard)
+            )  # fmt: skip
         finally:
             guard.close()
         if outcomes is FAULT:
             self._counts["misses"] += len(keys)
             return [False] * len(keys)
         found = [outcome is True for outcome in outcomes]
+        if targets is not views:  # pages in pieces, read through buffers of our own
+            for view, target, ok in zip(views, targets, found, strict=True):
+                if ok and view is not target:
+                    scatter_page(target, view)
         if all(found):  # the common case: one pass
-            self._tally.count_reads(found, sum(len(v) for v in views), Counter())
+            self._tally.count_reads(found, sum(map(page_nbytes, views)), Counter())
             return found
         corrupt = Counter(o.value for o in outcomes if isinstance(o, CorruptReason))
         failed = sum(1 for outcome in outcomes if outcome is PageStatus.ERROR)
@@ -212,26 +246,29 @@ class StorageBackend(Connection):
             self._counts["errors"] += failed
             self._tally.warn_page_errors("batch_get", failed)
         self._tally.count_reads(
-            found, sum(len(v) for v, ok in zip(views, found, strict=True) if ok), corrupt
+            found, sum(page_nbytes(v) for v, ok in zip(views, found, strict=True) if ok), corrupt
         )
         return found
 
-    async def batch_put(self, keys: Sequence[bytes], pages: Sequence[Buffer]) -> list[bool]:
+    async def batch_put(self, keys: Sequence[bytes], pages: Sequence[PageBuffers]) -> list[bool]:
         """Store pages under keys; one bool per key (True: stored, and readable until evicted).
 
-        Pages may be the caller's buffers: they are framed without a copy and not referenced
-        after the call returns. A page whose call timed out may still reach storage later,
-        checked by its checksum like any other.
+        A page is one buffer, or a list of buffers, its pieces in order (stored as one
+        object, the same as the page joined). Pages may be the caller's buffers: they are
+        framed without a copy and not referenced after the call returns. A page whose call
+        timed out may still reach storage later, checked by its checksum like any other.
         """
         keys = check_keys(keys)
         try:
-            views = [byte_view(page) for page in pages]
+            views = [page_view(page) for page in pages]
         except (TypeError, ValueError):  # name the bad one (names are built only then)
-            views = [byte_view(page, what=f"pages[{i}]") for i, page in enumerate(pages)]
+            views = [page_view(page, what=f"pages[{i}]") for i, page in enumerate(pages)]
         check_same_length("pages", keys, views)
         self._require_layout("batch_put")
         if not keys:
             return []
+        if not self.takes_pieces and not all(isinstance(v, memoryview) for v in views):
+            views = [joined_page(view) for view in views]
         return await self._frame_and_store(keys, views)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
@@ -376,6 +413,17 @@ class StorageBackend(Connection):
         if tally[PageStatus.ERROR]:
             self._tally.warn_page_errors(op, tally[PageStatus.ERROR])
         return stored
+
+
+def _flat_targets(views: list[PageView]) -> list[PageView]:
+    """Where a backend reads a page only into one buffer: `views` as they are, or (some page
+    in pieces) a copy of the list with a buffer of its own for each such page."""
+    if all(isinstance(view, memoryview) for view in views):
+        return views
+    return [
+        view if isinstance(view, memoryview) else memoryview(bytearray(page_nbytes(view)))
+        for view in views
+    ]
 
 
 def _settled(item: Fetched) -> bool:

@@ -8,7 +8,8 @@ a hung mount):
 2. the page cache's share: pages that lie next to each other in a pack, at the size this
    backend writes, form stretches of up to `_STRETCH_BYTES`; the C reader
    (`pageio.read_stretches`, one call, its own threads, no GIL) reads each with `preadv`s
-   that never wait (RWF_NOWAIT), headers and pages straight into place, a window of
+   that never wait (RWF_NOWAIT), headers and pages straight into place (a page in pieces,
+   an engine's page scattered over its pool, straight into its pieces), a window of
    `_WINDOW_BYTES` at a time, and checks each page, hashing each window as it lands;
 3. what the page cache lacked (or the filesystem cannot promise, NFS): page by page, through
    this thread's chunk buffer, from as many workers as there are such pages (they wait on a
@@ -43,7 +44,7 @@ from .file_pack import PackTable, read_table
 from .file_space import DirectorySpace, page_path
 from .guard import CopyGuard
 from .native import pageio
-from .objects import MAC_BYTES, CorruptReason, parse_header
+from .objects import MAC_BYTES, CorruptReason, PageView, page_nbytes, page_pieces, parse_header
 from .verify import check_object, decode_object_into, mac_matches, reason_of
 from .workers import WorkerPool, share
 
@@ -52,6 +53,7 @@ _CHUNK_BYTES = 256 << 10  # a read that may wait lands in this much of the threa
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # Linux >= 4.14: fail rather than wait for I/O
 _STRETCH_BYTES = 512 << 10  # cached pages next to each other: read this much per call...
 _STRETCH_PAGES = 64  # ... and at most this many pages
+_STRETCH_BUFFERS = 1024  # ... of this many buffers (headers and pieces: one preadv's iovecs)
 # What one of the C reader's reads takes in. It hashes each window right after the kernel
 # copied it, while it is still in the core's cache: a 1.75 MiB page read whole and then
 # hashed was read from memory twice, and memory is what a host's parallel reads run out of.
@@ -123,9 +125,12 @@ class BatchRead:
 
     # -- the two reads --------------------------------------------------------------------
 
-    def into(self, views: Sequence[memoryview], guard: CopyGuard) -> list[ReadInto]:
-        """Pages into the caller's `views` (exactly each page's size), under `guard`."""
+    def into(self, views: Sequence[PageView], guard: CopyGuard) -> list[ReadInto]:
+        """Pages into the caller's `views` (exactly each page's size; a page in pieces is
+        read straight into them), under `guard`."""
         self.views, self.guard = views, guard
+        self.pieces = [page_pieces(view) for view in views]
+        self.sizes = [page_nbytes(view) for view in views]
         heads = bytearray(self.reader.header_bytes * len(views))
         size = self.reader.header_bytes
         self.heads = [memoryview(heads)[i * size : (i + 1) * size] for i in range(len(views))]
@@ -211,7 +216,7 @@ class BatchRead:
         """Read and check the stretches that the page cache holds whole: one call of the C
         reader (`read_stretches`), on this thread and its pool threads, one per
         `_HELPER_BYTES` of the batch. Leaves the rest `_PENDING`."""
-        total = sum(len(view) for view in self.views)
+        total = sum(self.sizes)
         threads = max(1, min(total // _HELPER_BYTES, self.reader.io_threads, CPUS))
         stretch_bytes = _STRETCH_BYTES
         if threads > 1:  # about four stretches per thread, so that they finish together
@@ -270,14 +275,16 @@ class BatchRead:
         while i < num:
             table = self.packs[i]
             entry = table.entries.get(self.keys[i]) if table is not None else None
-            if entry is None or entry[1] != size + len(self.views[i]):
+            if entry is None or entry[1] != size + self.sizes[i]:
                 i += 1  # not found, lz4 or damaged: page by page
                 continue
             end, stop = i + 1, entry[0] + entry[1]
             limit = min(num, i + _STRETCH_PAGES)
+            buffers = 1 + len(self.pieces[i])  # the C reader's iovecs: a header, the pieces
             while end < limit and stop - entry[0] < stretch_bytes and self.packs[end] is table:
                 following = table.entries.get(self.keys[end])
-                if following != (stop, size + len(self.views[end])):
+                buffers += 1 + len(self.pieces[end])
+                if following != (stop, size + self.sizes[end]) or buffers > _STRETCH_BUFFERS:
                     break
                 stop += following[1]
                 end += 1
@@ -291,18 +298,18 @@ class BatchRead:
     def _read_page(self, i: int) -> None:
         """One page the stretches left: read into place (what the page cache holds directly,
         the rest through the chunk buffer), then checked."""
-        table, key, view = self.packs[i], self.keys[i], self.views[i]
+        table, key, size = self.packs[i], self.keys[i], self.sizes[i]
         # (room for a MAC: a reader without a secret reads objects that carry one)
-        entry = table.find(key, self.reader.header_bytes + MAC_BYTES + len(view))
+        entry = table.find(key, self.reader.header_bytes + MAC_BYTES + size)
         if isinstance(entry, CorruptReason):
             self.outcomes[i] = entry
             return
         offset, length = entry
         try:
-            if length != self.reader.header_bytes + len(view):
+            if length != self.reader.header_bytes + size:
                 self.outcomes[i] = self._read_aside(table, offset, length, i)
                 return
-            buffers = [self.heads[i], view]
+            buffers = [self.heads[i], *self.pieces[i]]
             got = 0
             while got < length:
                 got_now = self._read_some(table.fd, _past(buffers, got), offset + got)
@@ -361,13 +368,16 @@ class BatchRead:
         secret; one with a MAC without): read whole (`length` is bounded by the table
         lookup), checked and decoded aside, then copied in."""
         blob = _pread_bytes(table.fd, length, offset)
-        raw = bytearray(len(self.views[i]))
+        raw = memoryview(bytearray(self.sizes[i]))
         reader = self.reader
         reason = decode_object_into(blob, self.keys[i], reader.layout, raw, mac_key=reader.mac_key)
         if reason is not None:
             return reason
-        if not self.guard.copy(self.views[i], 0, memoryview(raw)):
-            return None
+        done = 0
+        for piece in self.pieces[i]:
+            if not self.guard.copy(piece, 0, raw[done : done + len(piece)]):
+                return None
+            done += len(piece)
         table.served = True
         return True
 
@@ -377,7 +387,7 @@ class BatchRead:
         header = parse_header(head)
         if isinstance(header, CorruptReason):
             return header  # (not after a passed check)
-        if mac_matches(self.reader.mac_key, header, head, [self.views[i]]):
+        if mac_matches(self.reader.mac_key, header, head, self.pieces[i]):
             return None
         return CorruptReason.FORGED
 
@@ -385,10 +395,10 @@ class BatchRead:
         """Check page `i`, read into place whole: True, or why not."""
         reader = self.reader
         checked = check_object(
-            [self.heads[i], self.views[i]],
+            [self.heads[i], *self.pieces[i]],
             self.keys[i],
             reader.layout,
-            raw_bytes=len(self.views[i]),
+            raw_bytes=self.sizes[i],
             mac_key=reader.mac_key,
         )
         if isinstance(checked, CorruptReason):

@@ -45,7 +45,7 @@ from .file_space import DirectorySpace, page_path
 from .file_write import BatchWrite, PackWriter
 from .guard import CopyGuard
 from .native import require_pageio
-from .objects import FramedObject, header_size
+from .objects import FramedObject, PageView, header_size
 from .options import BackendOptions, check_range, options_from_query, url_option
 from .stats import Usage
 from .workers import WorkerPool
@@ -84,6 +84,7 @@ class FileOptions(BackendOptions):
 class FileBackend(StorageBackend):
     scheme = "file"
     transient_errors = (OSError,)
+    takes_pieces = True  # pages in pieces: read into and written from them (the C reader/writer)
 
     def __init__(self, options: FileOptions, layout: str | None = None, *, name: str = "") -> None:
         require_pageio(f"{name or 'file://'}: the file backend")  # its reads and writes are C
@@ -178,9 +179,10 @@ class FileBackend(StorageBackend):
         return await self._run(lambda: batch.objects(sizes))
 
     async def _fetch_into(
-        self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
+        self, keys: list[bytes], views: list[PageView], guard: CopyGuard
     ) -> list[ReadInto]:
-        """Pages into the caller's buffers, one `BatchRead` on a worker."""
+        """Pages into the caller's buffers (or straight into their pieces), one `BatchRead`
+        on a worker."""
         self._maybe_rescan()
         batch = BatchRead(self._reader, keys, self._io)
         return await self._run(lambda: batch.into(views, guard))
@@ -191,8 +193,9 @@ class FileBackend(StorageBackend):
         batch = BatchWrite(self._writer, keys, objects, framed=True)
         return await asyncio.wrap_future(batch.submit(self._io))
 
-    async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        """Pages: each pack is framed by the thread that writes it (one hand-off per pack)."""
+    async def _frame_and_store(self, keys: list[bytes], views: list[PageView]) -> list[bool]:
+        """Pages (one buffer each, or their pieces): each pack is framed by the thread that
+        writes it (one hand-off per pack), pieces hashed and written where they lie."""
         batch = BatchWrite(self._writer, keys, views, framed=False)
 
         def store() -> asyncio.Future:

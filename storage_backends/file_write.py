@@ -7,8 +7,10 @@ A batch is one task on a worker, start to end:
 2. framed and written by the C writer in one call (`pageio.write_packs`, a thread per pack,
    no GIL): each pack to a temporary name of its own (`<first key's name>.tmp.<pid>.<n>`),
    its table then its objects, in calls of at most 256 KiB. Uncompressed pages are framed
-   there; lz4 and a tenant's MAC are applied before (`objects.frame_objects`), and the C
-   writer writes those objects as they are;
+   there, a page in pieces (an engine's page scattered over its pool) hashed and gathered
+   by writev where its pieces lie; lz4 and a tenant's MAC are applied before
+   (`objects.frame_objects`, to the page joined), and the C writer writes those objects as
+   they are;
 3. linked in with the ledger locked (`DirectorySpace.commit`: the pages' names made hard
    links to their pack, on several threads, room made by evicting LRU packs). A reader in
    this process or any other sees the old page, the new page or nothing, never a partial one;
@@ -33,7 +35,17 @@ from .base import CPUS, PageStatus
 from .file_pack import pack_table
 from .file_space import DirectorySpace, StagedPack, page_path, temp_path
 from .native import pageio
-from .objects import Compression, FramedObject, MacKey, frame_objects, layout_bytes, plain_template
+from .objects import (
+    Compression,
+    FramedObject,
+    MacKey,
+    PageView,
+    frame_objects,
+    joined_page,
+    layout_bytes,
+    page_nbytes,
+    plain_template,
+)
 from .workers import WorkerPool
 
 _PARALLEL_BYTES = 1 << 20  # batches of several times this are cut into packs written in parallel
@@ -121,7 +133,7 @@ class BatchWrite:
         self,
         writer: PackWriter,
         keys: list[bytes],
-        sources: Sequence[memoryview] | Sequence[FramedObject],
+        sources: Sequence[PageView] | Sequence[FramedObject],
         *,
         framed: bool,
     ) -> None:
@@ -132,7 +144,7 @@ class BatchWrite:
         if framed:
             self.sizes = [obj.nbytes for obj in sources]
         else:  # an upper bound until framed: lz4 is kept only where it is smaller
-            self.sizes = [writer.header_bytes + len(page) for page in sources]
+            self.sizes = [writer.header_bytes + page_nbytes(page) for page in sources]
 
     def submit(self, pool: WorkerPool) -> concurrent.futures.Future:
         """Write the batch on `pool` (one task); a future of one status per key. If the
@@ -144,10 +156,10 @@ class BatchWrite:
         writer = self.writer
         objects: Sequence[FramedObject] | None = self.sources if self.framed else None
         if objects is None and not writer.frames_natively():
-            objects = frame_objects(
+            objects = frame_objects(  # (lz4 and the MAC take a page as one buffer)
                 self.keys,
                 writer.layout,
-                self.sources,
+                [joined_page(page) for page in self.sources],
                 writer.compression,
                 mac_key=writer.mac_key,
             )

@@ -30,6 +30,12 @@ class MooncakeOptions(BackendOptions):
     buffer_bytes: int = url_option(
         "buffer", "size", 256 << 20, doc="registered staging memory pages move through"
     )
+    direct_bytes: int = url_option(
+        "direct",
+        "size",
+        256 << 10,
+        doc="pages this large or larger move straight into and out of a lent pool; 0: never",
+    )
     replicas: int = url_option("replicas", "int", 1, doc="copies of each page, on other segments")
     soft_pin_s: float = url_option(
         "soft_pin", "duration", 0.0, doc="pages are evicted after unpinned ones for this; 0: off"
@@ -48,6 +54,7 @@ class MooncakeOptions(BackendOptions):
                 f"segment must be 0 or at least 16MiB (Mooncake's least), got {self.segment_bytes}"
             )
         check_range("buffer", self.buffer_bytes, low=1 << 20, high=1 << 40)
+        check_range("direct", self.direct_bytes, low=0, high=1 << 40)
         check_range("replicas", self.replicas, low=1, high=64)
         check_range("soft_pin", self.soft_pin_s, low=0.0, high=365 * 86400.0)
         check_range("io_threads", self.io_threads, low=1, high=64)

@@ -9,14 +9,30 @@ A page is one Mooncake object, `<prefix><32 hex digits of the key>`, holding the
 checksum and, with a tenant secret, the MAC; a damaged, foreign or truncated object is a counted
 miss. Writes are upserts: a page rewritten under its key replaces the old one.
 
-Pages move through registered memory, never through Python `bytes`: the backend allocates one
-staging arena (`buffer`), registers it with the transfer engine, and moves each round of a batch
-with `batch_upsert_from` / `batch_get_into` between the arena and the store. On the way out a
-page is copied into the arena and framed there (its checksum taken of that copy); on the way in
-the C check verifies each object in the arena and copies it into the caller's buffer in the same
-pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer still running when
-its call timed out writes only the arena (whose region is lent again only once the transfer is
-over), never the caller's pages.
+Pages move through registered memory, never through Python `bytes`, in one of two ways.
+
+- Straight, for pages of at least `direct` bytes in a pool the caller lent (`lend`: the
+  engine lends its L2 pool): one multi-buffer transfer a page, its header to or from a slot
+  of the staging arena and its payload to or from the caller's page, framed (checksum read
+  from the page) or checked (`verify.check_object` over the two parts) where the page lies.
+  A round moves in chunks of 8 MiB or more, the next chunk framed, or the last checked, while
+  one moves (`workers.overlapped`). The pages a transfer moves are marked in
+  `lent.LentRegions` while it runs: one that outlives its call leaves them quarantined
+  (`quarantined`) until it is over. Pages the store already holds are upserted staged
+  (Mooncake's put keeps what it has). An object of another size (damaged, signed, lz4)
+  moves nothing and is read again staged.
+- Staged, for everything else: the backend allocates one staging arena (`buffer`),
+  registers it with the transfer engine, and moves each round of a batch with
+  `batch_upsert_from` / `batch_get_into` between the arena and the store. On the way out a
+  page is copied into the arena and framed there (its checksum taken of that copy); on the
+  way in the C check verifies each object in the arena and copies it into the caller's buffer
+  in the same pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer
+  still running when its call timed out writes only the arena (whose region is lent again
+  only once the transfer is over), never the caller's pages.
+
+Why a threshold: a second transfer a page costs about 34 us on TCP here, twice the raw read
+of a 64 KiB page, and nothing measurable at 512 KiB and 2 MiB, where the staging copy costs
+15-25 % of the transfer (docs/performance.md).
 
 Backends of one process on one store share one Mooncake client (`SharedClients`: it costs
 about twenty threads and its own ports, and lends its segment once), each with its own
@@ -37,6 +53,8 @@ Mooncake client moving the same bytes on the same store.
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import socket
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,20 +64,26 @@ import numpy as np
 from .base import _SHARE_BYTES, CPUS, Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .guard import CopyGuard
+from .lent import LentRegions, address_of
 from .mooncake_options import MooncakeOptions, options_from_url
 from .objects import (
     MAC_BYTES,
     MAX_PAYLOAD_BYTES,
+    Buffer,
+    Compression,
     CorruptReason,
     FramedObject,
+    byte_view,
     frame_objects,
     header_size,
 )
 from .options import redact_url
 from .shared_clients import SharedClients
 from .staging import StagingArena, aligned
-from .verify import decode_objects_into
-from .workers import WorkerPool
+from .verify import check_object, decode_objects_into
+from .workers import WorkerPool, overlapped, share
+
+logger = logging.getLogger(__name__)
 
 _SLACK_BYTES = MAC_BYTES + 64  # room past the expected object: a signed or longer one still fits
 _INSTALL = (
@@ -72,6 +96,12 @@ _NOT_FOUND = -704  # OBJECT_NOT_FOUND
 _NO_ROOM = -200  # NO_AVAILABLE_HANDLE: nothing left to allocate or evict
 _TOO_SMALL = -600  # INVALID_PARAMS: here, the object is larger than the buffer it was read into
 _RPC_FAIL = -900  # the master did not answer
+_TRANSFER_FAIL = -800  # TRANSFER_FAIL: here also an object larger than the buffers read into
+# A direct round moves in chunks of this many bytes, up to this many (a transfer costs about
+# 0.1 ms of its own here: chunks of 8 MiB and more cost nothing measurable).
+_CHUNK_BYTES = 8 << 20
+_MAX_CHUNKS = 4
+_AGAIN = object()  # a direct read that found an object of another size: read it staged
 
 
 class MooncakeFault(ConnectionError):
@@ -113,6 +143,9 @@ class MooncakeBackend(StorageBackend):
         self._pool: WorkerPool | None = None
         self._round_bytes = options.buffer_bytes // 2  # two rounds move at once, at least
         self._config = self._replicate_config()
+        self._lent = LentRegions()
+        plain = self._compression is Compression.NONE  # (lz4 objects vary in size)
+        self._direct_bytes = options.direct_bytes if plain else 0
 
     def _replicate_config(self) -> Any:
         config = self._module.ReplicateConfig()
@@ -158,6 +191,21 @@ class MooncakeBackend(StorageBackend):
             _CLIENTS.release(key, _close_client)
             raise MooncakeFault(f"registering the {self._arena.nbytes}-byte buffer failed ({code})")
         self._client, self._client_key = client, key
+        self._register_lent()
+
+    def _register_lent(self) -> None:
+        """Register the regions lent since the client last registered (a worker thread)."""
+        for start, end in self._lent.unregistered():
+            code = self._client.register_buffer(start, end - start)
+            if code != 0:
+                logger.warning(
+                    "%s: the client refused to register a lent region of %d bytes (%d); its "
+                    "pages move through the staging buffer",
+                    self.name,
+                    end - start,
+                    code,
+                )
+            self._lent.registered(start, code == 0)
 
     async def _reconnect(self) -> None:
         """The client reconnects to the master by itself: keep it (opening a second client
@@ -179,7 +227,11 @@ class MooncakeBackend(StorageBackend):
         if client is not None:
             address, key = self._arena.address, self._client_key
 
+            lent = self._lent.forget_registrations()
+
             def let_go() -> None:
+                for start in lent:
+                    client.unregister_buffer(start)
                 client.unregister_buffer(address)
                 _CLIENTS.release(key, _close_client)
 
@@ -191,6 +243,34 @@ class MooncakeBackend(StorageBackend):
 
     def _abandon(self) -> int:
         return 0 if self._pool is None else self._pool.num_pending()
+
+    # -- lending --------------------------------------------------------------------------------
+
+    def lend(self, region: Buffer) -> bool:
+        """Pages of `region` of at least `direct` bytes move straight between it and the store
+        (their headers through the arena); registered with the client before the next call
+        (a region the client refuses is not lent after all: its pages go through the arena)."""
+        if not self._direct_bytes:
+            return False
+        self._lent.add(region)
+        return True
+
+    def quarantined(self, pages: Sequence[Buffer]) -> list[bool]:
+        views = [byte_view(page, what="page") for page in pages]
+        return [self._lent.busy(address_of(view), len(view)) for view in views]
+
+    async def _direct_now(self, views: list[memoryview]) -> list[int] | None:
+        """The address of each page, where every page of the batch can move directly (large
+        enough, in a lent region, registered first if it was lent since); else None."""
+        if not self._direct_bytes or any(len(view) < self._direct_bytes for view in views):
+            return None
+        if self._lent.unregistered():
+            await self._in_pool(self._register_lent)
+        addresses = [address_of(view) for view in views]
+        for address, view in zip(addresses, views, strict=True):
+            if not self._lent.inside(address, len(view)):
+                return None
+        return addresses
 
     # -- running on the workers ---------------------------------------------------------------
 
@@ -261,8 +341,8 @@ class MooncakeBackend(StorageBackend):
         return sum(1 for code in codes if code == 0)
 
     async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
-        """`batch_put`: copy the pages into the arena (only while the call runs), frame them
-        there, upsert them."""
+        """`batch_put`: straight from a lent pool's pages (`_put_direct`), or copied into the
+        arena (only while the call runs), framed there and upserted."""
         head = header_size(self.layout, signed=self._mac_key is not None)
         sizes = [head + len(view) for view in views]
         guard = CopyGuard()
@@ -270,10 +350,14 @@ class MooncakeBackend(StorageBackend):
         def work(one: _Round, start: int) -> list[PageStatus]:
             return self._put_pages(one, start, [keys[i] for i in one.items], views, head, guard)
 
+        async def put() -> list[PageStatus]:
+            addresses = await self._direct_now(views)
+            if addresses is not None:
+                return await self._put_direct(keys, views, addresses, head, guard)
+            return await self._rounds(_slots(sizes), work, PageStatus.REJECTED)
+
         try:
-            statuses = await self._call(
-                "batch_put", lambda: self._rounds(_slots(sizes), work, PageStatus.REJECTED)
-            )
+            statuses = await self._call("batch_put", put)
         finally:
             guard.close()
         return self._count_stores("batch_put", statuses, sizes)
@@ -313,6 +397,91 @@ class MooncakeBackend(StorageBackend):
             sizes.append(head + len(obj.payload))
         return self._upsert(keys, self._addresses(one, start), sizes)
 
+    async def _put_direct(
+        self,
+        keys: list[bytes],
+        views: list[memoryview],
+        addresses: list[int],
+        head: int,
+        guard: CopyGuard,
+    ) -> list[PageStatus]:
+        """Pages not in the store yet: framed where they are (the checksum read from the
+        caller's page), each header put from the arena and its payload straight from the
+        page, one transfer per chunk, the next chunk framed while one moves (`overlapped`).
+        Pages the store holds already are upserted through the arena (Mooncake's put keeps
+        an object it has; only an upsert replaces it). The pages are marked in `_lent` while
+        the transfers read them: one that outlives the call leaves them quarantined."""
+        present = await self._in_pool(lambda: self._client.batch_is_exist(self._names(keys)))
+        _raise_if_all_failed(present, "batch_is_exist")
+        statuses: list[PageStatus] = [PageStatus.ERROR] * len(keys)
+        absent = [i for i, code in enumerate(present) if code != 1]
+        held = [i for i, code in enumerate(present) if code == 1]
+        if absent:
+            work = functools.partial(self._put_round, absent, keys, views, addresses, head, guard)
+            done = await self._rounds(_slots([head] * len(absent)), work, PageStatus.REJECTED)
+            for i, status in zip(absent, done, strict=True):
+                statuses[i] = status
+        if held:  # copied into the arena (under `guard`), framed there, upserted
+            held_keys, held_views = [keys[i] for i in held], [views[i] for i in held]
+
+            def staged(one: _Round, start: int) -> list[PageStatus]:
+                chosen = [held_keys[j] for j in one.items]
+                return self._put_pages(one, start, chosen, held_views, head, guard)
+
+            sizes = [head + len(view) for view in held_views]
+            done = await self._rounds(_slots(sizes), staged, PageStatus.REJECTED)
+            for i, status in zip(held, done, strict=True):
+                statuses[i] = status
+        return statuses
+
+    def _put_round(
+        self,
+        absent: list[int],
+        keys: list[bytes],
+        views: list[memoryview],
+        addresses: list[int],
+        head: int,
+        guard: CopyGuard,
+        one: _Round,
+        start: int,
+    ) -> list[PageStatus]:
+        """One round of `_put_direct` (a worker thread): `absent[j]` for j in the round."""
+        items, heads = [absent[j] for j in one.items], self._addresses(one, start)
+        token = self._lent.mark([(addresses[i], addresses[i] + len(views[i])) for i in items])
+        if token is None:  # a page handed in while a transfer still moves it
+            self._note_page_error("batch_put: a page still under an earlier transfer")
+            return [PageStatus.ERROR] * len(items)
+
+        def frame(js: list[int]) -> None:
+            framed = frame_objects(
+                [keys[items[j]] for j in js],
+                self.layout,
+                [views[items[j]] for j in js],
+                threads=_threads(sum(len(views[items[j]]) for j in js)),
+                mac_key=self._mac_key,
+            )
+            for obj, j in zip(framed, js, strict=True):
+                at = start + int(one.offsets[j])
+                self._arena.view[at : at + head] = obj.header
+
+        def move(js: list[int], _: Any) -> list[PageStatus]:
+            if guard.closed:
+                return [PageStatus.ERROR] * len(js)  # the call is over: nothing more is sent
+            codes = self._client.batch_put_from_multi_buffers(
+                self._names([keys[items[j]] for j in js]),
+                [[heads[j], addresses[items[j]]] for j in js],
+                [[head, len(views[items[j]])] for j in js],
+                self._config,
+            )
+            return self._statuses(codes, "batch_put_from_multi_buffers")
+
+        try:
+            chunks = _chunks([len(views[i]) for i in items])
+            moved = overlapped(self._pool, chunks, move, before=frame)
+        finally:
+            self._lent.unmark(token)
+        return [status for chunk in moved for status in chunk]
+
     async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
         """The objects API's put: already-framed objects of any layout, copied in and upserted."""
 
@@ -333,7 +502,10 @@ class MooncakeBackend(StorageBackend):
         self, keys: list[bytes], addresses: list[int], sizes: list[int]
     ) -> list[PageStatus]:
         codes = self._client.batch_upsert_from(self._names(keys), addresses, sizes, self._config)
-        _raise_if_all_failed(codes, "batch_upsert_from")
+        return self._statuses(codes, "batch_upsert_from")
+
+    def _statuses(self, codes: list[int], op: str) -> list[PageStatus]:
+        _raise_if_all_failed(codes, op)
         statuses = []
         for code in codes:
             if code == 0:
@@ -341,11 +513,110 @@ class MooncakeBackend(StorageBackend):
             elif code == _NO_ROOM:
                 statuses.append(PageStatus.REJECTED)
             else:
-                self._note_page_error(f"batch_upsert_from: Mooncake error {code}")
+                self._note_page_error(f"{op}: Mooncake error {code}")
                 statuses.append(PageStatus.ERROR)
         return statuses
 
     async def _fetch_into(
+        self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
+    ) -> list[ReadInto]:
+        """Read pages into the caller's buffers: straight into a lent pool's pages
+        (`_fetch_direct`), or through the arena and a checked copy (`_fetch_staged`)."""
+        addresses = await self._direct_now(views)
+        if addresses is None:
+            return await self._fetch_staged(keys, views, guard)
+        outcomes = await self._fetch_direct(keys, views, addresses, guard)
+        again = [i for i, outcome in enumerate(outcomes) if outcome is _AGAIN]
+        if again:  # another size than a page's object (damaged, signed, lz4): read staged
+            staged = await self._fetch_staged(
+                [keys[i] for i in again], [views[i] for i in again], guard
+            )
+            for i, outcome in zip(again, staged, strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    async def _fetch_direct(
+        self, keys: list[bytes], views: list[memoryview], addresses: list[int], guard: CopyGuard
+    ) -> list[Any]:
+        """Each object's header into the arena and its payload straight into the caller's
+        page, in one transfer per chunk of the round; then the check, in place, of each chunk
+        while the next one moves (`overlapped`). The pages are marked in `_lent` while the
+        transfers run: one that outlives the call leaves them quarantined."""
+        head = header_size(self.layout, signed=self._mac_key is not None)
+
+        def work(one: _Round, start: int) -> list[Any]:
+            items, heads = one.items, self._addresses(one, start)
+            token = self._lent.mark([(addresses[i], addresses[i] + len(views[i])) for i in items])
+            if token is None:  # a page handed in again while a transfer still moves it
+                self._note_page_error("batch_get: a page still under an earlier transfer")
+                return [PageStatus.ERROR] * len(items)
+
+            def move(js: list[int], _: Any) -> list[int] | None:
+                if guard.closed:
+                    return None  # the call is over: nothing more is moved
+                return self._client.batch_get_into_multi_buffers(
+                    self._names([keys[items[j]] for j in js]),
+                    [[heads[j], addresses[items[j]]] for j in js],
+                    [[head, len(views[items[j]])] for j in js],
+                )
+
+            def check(js: list[int], codes: list[int] | None) -> list[Any]:
+                if codes is None:
+                    return [None] * len(js)
+                return self._check_in_place(codes, js, one, start, head, keys, views)
+
+            try:
+                chunks = _chunks([len(views[i]) for i in items])
+                checked = overlapped(self._pool, chunks, move, after=check)
+            finally:
+                self._lent.unmark(token)
+            return [outcome for chunk in checked for outcome in chunk]
+
+        return await self._rounds(_slots([head] * len(keys)), work, CorruptReason.LENGTH)
+
+    def _check_in_place(
+        self,
+        codes: list[int],
+        js: list[int],
+        one: _Round,
+        start: int,
+        head: int,
+        keys: list[bytes],
+        views: list[memoryview],
+    ) -> list[Any]:
+        """What each direct read of round positions `js` found: True (checked where it
+        landed), a reason, a miss, an error, or `_AGAIN` (an object of another size: nothing
+        was moved)."""
+        _raise_if_all_failed(codes, "batch_get_into_multi_buffers")
+        outcomes: list[Any] = [None] * len(codes)
+        landed = []
+        for k, (code, j) in enumerate(zip(codes, js, strict=True)):
+            if code == head + len(views[one.items[j]]):
+                landed.append(k)
+            elif code in (_TOO_SMALL, _TRANSFER_FAIL):
+                outcomes[k] = _AGAIN
+            elif code == _RPC_FAIL:
+                self._note_page_error("batch_get_into_multi_buffers: the master did not answer")
+                outcomes[k] = PageStatus.ERROR
+
+        def check(k: int) -> None:
+            i, at = one.items[js[k]], start + int(one.offsets[js[k]])
+            parts = [self._arena.view[at : at + head], views[i]]
+            checked = check_object(
+                parts, keys[i], self._layout_bytes, raw_bytes=len(views[i]), mac_key=self._mac_key
+            )
+            if isinstance(checked, CorruptReason):
+                outcomes[k] = checked
+            elif checked[0].compression is not Compression.NONE:
+                outcomes[k] = _AGAIN  # (lz4 of a page's size: decoded staged)
+            else:
+                outcomes[k] = True
+
+        nbytes = sum(len(views[one.items[js[k]]]) for k in landed)
+        share(self._pool, landed, check, _threads(nbytes))
+        return outcomes
+
+    async def _fetch_staged(
         self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
     ) -> list[ReadInto]:
         """Read each round into the arena, then check and copy it into the caller's buffers
@@ -431,6 +702,14 @@ def _close_client(client: Any) -> None:
 
 def _slots(sizes: list[int]) -> list[int]:
     return [aligned(size) for size in sizes]
+
+
+def _chunks(sizes: list[int]) -> list[list[int]]:
+    """Positions 0..len(sizes)-1 in consecutive chunks of about `_CHUNK_BYTES` (at most
+    `_MAX_CHUNKS`): each moves in a transfer of its own while the CPU work of its neighbours
+    (framing, checking) runs beside it. A batch under two chunks' worth is one chunk."""
+    num = max(1, min(_MAX_CHUNKS, sum(sizes) // _CHUNK_BYTES, len(sizes)))
+    return [list(range(k * len(sizes) // num, (k + 1) * len(sizes) // num)) for k in range(num)]
 
 
 def _threads(nbytes: int) -> int:

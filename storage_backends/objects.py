@@ -70,6 +70,12 @@ assert FIXED_HEADER.size == HEADER_FIXED_BYTES
 
 Buffer = bytes | bytearray | memoryview
 ObjectParts = Buffer | Sequence[Buffer]
+# A page as a caller of batch_get / batch_put holds it: one buffer, or a list (or tuple) of
+# buffers whose concatenation is the page, its pieces (an engine's page scattered over its
+# pool, one piece per layer): read into and written from where they lie.
+PageBuffers = Buffer | Sequence[Buffer]
+PageView = memoryview | list[memoryview]  # the same, as flat byte views
+MAX_PIECES = 1023  # pieces of one page at most (with its header: one preadv / writev)
 MacKey = bytes  # a tenant's MAC key (`mac_key_from_secret`); None where there is no secret
 _MAC_LABEL = b"hicache page object v2\0"  # these MACs are of pages, and of nothing else
 
@@ -183,13 +189,53 @@ def check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return keys
 
 
-def writable_views(buffers: Sequence[Buffer]) -> list[memoryview]:
-    """Flat writable byte views of the caller's buffers; a bad one is named by its position
-    (the names are built only then: this runs for every read)."""
+def page_view(page: PageBuffers, *, writable: bool = False, what: str = "page") -> PageView:
+    """A page as flat byte views: one, or one per piece where the page is in pieces."""
+    if not isinstance(page, (list, tuple)):
+        return byte_view(page, writable=writable, what=what)
+    if not 1 <= len(page) <= MAX_PIECES:
+        raise ValueError(f"{what}: a page in pieces has 1 to {MAX_PIECES}, not {len(page)}")
+    try:  # (names are built only for a bad piece: a layer_first batch has thousands)
+        return [byte_view(piece, writable=writable) for piece in page]
+    except (TypeError, ValueError):
+        return [
+            byte_view(piece, writable=writable, what=f"{what} piece {j}")
+            for j, piece in enumerate(page)
+        ]
+
+
+def page_nbytes(view: PageView) -> int:
+    """The bytes of a page (of all its pieces)."""
+    return len(view) if isinstance(view, memoryview) else sum(map(len, view))
+
+
+def page_pieces(view: PageView) -> list[memoryview]:
+    """A page's pieces (a page of one buffer is its own one piece)."""
+    return [view] if isinstance(view, memoryview) else view
+
+
+def joined_page(view: PageView) -> memoryview:
+    """A page as one buffer: itself, or its pieces joined (one copy)."""
+    if isinstance(view, memoryview):
+        return view
+    return view[0] if len(view) == 1 else memoryview(b"".join(view))
+
+
+def scatter_page(page: Buffer, pieces: Sequence[memoryview]) -> None:
+    """Copy a page, one buffer, into its pieces (exactly as long, together)."""
+    offset = 0
+    for piece in pieces:
+        piece[:] = page[offset : offset + len(piece)]
+        offset += len(piece)
+
+
+def writable_views(buffers: Sequence[PageBuffers]) -> list[PageView]:
+    """Flat writable byte views of the caller's pages (each one buffer, or its pieces); a bad
+    one is named by its position (the names are built only then: this runs for every read)."""
     try:
-        return [byte_view(buf, writable=True) for buf in buffers]
+        return [page_view(buf, writable=True) for buf in buffers]
     except ValueError:
-        return [byte_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(buffers)]
+        return [page_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(buffers)]
 
 
 def check_same_length(name: str, keys: list[bytes], values: Sequence[object]) -> None:

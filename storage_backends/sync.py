@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from .base import StorageBackend
 from .errors import BackendClosedError
 from .loop_thread import LoopThread
-from .objects import Buffer
+from .objects import Buffer, PageBuffers
 from .registry import open_backend
 from .stats import BackendStats
 
@@ -44,10 +44,10 @@ class SyncBackend:
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         return self._run(self.backend.batch_exists(keys))
 
-    def batch_get(self, keys: Sequence[bytes], into: Sequence[Buffer]) -> list[bool]:
+    def batch_get(self, keys: Sequence[bytes], into: Sequence[PageBuffers]) -> list[bool]:
         return self._run(self.backend.batch_get(keys, into))
 
-    def batch_put(self, keys: Sequence[bytes], pages: Sequence[Buffer]) -> list[bool]:
+    def batch_put(self, keys: Sequence[bytes], pages: Sequence[PageBuffers]) -> list[bool]:
         return self._run(self.backend.batch_put(keys, pages))
 
     def delete(self, keys: Sequence[bytes]) -> int:

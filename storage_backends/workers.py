@@ -157,3 +157,59 @@ def share(
     for error in errors:
         if error is not None:
             raise error
+
+
+def overlapped(
+    pool: WorkerPool | None,
+    chunks: Sequence[T],
+    move: Callable[[T, Any], Any],
+    *,
+    before: Callable[[T], Any] | None = None,
+    after: Callable[[T, Any], Any] | None = None,
+) -> list[Any]:
+    """`move(chunk, before(chunk))` for each chunk in order on this thread, with the CPU work
+    around it overlapped: `before` of the next chunk and `after(chunk, moved)` of the one
+    just moved run on a helper from `pool` while this thread moves the next. Returns, per
+    chunk, what `after` made of it (or what `move` returned, without `after`).
+
+    A helper that has not started when its result is needed is cancelled and its work done
+    here (a busy pool never holds this up; a worker of `pool` may call this). Every helper
+    has finished when this returns or raises: none still touches the chunks' memory.
+    """
+    futures: list[concurrent.futures.Future] = []
+
+    def ahead(fn: Callable[..., Any], *args: Any) -> tuple:
+        try:
+            future = pool.submit(fn, *args) if pool is not None else None
+        except RuntimeError:  # shut down: done here when needed
+            future = None
+        if future is not None:
+            futures.append(future)
+        return future, fn, args
+
+    def result(pending: tuple) -> Any:
+        future, fn, args = pending
+        if future is None or future.cancel():
+            return fn(*args)
+        return future.result()
+
+    try:
+        prepared = before(chunks[0]) if before is not None and chunks else None
+        done: list[Any] = []
+        for k, chunk in enumerate(chunks):
+            last = k + 1 == len(chunks)
+            following = ahead(before, chunks[k + 1]) if before is not None and not last else None
+            moved = move(chunk, prepared)
+            if after is None:
+                done.append((None, lambda value: value, (moved,)))
+            elif last:
+                done.append((None, after, (chunk, moved)))
+            else:
+                done.append(ahead(after, chunk, moved))
+            if following is not None:
+                prepared = result(following)
+        return [result(pending) for pending in done]
+    finally:
+        for future in futures:
+            if not future.cancel():
+                concurrent.futures.wait([future])

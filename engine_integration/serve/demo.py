@@ -148,12 +148,12 @@ def check_before_loading(config: DemoConfig) -> None:
                 f"--device {device}: no CUDA device here (torch {torch.__version__}, {build})"
             )
     if config.model == GEMMA3:
-        import importlib.util
+        from engine_integration.engine.packaged import check_named
 
-        from engine_integration.engine.embedded import GEMMA3_INSTALL, GEMMA3_PACKAGE
-
-        if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-            raise DemoMistake(f"--model gemma3: the package is not installed ({GEMMA3_INSTALL})")
+        try:
+            check_named(GEMMA3)
+        except ValueError as error:
+            raise DemoMistake(str(error)) from None
         if config.window_layers is not None:
             raise DemoMistake(
                 "--window-layers re-plans a full-attention model; Gemma 3 interleaves its own "

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 
-from engine_integration.serve.replica_config import ROLES, ReplicaConfig
+from engine_integration.serve.replica_config import DTYPES, ROLES, ReplicaConfig
 
 # The one line `hicache --help` shows for this subcommand.
 HELP = "serve the embedded engine over HTTP, OpenAI-compatible (`hicache engine serve`)"
@@ -29,9 +30,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--model",
         default=None,
-        metavar="PATH",
-        help="a .gguf file or a Hugging Face model directory (default: the built-in tiny model, "
-        "random weights from --seed)",
+        metavar="MODEL",
+        help="smollm2 or gemma3 (their packages), a .gguf file or a Hugging Face model "
+        "directory (default: the built-in tiny model, random weights from --seed)",
+    )
+    a(
+        "--model-config",
+        default=None,
+        metavar="FILE",
+        help="instead: a synthetic model, a JSON object of ModelConfig's fields (random "
+        "weights from --seed)",
     )
     a("--seed", type=int, default=0, help="the built-in model's weights (default: %(default)s)")
     a("--name", default="", help="this replica's name in responses and logs (default: by pid)")
@@ -84,6 +92,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the events' schema: vLLM's or SGLang's (int64 hashes, its media names) "
         "(default: %(default)s)",
     )
+    a("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: %(default)s)")
+    a(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="the model's and the KV's dtype (default: float32 on the CPU, bfloat16 on CUDA)",
+    )
+    a(
+        "--no-cache",
+        action="store_true",
+        help="serve without hicache (every prompt computed whole): the baseline a cache is "
+        "measured against; --l1-pages then sizes the engine's own KV pages",
+    )
     a(
         "--threads",
         type=int,
@@ -96,9 +117,13 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_command != "serve":
         print("hicache engine: give a command: serve", file=sys.stderr)
         return 2
+    from engine_integration.engine.packaged import check_named, resolve
+
     try:
+        check_named(args.model)
         config = ReplicaConfig(
             model_path=args.model,
+            model_config=_model_config(args.model_config),
             seed=args.seed,
             name=args.name,
             role=args.role,
@@ -114,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
             events_topic=args.events_topic,
             events_format=args.events_format,
             threads=args.threads,
+            device=args.device,
+            dtype=args.dtype,
+            cache=not args.no_cache,
         )
     except ValueError as error:
         print(f"hicache engine serve: error: {error}", file=sys.stderr)
@@ -126,4 +154,22 @@ def run(args: argparse.Namespace) -> int:
     with sock:
         from engine_integration.serve.replica import serve  # torch enters here
 
+        config = dataclasses.replace(config, model_path=resolve(args.model))
         return asyncio.run(serve(config, sock))
+
+
+def _model_config(path: str | None):
+    """--model-config's file read and checked (ValueError naming the flag)."""
+    if path is None:
+        return None
+    from engine_integration.engine.model.config import model_config_from_json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read(1 << 20)
+    except OSError as error:
+        raise ValueError(f"--model-config {path}: {error.strerror or error}") from None
+    try:
+        return model_config_from_json(text)
+    except ValueError as error:
+        raise ValueError(f"--model-config {path}: {error}") from None

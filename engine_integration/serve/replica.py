@@ -12,8 +12,9 @@ batched by the engine's scheduler (continuous batching), never by the server.
 
 Roles (`--role`): `both` serves everything. `prefill` is for a P/D deployment's prefill side:
 its `/hicache/prefill` computes a prompt and returns once its pages are in L3. `decode`
-matches what L3 holds and waits for the whole prefetch (prefetch policy `wait_complete`), so
-a handed-off prompt is computed only from its last page on. Both need `--l3-url`.
+matches what L3 holds, fetches all of it and waits for the whole prefetch (`l3_fetch_policy`
+`always`, prefetch policy `wait_complete`), so a handed-off prompt is computed only from its
+last page on. Both need `--l3-url`. `--no-cache` serves without hicache: the baseline.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import time
 import torch
 from aiohttp import web
 
-from engine_integration.engine.core import Engine
-from engine_integration.engine.embedded import CacheSizes, build_cache, load_model
+from engine_integration.engine.core import Engine, kv_layout_for
+from engine_integration.engine.embedded import CacheSizes, build_cache, load_model, warm_up
 from engine_integration.engine.errors import EngineError, RequestTooLargeError
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.request import Request, RequestOutput
@@ -52,6 +53,7 @@ from engine_integration.serve.openai_api import (
 )
 from engine_integration.serve.replica_config import ReplicaConfig
 from hicache.config import PolicyConfig
+from radix.keys import Namespace
 
 logger = logging.getLogger(__name__)
 
@@ -155,18 +157,33 @@ class Replica:
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
         engine_config = EngineConfig(
-            page_size=config.page_size, max_running_requests=config.max_running_requests
+            device=config.device,
+            page_size=config.page_size,
+            max_running_requests=config.max_running_requests,
+            dtype=config.dtype,
         )
-        self.model, self.tokenizer = load_model(config.model_path, engine_config, seed=config.seed)
-        # Write-through, so that a page reaches L2 (and L3) as soon as it is inserted; a
-        # decode replica waits for the prefetch of a handed-off prompt to complete.
-        policy = PolicyConfig(
-            write_policy="write_through",
-            prefetch_policy="wait_complete" if config.role == "decode" else "timeout",
+        self.model, self.tokenizer = load_model(
+            config.model_path, engine_config, seed=config.seed, model_config=config.model_config
         )
-        sizes = CacheSizes(config.l1_pages, config.l2_pages, config.l3_url, policy)
-        self.cache = build_cache(self.model, engine_config, sizes)
-        self.engine = Engine(self.model, engine_config, cache=self.cache)
+        # What first calls cost (CUDA graphs, kernel choices) is paid before the first
+        # request, and the step costs it measures seed the cache's load-or-recompute choice.
+        warm_up(self.model, engine_config)
+        self.cache = None
+        if config.cache:
+            # Write-through, so that a page reaches L2 (and L3) as soon as it is inserted; a
+            # decode replica fetches all of a handed-off prompt (the prefill side computed it
+            # so that this side would not) and waits for the prefetch to complete.
+            decode = config.role == "decode"
+            policy = PolicyConfig(
+                write_policy="write_through",
+                prefetch_policy="wait_complete" if decode else "timeout",
+                l3_fetch_policy="always" if decode else "measured",
+            )
+            sizes = CacheSizes(config.l1_pages, config.l2_pages, config.l3_url, policy)
+            self.cache = build_cache(self.model, engine_config, sizes)
+            self.engine = Engine(self.model, engine_config, cache=self.cache)
+        else:
+            self.engine = Engine(self.model, engine_config, num_private_pages=config.l1_pages)
         self.publisher = None
         if config.events_endpoint:
             from hicache.events import EventPublisher, EventsConfig, TierEvents, default_topic
@@ -181,6 +198,12 @@ class Replica:
                 )
             )
             self.cache.set_residency_listener(TierEvents(self.publisher, config.page_size))
+        # What the cache keys pages by; a replica without one names its model and layout
+        # the same way, so a router serves it beside the others.
+        self.namespace = self.engine.namespace or Namespace(
+            model_id=self.model.config.model_id,
+            layout=kv_layout_for(self.model, config.page_size).descriptor(),
+        )
         self.loop = EngineLoop(self.engine)
         self.model_name = self.model.config.model_id
         self.name = config.name or f"replica-{os.getpid()}"
@@ -188,10 +211,12 @@ class Replica:
 
     def close(self) -> None:
         self.loop.close()
-        self.cache.set_residency_listener(None)
+        if self.cache is not None:
+            self.cache.set_residency_listener(None)
         if self.publisher is not None:
             self.publisher.close()
-        self.cache.close()
+        if self.cache is not None:
+            self.cache.close()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=16 << 20)
@@ -224,8 +249,12 @@ class Replica:
                 "name": self.name,
                 "role": self.config.role,
                 "model": self.model_name,
-                "namespace_digest": self.engine.namespace.digest.hex(),
+                "namespace_digest": self.namespace.digest.hex(),
                 "page_size": self.config.page_size,
+                "vocab_size": self.tokenizer.vocab_size,  # what a prompt's ids may be
+                "cache": self.cache is not None,
+                "device": self.config.device,
+                "dtype": str(self.model.dtype).removeprefix("torch."),
                 "events_endpoint": self.publisher.endpoint if self.publisher else None,
                 "replay_endpoint": self.publisher.replay_endpoint if self.publisher else None,
                 "events_seq": events_seq,
@@ -282,7 +311,8 @@ class Replica:
                 return web.json_response(error_body(value, "server_error"), status=500)
             if kind == "done":
                 break
-        await asyncio.to_thread(self.cache.flush, 60.0)
+        if self.cache is not None:
+            await asyncio.to_thread(self.cache.flush, 60.0)
         metrics = value.metrics
         return web.json_response(
             {

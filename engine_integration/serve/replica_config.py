@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_integration.engine.model.config import ModelConfig
+
 ROLES = ("both", "prefill", "decode")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,7 @@ class ReplicaConfig:
     """One replica: its model, its cache, its role, where it listens and publishes."""
 
     model_path: str | None = None  # None: the built-in tiny model (random weights)
+    model_config: ModelConfig | None = None  # or a synthetic model of this shape (random)
     seed: int = 0
     name: str = ""
     role: str = "both"
@@ -28,8 +32,13 @@ class ReplicaConfig:
     events_topic: str | None = None  # None: kv@<host>@<model>
     events_format: str = "vllm"  # or "sglang"
     threads: int = 0  # torch's CPU threads (0: torch's default)
+    device: str = "cpu"  # or "cuda[:N]"
+    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
+    cache: bool = True  # False: no hicache at all (the baseline a cache is measured against)
 
     def __post_init__(self) -> None:
+        if self.model_path and self.model_config:
+            raise ValueError("give --model or --model-config, not both")
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.role != "both" and not self.l3_url:
@@ -42,5 +51,15 @@ class ReplicaConfig:
             raise ValueError(f"--l1-pages must be >= 1, got {self.l1_pages}")
         if self.events_replay_endpoint and not self.events_endpoint:
             raise ValueError("--events-replay-endpoint needs --events-endpoint")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not self.cache:
+            kept = [flag for flag, value in (("--l2-pages", self.l2_pages),
+                    ("--l3-url", self.l3_url), ("--events-endpoint", self.events_endpoint),
+                    ("--role", self.role != "both")) if value]  # fmt: skip
+            if kept:
+                raise ValueError(f"--no-cache leaves no cache for {', '.join(kept)}")
         if self.events_format not in ("vllm", "sglang"):
             raise ValueError(f"--events-format must be vllm or sglang, got {self.events_format!r}")

@@ -33,10 +33,11 @@ import torch
 from storage_backends import BackendConfigError
 
 HOST_LAYOUTS = ("page_first", "layer_first", "page_first_direct")
-# A page of more parts than this is stored as ONE object, gathered through a staging copy:
+# A page of more parts than this is stored as ONE object whose payload is its parts in order
+# (the storage API's page in pieces: read into and written from the parts where they lie):
 # one object per layer (layer_first: 61 for DeepSeek-V3's MLA, 64 for Llama-8B's K and V)
-# made many small files and requests, slower than SGLang's one file per page; a memcpy of
-# the page costs far less than the objects it saves. Up to this many, parts move zero-copy.
+# made many small files and requests, slower than SGLang's one file per page. Up to this
+# many, each part is an object of its own.
 MAX_ZERO_COPY_PARTS = 2
 
 
@@ -154,34 +155,6 @@ class PageGeometry:
             for row in starts.tolist()
             for start, size in zip(row, sizes, strict=True)
         ]
-
-    def gather(self, buffer: memoryview, pages: np.ndarray, out: np.ndarray) -> None:
-        """Copy the flat pages of `pages` out of `buffer` into `out`'s rows
-        (len(pages), page_bytes)."""
-        for part, (start, stop) in zip(self._part_rows(buffer), self._bounds(), strict=True):
-            np.take(part, pages, axis=0, out=out[:, start:stop])
-
-    def scatter(self, buffer: memoryview, pages: np.ndarray, staging: np.ndarray) -> None:
-        """Copy flat pages (rows of `staging`) into their parts in `buffer`."""
-        for part, (start, stop) in zip(self._part_rows(buffer), self._bounds(), strict=True):
-            part[pages] = staging[:, start:stop]
-
-    def _part_rows(self, buffer: memoryview) -> list[np.ndarray]:
-        """Per part, a (num_pages, part_bytes) strided view of `buffer` (page p: row p);
-        in bounds: the geometry checked the last page against the buffer."""
-        whole = np.frombuffer(buffer, dtype=np.uint8)
-        return [
-            np.lib.stride_tricks.as_strided(
-                whole[offset:],
-                shape=(self.num_pages, size),
-                strides=(self.page_stride_bytes, 1),
-            )  # fmt: skip
-            for offset, size in zip(self.first_offsets, self.part_bytes, strict=True)
-        ]
-
-    def _bounds(self) -> list[tuple[int, int]]:
-        edges = list(itertools.accumulate(self.part_bytes, initial=0))
-        return list(itertools.pairwise(edges))
 
     def split_flat_page(self, page: memoryview) -> list[memoryview]:
         """A flat page (SGLang's `get_data_page(i, flat=True)`) cut into its objects: its

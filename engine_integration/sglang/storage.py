@@ -15,8 +15,10 @@ What it owns: the translation of SGLang's calls, keys and host-pool pages into h
 batched storage API. Keys: SGLang's page hash, namespaced by what makes KV incompatible
 (model, dtype and host layout of the pool, pp/cp rank and size, and the tp rank and size
 except for MLA, whose KV every tp rank holds whole and only the storage writer stores). A
-page is the few contiguous byte ranges it occupies in the pool (`sglang_pages`), one object
-each, read into and written from the pool without a staging copy.
+page is the contiguous byte ranges it occupies in the pool (`pages.PageGeometry`): one object
+per range where a page has one or two (K and V), one object of all of them where it has many
+(layer_first: a range per layer). Either way the pool's own bytes are read into and written
+from where they lie (the storage API takes a page in pieces): no staging copy.
 
 Threads: SGLang calls from its prefetch, prefetch-I/O and backup threads at once. Every call
 goes through one `SyncBackend` (its own event loop on its own thread), so no event loop of
@@ -48,7 +50,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
@@ -83,7 +84,6 @@ URL_VARIABLE = "HICACHE_L3_URL"
 # Keys of the extra config that SGLang reads itself (it removes its prefetch_* keys first).
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 OWN_KEYS = frozenset({"url", "model_id"})
-STAGING_BYTES = 64 << 20  # per SGLang I/O thread, for pages gathered into one object
 
 
 @dataclass(frozen=True)
@@ -163,17 +163,6 @@ class _Attached:
         self.buffer = byte_buffer(pool.kv_buffer)
         self.store = store
         self.digest = digest  # the namespace's seed: model, layout, shard
-        self._local = threading.local()  # each SGLang I/O thread's staging rows
-
-    def staging_rows(self) -> np.ndarray:
-        """This thread's staging pages for gathered pages: (rows, page_bytes), at most
-        STAGING_BYTES (at least one page), allocated once and touched once."""
-        rows = getattr(self._local, "rows", None)
-        if rows is None:
-            count = max(1, STAGING_BYTES // self.geometry.page_bytes)
-            rows = np.zeros((count, self.geometry.page_bytes), dtype=np.uint8)
-            self._local.rows = rows
-        return rows
 
     def object_keys(self, keys: Sequence[str]) -> list[bytes]:
         """The 16-byte keys of every part of every page, page by page."""
@@ -435,9 +424,10 @@ class HiCacheSGLangStorage(HiCacheStorage):
 
     def _move(self, kind: str, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         """One batch between L3 and the pool's own pages: read in ("prefetch") or written
-        out ("backup"), each page as the views of its parts (no staging copy), or, where a
-        page has many parts (`PageGeometry.gathered`), as one object through a staging copy
-        that reaches the pool only for the pages read whole and verified."""
+        out ("backup") where they lie (no staging copy): each part of a page an object, or
+        where a page has many parts (`PageGeometry.gathered`) the page one object in pieces,
+        read straight into its parts and verified there. A page that fails its check is
+        False: SGLang frees its host page, never reading what landed in it."""
         if self._logical_anchor is not None:
             return [True] * len(keys)  # no KV bytes: the extra pools carry the pages
         attached = self._pool()
@@ -447,38 +437,13 @@ class HiCacheSGLangStorage(HiCacheStorage):
             return [False] * len(keys)
         start = time.perf_counter()
         object_keys = attached.object_keys(keys)
-        if not geometry.gathered:
-            views = geometry.page_views(attached.buffer, pages)
-            call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
-            done = attached.per_page(call(object_keys, views))
-        else:
-            done = self._move_gathered(kind, attached, pages, object_keys)
+        views = geometry.page_views(attached.buffer, pages)
+        if geometry.gathered:  # one object a page: its parts are its pieces
+            n = geometry.num_parts
+            views = [views[i : i + n] for i in range(0, len(views), n)]
+        call = attached.store.batch_get if kind == "prefetch" else attached.store.batch_put
+        done = attached.per_page(call(object_keys, views))
         self._record(kind, attached, sum(done), start)
-        return done
-
-    def _move_gathered(
-        self, kind: str, attached: _Attached, pages: np.ndarray, object_keys: list[bytes]
-    ) -> list[bool]:
-        """Pages of one object each, through this thread's staging rows, a chunk of pages at
-        a time: gathered then stored, or read then scattered (only the pages read whole)."""
-        geometry = attached.geometry
-        staging = attached.staging_rows()  # (rows, page_bytes), reused: no fresh memory
-        done: list[bool] = []
-        for first in range(0, len(pages), len(staging)):
-            chunk = pages[first : first + len(staging)]
-            rows = staging[: len(chunk)]
-            chunk_keys = object_keys[first : first + len(chunk)]
-            if kind == "backup":
-                geometry.gather(attached.buffer, chunk, out=rows)
-                done.extend(attached.store.batch_put(chunk_keys, list(rows)))
-                continue
-            found = list(attached.store.batch_get(chunk_keys, list(rows)))
-            if all(found):
-                geometry.scatter(attached.buffer, chunk, rows)
-            else:
-                whole = np.flatnonzero(found)
-                geometry.scatter(attached.buffer, chunk[whole], rows[whole])
-            done.extend(found)
         return done
 
     # -- flat pages (SGLang's path without interface_v1) ------------------------------------

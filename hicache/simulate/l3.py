@@ -34,12 +34,15 @@ class L3StorePreset:
 STORE_PRESETS: dict[str, L3StorePreset] = {
     # get_gbps of the 2 MiB row; latency: the 64 KiB row's one_page_get_us less the time
     # that page takes at that rate (the simulator adds bytes / bandwidth itself).
+    # Medians of three runs (docs/performance.md, 8d86abd: 2 MiB pages read straight into
+    # the lent pool): 0.59-0.74 GB/s, one-page gets 255-422 us.
     "mooncake-tcp": L3StorePreset(
-        bandwidth_bytes_per_s=0.31e9,
-        latency_s=486e-6 - (64 << 10) / 0.31e9,
+        bandwidth_bytes_per_s=0.72e9,
+        latency_s=380e-6 - (64 << 10) / 0.72e9,
         measured="python benchmarks/bench_backends.py --backends mooncake "
-        "--page-sizes 65536,2097152: Mooncake Store over tcp on loopback (a master and a "
-        "mooncake_client holding the pages), a 2-core VM shared with other work (load ~10)",
+        "--page-sizes 65536,2097152 --reps 7: Mooncake Store over tcp on loopback (a master "
+        "and a mooncake_client holding the pages), a 2-core VM shared with other work "
+        "(load 5-7)",
     ),
 }
 

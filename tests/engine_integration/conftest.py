@@ -10,8 +10,15 @@ from engine_integration.engine.embedded import CacheSizes, build_cache, load_mod
 from hicache.config import PolicyConfig
 from tests.support.engines import ENGINE, SMALL
 
-# Write-through (so L2 holds every page) and waiting for L3 prefetches: deterministic tiers.
-TEST_POLICY = PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+# Write-through (so L2 holds every page), waiting for L3 prefetches, and every L2 and L3 run
+# loaded whatever the rates (the load-or-recompute choice rests on timings): deterministic
+# tiers. Tests of that choice pass a measured policy of their own.
+TEST_POLICY = PolicyConfig(
+    write_policy="write_through",
+    prefetch_policy="wait_complete",
+    l3_fetch_policy="always",
+    l2_load_policy="always",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,7 @@ prefetch's batches concurrently, in order, stopping at the first page L3 lacks."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from urllib.parse import unquote, urlsplit
 
 import pytest
@@ -13,11 +14,12 @@ import torch
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
 from hicache.controller import HiCache
 from hicache.ops import LoadOp, PrefetchOp
+from hicache.ownership import QUARANTINE
 from radix.keys import page_keys
 from storage_backends.file_store import FileBackend, FileOptions
 from storage_backends.options import options_from_query
 from storage_backends.registry import register_backend
-from tests.support.caches import MHA, NS, make_cache, put, tokens_for
+from tests.support.caches import MHA, NS, make_cache, put, read_pages, tokens_for
 from tests.support.hostile import (
     CALM,
     LAYOUT,
@@ -306,6 +308,94 @@ def test_on_cuda_a_pipelined_l3_hit_hands_over_the_bytes_written(tmp_path):
             cache.wait_layer(match, layer)
         got = cache.device_pool.kv[:, match.device_page_ids].cpu()
         assert torch.equal(got, values.to(got.dtype))
+        cache.release(match)
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+# ---------------------------------------------------------------------- late transfers
+
+
+def test_pages_a_late_transfer_still_writes_are_quarantined_then_freed():
+    """A prefetch cut short whose transfer goes on writing its unfilled L2 pages after the
+    op is done (an L3 backend reading straight into a lent L2 pool, past its deadline):
+    those pages are owned by the quarantine, never handed to another op, and freed only
+    when the executor says the transfer is over."""
+    store = new_store()
+    tokens = list(range(1, 4 * LAYOUT.page_size + 1))
+    ns = namespace()
+    for key, value in zip(
+        page_keys(tokens, ns, LAYOUT.page_size), expected_pages(tokens, ns), strict=True
+    ):
+        store.put(key, value)
+    faults = dataclasses.replace(CALM, prefetch_cut=1.0, late_write=1.0)
+    executor = HostileExecutor(
+        num_device_pages=8, num_host_pages=8, num_layers=LAYOUT.num_layers, seed=3,
+        faults=faults, stores={"l3": store},
+    )  # fmt: skip
+    config = HiCacheConfig(
+        layout=LAYOUT,
+        l1=L1Config(num_pages=8),
+        l2=L2Config(budget_bytes=8 * LAYOUT.bytes_per_page, reserve_bytes=0),
+        l3=L3Config(url=f"{URL_SCHEME}l3"),
+        policy=PolicyConfig(prefetch_policy="wait_complete"),
+    )
+    cache = HiCache(config, executor)
+    host = cache._host
+    try:
+        cache.prefetch(tokens + [0], ns)  # the index learns L3 has the 4 pages ...
+        match = cache.match(tokens + [0], ns)  # ... and the cut prefetch leaves them late
+        assert match.num_pages == 0
+        cache.release(match)
+        late = sorted(executor.late)
+        assert len(late) == 4
+        cache.poll()
+        assert executor.late  # (1 to 40 polls each)
+        assert all(host.owner_of(page) == QUARANTINE for page in late if page in executor.late)
+        cache.check_invariants()
+        # Every other L2 page is taken and given back while the transfer still writes: the
+        # executor refuses an op on a late page, and the allocator never hands one out.
+        others = host.alloc(host.num_free, "test")
+        assert not set(others) & set(executor.late)
+        host.free(others, "test")
+        while executor.late:
+            cache.poll()
+            cache.check_invariants()
+        cache.poll()
+        assert all(host.owner_of(page) is None for page in late)  # freed, once it is over
+    finally:
+        cache.close()
+
+
+def test_the_engine_lends_l2_to_mooncake_and_reads_l3_pages_straight_into_it(mooncake_store):
+    """The real executor lends its L2 pool to a Mooncake L3: pages go out of and come back
+    into L2 with no staging copy (direct= at the page size here), and equal what was
+    written."""
+    url = f"mooncake://{mooncake_store.address}?prefix=engine-lent:&direct=512&timeout=10s"
+    cache = make_cache(
+        MHA, l3_url=url, write_policy="write_through", prefetch_policy="wait_complete"
+    )
+    try:
+        backend = cache._executor._backend
+        assert cache._executor._lent_to == [backend]
+        direct = backend._fetch_direct
+        reads = []
+
+        async def counted(*args):
+            reads.append(len(args[0]))
+            return await direct(*args)
+
+        backend._fetch_direct = counted
+        tokens = tokens_for(7, 6)
+        values = put(cache, tokens, seed=7)
+        cache.flush()
+        assert cache.evict("l1", 16) == 6 and cache.evict("l2", 32) == 6  # in L3 only
+        match = cache.match(tokens, NS)
+        assert match.num_pages == 6 and sum(reads) == 6
+        for layer in range(MHA.num_layers):
+            cache.wait_layer(match, layer)
+        assert torch.equal(read_pages(cache, match.device_page_ids), values)
         cache.release(match)
         cache.check_invariants()
     finally:

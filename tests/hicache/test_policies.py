@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.support.caches import NS, put, tokens_for
-from tests.support.deadline import within_deadline
-from tests.support.slow_backend import slow_file_url
+from tests.support.deadline import wait_until, within_deadline
+from tests.support.slow_backend import gate, slow_file_url
 
 
 def l2_used(cache) -> int:
@@ -105,45 +103,66 @@ def test_wait_complete_waits_for_every_page(cache_factory, slow_l3):
     assert cache.stats().prefetches_cut_short == 0
 
 
-def test_timeout_returns_what_arrived_within_the_budget(cache_factory, slow_l3):
-    url, tokens = slow_l3
+def test_timeout_returns_what_arrived_within_the_budget(cache_factory, gated_l3):
+    url, tokens, chunks = gated_l3
     cache = reader(
         cache_factory,
         url,
         prefetch_policy="timeout",
-        prefetch_timeout_base_s=0.3,
+        prefetch_timeout_base_s=1.0,
         prefetch_timeout_per_1k_tokens_s=0.0,
     )
-    # (the budget itself, 0.3 s, is held to on the simulator's virtual clock:
+    # (the budget itself is held to on the simulator's virtual clock:
     # tests/hicache/simulate/test_player.py::test_a_timeout_prefetch_is_cut_short_on_a_slow_l3)
+    chunks.release(1)  # one chunk of the five reads within the budget, the rest are held
     match = within_deadline(cache.match, tokens, NS)
-    assert 0 < match.num_l3_pages < 40  # a chunk or two, not all five
-    assert match.num_l3_pages % 8 == 0
+    assert match.num_l3_pages == 8
     assert cache.stats().prefetches_cut_short == 1
     cache.release(match)
     cache.flush()
-    time.sleep(1.2)  # the prefetch carried on in the background...
+    chunks.release(4)  # the prefetch carries on in the background...
+    wait_until(
+        lambda: cache.stats().prefetches_completed == cache.stats().prefetches_issued,
+        "the cut-short prefetch to finish",
+    )
     again = cache.match(tokens, NS)
     assert again.num_tokens == 160  # ...so the next request finds everything
     assert again.num_l1_pages == match.num_pages  # what the first request loaded
     assert again.num_l3_pages == 40 - match.num_pages  # landed later, first used now
 
 
-def test_best_effort_uses_what_a_queued_prefetch_fetched(cache_factory, slow_l3):
-    url, tokens = slow_l3
+def landed_in_l2(cache, tokens) -> int:
+    cache.poll()  # apply what has finished
+    return cache.cached_prefix(tokens, NS).num_l2_pages
+
+
+@pytest.fixture
+def gated_l3(cache_factory, tmp_path, request):
+    """40 pages in a file:// L3 whose read batches (chunks of 8 pages) wait at a gate."""
+    directory = tmp_path / "l3"
+    tokens = tokens_for(6, 40)
+    seed_l3(cache_factory, f"file://{directory}?capacity=1GiB", tokens)
+    name = request.node.nodeid
+    yield f"slowfile://{directory}?capacity=1GiB&gate={name}&timeout=60s", tokens, gate(name)
+    gate(name).release(100)  # whatever still waits reads, so the cache closes
+
+
+def test_best_effort_uses_what_a_queued_prefetch_fetched(cache_factory, gated_l3):
+    url, tokens, chunks = gated_l3
     cache = reader(cache_factory, url, prefetch_policy="best_effort")
     assert cache.prefetch(tokens, NS) == 40  # the scheduler's hint, when the request queues
-    time.sleep(0.5)  # the request waits in the queue; two chunks land meanwhile
+    chunks.release(2)  # the request waits in the queue; two chunks land meanwhile
+    wait_until(lambda: landed_in_l2(cache, tokens) >= 16, "two chunks landing")
     match = cache.match(tokens, NS)
-    assert 8 <= match.num_l3_pages < 40
+    assert match.num_l3_pages == 16  # what had landed; it did not wait for the rest
     cache.release(match)
 
 
-def test_best_effort_without_a_hint_does_not_wait(cache_factory, slow_l3):
-    url, tokens = slow_l3
+def test_best_effort_without_a_hint_does_not_wait(cache_factory, gated_l3):
+    url, tokens, _ = gated_l3
     cache = reader(cache_factory, url, prefetch_policy="best_effort")
     match = within_deadline(cache.match, tokens, NS)
-    assert match.num_l3_pages == 0  # nothing had arrived: it did not wait for the 1 s read
+    assert match.num_l3_pages == 0  # nothing had arrived (every read held): it did not wait
 
 
 def test_short_l3_runs_are_not_worth_a_lookup(cache_factory, tmp_path):

@@ -207,6 +207,97 @@ def test_a_damaged_object_is_a_miss_counted_by_reason(make_url, pages, damage, r
     run(body())
 
 
+def _pieces(buffer: bytearray, sizes: list[int], gap: int = 40) -> list[memoryview]:
+    """Views of `buffer` of `sizes` bytes, `gap` bytes apart: a page scattered over a pool
+    (one piece per layer), whose gaps are other pages' bytes."""
+    view, out, at = memoryview(buffer), [], gap
+    for size in sizes:
+        out.append(view[at : at + size])
+        at += size + gap
+    return out
+
+
+PIECE_SIZES = [1000, 7, 1024, 0, 2065]  # 4096 bytes: uneven, and one piece empty
+
+
+def test_a_page_in_pieces_is_the_page_joined(make_url, pages):
+    """A page given as its pieces is stored as the one object of the page joined, and read
+    back into pieces (or whole) bitwise; the gaps between pieces are never written."""
+    keys = [pages.key(i) for i in range(3)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+
+    async def body():
+        async with open_backend(make_url(), layout=pages.LAYOUT) as store:
+            source = bytearray(b"\xee" * 3 * (PAGE_BYTES + 6 * 40))
+            width = PAGE_BYTES + 6 * 40
+            scattered = [
+                _pieces(memoryview(source)[i * width : (i + 1) * width], PIECE_SIZES)
+                for i in range(3)
+            ]
+            for piece_list, page in zip(scattered, data, strict=True):
+                _fill(piece_list, page)
+            assert await store.batch_put(keys, scattered) == [True] * 3
+            assert await store.batch_get_objects(keys[:1]) == [
+                encode_object(keys[0], pages.LAYOUT, data[0])
+            ]
+            before = store.stats().read_bytes
+            target = bytearray(b"\x11" * len(source))
+            into = [
+                _pieces(memoryview(target)[i * width : (i + 1) * width], PIECE_SIZES)
+                for i in range(3)
+            ]
+            assert await store.batch_get(keys, into) == [True] * 3
+            assert [b"".join(piece_list) for piece_list in into] == data
+            gaps = bytes(b for i, b in enumerate(target) if _in_gap(i % width))
+            assert set(gaps) == {0x11}  # only the pieces were written
+            assert store.stats().read_bytes - before == 3 * PAGE_BYTES
+
+    run(body())
+
+
+def test_a_damaged_object_read_into_pieces_is_a_counted_miss(make_url, pages, request):
+    """The pieces of a page whose object fails its check are not to be trusted: False, the
+    reason counted; its neighbour in the same batch lands whole."""
+    if request.node.callspec.params["make_url"] in VERIFIES_PUTS_ITSELF:
+        pytest.skip("the daemon refuses a damaged object on its way in")
+    key, neighbour = pages.key(5), pages.key(6)
+    payload = pages.page(key, PAGE_BYTES)
+    bad = _flip(encode_object(key, pages.LAYOUT, payload), 56 + len(pages.LAYOUT) + 2000)
+
+    async def body():
+        async with open_backend(make_url(), layout=pages.LAYOUT) as store:
+            assert await store.batch_put_objects([key], [bad], verify=False) == [True]
+            assert await store.batch_put([neighbour], [payload]) == [True]
+            target = bytearray(2 * (PAGE_BYTES + 6 * 40))
+            into = [_pieces(memoryview(target)[: len(target) // 2], PIECE_SIZES),
+                    _pieces(memoryview(target)[len(target) // 2 :], PIECE_SIZES)]  # fmt: skip
+            assert await store.batch_get([key, neighbour], into) == [False, True]
+            assert b"".join(into[1]) == payload
+            stats = store.stats()
+            assert stats.num_corrupt == {CorruptReason.CHECKSUM.value: 1}
+            assert (stats.num_hits, stats.num_misses) == (1, 1)
+
+    run(body())
+
+
+def _fill(pieces: list[memoryview], page: bytes) -> None:
+    at = 0
+    for piece in pieces:
+        piece[:] = page[at : at + len(piece)]
+        at += len(piece)
+
+
+def _in_gap(offset: int, gap: int = 40) -> bool:
+    at = 0
+    for size in PIECE_SIZES:
+        if offset < at + gap:
+            return True
+        at += gap + size
+        if offset < at:
+            return False
+    return True
+
+
 def test_put_objects_verifies_and_refuses_only_the_bad_one(make_url, pages):
     keys = [pages.key(i) for i in range(3)]
     blobs = [encode_object(k, pages.LAYOUT, pages.page(k, 512)) for k in keys]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -961,5 +962,65 @@ def test_a_large_batch_is_framed_and_written_in_parallel_packs(tmp_path, pages, 
             pool, views = pages.pool_views(24, page_bytes)
             assert await store.batch_get(keys, views) == [True] * 24
             assert bytes(pool) == b"".join(data)
+
+    run(body())
+
+
+@pytest.mark.parametrize("way", ["stretches", "page_by_page", "lz4"])
+def test_pages_in_pieces_are_read_straight_into_them_every_way(tmp_path, pages, way, monkeypatch):
+    """A page in pieces (an engine's page, one piece per layer) is read into its pieces by
+    each of the reader's ways: the C reader's stretches (200 pieces a page: a stretch stops
+    at 1024 buffers), page by page through the chunk buffer (as on NFS), and whole and
+    decoded aside (lz4). A damaged one is a miss whichever way, its reason counted."""
+    root = tmp_path / "kv"
+    num_pages, num_pieces, piece_bytes = 12, 200, 301
+    keys = [pages.key(i) for i in range(num_pages)]
+    data = [pages.page(k, num_pieces * piece_bytes) for k in keys]
+    query = ""
+    if way == "lz4":  # pages that compress: stored lz4, so never of the size read in place
+        query = "&compression=lz4"
+        data = [(pages.page(k, 600) * num_pieces)[: num_pieces * piece_bytes] for k in keys]
+    checked_in_c = []  # pages the C reader's stretches checked, per call
+    real = file_read_module.pageio
+
+    def read_stretches(work, *args):
+        got = real.read_stretches(work, *args)
+        checked_in_c.append(sum(code == 1 for code in args[2]))
+        assert all(len(buffers) // 2 * (1 + num_pieces) <= 1024 for _, _, buffers, _ in work)
+        return got
+
+    monkeypatch.setattr(
+        file_read_module, "pageio", types.SimpleNamespace(read_stretches=read_stretches)
+    )
+
+    def scattered(buffer: bytearray) -> list[list[memoryview]]:  # a gap of 3 between pieces
+        view, stride = memoryview(buffer), piece_bytes + 3
+        return [
+            [view[(p * num_pieces + j) * stride :][:piece_bytes] for j in range(num_pieces)]
+            for p in range(num_pages)
+        ]
+
+    source = bytearray(num_pages * num_pieces * (piece_bytes + 3))
+    for pieces, page in zip(scattered(source), data, strict=True):
+        for j, piece in enumerate(pieces):
+            piece[:] = page[j * piece_bytes : (j + 1) * piece_bytes]
+
+    async def body():
+        async with open_backend(
+            f"file://{root}?capacity=64MiB{query}", layout=pages.LAYOUT
+        ) as store:
+            assert await store.batch_put(keys, scattered(source)) == [True] * num_pages
+            if way == "page_by_page":
+                store._reader.nowait = False
+            target = bytearray(len(source))
+            assert await store.batch_get(keys, scattered(target)) == [True] * num_pages
+            assert target == source  # the pieces got their bytes; the gaps stayed zero
+            assert sum(checked_in_c) == (num_pages if way == "stretches" else 0)
+            bad = bytearray(encode_object(keys[4], pages.LAYOUT, data[4]))
+            bad[-7] ^= 0x01
+            assert await store.batch_put_objects(keys[4:5], [bytes(bad)], verify=False) == [True]
+            found = await store.batch_get(keys, scattered(bytearray(len(source))))
+            assert found == [i != 4 for i in range(num_pages)]
+            assert store.stats().num_corrupt == {"checksum": 1}
 
     run(body())

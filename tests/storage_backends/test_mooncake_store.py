@@ -107,10 +107,12 @@ DAMAGE = {
 }
 
 
+@pytest.mark.parametrize("lent", [False, True], ids=["staged", "direct"])
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_an_object_damaged_in_the_store_is_a_miss(mooncake_url, raw_client, pages, damage):
-    """The stored object is read back by a plain client, damaged, and written over itself."""
-    url = mooncake_url()
+def test_an_object_damaged_in_the_store_is_a_miss(mooncake_url, raw_client, pages, damage, lent):
+    """The stored object is read back by a plain client, damaged, and written over itself;
+    read through the arena, or straight into a lent pool (then checked where it landed)."""
+    url = mooncake_url(direct="4KiB")
     key = pages.key(1, damage)
     payload = pages.page(key, PAGE_BYTES)
     make_damage, reason = DAMAGE[damage]
@@ -123,8 +125,13 @@ def test_an_object_damaged_in_the_store_is_a_miss(mooncake_url, raw_client, page
             assert blob == encode_object(key, pages.LAYOUT, payload)  # the format, as stored
             assert raw_client.upsert(name, make_damage(blob)) == 0
             pool, views = pages.pool_views(1, PAGE_BYTES)
+            assert store.lend(pool) is True
+            if not lent:  # a page of another region than the lent one: staged
+                pool, views = pages.pool_views(1, PAGE_BYTES)
             assert await store.batch_get([key], views) == [False]
             assert store.stats().num_corrupt == {reason: 1}
+            if not lent or damage in ("truncated", "much_longer"):
+                assert bytes(pool) == b"\xa5" * len(pool)  # checked before it was copied
             assert await store.batch_get_objects([key]) == [None]
             assert store.stats().num_errors == 0
 
@@ -286,6 +293,175 @@ def test_a_hung_holder_costs_one_timeout_and_no_late_write(own_store, pages):
 
             await wait_until_async(answering, "reads after the holder resumed")
             assert b"".join(bytes(v) for v in views) == b"".join(data)
+
+    run(body())
+
+
+@pytest.fixture(params=[1, 4], ids=["one_chunk", "four_chunks"])
+def chunks(request, monkeypatch):
+    """Direct rounds in one transfer, or in four chunks (a page's worth each) whose
+    framing and checks overlap the transfers of their neighbours."""
+    from storage_backends import mooncake_store
+
+    if request.param > 1:
+        monkeypatch.setattr(mooncake_store, "_CHUNK_BYTES", PAGE_BYTES)
+    return request.param
+
+
+def test_puts_from_a_lent_pool_store_the_format_and_replace_what_is_there(
+    mooncake_url, raw_client, pages, chunks
+):
+    """Pages of a lent pool go to the store straight from the pool (headers from the arena):
+    the stored objects are the shared format; a page the store holds already (here a
+    damaged copy) is replaced, as every put of this backend replaces."""
+    url = mooncake_url(direct="4KiB")
+    keys = [pages.key(i, "lent-put") for i in range(4)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            pool = bytearray(b"".join(data))
+            views = [memoryview(pool)[i * PAGE_BYTES : (i + 1) * PAGE_BYTES] for i in range(4)]
+            assert store.lend(pool) is True
+            damaged = encode_object(keys[0], pages.LAYOUT, bytes(PAGE_BYTES))
+            assert raw_client.upsert(object_name(url, keys[0]), damaged) == 0
+            direct = store._put_direct
+            calls = []
+
+            async def counted(*args):
+                calls.append(len(args[0]))
+                return await direct(*args)
+
+            store._put_direct = counted
+            assert await store.batch_put(keys, views) == [True] * 4
+            assert calls == [4]
+            for key, page in zip(keys, data, strict=True):
+                blob = raw_client.get(object_name(url, key))
+                assert blob == encode_object(key, pages.LAYOUT, page)
+            assert store.quarantined(views) == [False] * 4
+            assert store.stats().num_puts == 4
+            assert store.stats().num_errors == 0
+
+    run(body())
+
+
+def test_reads_into_a_lent_pool_land_in_place_and_check_out(
+    mooncake_url, raw_client, pages, chunks
+):
+    """Pages of a lent pool come straight from the store (no arena copy), checked in place
+    (a foreign object among them is a counted miss, the others land); a page outside the
+    pool goes through the arena, with the same bytes."""
+    url = mooncake_url(direct="4KiB")
+    keys = [pages.key(i, "lent") for i in range(6)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put(keys, data) == [True] * 6
+            pool, views = pages.pool_views(6, PAGE_BYTES)
+            assert store.lend(pool) is True
+            direct = store._fetch_direct
+            calls = []
+
+            async def counted(*args):
+                calls.append(len(args[0]))
+                return await direct(*args)
+
+            store._fetch_direct = counted
+            assert await store.batch_get(keys, views) == [True] * 6
+            assert bytes(pool) == b"".join(data)
+            assert calls == [6]
+            assert store.quarantined(views) == [False] * 6
+            # Another page's object under keys[3]: the same size, so it lands, and is refused.
+            foreign = raw_client.get(object_name(url, keys[2]))
+            assert raw_client.upsert(object_name(url, keys[3]), foreign) == 0
+            pool[:] = b"\xa5" * len(pool)
+            assert await store.batch_get(keys, views) == [True] * 3 + [False] + [True] * 2
+            assert store.stats().num_corrupt == {"key": 1}
+            assert [bytes(views[i]) == data[i] for i in range(6)] == [True] * 3 + [False] + [
+                True
+            ] * 2
+            other, other_views = pages.pool_views(2, PAGE_BYTES)  # not lent: staged
+            assert await store.batch_get(keys[:2], other_views) == [True] * 2
+            assert bytes(other) == b"".join(data[:2])
+            assert calls == [6, 6]
+            assert store.stats().num_errors == 0
+        async with open_backend(mooncake_url(direct="0"), layout=pages.LAYOUT) as store:
+            assert store.lend(bytearray(PAGE_BYTES)) is False  # direct off: no use for it
+
+    run(body())
+
+
+def test_a_transfer_past_its_deadline_keeps_its_lent_pages_quarantined(own_store, pages):
+    """A holder paused mid-read into a lent pool: the call returns misses at its deadline,
+    but its pages stay quarantined while the transfer runs; a page handed in again then is
+    refused, and no page the caller got back as not quarantined is ever written."""
+    master, start_holder = own_store
+    holder = start_holder()
+    keys = [pages.key(i, "quarantine") for i in range(4)]
+    data = [pages.page(k, PAGE_BYTES) for k in keys]
+    url = f"mooncake://{master.address}?prefix=q:&buffer=4MiB&direct=4KiB"
+
+    async def body():
+        async with open_backend(url + "&timeout=30s", layout=pages.LAYOUT) as writer:
+            assert await writer.batch_put(keys, data) == [True] * 4
+        async with open_backend(url + "&timeout=1s", layout=pages.LAYOUT) as store:
+            pool, views = pages.pool_views(4, PAGE_BYTES)
+            assert store.lend(pool) is True
+            assert await store.batch_exists(keys) == 4  # (set up before the pause)
+            holder.proc.send_signal(signal.SIGSTOP)
+            try:
+                assert await store.batch_get(keys, views) == [False] * 4
+                assert store.stats().num_timeouts == 1
+                free = [not q for q in store.quarantined(views)]
+                assert free == [False] * 4  # the transfer still runs: none is the caller's
+                again = await store.batch_get(keys, views)  # the caller breaking the rule
+                assert again == [False] * 4
+                assert store.stats().num_errors == 4
+            finally:
+                holder.proc.send_signal(signal.SIGCONT)
+            await wait_until_async(
+                lambda: asyncio.sleep(0, store._pool.num_pending() == 0), "the transfer ending"
+            )
+            assert store.quarantined(views) == [False] * 4
+            for view, was_free in zip(views, free, strict=True):
+                if was_free:
+                    assert bytes(view) == b"\xa5" * PAGE_BYTES
+
+            async def answering():
+                return await store.batch_get(keys, views) == [True] * 4
+
+            await wait_until_async(answering, "reads after the holder resumed")
+            assert b"".join(bytes(v) for v in views) == b"".join(data)
+
+    run(body())
+
+
+def test_a_put_past_its_deadline_keeps_its_lent_pages_quarantined(own_store, pages):
+    """A holder paused while a lent pool's pages are put: the call fails at its deadline,
+    the pages it still reads stay quarantined until the transfer is over."""
+    master, start_holder = own_store
+    holder = start_holder()
+    keys = [pages.key(i, "put-quarantine") for i in range(4)]
+    url = f"mooncake://{master.address}?prefix=p:&buffer=4MiB&direct=4KiB&timeout=1s"
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            pool = bytearray(b"".join(pages.page(k, PAGE_BYTES) for k in keys))
+            views = [memoryview(pool)[i * PAGE_BYTES : (i + 1) * PAGE_BYTES] for i in range(4)]
+            assert store.lend(pool) is True
+            assert await store.batch_exists(keys) == 0  # (set up before the pause)
+            holder.proc.send_signal(signal.SIGSTOP)
+            try:
+                assert await store.batch_put(keys, views) == [False] * 4
+                assert store.stats().num_timeouts == 1
+                assert store.quarantined(views) == [True] * 4
+            finally:
+                holder.proc.send_signal(signal.SIGCONT)
+            await wait_until_async(
+                lambda: asyncio.sleep(0, store._pool.num_pending() == 0), "the transfer ending"
+            )
+            assert store.quarantined(views) == [False] * 4
 
     run(body())
 

@@ -7,6 +7,7 @@ without the extension runs): both must give the same answers."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import struct
@@ -500,6 +501,31 @@ def test_write_packs_writes_what_the_object_format_says(tmp_path, simd, threads)
             key = keys[16 * i : 16 * (i + 1)]
             head = headers[size * i : size * (i + 1)]
             assert pageio.check_object([head, page], key, encoded, len(page)) == 1
+
+
+@pytest.mark.parametrize("before_boundary", [0, 4, 8, 52, 56, 60, 300])
+def test_write_packs_checksums_each_write_calls_share_and_mends_headers_written(
+    tmp_path, before_boundary
+):
+    """Pages are hashed a write call's share at a time, just before the call: a page whose
+    header went out in an earlier call (its checksum field before, across or after the
+    256 KiB boundary of a call) gets its checksum written in place. Pages in pieces (a list
+    of buffers) are hashed and written from the pieces: the pack is the pages joined."""
+    rng = random.Random(before_boundary)
+    size = header_size(LAYOUT)
+    keys = [rng.randbytes(16) for _ in range(3)]
+    table_len = len(pack_table(keys, [0, 0, 0]))
+    first = (256 << 10) - before_boundary - table_len - size  # page 1's header ends there
+    joined = [rng.randbytes(first), rng.randbytes(600 << 10), rng.randbytes(5000)]
+    cuts = sorted(rng.sample(range(1, 600 << 10), 40))
+    pieces = [joined[1][a:b] for a, b in itertools.pairwise([0, *cuts, 600 << 10])]
+    pages = [joined[0], [memoryview(p) for p in pieces], [joined[2][:7], joined[2][7:]]]
+    temp, table, joined_keys, _, headers = write_work(tmp_path, keys, joined)
+    work = (temp, table, joined_keys, pages, headers)
+    encoded = layout_bytes(LAYOUT)
+    assert pageio.write_packs([work], plain_template(encoded), encoded, 1) == [0]
+    with open(temp, "rb") as f:
+        assert f.read() == packed((temp, table, joined_keys, joined, headers))
 
 
 def test_write_packs_writes_objects_framed_already_as_they_are(tmp_path):

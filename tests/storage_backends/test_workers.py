@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from storage_backends.workers import WorkerPool, share
+from storage_backends.workers import WorkerPool, overlapped, share
 
 
 def test_runs_work_and_hands_back_results_and_errors():
@@ -71,3 +71,65 @@ def test_share_does_every_task_once_with_helpers_or_alone():
     done.clear()
     share(pool, [1, 2], work, 4)
     assert sorted(done) == [1, 2]
+
+
+@pytest.mark.parametrize("num_threads", [0, 1, 3])
+def test_overlapped_moves_in_order_with_the_cpu_work_beside_it(num_threads):
+    """Chunks move in order on the calling thread; each is prepared before it moves and
+    finished after, whether a helper or the caller did that work (0: no pool at all)."""
+    pool = WorkerPool(num_threads, thread_name_prefix="test-pool") if num_threads else None
+    log: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def note(what: str, chunk: int) -> None:
+        with lock:
+            log.append((what, chunk))
+
+    def before(chunk: int) -> int:
+        note("before", chunk)
+        return chunk * 10
+
+    def move(chunk: int, prepared: int) -> int:
+        assert prepared == chunk * 10
+        note("move", chunk)
+        return chunk + 100
+
+    def after(chunk: int, moved: int) -> str:
+        assert moved == chunk + 100
+        note("after", chunk)
+        return f"done {chunk}"
+
+    out = overlapped(pool, [0, 1, 2, 3], move, before=before, after=after)
+    assert out == ["done 0", "done 1", "done 2", "done 3"]
+    assert [chunk for what, chunk in log if what == "move"] == [0, 1, 2, 3]
+    for chunk in range(4):
+        order = [what for what, c in log if c == chunk]
+        assert order == ["before", "move", "after"]
+    assert overlapped(pool, [5], move, before=before) == [105]
+    if pool is not None:
+        pool.shutdown()
+
+
+def test_overlapped_waits_for_its_helpers_when_a_move_fails():
+    """A move that raises: the error comes back only once no helper still runs (they touch
+    memory the caller is about to give back)."""
+    pool = WorkerPool(2, thread_name_prefix="test-pool")
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def after(chunk: int, moved: int) -> int:
+        started.set()
+        release.wait(10)
+        finished.set()
+        return moved
+
+    def move(chunk: int, _: object) -> int:
+        if chunk == 1:
+            assert started.wait(10)  # chunk 0's check is running on the helper
+            release.set()
+            raise OSError("the store went away")
+        return chunk
+
+    with pytest.raises(OSError, match="went away"):
+        overlapped(pool, [0, 1, 2], move, after=after)
+    assert finished.is_set()
+    pool.shutdown()

@@ -63,6 +63,10 @@ class Faults:
     wait_times_out: float = 0.3  # a bounded wait returns before the op is done
     finish_on_poll: float = 0.5  # each poll finishes a random share of the ops in flight
     progress_on_poll: float = 0.5  # each poll moves a prefetch in flight on, part way
+    # A cut prefetch's undelivered pages stay under a transfer that outlived its call (a
+    # lent L2 pool): garbage lands in them on later polls, until the executor says they
+    # are free again (`quarantined_host_pages`).
+    late_write: float = 0.0
 
     @classmethod
     def hostile(cls) -> Faults:
@@ -72,6 +76,7 @@ class Faults:
             partial_write=0.3,
             prefetch_cut=0.2,
             exists_fails=0.05,
+            late_write=0.5,
         )
 
 
@@ -160,6 +165,7 @@ class HostileExecutor(Executor):
         self.num_submitted = 0
         self.num_faults: dict[str, int] = {}
         self.ack_pages: int | None = None  # scripted: every write acknowledges this many
+        self.late: dict[int, int] = {}  # host page -> polls a late transfer still writes it
 
     # ------------------------------------------------------------------ faults
 
@@ -180,10 +186,20 @@ class HostileExecutor(Executor):
             raise AssertionError(f"{op.kind.value} submitted with no L3 attached")
         if self._chance(self.faults.submit_raises, "submit_raises"):
             raise SubmitFault(f"hostile submit of a {op.kind.value} op")
+        if isinstance(op, (BackupOp, PrefetchOp)):
+            reused = sorted(set(op.host_page_ids) & self.late.keys())
+            if reused:  # its bytes would be overwritten by the late transfer: wrong KV
+                raise AssertionError(f"L2 pages {reused} reused while a late transfer writes them")
         self.num_submitted += 1
         self._inflight.append(op)
 
     def poll(self) -> list[TransferOp]:
+        for host_id, polls in list(self.late.items()):  # a late transfer writes on, then ends
+            self.host[host_id] = garbage(self.num_layers, self.rng)
+            if polls <= 1:
+                del self.late[host_id]
+            else:
+                self.late[host_id] = polls - 1
         for op in list(self._inflight):
             if self.rng.random() < self.faults.finish_on_poll:
                 self.finish(op)
@@ -249,6 +265,9 @@ class HostileExecutor(Executor):
     @property
     def num_host_pages(self) -> int:
         return len(self.host)
+
+    def quarantined_host_pages(self, host_page_ids: list[int]) -> list[bool]:
+        return [host_id in self.late for host_id in host_page_ids]
 
     def close(self) -> None:
         if self._inflight:
@@ -320,9 +339,13 @@ class HostileExecutor(Executor):
             self._scribble_past(op)
 
     def _scribble_past(self, op: PrefetchOp) -> None:
-        """Pages a prefetch did not deliver may hold anything."""
+        """Pages a prefetch did not deliver may hold anything, and may go on changing for a
+        while after the op is done (`late_write`)."""
+        late = self._chance(self.faults.late_write, "late_write")
         for host_id in op.host_page_ids[op.num_ready :]:
             self.host[host_id] = garbage(self.num_layers, self.rng)
+            if late:
+                self.late[host_id] = self.rng.randint(1, 40)
 
 
 # ---------------------------------------------------------------------- a cache over it

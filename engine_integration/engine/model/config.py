@@ -19,6 +19,7 @@ No torch here: the demo's argument parser imports this module.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +228,36 @@ def tiny_model_config(seed: int = 0) -> ModelConfig:
         window_tokens=128,
         model_id=f"hicache-tiny-v1-seed{seed}",
     )
+
+
+def model_config_to_json(config: ModelConfig) -> str:
+    """`config` as a JSON object of its fields (`model_config_from_json` reads it back)."""
+    return json.dumps(dataclasses.asdict(config), indent=1)
+
+
+def model_config_from_json(text: str) -> ModelConfig:
+    """A ModelConfig from a JSON object of its fields (`hicache engine serve --model-config`:
+    a synthetic model, random weights). Raises ValueError naming what is wrong: not JSON, an
+    unknown field (never ignored: it would change the model), a value out of range."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(fields, dict):
+        raise ValueError("expected a JSON object of ModelConfig's fields")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig field(s) {', '.join(unknown)}")
+    fields = dict(fields)
+    if isinstance(fields.get("rope_scaling"), dict):
+        fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
+    if isinstance(fields.get("windowed_layers"), list):
+        fields["windowed_layers"] = tuple(fields["windowed_layers"])
+    try:
+        return ModelConfig(**fields)
+    except TypeError as error:  # a required field missing, a bad rope_scaling field
+        raise ValueError(str(error)) from None
 
 
 @dataclass(frozen=True)

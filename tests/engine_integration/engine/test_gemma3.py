@@ -110,7 +110,12 @@ class Reference:
 def _policy():
     from hicache.config import PolicyConfig
 
-    return PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+    return PolicyConfig(  # every tier served whatever the rates: deterministic tiers
+        write_policy="write_through",
+        prefetch_policy="wait_complete",
+        l3_fetch_policy="always",
+        l2_load_policy="always",
+    )
 
 
 def _scenarios(model, first, second, third, tmp_path, params):

@@ -102,7 +102,12 @@ def _scenarios(model, first: list[int], second: list[int], tmp_path):
 def _policy():
     from hicache.config import PolicyConfig
 
-    return PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+    return PolicyConfig(  # every tier served whatever the rates: deterministic tiers
+        write_policy="write_through",
+        prefetch_policy="wait_complete",
+        l3_fetch_policy="always",
+        l2_load_policy="always",
+    )
 
 
 def _check(reference: Reference, outputs, first, second):

@@ -15,6 +15,7 @@ import ast
 import importlib
 import importlib.util
 import json
+import os
 import signal
 import sys
 import threading
@@ -30,12 +31,22 @@ import torch
 pytest.importorskip("sglang", reason="install tests/engine_integration/requirements-sglang.txt")
 pytest.importorskip("torchvision", reason="pip install --no-deps torchvision==0.28.0 (.ci/run)")
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheStorageConfig,
+    PoolName,
+    PoolTransfer,
+)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 
 from engine_integration.sglang.storage import HiCacheSGLangStorage  # noqa: E402
-from storage_backends import BackendConfigError, BackendUnavailableError  # noqa: E402
+from storage_backends import (  # noqa: E402
+    BackendConfigError,
+    BackendUnavailableError,
+    file_read,
+)
+from storage_backends.file_pack import read_table  # noqa: E402
+from storage_backends.file_space import page_path  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
 from tests.support.deadline import WITHIN_S, within_deadline  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
@@ -536,31 +547,82 @@ def test_bench_sglang_storage_smoke(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []  # it removes what it wrote
 
 
+def kv_transfer(keys: list[str], *pages: int) -> list[PoolTransfer]:
+    """The v2 call SGLang's cache controller makes for the KV pool."""
+    return [PoolTransfer(name=PoolName.KV, host_indices=indices(*pages), keys=keys)]
+
+
 @pytest.mark.parametrize("attention", ["mha", "mla"])
-def test_a_gathered_page_loads_whole_or_not_at_all(file_url, attention):
-    """layer_first pages (one part per layer) are one object each, through a staging copy:
-    a damaged one leaves its target page untouched, and its neighbours land bitwise."""
+def test_layer_first_pages_move_straight_between_their_layers_and_l3(
+    file_url, attention, monkeypatch
+):
+    """A layer_first page (a part per layer: K and V of each for MHA) is one object, written
+    from the pool's own parts and read straight back into them (the storage API's page in
+    pieces, no staging copy), bitwise, through the v2 calls SGLang makes; the object is the
+    flat page's."""
+    url = file_url()
+    writer_pool = host_pool(attention, "layer_first", seed=31)
+    writer = attach(url, writer_pool, mla=attention == "mla")
+    geometry = writer._attached.geometry
+    assert geometry.gathered and geometry.num_objects == 1
+    assert geometry.num_parts == (6 if attention == "mha" else 3)  # 3 layers
+    keys = keys_of(0, 1, 2)
+    assert writer.batch_set_v2(kv_transfer(keys, 0, 1, 2)) == {PoolName.KV: [True] * 3}
+    expected = [page_bits(writer_pool, p) for p in (0, 1, 2)]
+    writer.close()
+
+    handed = []  # how the file reader got each page: its pieces
+    real_into = file_read.BatchRead.into
+
+    def into(self, views, guard):
+        handed.extend(len(view) if isinstance(view, list) else 1 for view in views)
+        return real_into(self, views, guard)
+
+    monkeypatch.setattr(file_read.BatchRead, "into", into)
+    reader_pool = host_pool(attention, "layer_first", seed=32)
+    reader_pool.kv_buffer.zero_()
+    reader = attach(url, reader_pool, mla=attention == "mla")
+    assert reader.batch_get_v2(kv_transfer(keys, 6, 4, 5)) == {PoolName.KV: [True] * 3}
+    assert handed == [geometry.num_parts] * 3
+    for page, bits in zip((6, 4, 5), expected, strict=True):
+        assert torch.equal(page_bits(reader_pool, page), bits)
+    assert not page_bits(reader_pool, 7).any()  # nothing else written
+    flat = reader.batch_get(keys[:1], [reader_pool.get_dummy_flat_data_page()])[0]
+    assert torch.equal(flat.view(torch.int16), expected[0])  # the object is the flat page
+    reader.close()
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_a_layer_first_page_damaged_on_disk_is_a_counted_miss(file_url, attention):
+    """One byte flipped in the file of a layer_first page: read straight into the pool's
+    parts, it fails its check, so SGLang is told False for it (and frees that host page);
+    the corrupt counter rises; its neighbours land bitwise."""
     url = file_url()
     writer_pool = host_pool(attention, "layer_first", seed=21)
     writer = attach(url, writer_pool, mla=attention == "mla")
-    assert writer._attached.geometry.gathered and writer._attached.geometry.num_objects == 1
     keys = keys_of(0, 1, 2)
-    assert writer.batch_set_v1(keys, indices(0, 1, 2)) == [True] * 3
+    assert writer.batch_set_v2(kv_transfer(keys, 0, 1, 2)) == {PoolName.KV: [True] * 3}
     expected = [page_bits(writer_pool, p) for p in (0, 1, 2)]
-    store = writer._attached.store
-    target = writer._attached.object_keys(keys[1:2])
-    damaged = bytearray(store.batch_get_objects(target, verify=False)[0])
-    damaged[-5] ^= 0x20
-    assert store.batch_put_objects(target, [bytes(damaged)], verify=False) == [True]
+    root = writer._attached.store.backend.root
+    target = writer._attached.object_keys(keys[1:2])[0]
     writer.close()
+    path = page_path(root, target)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        table = read_table(fd, os.fstat(fd), path)
+        offset, length = table.entries[target]
+        at = offset + length - 5  # a byte of the last layer's part
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x20]), at)
+    finally:
+        os.close(fd)
 
     reader_pool = host_pool(attention, "layer_first", seed=22)
-    before = page_bits(reader_pool, 6)
     reader = attach(url, reader_pool, mla=attention == "mla")
-    assert reader.batch_get_v1(keys, indices(5, 6, 7)) == [True, False, True]
-    assert torch.equal(page_bits(reader_pool, 6), before)
+    assert reader.batch_get_v2(kv_transfer(keys, 5, 6, 7)) == {PoolName.KV: [True, False, True]}
     assert torch.equal(page_bits(reader_pool, 5), expected[0])
     assert torch.equal(page_bits(reader_pool, 7), expected[2])
-    flat = reader.batch_get(keys[:1], [reader_pool.get_dummy_flat_data_page()])[0]
-    assert torch.equal(flat.view(torch.int16), expected[0])  # the flat page is the object
+    stats = reader.backend_stats()
+    assert stats.num_corrupt == {"checksum": 1} and stats.num_hits == 2
+    assert reader.batch_get_v1(keys[1:2], indices(6)) == [False]  # and again, every time
+    assert reader.backend_stats().num_corrupt == {"checksum": 2}
     reader.close()

@@ -29,6 +29,7 @@ from storage_backends.file_pack import read_table
 from storage_backends.pieces import decode_get_response
 from storage_backends.proto import kvstore_pb2 as pb
 from storage_backends.protocol import method_path
+from tests.support.deadline import wait_until
 from tests.support.servers import RedisProcess, free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,13 +68,30 @@ def _server_stats(url: str) -> pb.StatsResponse:
     return asyncio.run(body())
 
 
+def _spill_written(url: str) -> bool:
+    """Every evicted page has reached the spill (none is still being written)."""
+    return all(ns.spilling_bytes == 0 for ns in _server_stats(url).namespaces)
+
+
+def _threads_opening_fifos(pid: int) -> int:
+    """The daemon's threads blocked opening a FIFO for reading (the kernel waits for a
+    writer in wait_for_partner): what a read from a hung mount looks like."""
+    count = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            count += (task / "wchan").read_text().strip() == "wait_for_partner"
+        except OSError:  # the thread ended
+            pass
+    return count
+
+
 def test_evicted_pages_are_spilled_and_read_back(start_daemon, tmp_path):
     daemon = start_daemon("--capacity", "2MiB", "--spill-dir", str(tmp_path / "spill"))
     url = f"grpc://{daemon.address}?namespace=default"
     keys = [key_of("evict", i) for i in range(24)]
     pages = [os.urandom(256 << 10) for _ in keys]  # 6 MiB through 2 MiB of memory
     assert _put(url, keys, pages) == [True] * 24
-    time.sleep(0.2)  # spill writes of the last evictions complete after the ack
+    wait_until(lambda: _spill_written(url), "the last evictions' spill writes (after the ack)")
     (ns,) = _server_stats(url).namespaces
     assert ns.num_evictions >= 16 and ns.spill_objects >= 16
     assert ns.stored_bytes <= 2 << 20
@@ -221,7 +239,7 @@ def test_evict_mode_keeps_pages_whose_spill_write_outlived_the_evicting_call(
                     await store.batch_put(batch_keys, [os.urandom(64 << 10) for _ in batch_keys])
 
     asyncio.run(hasty_puts())
-    time.sleep(0.5)  # writes of evictions that outlived their call land
+    wait_until(lambda: _spill_written(url), "the evictions' writes that outlived their call")
     served = _read_back(url, keys, [len(p) for p in pages])
     lost = [i for i, (got, want) in enumerate(zip(served, pages, strict=True)) if got != want]
     assert not lost, f"{len(lost)} of 60 acknowledged pages lost: {lost[:10]}"
@@ -261,7 +279,7 @@ def test_sigterm_is_honoured_within_its_bounds_while_spill_reads_hang(
     spilled = [key_of("to-hang", i) for i in range(num_hung)]
     filler = [key_of("filler", i) for i in range(12)]
     assert _put(url, spilled + filler, [os.urandom(256 << 10) for _ in spilled + filler])
-    time.sleep(0.3)
+    wait_until(lambda: _spill_written(url), "the evicted pages in the spill")
     _hang_spill_reads(spill, spilled)
     keys = [key_of("in-memory", i) for i in range(8)]  # acknowledged, only in memory
     pages = [page_of(k) for k in keys]
@@ -277,7 +295,10 @@ def test_sigterm_is_honoured_within_its_bounds_while_spill_reads_hang(
     try:
         for thread in threads:
             thread.start()
-        time.sleep(1.0)  # the reads reach the FIFOs
+        wait_until(
+            lambda: _threads_opening_fifos(daemon.proc.pid) >= min(num_hung, 4),
+            "the reads to reach the FIFOs",
+        )
         status = daemon.stop(timeout_s=60)  # past it, a SIGKILL: status -9
     finally:
         for reader in readers:

@@ -1,0 +1,521 @@
+"""Serving under load: a trace replayed open loop against `hicache route` over N `hicache
+engine serve` replicas, once per cache configuration, on the same trace and machine.
+
+Configurations (`CONFIGS`), each with fresh replicas, router and L3, and the cache's
+load-or-recompute choice on (the default `l3_fetch_policy`):
+
+    off             no cache at all (`--no-cache`): every prompt computed whole; the baseline
+    l1              L1 only
+    l1l2            L1 and an L2 host pool per replica
+    l1l2l3-file     ... and a file:// L3 directory the replicas share
+    l1l2l3-daemon   ... and a `hicache serve` daemon the replicas share (grpc://)
+
+The trace (`--trace`): a Mooncake JSONL file or the bundled `mooncake`, whose `hash_ids`
+become prompts of `--block-tokens` deterministic token ids per id (`block_tokens`), so
+equal ids are equal tokens and shared prefixes are real shared tokens; or the simulator's
+conversation generator (`conversations:sessions=8,...`), whose token streams are used as
+they are (modulo the vocabulary). A block is `--block-tokens` tokens here, not 512: the
+simulator plays the same sharing at a page size of `page_size * 512 / block_tokens` (the
+last, cut blocks' pages rounded alike). Requests are sent at the trace's arrival times divided by
+`--rate-scale` (2: twice the request rate), whatever is still in flight (open loop), each
+streamed on its own connection, `max_tokens` = the trace's output length (at most
+`--max-output-tokens`), EOS ignored, greedy.
+
+Per request, at the client: TTFT (send to the first token's chunk), time per output token
+(first to last token over the tokens between), and from the replica's last chunk (its
+`hicache` object) the prompt tokens served from L1, L2, L3 and computed. Per configuration:
+output throughput, TTFT p50/p90/p99, TPOT p50, goodput (requests per second whose TTFT met
+`--ttft-target-ms`), and each TTFT percentile's ratio to `off`'s (the baseline).
+
+Prints a table and one JSON line per configuration (also appended to `--json-out`); its
+keys are an interface (`benchmarks/bench_planner.py` compares them with the simulator's
+predictions): config, model, replicas, routing, trace, rate_scale, requests, l1_pages,
+l2_pages, l3_url, page_size, block_tokens, hit_tokens {l1, l2, l3, computed}, ttft_ms
+{p50, p90, p99}, tpot_ms {p50}, throughput_tok_s, goodput, ttft_target_ms, ...
+
+    python benchmarks/bench_serving.py --requests 40 --block-tokens 16 --page-size 16 \\
+        --max-output-tokens 16                                # the tiny model on the CPU
+    python benchmarks/bench_serving.py --model PATH --device cuda --requests 400 \\
+        --rate-scale 2 --configs off,l1,l1l2,l1l2l3-file      # a real model on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import device_name, emit  # noqa: E402
+from hicache.routing import POLICIES  # noqa: E402
+from hicache.simulate.trace import Request as TraceRequest  # noqa: E402
+from hicache.simulate.trace import Trace, load_trace  # noqa: E402
+
+CONFIGS = ("off", "l1", "l1l2", "l1l2l3-file", "l1l2l3-daemon")
+BASELINE = "off"
+MOONCAKE_BLOCK = 512  # tokens per hash id in a Mooncake trace
+PROMPT_SEED = 20261205  # the token ids of every block id (same ids, same tokens, any run)
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def block_tokens_of(block_id: int, block_tokens: int, vocab_size: int) -> np.ndarray:
+    """The `block_tokens` token ids of Mooncake block `block_id`: a function of the id
+    alone (seeded by it), so equal ids give equal tokens in every request and run."""
+    rng = np.random.default_rng([PROMPT_SEED, block_id])
+    return rng.integers(0, vocab_size, size=block_tokens, dtype=np.int64)
+
+
+def prompt_length(request: TraceRequest, block_tokens: int) -> int:
+    """A Mooncake request's prompt length at `block_tokens` tokens per block: its full
+    blocks whole, its last block cut in the trace's proportion (at least one token)."""
+    num_blocks = len(request.block_ids)
+    last = request.input_length - MOONCAKE_BLOCK * (num_blocks - 1)
+    return (num_blocks - 1) * block_tokens + max(1, -(-last * block_tokens // MOONCAKE_BLOCK))
+
+
+def prompt_ids(request: TraceRequest, block_tokens: int, vocab_size: int) -> list[int]:
+    """The token ids a trace request is sent as (see the module docstring)."""
+    if request.block_ids is None:  # generated: the session's stream, in the vocabulary
+        stream = request.stream[: request.input_length].astype(np.int64)
+        return (stream % vocab_size).tolist()
+    blocks = [block_tokens_of(int(h), block_tokens, vocab_size) for h in request.block_ids]
+    return np.concatenate(blocks)[: prompt_length(request, block_tokens)].tolist()
+
+
+# ---------------------------------------------------------------------------- the client
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it (times in seconds from the run's start)."""
+
+    index: int
+    prompt_tokens: int
+    sent_s: float = 0.0
+    late_s: float = 0.0  # sent this long after its arrival time (the client's own lag)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    done_s: float | None = None
+    output_tokens: int = 0
+    hit_tokens: dict = field(default_factory=dict)
+    computed_tokens: int = 0
+    replayed_tokens: int = 0
+    replica: str | None = None
+    error: str | None = None
+
+
+async def send_one(session, url: str, index: int, ids: list[int], max_tokens: int,
+                   arrival_s: float, start: float) -> Outcome:  # fmt: skip
+    """Wait for the request's arrival time, send it streamed, read it to the end."""
+    await asyncio.sleep(max(0.0, start + arrival_s - time.perf_counter()))
+    outcome = Outcome(index, len(ids))
+    sent = time.perf_counter()
+    outcome.sent_s, outcome.late_s = sent - start, max(0.0, sent - start - arrival_s)
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    first = last = None
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as reply:
+            if reply.status != 200:
+                outcome.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
+                return outcome
+            async for raw in reply.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    outcome.error = event["error"]["message"]
+                    return outcome
+                if event.get("hicache", {}).get("token_ids"):
+                    last = time.perf_counter()
+                    first = first or last
+                if "usage" in event:
+                    _take_final(outcome, event)
+    except (OSError, asyncio.TimeoutError) as error:  # aiohttp's ClientError is an OSError
+        outcome.error = f"{type(error).__name__}: {error}"
+        return outcome
+    if first is None or outcome.replica is None:
+        outcome.error = outcome.error or "the stream ended without tokens or final stats"
+        return outcome
+    outcome.ttft_s, outcome.done_s = first - sent, last - start
+    if outcome.output_tokens > 1:
+        outcome.tpot_s = (last - first) / (outcome.output_tokens - 1)
+    return outcome
+
+
+def _take_final(outcome: Outcome, event: dict) -> None:
+    stats = event["hicache"]
+    outcome.output_tokens = int(event["usage"]["completion_tokens"])
+    outcome.hit_tokens = {
+        tier: int(stats["hit_tokens"].get(tier, 0)) for tier in ("l1", "l2", "l3")
+    }
+    outcome.computed_tokens = int(stats["computed_tokens"])
+    outcome.replayed_tokens = int(stats.get("replayed_tokens", 0))
+    outcome.replica = stats["replica"]
+
+
+async def replay(url: str, work: list[tuple[float, list[int], int]]) -> list[Outcome]:
+    """Every (arrival_s, prompt ids, max_tokens) of `work`, open loop."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter() + 0.05
+        tasks = [
+            send_one(session, url, i, ids, max_tokens, arrival_s, start)
+            for i, (arrival_s, ids, max_tokens) in enumerate(work)
+        ]
+        return list(await asyncio.gather(*tasks))
+
+
+# ---------------------------------------------------------------------------- summaries
+
+
+def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
+    if not values:
+        return {f"p{p}": None for p in points}
+    return {f"p{p}": round(float(np.percentile(values, p)) * 1000, 2) for p in points}
+
+
+def summarize(outcomes: list[Outcome], ttft_target_ms: float) -> dict:
+    """The per-run figures of one configuration (see the module docstring)."""
+    done = [o for o in outcomes if o.error is None]
+    ttfts = [o.ttft_s for o in done]
+    hit = {tier: sum(o.hit_tokens[tier] for o in done) for tier in ("l1", "l2", "l3")}
+    hit["computed"] = sum(o.computed_tokens for o in done)
+    output_tokens = sum(o.output_tokens for o in done)
+    first_s = min((o.sent_s for o in done), default=0.0)
+    span_s = max((o.done_s for o in done), default=0.0) - first_s
+    met = sum(1 for t in ttfts if t * 1000 <= ttft_target_ms)
+    return {
+        "requests": len(outcomes),
+        "answered": len(done),
+        "failed": len(outcomes) - len(done),
+        "errors": sorted({o.error for o in outcomes if o.error})[:3],
+        "prompt_tokens": sum(o.prompt_tokens for o in done),
+        "output_tokens": output_tokens,
+        "hit_tokens": hit,
+        "replayed_tokens": sum(o.replayed_tokens for o in done),
+        "ttft_ms": percentiles(ttfts),
+        "tpot_ms": percentiles([o.tpot_s for o in done if o.tpot_s is not None], (50, 90)),
+        "duration_s": round(span_s, 3),
+        "throughput_tok_s": round(output_tokens / span_s, 2) if span_s > 0 else None,
+        "total_tok_s": round((output_tokens + sum(o.prompt_tokens for o in done)) / span_s, 2)
+        if span_s > 0
+        else None,
+        "goodput": round(met / span_s, 3) if span_s > 0 else None,
+        "goodput_share": round(met / len(outcomes), 4) if outcomes else None,
+        "max_send_lag_ms": round(1000 * max((o.late_s for o in outcomes), default=0.0), 2),
+        "per_replica": _per_replica(done),
+    }
+
+
+def _per_replica(done: list[Outcome]) -> dict:
+    counts: dict[str, int] = {}
+    for outcome in done:
+        counts[outcome.replica] = counts.get(outcome.replica, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+# ---------------------------------------------------------------------------- the deployment
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every configuration of one run shares (from the command line)."""
+
+    model_flags: tuple[str, ...]  # `model_flags`
+    device: str
+    dtype: str | None
+    replicas: int
+    routing: str
+    page_size: int
+    max_running: int
+    l1_pages: int
+    l2_pages: int
+    l3_capacity: str
+    threads: int
+    seed: int
+
+
+def replica_flags(setup: Setup, config: str, l3_url: str | None) -> list[str]:
+    flags = [
+        "--page-size", str(setup.page_size), "--max-running", str(setup.max_running),
+        "--l1-pages", str(setup.l1_pages), "--device", setup.device, "--seed", str(setup.seed),
+        "--threads", str(setup.threads),
+    ]  # fmt: skip
+    flags += list(setup.model_flags)
+    if setup.dtype:
+        flags += ["--dtype", setup.dtype]
+    if config == "off":
+        return flags + ["--no-cache"]
+    # Every cached page is announced to the router (prefix routing reads these).
+    flags += ["--events-endpoint", "tcp://127.0.0.1:0", "--events-replay-endpoint",
+              "tcp://127.0.0.1:0"]  # fmt: skip
+    if config != "l1":
+        flags += ["--l2-pages", str(setup.l2_pages)]
+    if l3_url:
+        flags += ["--l3-url", l3_url]
+    return flags
+
+
+class Deployment:
+    """One configuration's processes: its L3 (a directory or a daemon), N replicas, the
+    router; `stop()` ends all of them (and removes the directory)."""
+
+    def __init__(self, setup: Setup, config: str) -> None:
+        from tests.support.replicas import HttpProcess
+
+        self.setup, self.config = setup, config
+        self.daemon = self.tmp = None
+        self.l3_url: str | None = None
+        self.processes: list = []
+        self.router = None
+        try:
+            if config == "l1l2l3-file":
+                self.tmp = tempfile.TemporaryDirectory(prefix="hicache-bench-serving-")
+                self.l3_url = f"file://{self.tmp.name}/l3?capacity={setup.l3_capacity}"
+            elif config == "l1l2l3-daemon":
+                from tests.support.daemon import DaemonProcess
+
+                self.daemon = DaemonProcess("--capacity", setup.l3_capacity).start(timeout_s=60)
+                self.l3_url = f"grpc://{self.daemon.address}"
+            flags = replica_flags(setup, config, self.l3_url)
+            self.processes = [
+                HttpProcess("engine", "serve", "--port", "0", "--name", f"r{i}", *flags)
+                for i in range(setup.replicas)
+            ]
+            with concurrent.futures.ThreadPoolExecutor(len(self.processes)) as pool:
+                list(pool.map(lambda p: p.start(timeout_s=900), self.processes))
+            replica_args = [f for p in self.processes for f in ("--replica", p.url)]
+            self.router = HttpProcess("route", "--port", "0", "--policy", setup.routing,
+                                      *replica_args).start(timeout_s=120)  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+
+    def info(self) -> dict:
+        from tests.support.replicas import get_json
+
+        return get_json(f"{self.processes[0].url}/hicache/info")
+
+    def stop(self) -> None:
+        for process in ([self.router] if self.router else []) + self.processes:
+            process.stop()
+        if self.daemon is not None:
+            self.daemon.stop()
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+def model_flags(name: str | None, workdir: Path) -> list[str]:
+    """`hicache engine serve`'s flags for `--model`: none (the tiny model), a packaged
+    checkpoint (`smollm2`, `gemma3`) or a checkpoint's path, which the replica takes as they
+    are, or a synthetic model of bench_engine's (`1b`, `8b`, `tiny-full`: its config written
+    to `workdir`, random weights)."""
+    if name is None or name == "tiny":
+        return []
+    if name in ("smollm2", "gemma3") or Path(name).exists():
+        return ["--model", name]
+    from benchmarks.bench_engine import MODELS
+    from engine_integration.engine.model.config import model_config_to_json
+
+    if name not in MODELS:
+        raise SystemExit(f"bench_serving: --model {name}: no such file, and not one of "
+                         f"smollm2, gemma3, {', '.join(sorted(MODELS))}")  # fmt: skip
+    path = workdir / f"{name}.json"
+    path.write_text(model_config_to_json(MODELS[name]))
+    return ["--model-config", str(path)]
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--model", default=None, help="smollm2, gemma3 (their packages), a .gguf file or HF "
+      "directory, or a synthetic model of bench_engine's: 1b, 8b, tiny-full (default: the "
+      "tiny model)")  # fmt: skip
+    a("--device", default="cpu", help="'cpu' or 'cuda[:N]' (default: %(default)s)")
+    a("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    a("--replicas", type=int, default=2)
+    a("--routing", default="prefix", choices=POLICIES)
+    a("--trace", default="mooncake", help="a Mooncake JSONL file, 'mooncake' (bundled), or "
+      "'conversations[:k=v,...]' (default: %(default)s)")  # fmt: skip
+    a("--requests", type=int, default=None, help="the trace's first N requests (default: all)")
+    a("--rate-scale", type=float, default=1.0, help="arrival rate x this (default: %(default)s)")
+    a("--block-tokens", type=int, default=MOONCAKE_BLOCK,
+      help="prompt tokens per Mooncake hash id (default: %(default)s; less on a CPU)")  # fmt: skip
+    a("--max-output-tokens", type=int, default=None, help="cap on each request's output")
+    a("--page-size", type=int, default=64)
+    a("--max-running", type=int, default=8, help="requests each replica's engine runs at once")
+    a("--l1-pages", type=int, default=512, help="each replica's L1 (and `off`'s KV) pages")
+    a("--l2-pages", type=int, default=2048, help="each replica's L2 pages (l1l2*)")
+    a("--l3-capacity", default="4GiB", help="the shared L3's capacity (l1l2l3-*)")
+    a("--threads", type=int, default=0, help="torch CPU threads per replica (0: default)")
+    a("--seed", type=int, default=0, help="the tiny model's weights")
+    a("--ttft-target-ms", type=float, default=1000.0, help="goodput's TTFT target")
+    a("--configs", default=",".join(CONFIGS), help=f"some of {','.join(CONFIGS)}")
+    a("--json-out", default=None, help="also write the JSON lines to this file")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    checks = [
+        (not unknown, f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}"),
+        (args.configs, "--configs: give at least one"),
+        (args.replicas >= 1, "--replicas must be >= 1"),
+        (args.rate_scale > 0, "--rate-scale must be > 0"),
+        (args.block_tokens >= 1, "--block-tokens must be >= 1"),
+        (args.requests is None or args.requests >= 1, "--requests must be >= 1"),
+        (args.max_output_tokens is None or args.max_output_tokens >= 1,
+         "--max-output-tokens must be >= 1"),
+        (args.ttft_target_ms > 0, "--ttft-target-ms must be > 0"),
+    ]  # fmt: skip
+    for ok, message in checks:
+        if not ok:
+            p.error(message)
+    return args
+
+
+def build_work(trace: Trace, args, vocab_size: int) -> list[tuple[float, list[int], int]]:
+    """(arrival_s, prompt ids, max_tokens) per request, arrivals from 0 at the scaled rate."""
+    t0 = trace.requests[0].arrival_s
+    work = []
+    for request in trace.requests:
+        ids = prompt_ids(request, args.block_tokens, vocab_size)
+        max_tokens = max(1, request.output_length)
+        if args.max_output_tokens:
+            max_tokens = min(max_tokens, args.max_output_tokens)
+        work.append(((request.arrival_s - t0) / args.rate_scale, ids, max_tokens))
+    longest = max(len(ids) + n for _, ids, n in work)
+    if longest > args.l1_pages * args.page_size:
+        raise SystemExit(
+            f"bench_serving: error: --l1-pages {args.l1_pages} x --page-size {args.page_size} "
+            f"holds {args.l1_pages * args.page_size} tokens, the longest request needs "
+            f"{longest}: raise --l1-pages, or cut --block-tokens / --max-output-tokens"
+        )
+    return work
+
+
+def run_config(setup: Setup, config: str, trace: Trace, args, work_cache: dict) -> dict:
+    deployment = Deployment(setup, config)
+    try:
+        info = deployment.info()
+        vocab = int(info["vocab_size"])
+        if vocab not in work_cache:
+            work_cache[vocab] = build_work(trace, args, vocab)
+        outcomes = asyncio.run(replay(deployment.router.url, work_cache[vocab]))
+        result = summarize(outcomes, args.ttft_target_ms)
+        l3_url = deployment.l3_url
+    finally:
+        deployment.stop()
+    cache_on = config != "off"
+    return {
+        "bench": "serving",
+        "config": config,
+        "model": args.model or "tiny",
+        "model_id": info["model"],
+        "device": device_name("cpu") if args.device == "cpu" else args.device,
+        "dtype": info.get("dtype"),
+        "replicas": args.replicas,
+        "routing": args.routing,
+        "trace": trace.name,
+        "block_tokens": args.block_tokens,
+        "rate_scale": args.rate_scale,
+        "max_output_tokens": args.max_output_tokens,
+        "max_running": args.max_running,
+        "l1_pages": args.l1_pages,
+        "l2_pages": args.l2_pages if cache_on and config != "l1" else 0,
+        "l3_url": l3_url,
+        "l3_capacity": args.l3_capacity if l3_url else None,
+        "page_size": args.page_size,
+        "ttft_target_ms": args.ttft_target_ms,
+        **result,
+    }
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each row's TTFT speed-up over the baseline's (`off`: its p50 / this p50, > 1 faster)."""
+    base = next((r for r in rows if r["config"] == BASELINE), None)
+    for row in rows:
+        row["ttft_speedup_vs_off"] = None
+        if base is None:
+            continue
+        row["ttft_speedup_vs_off"] = {
+            p: round(base["ttft_ms"][p] / row["ttft_ms"][p], 3)
+            if base["ttft_ms"][p] and row["ttft_ms"][p]
+            else None
+            for p in ("p50", "p90", "p99")
+        }
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'config':<14} {'done':>5} {'hit L1/L2/L3 %':>16} {'TTFT p50':>9} {'p90':>9} "
+          f"{'p99':>9} {'vs off':>7} {'TPOT p50':>9} {'out tok/s':>10} {'goodput':>8}")  # fmt: skip
+    for row in rows:
+        prompt = max(1, row["prompt_tokens"])
+        hit = row["hit_tokens"]
+        tiers = "/".join(f"{100 * hit[t] / prompt:.0f}" for t in ("l1", "l2", "l3"))
+        ttft, tpot = row["ttft_ms"], row["tpot_ms"]
+        speedup = (row.get("ttft_speedup_vs_off") or {}).get("p50")
+        print(
+            f"{row['config']:<14} {row['answered']:>5} {tiers:>16} {_ms(ttft['p50']):>9} "
+            f"{_ms(ttft['p90']):>9} {_ms(ttft['p99']):>9} "
+            f"{(f'{speedup:.2f}x' if speedup else '-'):>7} {_ms(tpot['p50']):>9} "
+            f"{row['throughput_tok_s'] or 0:>10.1f} {row['goodput'] or 0:>8.2f}"
+        )
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.1f}ms"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    trace = load_trace(args.trace, args.requests)
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-serving-") as workdir:
+        flags = tuple(model_flags(args.model, Path(workdir)))
+        setup = Setup(flags, args.device, args.dtype, args.replicas, args.routing,
+                      args.page_size, args.max_running, args.l1_pages, args.l2_pages,
+                      args.l3_capacity, args.threads, args.seed)  # fmt: skip
+        print(f"bench_serving: {trace.num_requests} requests of {trace.name} over "
+              f"{trace.duration_s / args.rate_scale:.1f} s, {args.replicas} replicas, "
+              f"{args.routing} routing; configurations: {', '.join(args.configs)}",
+              flush=True)  # fmt: skip
+        rows, work_cache = [], {}
+        for config in args.configs:
+            started = time.perf_counter()
+            rows.append(run_config(setup, config, trace, args, work_cache))
+            print(f"  {config}: {rows[-1]['answered']}/{rows[-1]['requests']} answered "
+                  f"({time.perf_counter() - started:.0f} s with start-up)", flush=True)  # fmt: skip
+    add_ratios(rows)
+    print_table(rows)
+    for row in rows:
+        emit(row)
+    if args.json_out:
+        from benchmarks.common import git_revision
+
+        revision = git_revision()
+        lines = [json.dumps({"git": revision, **row}) for row in rows]
+        Path(args.json_out).write_text("".join(line + "\n" for line in lines))
+    return 0 if all(row["failed"] == 0 for row in rows) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
