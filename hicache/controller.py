@@ -78,7 +78,15 @@ class HiCache:
     def executor(self) -> Executor:
         return self._executor
 
-    def match(self, tokens, namespace: Namespace, *, priority: int = 0) -> Match:
+    def match(
+        self,
+        tokens,
+        namespace: Namespace,
+        *,
+        priority: int = 0,
+        record: bool = True,
+        whole: bool = False,
+    ) -> Match:
         """The longest cached prefix of `tokens`, ready for the engine to attend over.
 
         L1 pages are usable at once; L2 pages are loaded into fresh L1 pages layer by layer
@@ -87,27 +95,116 @@ class HiCache:
         as soon as it lands, waiting as the prefetch policy says. L3 trouble (down, slow,
         corrupt pages) makes the match shorter; it never raises. The result is locked until
         `release`. `priority` is the request's (the `priority` eviction policy keeps
-        high-priority runs longest).
+        high-priority runs longest). `record=False`: not a request of its own (an engine's
+        look at a sidecar, engine/sidecar.py), so not counted in the request and hit stats.
+        `whole`: only all of it is of use (a sidecar), so its L2 part is loaded and the L3
+        part found is fetched whole, not as much as beats recomputing them, and waited for
+        (`wait_complete`).
         """
         data = _request_tokens(tokens, namespace)
         with self._lock:
             self._check_background()
             self._mover.apply_completions()
             first = self._tree.match_prefix(data, namespace)
-            self._metrics.requests += 1
-            self._metrics.requested_tokens += len(data) // 4 // self.page_size * self.page_size
-            end, prefetch = self._start_prefetch(data, first)
+            if record:
+                self._metrics.requests += 1
+                num_tokens = len(data) // 4 // self.page_size * self.page_size
+                self._metrics.requested_tokens += num_tokens
+            end, prefetch = self._start_prefetch(data, first, fetch_all=whole)
         landed = Landed()
         if prefetch is not None:
-            landed = self._wait_prefetch(prefetch, end)
+            landed = self._wait_prefetch(prefetch, end, wait_all=whole)
         with self._lock:
             try:
                 self._mover.apply_completions()
                 if prefetch is not None and not prefetch.done:
                     self._metrics.prefetches_cut_short += 1
-                return self._finish_match(end, namespace, priority, landed, len(data) // 4)
+                return self._finish_match(
+                    end, namespace, priority, landed, len(data) // 4, record=record, whole=whole
+                )
             finally:
                 landed.let_go(self._tree)
+
+    def shorten(self, match: Match, num_tokens: int) -> Match | None:
+        """The first `num_tokens` (whole pages, fewer than `match` holds) of a held match as
+        a match of its own, locked; `match` is released. None for 0 tokens. For an engine
+        that finds part of the KV a hit needs missing past a shorter boundary (an
+        interleaved model's sidecar, engine/sidecar.py): the hit stats count the shorter
+        match, and the tokens cut in `shortened_tokens`."""
+        num_pages = num_tokens // self.page_size
+        if num_tokens % self.page_size or not 0 <= num_pages < match.num_pages:
+            raise ValueError(
+                f"shorten: {num_tokens} tokens is not whole pages below the match's "
+                f"{match.num_tokens}"
+            )
+        with self._lock:
+            if match.released:
+                raise HiCacheError("shorten: this match was already released")
+            node = self._node_at(match._node, num_pages) if num_pages else None
+            if node is not None:
+                self._tree.lock(node)
+            self.release(match)
+            counts = {}
+            left = num_pages
+            for tier, pages in (
+                ("l1", match.num_l1_pages),
+                ("l2", match.num_l2_pages),
+                ("l3", match.num_l3_pages),
+            ):
+                counts[tier] = min(pages, left)
+                left -= counts[tier]
+                self._metrics.record_hit(tier, counts[tier] - pages, self.page_size)
+            self._metrics.shortened_tokens += match.num_tokens - num_tokens
+            if node is None:
+                return None
+            return Match(
+                namespace=match.namespace,
+                num_tokens=num_tokens,
+                num_pages=num_pages,
+                num_l1_pages=counts["l1"],
+                num_l2_pages=counts["l2"],
+                num_l3_pages=counts["l3"],
+                _node=node,
+                _loads=list(match._loads),
+            )
+
+    def _node_at(self, end: Node, num_pages: int) -> Node:
+        """The run ending `num_pages` pages into the path of `end` (split there)."""
+        depth = 0
+        for run in RadixTree.path(end):
+            if depth + run.num_pages == num_pages:
+                return run
+            if depth + run.num_pages > num_pages:
+                return self._tree.split(run, num_pages - depth)
+            depth += run.num_pages
+        raise HiCacheError(f"the match holds fewer than {num_pages} pages")
+
+    def branch_depths(self, tokens, namespace: Namespace, first_pages) -> list[int]:
+        """Where, along the indexed prefix of `tokens`, a run whose first page is one of
+        `first_pages` (each page_size token ids) branches off, in pages from the start,
+        ascending, by the index alone (any tier; L3 copies the index has not heard of are
+        not found). Changes nothing a match would. For an engine's sidecars
+        (engine/sidecar.py)."""
+        data = _request_tokens(tokens, namespace)
+        pages = {encode_tokens(page) for page in first_pages}
+        if any(len(page) != 4 * self.page_size for page in pages):
+            raise ValueError(f"first_pages must be pages of {self.page_size} token ids")
+        with self._lock:
+            found = self._tree.match_prefix(data, namespace, touch=False)
+            depths, depth = [], 0
+            for run in RadixTree.path(found.last_node):
+                depth += run.num_pages
+                if not pages.isdisjoint(run.children):
+                    depths.append(depth)
+            return depths
+
+    def held_device_pages(self, tokens, namespace: Namespace) -> list[int]:
+        """The L1 page ids the index maps for the leading pages of `tokens` now, as far as
+        they are in L1: what an `insert` that extends a cached prefix passes for it. Valid
+        until the next call that can evict (under the caller's own single thread)."""
+        data = _request_tokens(tokens, namespace)
+        with self._lock:
+            return self._tree.match_prefix(data, namespace, touch=False).device_page_ids
 
     def prefetch(self, tokens, namespace: Namespace) -> int:
         """Start fetching the L3 part of `tokens`' prefix into L2, without waiting.
@@ -324,7 +421,15 @@ class HiCache:
     # ------------------------------------------------------------------ match internals
 
     def _finish_match(
-        self, end: Node, namespace: Namespace, priority: int, landed: Landed, num_tokens: int
+        self,
+        end: Node,
+        namespace: Namespace,
+        priority: int,
+        landed: Landed,
+        num_tokens: int,
+        *,
+        record: bool,
+        whole: bool,
     ) -> Match:
         """Load the L2 part of the request's usable prefix (read up from `end`, the node the
         request holds) into L1, lock it, count the hits (with those `landed` loaded while
@@ -334,7 +439,9 @@ class HiCache:
         is made; its page ids are read off the locked run afterwards (`Match`), never off
         a list of runs taken before pages moved.
         """
-        usable = self._worth_loading(self._usable_runs(end), num_tokens)
+        usable = self._usable_runs(end)
+        if not whole:  # (a whole match's L2 part is of use only all loaded)
+            usable = self._worth_loading(usable, num_tokens)
         node = usable[-1] if usable else None
         num_loaded = num_from_l3 = 0
         loads: list[LoadOp] = []
@@ -359,7 +466,8 @@ class HiCache:
             ("l2", num_loaded - num_from_l3),
             ("l3", num_from_l3),
         ):
-            self._metrics.record_hit(tier, pages, self.page_size)
+            if record:
+                self._metrics.record_hit(tier, pages, self.page_size)
         if self._policy.write_policy == "write_through_selective" and self._host.num_pages:
             for run in path:
                 if (
@@ -434,7 +542,9 @@ class HiCache:
 
     # ------------------------------------------------------------------ L3 lookup and wait
 
-    def _start_prefetch(self, data: bytes, first: MatchResult) -> tuple[Node, PrefetchOp | None]:
+    def _start_prefetch(
+        self, data: bytes, first: MatchResult, *, fetch_all: bool = False
+    ) -> tuple[Node, PrefetchOp | None]:
         """Look past the match `first` in L3, index what L3 holds, and start fetching the L3
         part of the prefix into L2.
 
@@ -453,7 +563,8 @@ class HiCache:
         if first.num_l3_pages + unmatched < self._policy.prefetch_min_pages:
             return end, None
         found = 0
-        if unmatched and not self._worth_looking(data, first, first.num_l3_pages + unmatched):
+        num_l3_pages = first.num_l3_pages + unmatched
+        if unmatched and not fetch_all and not self._worth_looking(data, first, num_l3_pages):
             return end, None  # no fetch could pay, whatever L3 holds: no lookup either
         if unmatched:
             keys = self._tree.keys_after(end, data)
@@ -462,7 +573,9 @@ class HiCache:
             self._rates.record_lookup(self._executor.now() - began)
             if found:
                 end = self._tree.extend_l3(end, data, first.matched_pages + found).last_node
-        num_pages = self._pages_worth_fetching(data, first, first.num_l3_pages + found)
+        num_pages = first.num_l3_pages + found
+        if not fetch_all:
+            num_pages = self._pages_worth_fetching(data, first, num_pages)
         if num_pages < self._policy.prefetch_min_pages:
             return end, None
         tail = self._l3_cut(RadixTree.trailing(end, Tier.L3), num_pages)
@@ -503,7 +616,7 @@ class HiCache:
             num_pages -= node.num_pages
         return l3_nodes[-1] if l3_nodes else None
 
-    def _wait_prefetch(self, op: PrefetchOp, end: Node) -> Landed:
+    def _wait_prefetch(self, op: PrefetchOp, end: Node, *, wait_all: bool = False) -> Landed:
         """Wait for an L3 prefetch as the policy says, the cache's lock not held, and load
         each part into L1 as soon as it lands in L2: the L2 -> L1 copy of one read batch
         overlaps the L3 read of the next (and the match's L2 pages go first, at once).
@@ -511,7 +624,7 @@ class HiCache:
         Returns what was loaded meanwhile; its runs stay locked for the match (`Landed`).
         """
         landed = Landed()
-        deadline = self._prefetch_deadline(op)
+        deadline = None if wait_all else self._prefetch_deadline(op)
         seen = -1
         while True:
             with self._lock:

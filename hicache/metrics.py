@@ -56,6 +56,7 @@ class HiCacheStats:
     prefetches_completed: int
     prefetches_cut_short: int  # the request went ahead before all its L3 pages arrived
     prefetch_pages_missing: int  # promised by an L3 lookup, then absent or corrupt
+    shortened_tokens: int  # matched, then cut by the engine (`HiCache.shorten`: KV missing)
     evicted_pages: dict[str, int]  # by tier
     writes_skipped: int  # backups or L3 writes skipped for lack of room
     background_errors: int
@@ -110,6 +111,7 @@ class Metrics:
         self.prefetches_completed = 0
         self.prefetches_cut_short = 0
         self.prefetch_pages_missing = 0
+        self.shortened_tokens = 0
         self.evicted_pages = dict.fromkeys(TIERS, 0)
         self.writes_skipped = 0
         self.background_errors = 0

@@ -27,6 +27,7 @@ from engine_integration.engine.pages import CachedPages, PrivatePages
 from engine_integration.engine.request import Request, RequestMetrics, RequestOutput, RequestState
 from engine_integration.engine.sampling import SamplingParams, sample
 from engine_integration.engine.scheduler import Scheduler
+from engine_integration.engine.sidecar import SidecarShape
 from hicache.controller import HiCache
 from hicache.fetch_plan import attention_pairs
 from radix.keys import Namespace, encode_tokens
@@ -41,12 +42,14 @@ def numerics_key(model: Model) -> str:
 
 
 def kv_layout_for(model: Model, page_size: int) -> KVLayout:
-    """The KV layout hicache holds for `model`: its source layers' KV, then (a hybrid model)
-    the boundary residual in `num_boundary_layers` more layers of the same shape."""
+    """The KV layout hicache holds for `model`: its source layers' KV (an interleaved
+    model's full-attention layers only: its windowed layers' KV goes to sidecars), then (a
+    hybrid model) the boundary residual in `num_boundary_layers` more layers of the same
+    shape."""
     config = model.config
     return KVLayout(
         kind="mha",
-        num_layers=config.num_source_layers + config.num_boundary_layers,
+        num_layers=config.num_page_layers,
         page_size=page_size,
         dtype=str(model.dtype).removeprefix("torch."),
         num_kv_heads=config.num_kv_heads,
@@ -83,7 +86,8 @@ class Engine:
                 layout=layout.descriptor(),
                 extra_key=numerics_key(model),
             )
-            pages = CachedPages(cache, self.namespace)
+            shape = SidecarShape.of(model.config, layout.page_size)
+            pages = CachedPages(cache, self.namespace, shape)
             num_pages = cache.executor.num_device_pages
             for cost in model.step_costs:  # what this model's steps cost so far (warm-up)
                 cache.record_compute(*cost)
@@ -153,7 +157,7 @@ class Engine:
         finished, next_logits = [], 0
         for request, rows in plan:
             if request.state == RequestState.PREFILL:
-                request.cursor = rows.end
+                self.scheduler.prefilled(request, rows.end)
             if not rows.want_logits:
                 continue
             self._append_token(request, logits[next_logits])

@@ -32,6 +32,8 @@ class RequestMetrics:
     replayed_tokens: cached tokens run again through the model to rebuild the late window.
     computed_tokens: prompt tokens whose source KV this request computed.
     late_tokens:     prompt rows that went through the late layers.
+    window_cut_tokens: (interleaved models) tokens the cache held past the hit served,
+                     cut for lack of a whole sidecar there (engine/sidecar.py).
     ttft_s:          arrival to first token.
     """
 
@@ -40,6 +42,7 @@ class RequestMetrics:
     replayed_tokens: int = 0
     computed_tokens: int = 0
     late_tokens: int = 0
+    window_cut_tokens: int = 0
     arrival_s: float = 0.0
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -84,6 +87,9 @@ class Request:
     hit_tokens: int = 0  # the prefix the cache supplied: its KV and boundary residual
     late_runs: list[tuple[int, int]] = field(default_factory=list)  # prompt rows for late layers
     loads_waited: bool = False
+    sidecar_at: list[int] = field(default_factory=list)  # boundaries to take sidecars at
+    # taken: boundary -> KV (None: the whole sidecar its hit was served from)
+    sidecars: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,6 +22,13 @@ whatever the boundary. After a hit of H tokens, the cached rows among them, [L -
 with the source KV in every page (the boundary residual, `ModelConfig.num_boundary_layers`),
 so a hit's source layers compute its uncached rows alone. The replay runs in the request's
 first step, before the step's own rows.
+
+An interleaved model's windowed layers keep their KV in the request's ring (`Request.window`,
+a sidecar's span plus a page). A hit fills it from a sidecar (engine/sidecar.py), shortened
+to the deepest boundary that has one; the request then takes the sidecars later requests can
+hit: at its prompt's lookup end and at the depth the index held past its hit (the prefill
+stops at each for a step, and the ring is copied there), and at its last full page when it
+finishes (one close past a whole one as a delta over it: engine/sidecar.py).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import time
 
 import torch
 
+from engine_integration.engine import sidecar
 from engine_integration.engine.errors import EngineError, RequestTooLargeError
 from engine_integration.engine.model.config import EngineConfig, ModelConfig
 from engine_integration.engine.model.forward import SeqRows
@@ -76,6 +84,7 @@ class Scheduler:
         self.num_pages = num_pages
         self.dtype = dtype
         self.page_size = pages.page_size
+        self.shape = pages.shape  # an interleaved model's sidecars (None: none)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
 
@@ -117,6 +126,11 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         match = self.pages.match(request.lookup_tokens)
+        indexed = match.num_tokens if match is not None else 0
+        window = self._windowed_ring()
+        whole = False
+        if window is not None and indexed:  # the hit needs a sidecar too
+            match, whole = self.pages.serve_window(request.lookup_tokens, match, window)
         hit = match.num_tokens if match is not None else 0
         try:
             own = self.pages.alloc(self._pages_for(request) - hit // self.page_size)
@@ -124,12 +138,35 @@ class Scheduler:
             if match is not None:
                 self.pages.abandon([], match)
             return False
+        if window is not None:
+            request.window = window
+            request.metrics.window_cut_tokens = indexed - hit
+            if self.shape is not None:
+                lookup_end = (request.num_prompt_tokens - 1) // self.page_size * self.page_size
+                request.sidecar_at = sorted({b for b in (indexed, lookup_end) if b > hit})
+                if whole:  # the hit's sidecar: those it takes close below may be deltas on it
+                    request.sidecars[hit] = None
         request.match = match
         request.page_ids = (list(match.device_page_ids) if match is not None else []) + own
         request.page_table = as_index(request.page_ids, self.config.device)  # no device sync
         self._plan_prefill(request, hit)
         request.state = RequestState.PREFILL
         return True
+
+    def _windowed_ring(self):
+        """A new ring for an interleaved model's windowed layers (None for other models)."""
+        model = self.model_config
+        if not model.windowed_layers:
+            return None
+        return LateWindow(
+            len(model.windowed_layers),
+            model.window_tokens,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype=self.dtype,
+            device=self.config.device,
+            num_slots=self.shape.ring_slots if self.shape is not None else None,
+        )
 
     def _plan_prefill(self, request: Request, hit: int) -> None:
         model = self.model_config
@@ -176,6 +213,9 @@ class Scheduler:
             if request.state != RequestState.PREFILL or budget <= 0:
                 continue
             end = min(request.num_prompt_tokens, request.cursor + budget)
+            for boundary in request.sidecar_at:  # a step ends where a sidecar is taken
+                if request.cursor < boundary < end:
+                    end = boundary
             budget -= end - request.cursor
             rows = self._rows(request, request.cursor, end, end == request.num_prompt_tokens)
             plan.append((request, rows))
@@ -183,7 +223,7 @@ class Scheduler:
 
     def _rows(self, request: Request, start: int, end: int, want_logits: bool) -> SeqRows:
         if request.state == RequestState.DECODE:
-            late = [(start, end)] if request.window is not None else []
+            late = [(start, end)] if self.model_config.num_late_layers else []
         else:  # the first step also replays the cached late rows below its start
             late = _clip(request.late_runs, 0 if start == request.hit_tokens else start, end)
         wait = None
@@ -201,16 +241,32 @@ class Scheduler:
             wait_layer=wait,
         )
 
+    def prefilled(self, request: Request, end: int) -> None:
+        """A step ran the request's prompt up to `end`: take the sidecar planned there."""
+        request.cursor = end
+        if end in request.sidecar_at:
+            kv = sidecar.snapshot(self.shape, request.window, end)
+            if kv is not None:
+                request.sidecars[end] = kv
+
     # ------------------------------------------------------------------ the end
 
     def finish(self, request: Request) -> None:
-        """Hand the request's pages to the cache (full ones) or back (the rest)."""
+        """Hand the request's pages to the cache (full ones) or back (the rest), with the
+        sidecars it took and that of its last full page."""
         self.running.remove(request)
         request.state = RequestState.FINISHED
         request.metrics.finish_s = time.perf_counter()
         tokens = request.tokens[: request.num_prompt_tokens + len(request.output) - 1]
-        self.pages.finish(tokens, request.page_ids, request.match)
+        sidecars = request.sidecars
+        end = len(tokens) // self.page_size * self.page_size
+        if self.shape is not None and end > request.hit_tokens and end not in sidecars:
+            kv = sidecar.snapshot(self.shape, request.window, end)
+            if kv is not None:
+                sidecars[end] = kv
+        self.pages.finish(tokens, request.page_ids, request.match, sidecars)
         request.match = None
+        request.sidecars = {}
 
     def abort(self, request: Request) -> None:
         if request in self.waiting:

@@ -13,7 +13,8 @@ SmolLM2 has only full-attention layers; the demo makes its last `--window-layers
 attend over a `--window`-token sliding window, so that encoder replay is at work. That
 changes the model's math (it was not trained that way): the cache-off run uses the same
 plan, so the two must still agree. Gemma 3 runs as trained: its own sliding-window layers
-(5 of every 6, 512 tokens) interleaved with full-attention ones, every layer's KV cached. As
+(5 of every 6, 512 tokens) interleaved with full-attention ones; pages hold the full
+layers' KV and a sidecar at each cached sequence's end their last window's. As
 a base model it has no chat template: its prompts are the plain "System: / User: /
 Assistant:" transcript, which it continues, with the help desk's reference notes after the
 system prompt: its prompts pass the 512-token window from the first turn.
@@ -87,13 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--l1-pages",
         type=int,
-        help="L1 pool pages (default: 10; 20 for Gemma 3, 32 for the built-in model; times "
+        help="L1 pool pages (default: 10; 80 for Gemma 3, 32 for the built-in model; times "
         "--concurrency)",
     )
     add(
         "--l2-pages",
         type=int,
-        help="L2 pool pages (default: 12; 24 for Gemma 3, 48 for the built-in model; times "
+        help="L2 pool pages (default: 12; 144 for Gemma 3, 48 for the built-in model; times "
         "--concurrency)",
     )
     add("--seed", type=int, default=d.seed, help="the built-in model's weights")

@@ -50,8 +50,9 @@ DEFAULT_WINDOW_LAYERS = 2
 # L1 / L2 pages when not given: small enough that histories spill to L2 and L3. The built-in
 # model's byte-level tokens make its prompts about five times longer than SmolLM2's.
 # Gemma 3's prompts carry the reference notes (~900 tokens by the first turn): a request
-# needs up to 18 pages.
-DEFAULT_PAGES = {"checkpoint": (10, 12), "gemma3": (20, 24), "builtin": (32, 48)}
+# needs up to 18 pages, and a hit 40 more for its sidecar (pages of its 3 full layers:
+# 80 of them take the bytes of 13 pages of all 18 layers, 144 those of 24).
+DEFAULT_PAGES = {"checkpoint": (10, 12), "gemma3": (80, 144), "builtin": (32, 48)}
 EXCERPT_CHARS = 90
 
 
@@ -258,8 +259,8 @@ def _print_header(config: DemoConfig, model: Model, sizes: CacheSizes) -> None:
     if c.windowed_layers:
         plan = (
             f"{len(c.windowed_layers)} layers on a {c.window_tokens}-token window interleaved "
-            f"with {c.num_layers - len(c.windowed_layers)} full-attention layers, every "
-            "layer's KV cached"
+            f"with {c.num_layers - len(c.windowed_layers)} full-attention layers; pages hold "
+            "the full layers' KV, sidecars the window layers' last window"
         )
     _say(
         f"hicache demo: {config.users} users x {config.turns} turns, {c.model_id} "

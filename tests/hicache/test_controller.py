@@ -159,3 +159,62 @@ def test_cached_prefix_reports_tiers_without_touching_anything(cache_factory):
     cache.poll()  # nothing in flight: a no-op
     with pytest.raises(ValueError, match="tier must be"):
         cache.pages_in_use("l3")
+
+
+def test_shorten_keeps_the_leading_pages_locked_and_counts_the_cut(cache_factory):
+    cache = cache_factory(l1_pages=8, l2_pages=0)
+    tokens = tokens_for(6, 5)
+    written = put(cache, tokens, seed=6)
+    match = cache.match(tokens, NS)
+    assert match.num_pages == 5
+    short = cache.shorten(match, 8)
+    assert match.released and short.num_tokens == 8 and short.num_l1_pages == 2
+    assert torch.equal(read_pages(cache, short.device_page_ids), written[:, :2])
+    stats = cache.stats()
+    assert stats.hit_tokens["l1"] == 8 and stats.shortened_tokens == 12
+    # Only the two pages are locked now: the other three can be evicted, those two not.
+    assert cache.evict("l1", 8) == 3
+    assert torch.equal(read_pages(cache, short.device_page_ids), written[:, :2])
+    with pytest.raises(ValueError, match="whole pages below"):
+        cache.shorten(short, 6)
+    assert cache.shorten(short, 0) is None and short.released
+    cache.check_invariants()
+
+
+def test_branch_depths_and_held_pages_read_the_index_alone(cache_factory):
+    cache = cache_factory(l1_pages=16, l2_pages=0)
+    tokens = tokens_for(7, 4)
+    put(cache, tokens, seed=7)
+    tag = [4_000_000_000] * 4
+    for depth in (1, 3):  # runs of a tag page below pages 1 and 3
+        held = cache.held_device_pages(tokens[: depth * 4], NS)
+        assert len(held) == depth
+        ids = cache.alloc_device_pages(1)
+        cache.insert(tokens[: depth * 4] + tag, held + ids, NS)
+    assert cache.branch_depths(tokens, NS, [tag]) == [1, 3]
+    assert cache.branch_depths(tokens[:8], NS, [[5] * 4, tag]) == [1]
+    assert cache.branch_depths(tokens, NS, [[5] * 4]) == []
+    before = cache.stats()
+    look = cache.match(tokens[:12] + tag, NS, record=False)
+    assert look.num_pages == 4
+    cache.release(look)
+    after = cache.stats()
+    assert (after.requests, after.hit_tokens) == (before.requests, before.hit_tokens)
+    cache.check_invariants()
+
+
+def test_a_whole_match_fetches_all_it_finds_in_l3_and_waits(cache_factory, tmp_path):
+    """`whole=True` (an engine's sidecar: of use only all together): the L3 part is
+    fetched whole and waited for, whatever the prefetch and fetch policies say."""
+    url = f"file://{tmp_path / 'l3'}?capacity=1GiB"
+    tokens = tokens_for(8, 4)
+    writer = cache_factory(write_policy="write_through", l3_url=url)
+    written = put(writer, tokens, seed=8)
+    writer.flush()
+    reader = cache_factory(l3_url=url, prefetch_policy="best_effort")
+    match = reader.match(tokens, NS, whole=True, record=False)
+    assert match.num_pages == 4 and match.num_l3_pages == 4
+    wait_all_layers(reader, match)
+    assert torch.equal(read_pages(reader, match.device_page_ids), written)
+    reader.release(match)
+    assert reader.stats().requests == 0

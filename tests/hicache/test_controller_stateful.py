@@ -191,6 +191,21 @@ class ControllerMachine(RuleBasedStateMachine):
         self.cache.release(match)
         tally("inserts")
 
+    @precondition(lambda self: any(held.match.num_pages for held in self.held))
+    @rule(index=st.integers(0, 100), keep=st.floats(0.0, 1.0))
+    def shorten(self, index, keep) -> None:
+        """Cut a held match to fewer pages (an engine missing a sidecar past them): the
+        pages it keeps must still hold their own KV, loads in flight or not."""
+        cuttable = [held for held in self.held if held.match.num_pages]
+        held = cuttable[index % len(cuttable)]
+        num_pages = int(keep * held.match.num_pages)
+        short = self.cache.shorten(held.match, num_pages * SIZE)
+        self.held.remove(held)
+        tally("matches shortened")
+        if short is not None:
+            self.held.append(Held(short, held.tokens, held.ns))
+            self.held[-1].checked = held.checked
+
     @precondition(lambda self: self.held)
     @rule(index=st.integers(0, 100))
     def release(self, index) -> None:

@@ -116,62 +116,6 @@ def source_attention(
     return out[start - first : end - first]
 
 
-def windowed_source_attention(
-    q: torch.Tensor,
-    start: int,
-    flat_kv: torch.Tensor,
-    slots: torch.Tensor,
-    width: int,
-    *,
-    scale: float,
-    block_rows: int | None,
-) -> torch.Tensor:
-    """Sliding-window attention of queries q (n, Hq, D) at positions [start, start + n) over
-    a request's paged KV (an interleaved model's windowed source layer): a query at t sees
-    the keys in (t - width, t]. `slots` are the pool slots of positions [0, start + n), all
-    written. Dense: one masked call over the keys [start - width + 1, start + n). Batch-
-    invariant: block by block of `block_rows` positions, as the late layers' window: block
-    k's queries over the keys [k * B - width, k * B + B) in one call of fixed shape (keys
-    before 0 or past the last written are zeros, masked), so a query's bits depend on its
-    position alone. -> (n, Hq, D)."""
-    n = q.shape[0]
-    end = start + n
-    device = q.device
-    if block_rows is None:
-        key_start = max(0, start - width + 1)
-        kv = flat_kv.index_select(0, slots[key_start:end])
-        query_positions = torch.arange(start, end, device=device)[:, None]
-        key_positions = torch.arange(key_start, end, device=device)[None, :]
-        hidden = (key_positions > query_positions) | (key_positions <= query_positions - width)
-        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=device)
-        return _sdpa(q, kv, mask.masked_fill_(hidden, float("-inf")), scale)
-    rows = block_rows
-
-    def attend_block(block: int, q_block: torch.Tensor) -> torch.Tensor:
-        key_start, key_end = block * rows - width, (block + 1) * rows
-        keys = flat_kv.new_zeros((key_end - key_start, *flat_kv.shape[1:]))  # (L, 2, H, D)
-        lo, hi = max(0, key_start), min(key_end, end)
-        keys[lo - key_start : hi - key_start] = flat_kv.index_select(0, slots[lo:hi])
-        query_positions = torch.arange(block * rows, key_end, device=device)[:, None]
-        key_positions = torch.arange(key_start, key_end, device=device)[None, :]
-        seen = (
-            (key_positions <= query_positions)
-            & (key_positions > query_positions - width)
-            & (key_positions >= 0)
-        )
-        # A query always sees itself: padding rows then never have an empty (NaN) softmax.
-        seen |= key_positions == query_positions
-        return _attend(
-            q_block,
-            keys[:, 0].permute(1, 2, 0).contiguous(),
-            keys[:, 1].transpose(0, 1).contiguous(),
-            ~seen,
-            scale,
-        )
-
-    return _blockwise(q, start, rows, attend_block)
-
-
 def tile_levels(block_rows: int) -> tuple[int, ...]:
     """The nested query tiles of the CPU's source attention, in positions, coarse to fine:
     each a multiple of the next, the finest (TILE_BLOCKS blocks) the masked one."""

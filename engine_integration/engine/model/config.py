@@ -8,8 +8,10 @@ in a per-request window and never leaves the engine (DESIGN.md, "Sliding-window 
 
 Interleaved models (Gemma 3: five sliding-window layers for each full-attention one) cannot
 put their window layers last: `windowed_layers` names source layers that attend over the
-last `window_tokens` positions only. Their KV sits in the pages with the full layers', so a
-hit at any page boundary holds every layer's KV (docs/architecture.md, "Interleaved layers").
+last `window_tokens` positions only. Pages hold the full layers' KV alone (`page_layer`); a
+windowed layer's KV lives in the request's ring (`window_ring_layer`), and the cache keeps it
+only where a hit needs it, in a sidecar at a sequence's end (engine/sidecar.py;
+docs/architecture.md, "Interleaved sliding-window layers").
 
 No torch here: the demo's argument parser imports this module.
 """
@@ -170,6 +172,20 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_page_layers(self) -> int:
+        """Layers of a cached page: the source layers but the windowed ones (their KV is in
+        the request's ring and a sidecar), then the boundary layers."""
+        return self.num_source_layers - len(self.windowed_layers) + self.num_boundary_layers
+
+    def page_layer(self, layer: int) -> int:
+        """The page layer that holds source layer `layer`'s KV (a full-attention one)."""
+        return layer - sum(1 for w in self.windowed_layers if w < layer)
+
+    def window_ring_layer(self, layer: int) -> int:
+        """The ring layer that holds windowed source layer `layer`'s KV."""
+        return self.windowed_layers.index(layer)
 
     @property
     def num_boundary_layers(self) -> int:

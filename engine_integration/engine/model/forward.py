@@ -6,7 +6,8 @@ request that wants logits gets them for its last row.
 
     source layers   every row writes K/V into the request's L1 pages, then each request
                     attends over its pages (waiting for layer i's load first); a windowed
-                    layer (interleaved models) over the last `window_tokens` of them
+                    layer (interleaved models) writes into and attends over the request's
+                    ring instead, the last `window_tokens` positions
     boundary        (a hybrid model) every row writes its source output, the boundary
                     residual, into the pages' boundary layers (`num_boundary_layers`)
     late layers     only the late positions, over the request's window ring; positions
@@ -40,7 +41,6 @@ from engine_integration.engine.model.attention import (
     page_slots,
     source_attention,
     window_attention,
-    windowed_source_attention,
     write_kv,
 )
 from engine_integration.engine.model.config import ModelConfig
@@ -329,15 +329,16 @@ class Model:
             kv = None
         else:
             for i in range(last):
-                attn = self._source_attention(i, q, kv, seqs, slots, page_layer(i), every_row)
+                attn = self._source_attention(i, q, kv, seqs, slots, page_layer, every_row)
                 x, q, kv = self._finish_and_project(i, x, layout, attn, ropes[i + 1])
         # A hybrid model stores every row's source output (the boundary residual): its last
-        # source layer computes every row; otherwise only the rows that want logits.
-        if self.skip_unread_rows and not config.num_late_layers:
+        # source layer computes every row; otherwise only the rows that want logits (a
+        # windowed one: every row, whose KV its ring keeps).
+        if self.skip_unread_rows and not config.num_late_layers and last not in self._windowed:
             held = HeldRows([logits_runs(s) for s in seqs])
         else:
             held = HeldRows(every_row)
-        attn = self._source_attention(last, q, kv, seqs, slots, page_layer(last), held.runs)
+        attn = self._source_attention(last, q, kv, seqs, slots, page_layer, held.runs)
         hidden = self._last_source_layer(last, x, layout, seqs, attn, held, every_row)
         if not config.num_late_layers:
             return self._head(self._pick(hidden, held.logit_rows(seqs)), seqs)
@@ -376,7 +377,10 @@ class Model:
         """The step, set where the kernels read it, when its source layers run as one graph
         replay each (`_source_layers_on_device`): one request of few rows (a hit's step, a
         decode step) on the dense CUDA path. None: layer by layer."""
-        if not self.layer_steps or len(seqs) != 1 or self.config.num_source_layers < 2:
+        config = self.config
+        if not self.layer_steps or len(seqs) != 1 or config.num_source_layers < 2:
+            return None
+        if config.windowed_layers:  # (refused on the dense CUDA path: check_dense_cuda)
             return None
         seq, pool = seqs[0], page_layer(0)
         if not paged_attention.takes(seq.num_rows, self.config.num_heads, pool):
@@ -438,10 +442,14 @@ class Model:
         runs = [run for seq_runs in held.runs for run in seq_runs]
         return self._finish_some(weights, layout.unpack(x), held.step_rows(seqs), runs, attn)
 
-    def _source_attention(self, i, q, kv, seqs, slots, kv_layer, runs) -> torch.Tensor:
+    def _source_attention(self, i, q, kv, seqs, slots, page_layer, runs) -> torch.Tensor:
         """Write the step's K/V of source layer i (kv; None: in the pool already), then
         attend the queries of `runs` (per request, position ranges) over each request's
-        pages. -> (rows of runs, Hq, D)."""
+        pages; a windowed layer over the request's ring instead (`_windowed_attention`).
+        -> (rows of runs, Hq, D)."""
+        if i in self._windowed:
+            return self._windowed_attention(i, q, kv, seqs, runs)
+        kv_layer = page_layer(self.config.page_layer(i))
         flat_kv = _flat(kv_layer)
         outputs, row = [], 0
         for seq, seq_slots, seq_runs in zip(seqs, slots, runs, strict=True):
@@ -450,20 +458,10 @@ class Model:
                 write_kv(flat_kv, seq_slots[seq.start : seq.end], kv[row : row + seq.num_rows])
             row += seq.num_rows
             if seq.wait_layer is not None:
-                seq.wait_layer(i)
+                seq.wait_layer(self.config.page_layer(i))
             for start, end in seq_runs:  # queries at [start, end) see the keys [0, end)
                 run_q = seq_q[start - seq.start : end - seq.start]
-                if i in self._windowed:  # ... or those of the last window_tokens
-                    out = windowed_source_attention(
-                        run_q,
-                        start,
-                        flat_kv,
-                        seq_slots[:end],
-                        self.config.window_tokens,
-                        scale=self.scale,
-                        block_rows=self.block_rows,
-                    )
-                elif self.deterministic:
+                if self.deterministic:
                     out = deterministic_attention.paged_attention(
                         run_q, start, kv_layer, seq.page_table, scale=self.scale
                     )
@@ -482,6 +480,35 @@ class Model:
                         block_rows=self.block_rows,
                     )
                 outputs.append(out)
+        if not outputs:
+            return q.new_empty((0, *q.shape[1:]))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _windowed_attention(self, i, q, kv, seqs, runs) -> torch.Tensor:
+        """Windowed source layer i of an interleaved model: each request's rows write their
+        K/V into its ring (`SeqRows.window`, which holds the last positions of every
+        windowed layer: a hit's came from its sidecar) and attend over the keys of the last
+        `window_tokens` positions there, as a late layer does (`window_attention`). Every
+        row of the step is a query (the ring needs each row's K/V); the rows of `runs` are
+        returned. -> (rows of runs, Hq, D)."""
+        ring_layer = self.config.window_ring_layer(i)
+        outputs, row = [], 0
+        for seq, seq_runs in zip(seqs, runs, strict=True):
+            n = seq.num_rows
+            out = window_attention(
+                q[row : row + n],
+                kv[row : row + n],
+                seq.start,
+                seq.window,
+                ring_layer,
+                scale=self.scale,
+                block_rows=self.block_rows,
+            )
+            row += n
+            if seq_runs == [(seq.start, seq.end)]:
+                outputs.append(out)
+            else:
+                outputs.extend(out[start - seq.start : end - seq.start] for start, end in seq_runs)
         if not outputs:
             return q.new_empty((0, *q.shape[1:]))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -22,12 +22,13 @@ import os
 import pytest
 import torch
 
+from engine_integration.engine.core import Engine
 from engine_integration.engine.embedded import CacheSizes, load_model
 from engine_integration.engine.errors import CheckpointError
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.model.hf_config import read_hf_config, write_hf_config
 from engine_integration.engine.sampling import SamplingParams
-from tests.support.engines import cache_off, random_prompt, run_one, run_through_tiers
+from tests.support.engines import cache_off, random_prompt, run_one
 
 transformers = pytest.importorskip("transformers")
 
@@ -117,16 +118,38 @@ def _policy():
     )
 
 
-def _scenarios(model, first, second, tmp_path, params):
-    """The engine's outputs for `second` in each way it can be served, after `first` (which
-    shares a prefix with it) warmed the cache."""
+def _scenarios(model, first, second, third, tmp_path, params):
+    """The engine's outputs for `third` in each way it can be served: cache off, and, after
+    `first` warmed the cache and `second` (which parts from `first` where `third` does)
+    took the sidecar there, as a hit from L1, from L2 (L1 evicted) and from L3 (a new cache
+    over the same store). `second` is served shorter: no sidecar at its boundary yet."""
+    from engine_integration.engine.embedded import build_cache
+
     url = f"file://{tmp_path}/l3?capacity=64MiB"
     out = {
-        "cache off": run_one(cache_off(model, CONFIG), second, params),
-        "cache off, dense": run_one(cache_off(model, DENSE), second, params),
+        "cache off": run_one(cache_off(model, CONFIG), third, params),
+        "cache off, dense": run_one(cache_off(model, DENSE), third, params),
     }
     sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
-    out.update(run_through_tiers(model, CONFIG, sizes, first, second, params))
+    cache = build_cache(model, CONFIG, sizes)
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        out["cold"] = run_one(engine, first, params)
+        out["cut"] = run_one(engine, second, params)
+        out["cut, cache off"] = run_one(cache_off(model, CONFIG), second, params)
+        out["L1 hit"] = run_one(engine, third, params)
+        cache.flush()
+        cache.evict("l1", 10_000)
+        out["L2 hit"] = run_one(engine, third, params)
+        cache.flush()
+        out["stats"] = cache.stats()
+    finally:
+        cache.close()
+    cache = build_cache(model, CONFIG, sizes)
+    try:
+        out["L3 hit"] = run_one(Engine(model, CONFIG, cache=cache), third, params)
+    finally:
+        cache.close()
     return out
 
 
@@ -142,24 +165,226 @@ def test_gemma3_matches_transformers_cached_and_not(
     config = model.config
     assert config.block == "gemma3" and config.windowed_layers == (0, 1, 3, 4)
     assert config.window_tokens == WINDOW and config.num_source_layers == 6
+    assert config.num_page_layers == 2  # pages hold the full layers' KV alone
     first = random_prompt(1, 90)
     second = first[:shared] + random_prompt(2, 12)
+    third = first[:shared] + random_prompt(4, 12)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
-    outputs = _scenarios(model, first, second, tmp_path, params)
+    outputs = _scenarios(model, first, second, third, tmp_path, params)
+    stats = outputs.pop("stats")
     expected = {"first": reference.run(first), "second": reference.run(second)}
+    expected["third"] = reference.run(third)
+    prompt_of = {"cold": "first", "cut": "second", "cut, cache off": "second"}
     errors = {}
     for scenario, output in outputs.items():
-        logits, tokens = expected["first" if scenario == "cold" else "second"]
+        logits, tokens = expected[prompt_of.get(scenario, "third")]
         errors[scenario] = _relative_error(output.logits[0], logits)
         assert errors[scenario] < TOLERANCE, (scenario, errors[scenario])
         assert output.token_ids == tokens, scenario
+    # No sidecar at `second`'s boundary yet: the hit shortens to none there (counted) ...
+    cut = outputs["cut"].metrics
+    assert cut.total_hit_tokens == 0 and cut.window_cut_tokens == expected_hit
+    assert stats.shortened_tokens >= expected_hit
+    assert torch.equal(outputs["cut"].logits, outputs["cut, cache off"].logits)
+    # ... and `second` took it: `third` hits there, and later at its own lookup end.
     assert outputs["L1 hit"].metrics.hit_tokens["l1"] == expected_hit
     for tier in ("l1", "l2", "l3"):
         hit = outputs[f"{tier.upper()} hit"]
-        # (the L1 hit cached the second prompt's own pages: later hits reach further)
         assert hit.metrics.hit_tokens[tier] >= expected_hit, tier
+        assert hit.metrics.window_cut_tokens == 0, tier
         assert torch.equal(hit.logits, outputs["cache off"].logits), tier
     print({k: f"{v:.1e}" for k, v in errors.items()})
+
+
+def _sidecar_keys(engine, prompt_tokens, boundary) -> list[bytes]:
+    """The L3 keys of the sidecar of `boundary` below `prompt_tokens`' prefix."""
+    from engine_integration.engine.sidecar import SidecarShape
+    from radix.keys import encode_tokens, page_keys
+
+    shape = engine.pages.shape
+    assert isinstance(shape, SidecarShape)
+    keys = page_keys(shape.tokens(encode_tokens(prompt_tokens), boundary), engine.namespace, 16)
+    return keys[-shape.num_pages(boundary) :]
+
+
+def test_gemma3_hit_whose_sidecar_was_evicted_is_shorter(gemma_dir):
+    """The sidecar, a leaf of the index, leaves L1 first: the pages it belonged to stay,
+    unusable, and the hit shortens (to nothing: no other sidecar), counted, never wrong."""
+    from engine_integration.engine.embedded import build_cache
+
+    model, _ = load_model(gemma_dir, CONFIG)
+    first = random_prompt(5, 90)
+    second = first[:85] + random_prompt(6, 10)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    expected = run_one(cache_off(model, CONFIG), second, params)
+    cache = build_cache(model, CONFIG, CacheSizes(l1_pages=64))
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        run_one(engine, first, params)  # its sidecar at 80: 4 windowed layers' page, 2 pages
+        assert engine.pages.shape.num_pages(80) == 2
+        assert cache.evict("l1", 2) == 2
+        assert cache.cached_prefix(first[:80], engine.namespace).num_l1_pages == 5
+        output = run_one(engine, second, params)
+        assert output.metrics.total_hit_tokens == 0
+        assert output.metrics.window_cut_tokens == 80
+        assert cache.stats().shortened_tokens == 80
+        assert torch.equal(output.logits, expected.logits)
+        again = run_one(engine, second, params)  # `second` took the sidecar at 80 again
+        assert again.metrics.hit_tokens["l1"] == 80
+        assert torch.equal(again.logits, expected.logits)
+    finally:
+        cache.close()
+
+
+def test_gemma3_damaged_sidecar_in_l3_is_a_counted_miss(gemma_dir, tmp_path):
+    """One flipped byte in one sidecar page in L3: a verified miss (counted), the hit
+    shortens to the next boundary down whose sidecar is whole, never wrong KV."""
+    from engine_integration.engine.embedded import build_cache
+    from tests.hicache.test_faults import flip_byte, locate
+
+    model, _ = load_model(gemma_dir, CONFIG)
+    first = random_prompt(7, 60)
+    longer = first + random_prompt(8, 40)  # a second turn
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    expected = run_one(cache_off(model, CONFIG), longer, params)
+    directory = tmp_path / "l3"
+    sizes = CacheSizes(
+        l1_pages=64, l2_pages=64, l3_url=f"file://{directory}?capacity=64MiB", policy=_policy()
+    )
+    cache = build_cache(model, CONFIG, sizes)
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        run_one(engine, first, params)  # sidecars at 48 (its lookup end) and 64 (its end)
+        assert run_one(engine, longer, params).metrics.hit_tokens["l1"] == 48  # (60 shared)
+        cache.flush()
+        cache.evict("l1", 10_000)
+        cache.evict("l2", 10_000)  # the index keeps what L3 holds
+        path = next(directory.rglob(_sidecar_keys(engine, longer, 96)[-1].hex()))
+        offset, length = locate(path)
+        flip_byte(path, offset + length - 5)
+        output = run_one(engine, longer, params)
+        stats = cache.stats()
+    finally:
+        cache.close()
+    assert stats.l3_corrupt_pages == 1
+    assert output.metrics.hit_tokens["l3"] == 48  # the sidecar at 48 is whole
+    assert output.metrics.window_cut_tokens == 96 - 48
+    assert torch.equal(output.logits, expected.logits)
+
+
+def test_gemma3_hit_then_decode_across_the_window_edge(gemma_dir, reference):
+    """A hit at 16 of a 20-token prompt (its ring filled from the sidecar), then 20 decode
+    steps: the windowed layers' queries leave the sidecar's positions behind while
+    decoding; greedy tokens as transformers', logits bit-equal to cache off."""
+    from engine_integration.engine.embedded import build_cache
+
+    model, _ = load_model(gemma_dir, CONFIG)
+    prompt = random_prompt(9, 20)
+    _, tokens = reference.run(prompt, new_tokens=20)
+    params = SamplingParams(max_new_tokens=20, return_logits=True)
+    expected = run_one(cache_off(model, CONFIG), prompt, params)
+    cache = build_cache(model, CONFIG, CacheSizes(l1_pages=64))
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        run_one(engine, prompt[:17], SamplingParams(max_new_tokens=1))  # a sidecar at 16
+        output = run_one(engine, prompt, params)
+    finally:
+        cache.close()
+    assert output.metrics.hit_tokens["l1"] == 16
+    assert output.token_ids == tokens
+    assert torch.equal(output.logits, expected.logits)
+
+
+def test_gemma3_close_sidecars_are_deltas(gemma_dir):
+    """Pages of 8 tokens, a window of 16: a sidecar spans 2 pages. A request's lookup end
+    (40) and end (48) are one page apart, so the one at 48 holds only its last page over
+    the one at 40: half the pages, and a hit at 48 reads both, bit-equal to cache off. The
+    same over the whole sidecar a request's hit was served from."""
+    from engine_integration.engine.embedded import build_cache
+
+    config = EngineConfig(page_size=8, block_tokens=8, prefill_chunk_tokens=64)
+    model, _ = load_model(gemma_dir, config)
+    prompt = random_prompt(10, 43)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    cache = build_cache(model, config, CacheSizes(l1_pages=128))
+    try:
+        engine = Engine(model, config, cache=cache)
+        shape = engine.pages.shape
+        assert (shape.span_pages, shape.num_pages(40), shape.num_pages(48, 1)) == (2, 4, 2)
+        first = run_one(engine, prompt, params)
+        used = cache.pages_in_use("l1")
+        assert used == 48 // 8 + shape.num_pages(40) + shape.num_pages(48, 1)
+        next_turn = prompt + first.token_ids[:5] + random_prompt(11, 9)
+        repeat = run_one(engine, prompt, params)  # the whole sidecar at 40
+        turn = run_one(engine, next_turn, params)  # the delta at 48 and the sidecar at 40
+        # Parting after 41 tokens: a hit at 40, and its end's sidecar a delta over that one.
+        other = prompt[:41] + random_prompt(12, 2)
+        used = cache.pages_in_use("l1")
+        parted = run_one(engine, other, params)
+        assert cache.pages_in_use("l1") == used + 1 + shape.num_pages(48, 1)
+        other_turn = other + parted.token_ids[:5] + random_prompt(13, 4)
+        parted_turn = run_one(engine, other_turn, params)
+    finally:
+        cache.close()
+    assert repeat.metrics.hit_tokens["l1"] == 40 and turn.metrics.hit_tokens["l1"] == 48
+    assert parted.metrics.hit_tokens["l1"] == 40 and parted_turn.metrics.hit_tokens["l1"] == 48
+    assert turn.metrics.window_cut_tokens == parted_turn.metrics.window_cut_tokens == 0
+    for output, tokens in (
+        (repeat, prompt),
+        (turn, next_turn),
+        (parted, other),
+        (parted_turn, other_turn),
+    ):
+        expected = run_one(cache_off(model, config), tokens, params)
+        assert torch.equal(output.logits, expected.logits)
+
+
+def test_gemma3_random_traffic_under_eviction_is_exact(gemma_dir, tmp_path):
+    """Random requests over a few shared stems (repeats, next turns, partings), small
+    pools and random evictions from L1 and L2 between them: sidecars and deltas come
+    and go, hits shorten; every output is bit-equal to cache off."""
+    import random
+
+    from engine_integration.engine.embedded import build_cache
+
+    config = EngineConfig(page_size=8, block_tokens=8, prefill_chunk_tokens=64)
+    model, _ = load_model(gemma_dir, config)
+    rng = random.Random(39)
+    stems = [random_prompt(20 + k, 50) for k in range(3)]
+    history: list[list[int]] = []
+    sizes = CacheSizes(
+        l1_pages=48, l2_pages=64, l3_url=f"file://{tmp_path}/l3?capacity=64MiB", policy=_policy()
+    )
+    cache = build_cache(model, config, sizes)
+    hits = cut = 0
+    try:
+        engine = Engine(model, config, cache=cache)
+        for step in range(16):
+            kind = rng.choice(["stem", "repeat", "turn", "part"]) if history else "stem"
+            if kind == "stem":
+                prompt = rng.choice(stems)[: rng.randrange(20, 50)] + random_prompt(step, 5)
+            elif kind == "repeat":
+                prompt = rng.choice(history)
+            elif kind == "turn":
+                prompt = rng.choice(history) + random_prompt(100 + step, rng.randrange(3, 12))
+            else:
+                base = rng.choice(history)
+                prompt = base[: rng.randrange(10, len(base))] + random_prompt(200 + step, 4)
+            params = SamplingParams(max_new_tokens=rng.randrange(1, 8), return_logits=True)
+            output = run_one(engine, prompt, params)
+            expected = run_one(cache_off(model, config), prompt, params)
+            assert torch.equal(output.logits, expected.logits), (step, kind)
+            history.append(prompt + output.token_ids[:-1])
+            hits += output.metrics.total_hit_tokens > 0
+            cut += output.metrics.window_cut_tokens > 0
+            cache.flush()
+            tier = rng.choice(["l1", "l2", None])
+            if tier is not None:
+                cache.evict(tier, rng.randrange(1, 40))
+            cache.check_invariants()
+    finally:
+        cache.close()
+    assert hits >= 4 and cut >= 1, (hits, cut)
 
 
 def test_gemma3_decodes_across_the_window_edge(gemma_dir, reference):
@@ -244,6 +469,29 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_270m, tmp_path):
         assert _relative_error(output.logits[0], logits) < TOLERANCE
         assert output.token_ids == tokens
     assert "the capital" in tokenizer.decode(run_one(cache_off(model), first, params).token_ids)
+
+
+def test_gemma3_270m_hit_past_the_window_is_exact(gemma3_270m):
+    """The real 270M: a second turn hits the first's pages and the sidecar at its lookup
+    end, a boundary past the 512-token window, bit-equal to cache off."""
+    from engine_integration.engine.embedded import build_cache
+
+    _, model, tokenizer = gemma3_270m
+    first = tokenizer.encode(" ".join(f"Step {i} comes after step {i - 1}." for i in range(1, 70)))
+    assert len(first) > 600
+    second = first + tokenizer.encode(" What comes after step 69?")[1:]
+    params = SamplingParams(max_new_tokens=4, return_logits=True)
+    expected = run_one(cache_off(model, CONFIG, num_pages=128), second, params)
+    cache = build_cache(model, CONFIG, CacheSizes(l1_pages=256))
+    try:
+        engine = Engine(model, CONFIG, cache=cache)
+        run_one(engine, first, params)
+        output = run_one(engine, second, params)
+    finally:
+        cache.close()
+    assert output.metrics.hit_tokens["l1"] >= (len(first) - 1) // 16 * 16 > 512 + 16
+    assert output.metrics.window_cut_tokens == 0
+    assert torch.equal(output.logits, expected.logits)
 
 
 def test_gemma3_270m_tokenizer_matches_transformers(gemma3_270m):
