@@ -450,6 +450,7 @@ def gemma3_270m():
     return path, model, tokenizer
 
 
+@pytest.mark.slow  # the real 270M (CI's slow lane): ~70 s of one worker together
 def test_gemma3_270m_gguf_matches_transformers(gemma3_270m, tmp_path):
     path, model, tokenizer = gemma3_270m
     config = model.config
@@ -471,6 +472,7 @@ def test_gemma3_270m_gguf_matches_transformers(gemma3_270m, tmp_path):
     assert "the capital" in tokenizer.decode(run_one(cache_off(model), first, params).token_ids)
 
 
+@pytest.mark.slow
 def test_gemma3_270m_hit_past_the_window_is_exact(gemma3_270m):
     """The real 270M: a second turn hits the first's pages and the sidecar at its lookup
     end, a boundary past the 512-token window, bit-equal to cache off."""
@@ -494,6 +496,7 @@ def test_gemma3_270m_hit_past_the_window_is_exact(gemma3_270m):
     assert torch.equal(output.logits, expected.logits)
 
 
+@pytest.mark.slow
 def test_gemma3_270m_tokenizer_matches_transformers(gemma3_270m):
     path, _, tokenizer = gemma3_270m
     theirs = transformers.AutoTokenizer.from_pretrained(
