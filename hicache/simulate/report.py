@@ -42,7 +42,9 @@ def format_header(config: SimulationConfig, trace: Trace) -> str:
             f"{trace.total_tokens / 1e6:,.2f} M prompt tokens over {trace.duration_s:,.0f} s",
             f"model {model.name}: {model.kv_bytes_per_token:,} B of KV per token, "
             f"{human_bytes(model.weight_bytes)} of weights; {config.num_instances} instance(s) "
-            f"of {config.gpus_per_instance} x {hw.name.upper()}; pages of {config.page_size} "
+            f"of {config.gpus_per_instance} x {hw.name.upper()}"
+            + (" (its prices; its costs as profiled below)" if config.profile else "")
+            + f"; pages of {config.page_size} "
             f"tokens ({human_bytes(config.page_bytes)})",
             f"policies: write {config.policy.write_policy}, L3 writes {config.l3_write_policy}, "
             f"prefetch {config.policy.prefetch_policy}, eviction {config.policy.eviction_policy}, "
