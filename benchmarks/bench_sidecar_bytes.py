@@ -24,37 +24,31 @@ weights, float32 on the CPU (32K tokens take minutes on 2 cores).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_engine import MODEL_GEMMA3  # noqa: E402
 from benchmarks.common import device_name, emit  # noqa: E402
 from engine_integration.engine.core import Engine  # noqa: E402
 from engine_integration.engine.embedded import CacheSizes, build_cache, load_model  # noqa: E402
-from engine_integration.engine.model.config import EngineConfig, ModelConfig  # noqa: E402
+from engine_integration.engine.model.config import EngineConfig  # noqa: E402
 from engine_integration.engine.sampling import SamplingParams  # noqa: E402
 
 PAGE_SIZE = 64
-# Gemma 3 270M's layer plan (benchmarks/bench_engine.py MODEL_GEMMA3), narrow: 18 layers,
-# every 6th full attention, the rest on a 512-token window.
-PLAN = ModelConfig(
+# Gemma 3 270M's layer plan (bench_engine's MODEL_GEMMA3: 18 layers, every 6th full
+# attention, the rest on a 512-token window), narrow so that a 32K-token request is quick.
+PLAN = dataclasses.replace(
+    MODEL_GEMMA3,
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
-    num_layers=18,
     num_heads=1,
-    num_kv_heads=1,
     head_dim=16,
-    num_source_layers=18,
-    window_tokens=512,
-    windowed_layers=tuple(i for i in range(18) if i % 6 != 5),
-    block="gemma3",
-    rope_theta=1_000_000.0,
-    local_rope_theta=10_000.0,
     query_pre_attn_scalar=16,
-    tie_word_embeddings=True,
     model_id="bench-sidecar-bytes-seed0",
 )
 GEMMA3_270M_BYTES_PER_TOKEN = 18 * 2 * 1 * 256 * 2  # every layer's K and V, bf16
@@ -79,8 +73,11 @@ def stored_ratio(model, engine_config: EngineConfig, prompt_tokens: int, new_tok
     finally:
         cache.close()
     cached = (prompt_tokens + new_tokens - 1) // PAGE_SIZE * PAGE_SIZE
-    every_layer = cached * cache.layout.bytes_per_page // PAGE_SIZE * (
-        PLAN.num_layers // PLAN.num_page_layers
+    every_layer = (
+        cached
+        * cache.layout.bytes_per_page
+        // PAGE_SIZE
+        * (PLAN.num_layers // PLAN.num_page_layers)
     )
     return cached, held_pages, stored / every_layer
 
