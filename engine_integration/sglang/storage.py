@@ -315,11 +315,12 @@ class HiCacheSGLangStorage(HiCacheStorage):
         if previous is not None:
             previous.store.close()
         logger.info(
-            "hicache L3 %s attached: %s, namespace %s/%s",
+            "hicache L3 %s attached: %s, namespace %s/%s, %d head slice(s) a page",
             store.backend.name,
             geometry.descriptor,
             self.settings.model_id,
             self.shard,
+            self.head_slices,
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:

@@ -439,6 +439,9 @@ def test_two_tp2_writers_are_read_whole_by_a_tp1_rank(file_url):
     for mine, theirs in ((7, 4), (0, 2)):
         whole = torch.cat([heads_of(p, theirs, 0, 2) for p in writer_pools], dim=2)
         assert torch.equal(heads_of(pool, mine, 0, 4), whole)
+    # SGLang's flat-page path reads the same slices, each to its heads' place.
+    flat = reader.get(keys[1], pool.get_dummy_flat_data_page())
+    assert torch.equal(flat.view(torch.int16), page_bits(pool, 0))
     reader.close()
 
 
