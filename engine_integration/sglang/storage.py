@@ -33,11 +33,20 @@ per-pool hit policies (all_pages, trailing_pages), `batch_get_v2` / `batch_set_v
 pool's pages. Extra pools of an MLA model are tp-replicated (one writer) except Mamba state
 and MHA pools, which are per tp rank.
 
+Heads split across tp sizes (`tp_lcm_size`, host layout page_head, MHA): a rank stores each
+page as `tp_lcm_size // tp_size` head slices, each slice's K and V objects keyed as the rank
+at tp_lcm_size that holds those heads (`tp=r/tp_lcm_size`, as SGLang's Mooncake backend does
+with its per-target-rank suffixes), so instances of any tp size dividing tp_lcm_size share
+them; a page is a hit only if every object of every one of its slices is there and verified.
+Extra pools stay per tp rank: shared only between instances of one tp size.
+
 Not supported, refused with an error naming the setting: host layouts other than page_first,
-layer_first and page_first_direct, `tp_lcm_size`, DCP, an extra pool without bytes of its
-own and the block_groups hit policy. A KV anchor without bytes (DeepSeek-V4's logical pool)
-is accepted: its pages are wholly in the extra pools, so only `batch_exists_v2` with those
-pools reports a hit (v1 `batch_exists` reports none), as SGLang's Mooncake backend does.
+layer_first, page_first_direct and (MHA) page_head, a `tp_lcm_size` that is not a multiple of
+tp_size, that splits heads outside page_head or that does not divide the rank's KV heads,
+DCP, an extra pool without bytes of its own and the block_groups hit policy. A KV anchor
+without bytes (DeepSeek-V4's logical pool) is accepted: its pages are wholly in the extra
+pools, so only `batch_exists_v2` with those pools reports a hit (v1 `batch_exists` reports
+none), as SGLang's Mooncake backend does.
 """
 
 from __future__ import annotations
@@ -131,23 +140,42 @@ class StorageSettings:
         return cls(url=url, model_id=model_id)
 
 
-def shard_of(config: HiCacheStorageConfig, *, tp_sharded: bool = False) -> str:
+def head_slices(config: HiCacheStorageConfig) -> int:
+    """How many objects of heads each page is stored as: SGLang's `tp_lcm_size` (the least
+    common multiple of the tp sizes that share the store) over this instance's tp size, so
+    that each object holds the heads of one rank at tp_lcm_size. 1 without tp_lcm_size and
+    for MLA, whose KV every rank holds whole (tp is not in its keys: shared already)."""
+    lcm = config.tp_lcm_size
+    if not lcm or config.is_mla_model:
+        return 1
+    if type(lcm) is not int or lcm < 1 or lcm % config.tp_size:
+        raise BackendConfigError(
+            f"extra config: tp_lcm_size={lcm!r} must be a multiple of tp_size={config.tp_size}"
+        )
+    return lcm // config.tp_size
+
+
+def shard_of(
+    config: HiCacheStorageConfig, *, tp_sharded: bool = False, head_slice: int | None = None
+) -> str:
     """The part of the namespace that tells one rank's KV from another's.
 
     MLA KV is the same on every tp rank (SGLang lets one writer store it): tp is left out,
     unless `tp_sharded` (an extra pool split by tp rank even for an MLA model: Mamba state).
+    With `head_slice` (MHA KV under tp_lcm_size), the rank named is the one at tp_lcm_size
+    that holds that slice of this rank's heads: `tp=rank*slices+slice/tp_lcm_size`.
     """
     if config.dcp_size > 1:
         raise BackendConfigError(
             f"dcp_size={config.dcp_size}: decode context parallelism is not supported"
         )
-    if config.tp_lcm_size:
-        raise BackendConfigError(
-            f"extra config: tp_lcm_size={config.tp_lcm_size} (heads split across unequal tp "
-            "sizes) is not supported"
-        )
+    slices = head_slices(config)
     replicated = config.is_mla_model and not tp_sharded
-    parts = [] if replicated else [f"tp={config.tp_rank}/{config.tp_size}"]
+    if head_slice is not None and not replicated and config.tp_lcm_size:
+        tp = f"tp={config.tp_rank * slices + head_slice}/{config.tp_size * slices}"
+    else:
+        tp = f"tp={config.tp_rank}/{config.tp_size}"
+    parts = [] if replicated else [tp]
     parts.append(f"pp={config.pp_rank}/{config.pp_size}")
     if config.attn_cp_size > 1:
         parts.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
@@ -157,33 +185,42 @@ def shard_of(config: HiCacheStorageConfig, *, tp_sharded: bool = False) -> str:
 class _Attached:
     """What exists once the host pool is registered: its geometry, its bytes, the store."""
 
-    def __init__(self, pool: Any, geometry: PageGeometry, store: SyncBackend, digest: bytes):
+    def __init__(
+        self, pool: Any, geometry: PageGeometry, store: SyncBackend, digests: Sequence[bytes]
+    ):
         self.pool = pool
         self.geometry = geometry
         self.buffer = byte_buffer(pool.kv_buffer)
         self.store = store
-        self.digest = digest  # the namespace's seed: model, layout, shard
+        # The namespaces' seeds (model, layout, shard), one per head slice of a page.
+        self.digests = tuple(digests)
+        if len(self.digests) != geometry.head_slices:
+            raise ValueError(f"{len(self.digests)} namespaces for {geometry.head_slices} slices")
 
     def object_keys(self, keys: Sequence[str]) -> list[bytes]:
-        """The 16-byte keys of every part of every page, page by page."""
+        """The 16-byte keys of every object of every page, page by page (slice by slice
+        within a page, each slice in its own namespace)."""
         if not all(type(key) is str for key in keys):
             bad = next(i for i, key in enumerate(keys) if type(key) is not str)
             raise ValueError(f"keys[{bad}] must be a str (SGLang page hash), got {keys[bad]!r}")
         hasher = xxhash.xxh3_128()
         out = []
+        per_slice = self.geometry.num_objects // len(self.digests)
         for key in keys:
             raw = key.encode()
-            for part in range(self.geometry.num_objects):
-                hasher.reset()
-                hasher.update(self.digest)
-                hasher.update(len(raw).to_bytes(4, "little"))
-                hasher.update(raw)
-                hasher.update(part.to_bytes(2, "little"))
-                out.append(hasher.digest())
+            for digest in self.digests:
+                for part in range(per_slice):
+                    hasher.reset()
+                    hasher.update(digest)
+                    hasher.update(len(raw).to_bytes(4, "little"))
+                    hasher.update(raw)
+                    hasher.update(part.to_bytes(2, "little"))
+                    out.append(hasher.digest())
         return out
 
     def per_page(self, found: Sequence[bool]) -> list[bool]:
-        """Per-object outcomes -> per-page: a page is there only if all its parts are."""
+        """Per-object outcomes -> per-page: a page is there only if all its objects (every
+        part of every head slice) are."""
         n = self.geometry.num_objects
         if n == 1:
             return list(found)
@@ -224,6 +261,7 @@ class HiCacheSGLangStorage(HiCacheStorage):
         self.storage_config = storage_config
         self.settings = StorageSettings.from_storage_config(storage_config)
         self.shard = shard_of(storage_config)
+        self.head_slices = head_slices(storage_config)
         self.attention = "mla" if storage_config.is_mla_model else "mha"
         self.is_writer = storage_config.is_storage_writer
         try:  # a bad scheme or option fails now, before SGLang starts its threads
@@ -252,10 +290,17 @@ class HiCacheSGLangStorage(HiCacheStorage):
             if previous is not None:
                 previous.store.close()
             return
-        geometry = PageGeometry.of_host_pool(mem_pool_host, attention=self.attention)
-        namespace = Namespace(
-            model_id=self.settings.model_id, layout=geometry.descriptor, extra_key=self.shard
+        geometry = PageGeometry.of_host_pool(
+            mem_pool_host, attention=self.attention, head_slices=self.head_slices
         )
+        digests = [
+            Namespace(
+                model_id=self.settings.model_id,
+                layout=geometry.descriptor,
+                extra_key=shard_of(self.storage_config, head_slice=s),
+            ).digest
+            for s in range(self.head_slices)
+        ]
         store = SyncBackend(open_backend(self.settings.url, layout=geometry.descriptor))
         try:
             store.connect()
@@ -265,16 +310,17 @@ class HiCacheSGLangStorage(HiCacheStorage):
         with self._attach_lock:
             previous, self._attached = (
                 self._attached,
-                _Attached(mem_pool_host, geometry, store, namespace.digest),
+                _Attached(mem_pool_host, geometry, store, digests),
             )
         if previous is not None:
             previous.store.close()
         logger.info(
-            "hicache L3 %s attached: %s, namespace %s/%s",
+            "hicache L3 %s attached: %s, namespace %s/%s, %d head slice(s) a page",
             store.backend.name,
             geometry.descriptor,
             self.settings.model_id,
             self.shard,
+            self.head_slices,
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:

@@ -317,27 +317,38 @@ def install_kit_shims() -> None:
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io):
         for layer in range(self.layer_num):
-            for refs, device in ((self.k_data_refs, self.device_k_buffers),
-                                 (self.v_data_refs, self.device_v_buffers)):  # fmt: skip
-                refs[layer][_host_rows(self, host_indices)] = device[layer][device_indices]
+            for kv, device in ((0, self.device_k_buffers), (1, self.device_v_buffers)):
+                host = _host_layer(self, kv, layer)
+                host[_host_rows(self, host_indices)] = device[layer][device_indices]
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io, *, is_draft=False
     ):
         if not is_draft and not 0 <= layer_id < self.target_layer_num:
             return
-        for refs, device in ((self.k_data_refs, self.device_k_buffers),
-                             (self.v_data_refs, self.device_v_buffers)):  # fmt: skip
-            device[layer_id][device_indices] = refs[layer_id][_host_rows(self, host_indices)]
+        for kv, device in ((0, self.device_k_buffers), (1, self.device_v_buffers)):
+            host = _host_layer(self, kv, layer_id)
+            device[layer_id][device_indices] = host[_host_rows(self, host_indices)]
 
     backup_from_device_all_layer.on_cpu = True
     MHATokenToKVPoolHost.backup_from_device_all_layer = backup_from_device_all_layer
     MHATokenToKVPoolHost.load_to_device_per_layer = load_to_device_per_layer
 
 
+def _host_layer(pool, kv: int, layer: int) -> torch.Tensor:
+    """One layer of K (kv=0) or V (1) in the host pool. page_head keeps layers inside a page
+    (pages, heads, page, layers, head_dim): its data refs are not per layer, so slice it."""
+    if pool.layout == "page_head":
+        return pool.kv_buffer[kv][:, :, :, layer]
+    return (pool.k_data_refs, pool.v_data_refs)[kv][layer]
+
+
 def _host_rows(pool, host_indices: torch.Tensor):
-    """The index of host token rows in one layer's view (page_first_direct: page, offset)."""
+    """The index of host token rows in one layer's view (page_first_direct: page, offset;
+    page_head: page, every head, offset)."""
     indices = host_indices.to(torch.int64)
     if pool.layout == "page_first_direct":
         return indices // pool.page_size, indices % pool.page_size
+    if pool.layout == "page_head":
+        return indices // pool.page_size, slice(None), indices % pool.page_size
     return indices

@@ -78,7 +78,7 @@ class HicacheKit(UnifiedRadixCacheStorageFixtures):
         self.addCleanup(cache.cache_controller._stop_storage_threads)
 
 
-@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_sglang_kit_l3_round_trip_through_hicache(page_size, layout):
     class Case(HicacheKit, unittest.TestCase):

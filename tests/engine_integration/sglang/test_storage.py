@@ -67,18 +67,22 @@ def command_line_config(url: str) -> dict:
     return json.loads(text)
 
 
-def storage_config(extra: dict, *, mla=False, tp=(0, 1), model="org/model-8b", metrics=False):
+def storage_config(
+    extra: dict, *, mla=False, tp=(0, 1), model="org/model-8b", metrics=False, tp_lcm_size=None
+):
     return HiCacheStorageConfig(
         tp_rank=tp[0], tp_size=tp[1], pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
-        model_name=model, extra_config=extra,
+        model_name=model, extra_config=extra, tp_lcm_size=tp_lcm_size,
+        should_split_heads=bool(tp_lcm_size and tp_lcm_size > tp[1] and not mla),
     )  # fmt: skip
 
 
-def host_pool(attention="mha", layout="page_first", dtype=torch.bfloat16, seed=0):
+def host_pool(attention="mha", layout="page_first", dtype=torch.bfloat16, seed=0, heads=2):
     """SGLang's real host pool (MLA: kv_lora_rank 8 + rope 4), filled with random bits."""
     pool = real_host_pool(
         attention, layout, layer_num=3, page_size=PAGE, num_pages=NUM_PAGES, dtype=dtype,
+        head_num=heads,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=generator))
@@ -351,6 +355,126 @@ def test_a_damaged_or_foreign_page_is_a_miss(how, store_kind, file_url, request)
     ours.close()
 
 
+# -- page_head and tp_lcm_size (heads split across tp sizes) -----------------------------------
+
+
+def heads_of(pool, page: int, first: int, count: int) -> torch.Tensor:
+    """The K and V of heads [first, first+count) of one page_head page, as bits."""
+    data = pool.get_data_page(page * PAGE, flat=False)  # (2, 1, heads, page, layers, dim)
+    return data[:, :, first : first + count].view(torch.int16).clone()
+
+
+def test_page_head_round_trips_bitwise_through_v1_v2_and_flat_pages(file_url):
+    url = file_url()
+    writer_pool = host_pool(layout="page_head", seed=40, heads=4)
+    writer = attach(url, writer_pool)
+    keys = keys_of(0, 1, 2)
+    assert writer.batch_set_v1(keys[:2], indices(5, 0)) == [True, True]
+    kv = PoolName.KV
+    assert writer.batch_set_v2([PoolTransfer(kv, indices(3), keys=keys[2:])]) == {kv: [True]}
+    expected = [page_bits(writer_pool, p) for p in (5, 0, 3)]
+    writer.close()
+
+    reader_pool = host_pool(layout="page_head", seed=41, heads=4)
+    untouched = page_bits(reader_pool, 7)
+    reader = attach(url, reader_pool)
+    assert reader.batch_exists(keys) == 3
+    assert reader.batch_exists_v2(keys).kv_hit_pages == 3
+    got = reader.batch_get_v2([PoolTransfer(kv, indices(2, 6), keys=keys[:2])])
+    assert got == {kv: [True, True]}
+    assert reader.batch_get_v1(keys[2:], indices(4)) == [True]
+    for page, bits in zip((2, 6, 4), expected, strict=True):
+        assert torch.equal(page_bits(reader_pool, page), bits)
+    assert torch.equal(page_bits(reader_pool, 7), untouched)
+    flats = reader.batch_get(keys, [reader_pool.get_dummy_flat_data_page() for _ in keys])
+    assert all(torch.equal(f.view(torch.int16), b) for f, b in zip(flats, expected, strict=True))
+    assert reader.backend_stats().num_corrupt_total == 0
+    reader.close()
+
+
+def test_a_tp1_writer_is_read_by_two_tp2_ranks_each_getting_its_heads(file_url):
+    url = file_url()
+    writer_pool = host_pool(layout="page_head", seed=42, heads=4)
+    writer = attach(url, writer_pool, tp=(0, 1), tp_lcm_size=2)
+    assert writer._attached.geometry.num_objects == 4  # 2 head slices x (K, V)
+    keys = keys_of(0, 1)
+    assert writer.batch_set_v1(keys, indices(1, 6)) == [True, True]
+    # The flat-page path stores the same objects: a third page through set().
+    flat_key = keys_of("flat")[0]
+    assert writer.set(flat_key, writer_pool.get_data_page(2 * PAGE))
+    writer.close()
+    for rank in (0, 1):
+        pool = host_pool(layout="page_head", seed=43 + rank, heads=2)
+        reader = attach(url, pool, tp=(rank, 2), tp_lcm_size=2)
+        assert reader.batch_exists(keys + [flat_key]) == 3
+        assert reader.batch_get_v1(keys + [flat_key], indices(3, 0, 5)) == [True] * 3
+        for mine, theirs in ((3, 1), (0, 6), (5, 2)):
+            want = heads_of(writer_pool, theirs, 2 * rank, 2)
+            assert torch.equal(heads_of(pool, mine, 0, 2), want)
+        reader.close()
+
+
+def test_two_tp2_writers_are_read_whole_by_a_tp1_rank(file_url):
+    url = file_url()
+    keys = keys_of(0, 1)
+    writer_pools = []
+    for rank in (0, 1):
+        pool = host_pool(layout="page_head", seed=50 + rank, heads=2)
+        writer = attach(url, pool, tp=(rank, 2), tp_lcm_size=2)
+        half = writer.batch_set_v2([PoolTransfer(PoolName.KV, indices(4, 2), keys=keys)])
+        assert half == {PoolName.KV: [True, True]}
+        writer_pools.append(pool)
+        if rank == 0:  # one rank's heads alone are not a page at tp 1
+            reader = attach(url, host_pool(layout="page_head", seed=52, heads=4), tp_lcm_size=2)
+            assert reader.batch_exists(keys) == 0
+            assert reader.batch_get_v1(keys, indices(0, 1)) == [False, False]
+            reader.close()
+        writer.close()
+    pool = host_pool(layout="page_head", seed=53, heads=4)
+    reader = attach(url, pool, tp=(0, 1), tp_lcm_size=2)
+    assert reader.batch_exists(keys) == 2
+    assert reader.batch_get_v2([PoolTransfer(PoolName.KV, indices(7, 0), keys=keys)]) == {
+        PoolName.KV: [True, True]
+    }
+    for mine, theirs in ((7, 4), (0, 2)):
+        whole = torch.cat([heads_of(p, theirs, 0, 2) for p in writer_pools], dim=2)
+        assert torch.equal(heads_of(pool, mine, 0, 4), whole)
+    # SGLang's flat-page path reads the same slices, each to its heads' place.
+    flat = reader.get(keys[1], pool.get_dummy_flat_data_page())
+    assert torch.equal(flat.view(torch.int16), page_bits(pool, 0))
+    reader.close()
+
+
+def test_one_damaged_head_slice_makes_the_whole_page_a_miss(file_url):
+    url = file_url()
+    writer_pool = host_pool(layout="page_head", seed=60, heads=4)
+    writer = attach(url, writer_pool, tp_lcm_size=2)
+    keys = keys_of(0, 1)
+    assert writer.batch_set_v1(keys, indices(0, 1)) == [True, True]
+    objects = writer._attached.object_keys(keys[:1])  # page 0: slice 0 K, V; slice 1 K, V
+    store = writer._attached.store
+    blob = store.batch_get_objects([objects[3]], verify=False)[0]
+    assert store.batch_put_objects([objects[3]], [_damage(blob, "corrupt", b"")], verify=False)
+    writer.close()
+
+    pool = host_pool(layout="page_head", seed=61, heads=4)
+    reader = attach(url, pool, tp_lcm_size=2)
+    assert reader.batch_get_v1(keys, indices(5, 6)) == [False, True]
+    assert torch.equal(page_bits(pool, 6), page_bits(writer_pool, 1))
+    assert reader.get(keys[0]) is None
+    assert reader.backend_stats().num_corrupt_total == 2
+    # The rank at tp 2 whose heads are the intact slice still has its page.
+    rank0_pool = host_pool(layout="page_head", seed=62, heads=2)
+    rank0 = attach(url, rank0_pool, tp=(0, 2), tp_lcm_size=2)
+    assert rank0.batch_get_v1(keys[:1], indices(3)) == [True]
+    assert torch.equal(heads_of(rank0_pool, 3, 0, 2), heads_of(writer_pool, 0, 0, 2))
+    rank1 = attach(url, host_pool(layout="page_head", seed=63, heads=2), tp=(1, 2), tp_lcm_size=2)
+    assert rank1.batch_get_v1(keys[:1], indices(3)) == [False]
+    reader.close()
+    rank0.close()
+    rank1.close()
+
+
 # -- a slow or dead store --------------------------------------------------------------------
 
 
@@ -433,10 +557,8 @@ def test_config_errors_name_the_field(file_url, monkeypatch):
         _create({**base, "url": file_url().replace("capacity", "capacty")})
     with pytest.raises(BackendConfigError, match="'model_id'"):
         _create(base, model=None)
-    with pytest.raises(BackendConfigError, match="tp_lcm_size"):
-        cfg = storage_config(base)
-        cfg.tp_lcm_size = 4
-        HiCacheSGLangStorage(cfg, {})
+    with pytest.raises(BackendConfigError, match="tp_lcm_size=3 must be a multiple of tp_size=2"):
+        HiCacheSGLangStorage(storage_config(base, tp=(0, 2), tp_lcm_size=3), {})
     with pytest.raises(BackendConfigError, match="dcp_size=2: decode context parallelism"):
         cfg = storage_config(base, mla=True)
         cfg.dcp_size = 2
@@ -446,10 +568,14 @@ def test_config_errors_name_the_field(file_url, monkeypatch):
     assert named.settings.model_id == "org/by-id"
     assert named.batch_set_v1(keys_of(0), indices(0)) == [True]
     named.close()
-    with pytest.raises(BackendConfigError, match="host layout 'page_head'"):
-        pool = host_pool()
-        pool.layout = "page_head"
-        _create(base, pool)
+    with pytest.raises(BackendConfigError, match="host layout 'page_head' .* for mla"):
+        pool = host_pool("mla")
+        pool.layout = "page_head"  # SGLang's MLA pool has none; a stand-in claiming one
+        _create(base, pool, mla=True)
+    with pytest.raises(BackendConfigError, match="tp_lcm_size .* needs --hicache-mem-layout"):
+        _create(base, host_pool(heads=4), tp=(0, 2), tp_lcm_size=4)  # page_first
+    with pytest.raises(BackendConfigError, match="tp_lcm_size splits each page's 2 KV heads 4"):
+        _create(base, host_pool(layout="page_head"), tp=(0, 1), tp_lcm_size=4)
     backend = _create(base)
     with pytest.raises(BackendConfigError, match="host pool 'mamba' .* has no get_data_page"):
         backend.register_mem_host_pool_v2(object(), "mamba")
