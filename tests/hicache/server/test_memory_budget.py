@@ -162,12 +162,17 @@ def test_one_tenant_at_its_stream_limit_never_refuses_another(start_daemon, two_
     streams = [Stream(c, "a", 100, piece_bytes=1024, gap_s=2.0) for c in channels for _ in range(4)]
     healthy = Healthy(daemon.address, files["b"])
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while sum(s.code() is None and s.sent > 0 for s in streams) < 2:
             assert time.monotonic() < deadline, [(s.code(), s.sent) for s in streams]
             time.sleep(0.05)
-        while sum(s.code() is not None for s in streams) < len(streams) - 4:
-            assert time.monotonic() < deadline, [s.code() for s in streams]
+        # Every stream past a's share (2 of the 4 while b may come) is refused as it opens:
+        # wait for all those answers (a loaded machine delivers them late; counting them
+        # when 8 had come left refusals still on their way counted as held streams).
+        while sum(s.code() is not None for s in streams) < len(streams) - 2:
+            assert time.monotonic() < deadline, (
+                f"tenant a holds more than 2 of --max-streams 4: {[s.code() for s in streams]}"
+            )
             time.sleep(0.05)
         open_streams = sum(s.code() is None for s in streams)
         assert 1 <= open_streams <= 2, f"tenant a holds {open_streams} of --max-streams 4"
