@@ -42,22 +42,29 @@ def run_one(engine: Engine, tokens, params: SamplingParams = GREEDY, **kwargs):
     return outputs[request.request_id]
 
 
-def run_through_tiers(model, config: EngineConfig, sizes, first, second, params) -> dict:
-    """`first` cold on a cache of `sizes`, then `second` as a hit from L1, from L2 (L1
-    evicted), and from L3 on a new cache over the same store: {"cold", "L1 hit", "L2 hit",
-    "L3 hit"} -> its output."""
+def run_through_tiers(
+    model, config: EngineConfig, sizes, first, second, params, *, with_stats: bool = False
+) -> dict:
+    """`first` cold on a cache of `sizes` (or several warm-up prompts in turn: a dict of
+    label -> tokens), then `second` as a hit from L1, from L2 (L1 evicted), and from L3 on a
+    new cache over the same store: {"cold" (or the labels), "L1 hit", "L2 hit", "L3 hit"} ->
+    its output; `with_stats`: and "stats", the first cache's stats after the L2 hit."""
     from engine_integration.engine.embedded import build_cache
 
+    warm_up = first if isinstance(first, dict) else {"cold": first}
     out = {}
     cache = build_cache(model, config, sizes)
     try:
         engine = Engine(model, config, cache=cache)
-        out["cold"] = run_one(engine, first, params)
+        for label, tokens in warm_up.items():
+            out[label] = run_one(engine, tokens, params)
         out["L1 hit"] = run_one(engine, second, params)
         cache.flush()
         cache.evict("l1", 10_000)
         out["L2 hit"] = run_one(engine, second, params)
         cache.flush()
+        if with_stats:
+            out["stats"] = cache.stats()
     finally:
         cache.close()
     cache = build_cache(model, config, sizes)

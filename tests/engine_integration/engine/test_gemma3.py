@@ -28,7 +28,7 @@ from engine_integration.engine.errors import CheckpointError
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.model.hf_config import read_hf_config, write_hf_config
 from engine_integration.engine.sampling import SamplingParams
-from tests.support.engines import cache_off, random_prompt, run_one
+from tests.support.engines import cache_off, random_prompt, run_one, run_through_tiers
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,34 +123,15 @@ def _scenarios(model, first, second, third, tmp_path, params):
     `first` warmed the cache and `second` (which parts from `first` where `third` does)
     took the sidecar there, as a hit from L1, from L2 (L1 evicted) and from L3 (a new cache
     over the same store). `second` is served shorter: no sidecar at its boundary yet."""
-    from engine_integration.engine.embedded import build_cache
-
     url = f"file://{tmp_path}/l3?capacity=64MiB"
-    out = {
+    sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
+    warm_up = {"cold": first, "cut": second}
+    return {
         "cache off": run_one(cache_off(model, CONFIG), third, params),
         "cache off, dense": run_one(cache_off(model, DENSE), third, params),
+        "cut, cache off": run_one(cache_off(model, CONFIG), second, params),
+        **run_through_tiers(model, CONFIG, sizes, warm_up, third, params, with_stats=True),
     }
-    sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
-    cache = build_cache(model, CONFIG, sizes)
-    try:
-        engine = Engine(model, CONFIG, cache=cache)
-        out["cold"] = run_one(engine, first, params)
-        out["cut"] = run_one(engine, second, params)
-        out["cut, cache off"] = run_one(cache_off(model, CONFIG), second, params)
-        out["L1 hit"] = run_one(engine, third, params)
-        cache.flush()
-        cache.evict("l1", 10_000)
-        out["L2 hit"] = run_one(engine, third, params)
-        cache.flush()
-        out["stats"] = cache.stats()
-    finally:
-        cache.close()
-    cache = build_cache(model, CONFIG, sizes)
-    try:
-        out["L3 hit"] = run_one(Engine(model, CONFIG, cache=cache), third, params)
-    finally:
-        cache.close()
-    return out
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 
-_SCRIPT = r"""
+_PRELUDE = r"""
 import json, re
 try:
     import triton
@@ -28,7 +28,6 @@ try:
     from triton.compiler import ASTSource
 except ImportError as exc:
     print(json.dumps({"unavailable": str(exc)})); raise SystemExit
-from engine_integration.engine.model import paged_attention as pa
 
 def ptx(kernel, types, constexprs, options):
     signature = {name: "constexpr" for name in constexprs}
@@ -40,6 +39,12 @@ def ptx(kernel, types, constexprs, options):
 
 def count(text, pattern):
     return len(re.findall(pattern, text))
+"""
+
+_SCRIPT = (
+    _PRELUDE
+    + r"""
+from engine_integration.engine.model import paged_attention as pa
 
 split_types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "table_ptr": "*i64", "part_ptr": "*fp32",
                "lse_ptr": "*fp32", "step_ptr": "*i64", "start": "i32", "num_rows": "i32",
@@ -58,6 +63,7 @@ text = ptx(pa._write_kernel, write_types,
 out["write"] = [count(text, r"st\.global[^\n]*\.v4"), count(text, r"st\.global")]
 print(json.dumps(out))
 """
+)
 
 
 def test_the_graphs_kernels_keep_their_loads_vectorised():
@@ -78,26 +84,10 @@ def test_the_graphs_kernels_keep_their_loads_vectorised():
     assert vector_stores == stores > 0, counts  # a K/V row: 16-byte stores
 
 
-_DETERMINISTIC_SCRIPT = r"""
-import json, re
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError as exc:
-    print(json.dumps({"unavailable": str(exc)})); raise SystemExit
+_DETERMINISTIC_SCRIPT = (
+    _PRELUDE
+    + r"""
 from engine_integration.engine.model import deterministic as d, deterministic_attention as da
-
-def ptx(kernel, types, constexprs, options):
-    signature = {name: "constexpr" for name in constexprs}
-    signature.update(types)
-    pointers = [i for i, name in enumerate(kernel.arg_names) if types.get(name, "").startswith("*")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-
-def count(text, pattern):
-    return len(re.findall(pattern, text))
 
 out = {}
 g = d.GEMM_16BIT
@@ -128,6 +118,7 @@ text = ptx(da._combine_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "out_pt
 out["combine"] = [1, count(text, r"fma\.rn\.f32")]
 print(json.dumps(out))
 """
+)
 
 
 def test_the_deterministic_kernels_compile_for_sm90_with_no_contraction():
