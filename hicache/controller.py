@@ -62,6 +62,7 @@ class HiCache:
             l2_load_prior_bytes_per_s=config.policy.l2_load_prior_bytes_per_s,
             l3_latency_prior_s=config.policy.l3_latency_prior_s,
         )
+        self._store_probe: PrefetchOp | None = None  # a read measuring L3 (`_probe_store`)
         link = executor.link_sample()
         if link is not None:
             self._rates.record_load(*link)
@@ -573,15 +574,28 @@ class HiCache:
             self._rates.record_lookup(self._executor.now() - began)
             if found:
                 end = self._tree.extend_l3(end, data, first.matched_pages + found).last_node
-        num_pages = first.num_l3_pages + found
-        if not fetch_all:
-            num_pages = self._pages_worth_fetching(data, first, num_pages)
+        held = first.num_l3_pages + found
+        num_pages = held if fetch_all else self._pages_worth_fetching(data, first, held)
         if num_pages < self._policy.prefetch_min_pages:
+            if not fetch_all:
+                self._probe_store(end, self._run_to_fetch(data, first, held))
             return end, None
         tail = self._l3_cut(RadixTree.trailing(end, Tier.L3), num_pages)
         op = self._mover.submit_prefetch(tail) if tail is not None else None
         self._mover.trim_l3_index()
         return end, op
+
+    def _probe_store(self, end: Node, run: RunToFetch) -> None:
+        """Read the first batch of `run`, which the request recomputes, into L2 off its path,
+        while the store's read rate is only a prior (`FetchRates.probe_pages`)."""
+        if self._policy.l3_fetch_policy == "always":
+            return
+        if self._store_probe is not None and not self._store_probe.done:
+            return
+        num_pages = self._rates.probe_pages(run)
+        tail = self._l3_cut(RadixTree.trailing(end, Tier.L3), num_pages) if num_pages else None
+        if tail is not None:
+            self._store_probe = self._mover.submit_prefetch(tail)
 
     def _pages_worth_fetching(self, data: bytes, match: MatchResult, num_l3_pages: int) -> int:
         """How many of the L3 pages past the L1/L2 hit to fetch: all (`always`), or the

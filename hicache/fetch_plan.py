@@ -21,7 +21,11 @@ choice does). Before L3 has been read once, a read is not free: it is weighed at
 read rate, with the prior latency (`l3_latency_prior_s`, what a store's first read costs
 once: its reader's threads starting, its tables read) as its round trip, so a short run is
 recomputed until a read has measured the store, and a new cache's first hit is never slower
-than cold; a run worth even that read is fetched (and measures the store).
+than cold; a run worth even that read is fetched (and measures the store). A run declined
+on the prior alone has its first read batch read into L2 in the background (`probe_pages`;
+one probe at a time, none once measured): its request recomputes, and the store is measured
+off any request's path, so a prior far below the store's real rate costs two hits, not
+every hit until a probe.
 A match asks `worth_looking` before its L3 lookup: when no fetch of the run could pay even
 if L3 held every page of it, the lookup is skipped too (on the H200 a 1K-token L3 hit that
 fetched nothing cost 0.9x of cold in its lookup and decision). Every `PROBE_EVERY` runs
@@ -226,7 +230,9 @@ class FetchRates:
         compute = self.compute
         if compute is None or best_case.num_pages == 0:
             return best_case.num_pages > 0  # unmeasured: the whole run is fetched
-        read_bytes_per_s, latency_s, _ = self._store_rates()
+        read_bytes_per_s, latency_s, measured = self._store_rates()
+        if not measured and self._worth_probing(best_case, compute):
+            return True  # what L3 holds may be read in the background (`probe_pages`)
         if _any_fetch_pays(best_case, compute, read_bytes_per_s, latency_s, self.l2_load.value):
             return True
         self._declined_in_a_row += 1
@@ -236,6 +242,26 @@ class FetchRates:
             return True
         self.lookups_skipped += 1
         return False
+
+    def probe_pages(self, run: RunToFetch) -> int:
+        """Pages of `run`, which a request recomputes, to read into L2 in the background while
+        the store's read rate is still the prior: one read batch, enough for a sample. Its
+        request never waits for it; the next plans weigh what the store measured instead of a
+        prior that may be far off either way (a file:// store on NVMe read at 29 GB/s against
+        the prior's 2 on the H200, so every L3 hit was recomputed). 0 once a read is
+        measured, when the batch is too small to be a sample, or when no store however fast
+        could make a fetch of the run pay."""
+        compute = self.compute
+        if self.l3_read.num_samples or compute is None or not self._worth_probing(run, compute):
+            return 0
+        return min(run.num_pages, run.batch_pages)
+
+    def _worth_probing(self, run: RunToFetch, compute: ComputeFit) -> bool:
+        """Whether measuring the store could change a plan for `run`: its first batch is big
+        enough to be a sample, and a fetch would pay from a store of no cost."""
+        if min(run.num_pages, run.batch_pages) * run.page_bytes < _MIN_READ_BYTES:
+            return False
+        return _any_fetch_pays(run, compute, math.inf, 0.0, self.l2_load.value)
 
     def worth_loading(self, run: RunToFetch) -> bool:
         """Whether loading all of `run`, an L2 run past the L1 hit, into L1 beats

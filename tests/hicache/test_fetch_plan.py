@@ -208,6 +208,28 @@ def test_the_controller_fetches_a_run_from_a_fast_store(cache_with):
     assert cache.fetch_rates().pages_declined == 0
 
 
+def test_a_store_the_prior_undersells_is_measured_off_the_request_path(cache_with):
+    """A prior far below the store (1 MB/s against 10 GB/s) declines the first hits, but
+    each reads its first batch into L2 in the background, one at a time, so after the two
+    reads that measure the store (the first is no sample) its hits are fetched."""
+    cache, store = cache_with(read_bytes_per_s=10e9, l3_read_prior_bytes_per_s=1e6)
+    report_engine_steps(cache, seconds_per_row=1e-4)
+    executor = cache.executor
+    for seed in (1, 2):
+        match = l3_match(cache, store, seed=seed)
+        assert match.num_l3_pages == 0  # recomputed: the request never waits for the probe
+        assert l3_match(cache, store, seed=seed + 10).num_l3_pages == 0  # a probe is running
+        assert cache.stats().prefetches_issued == seed
+        executor.advance_to(executor.next_done_s())
+        again = cache.match(prompt(seed), NS)  # served by what the probe read
+        cache.release(again)
+        assert again.num_l2_pages + again.num_l3_pages == 32
+    assert cache.fetch_rates().num_read_samples == 1
+    assert cache.fetch_rates().l3_read_bytes_per_s == pytest.approx(10e9, rel=0.05)
+    assert l3_match(cache, store, seed=3).num_l3_pages == 32
+    assert l3_match(cache, store, seed=4).num_l3_pages == 32
+
+
 def test_the_controller_recomputes_rather_than_read_a_slow_store(cache_with):
     cache, store = cache_with(read_bytes_per_s=50e6)  # 16 MiB: 0.34 s of reading
     # 512 tokens: 15 ms of compute; the prior (2 GB/s, 2 ms) says 11 ms: read, and measure
