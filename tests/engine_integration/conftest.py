@@ -7,18 +7,7 @@ import torch
 
 from engine_integration.engine.core import Engine
 from engine_integration.engine.embedded import CacheSizes, build_cache, load_model
-from hicache.config import PolicyConfig
-from tests.support.engines import ENGINE, SMALL
-
-# Write-through (so L2 holds every page), waiting for L3 prefetches, and every L2 and L3 run
-# loaded whatever the rates (the load-or-recompute choice rests on timings): deterministic
-# tiers. Tests of that choice pass a measured policy of their own.
-TEST_POLICY = PolicyConfig(
-    write_policy="write_through",
-    prefetch_policy="wait_complete",
-    l3_fetch_policy="always",
-    l2_load_policy="always",
-)
+from tests.support.engines import ENGINE, SMALL, TEST_POLICY
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ import random
 from engine_integration.engine.core import Engine
 from engine_integration.engine.model.config import EngineConfig, ModelConfig
 from engine_integration.engine.sampling import SamplingParams
+from hicache.config import PolicyConfig
 
 # 4 layers (2 source, 2 late), a 32-token window, 16-token pages, 8-row blocks.
 SMALL = ModelConfig(
@@ -23,6 +24,15 @@ SMALL = ModelConfig(
 )
 ENGINE = EngineConfig(page_size=16, block_tokens=8, prefill_chunk_tokens=64, max_running_requests=4)
 GREEDY = SamplingParams(max_new_tokens=6, return_logits=True)
+# Write-through (so L2 holds every page), waiting for L3 prefetches, and every L2 and L3 run
+# loaded whatever the rates (the load-or-recompute choice rests on timings): deterministic
+# tiers. Tests of that choice pass a measured policy of their own.
+TEST_POLICY = PolicyConfig(
+    write_policy="write_through",
+    prefetch_policy="wait_complete",
+    l3_fetch_policy="always",
+    l2_load_policy="always",
+)
 
 
 def random_prompt(seed: int, length: int, vocab: int = 96) -> list[int]:

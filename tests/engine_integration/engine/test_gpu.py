@@ -12,8 +12,7 @@ from engine_integration.engine.core import Engine
 from engine_integration.engine.embedded import CacheSizes, build_cache, load_model
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.sampling import SamplingParams
-from hicache.config import PolicyConfig
-from tests.support.engines import SMALL, random_prompt, run_one
+from tests.support.engines import SMALL, TEST_POLICY, random_prompt, run_one
 from tests.support.reference_model import reference_logits
 
 pytestmark = [
@@ -25,14 +24,7 @@ GPU = EngineConfig(device="cuda", page_size=16, prefill_chunk_tokens=64, max_run
 # A model with the tiny model's proportions but wider heads, as real models have.
 GPU_MODEL = SMALL.replace(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=128)
 PARAMS = SamplingParams(max_new_tokens=4, return_logits=True)
-# Every tier served whatever the rates (a 592-token run of this small model is not worth an
-# unread store's first read by the priors): the tests compare tiers bitwise.
-POLICY = PolicyConfig(
-    write_policy="write_through",
-    prefetch_policy="wait_complete",
-    l3_fetch_policy="always",
-    l2_load_policy="always",
-)
+POLICY = TEST_POLICY  # every tier served whatever the rates: tiers compared bitwise
 
 
 def _relative_error(actual, expected):

@@ -21,8 +21,7 @@ from engine_integration.engine.model import deterministic, deterministic_attenti
 from engine_integration.engine.model.config import EngineConfig, ModelConfig, tiny_model_config
 from engine_integration.engine.model.forward import Model
 from engine_integration.engine.sampling import SamplingParams
-from hicache.config import PolicyConfig
-from tests.support.engines import random_prompt, run_one, run_through_tiers
+from tests.support.engines import TEST_POLICY, random_prompt, run_one, run_through_tiers
 from tests.support.reference_model import reference_logits
 
 pytestmark = [
@@ -53,7 +52,7 @@ UNCHUNKED = EngineConfig(
 )
 CHUNKED = dataclasses.replace(UNCHUNKED, prefill_chunk_tokens=64)
 PARAMS = SamplingParams(max_new_tokens=4, return_logits=True)
-POLICY = PolicyConfig(write_policy="write_through", prefetch_policy="wait_complete")
+POLICY = TEST_POLICY  # every tier served whatever the rates: tiers compared bitwise
 BOUNDARIES = (64, 256, 432)  # page-aligned prefixes a hit covers
 FIRST_TOKENS = 600
 
