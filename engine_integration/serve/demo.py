@@ -111,9 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--fresh", action="store_true", help="empty the default L3 directory first")
     add(
         "--deterministic",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="CUDA: batch-invariant kernels, so a hit gives the cache-off logits bit for bit "
-        "(EngineConfig.deterministic)",
+        "(EngineConfig.deterministic; default: on with --device cuda where the model's "
+        "shape allows, off on the CPU, whose kernels are batch-invariant already)",
     )
     add("--debug", action="store_true", help="on a mistake, print the traceback too")
 

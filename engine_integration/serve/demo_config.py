@@ -34,7 +34,7 @@ class DemoConfig:
     threads: int = 1  # torch CPU threads (steady on a busy machine; more can help when idle)
     compare: bool = True  # also run with the cache off
     fresh: bool = False  # empty the default L3 directory first
-    deterministic: bool = False  # EngineConfig.deterministic (CUDA)
+    deterministic: bool | None = None  # EngineConfig.deterministic; None: on CUDA if it can
 
     def __post_init__(self) -> None:
         positive = (

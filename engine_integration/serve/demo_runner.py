@@ -133,10 +133,10 @@ def run_demo(config: DemoConfig) -> int:
         device=config.device,
         page_size=config.page_size,
         max_running_requests=config.concurrency,
-        deterministic=config.deterministic,
+        deterministic=bool(config.deterministic),
     )
     with step(f"loading {_model_name(model_path)}"):
-        model, tokenizer = load_model(model_path, engine_config, seed=config.seed)
+        model, tokenizer, engine_config = _load(model_path, engine_config, config)
     model = _with_window_layers(model, config, model_path is not None)
     # Per request in flight: with 10 L1 pages and 4 requests at once, only one or two fit
     # their reservation, and the rest queue behind whole answers, while the cache-off run
@@ -188,6 +188,19 @@ def run_demo(config: DemoConfig) -> int:
     _print_table(records, config.compare)
     _print_totals(records, stats, sizes.l3_url, time.perf_counter() - started)
     return 0
+
+
+def _load(model_path: str | None, engine_config: EngineConfig, config: DemoConfig):
+    """The model, its tokenizer and the engine config it runs with: on CUDA the
+    deterministic kernels unless turned off or the model's shape is one they do not take
+    (then the default path, said in a line)."""
+    if config.deterministic is None and config.device.startswith("cuda"):
+        deterministic = dataclasses.replace(engine_config, deterministic=True)
+        try:
+            return (*load_model(model_path, deterministic, seed=config.seed), deterministic)
+        except ValueError as error:
+            _say(f"\nhicache demo: the default CUDA kernels, not the deterministic ones: {error}")
+    return (*load_model(model_path, engine_config, seed=config.seed), engine_config)
 
 
 def _model_name(model_path: str | None) -> str:
