@@ -51,6 +51,7 @@ GEMM_16BIT = GemmTiles(block_m=128, block_n=128, block_k=64, warps=8, stages=3)
 # float32: full-precision products (no TF32, as torch's default matmul), smaller tiles.
 GEMM_32BIT = GemmTiles(block_m=64, block_n=64, block_k=32, warps=4, stages=2)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_GROUP_M = 8  # row tiles launched together down a column of tiles (launch order only)
 
 
 def gemm_tiles(dtype: torch.dtype) -> GemmTiles:
@@ -84,28 +85,39 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     # out[rows, cols] = x[rows, :] @ w[cols, :]^T (+ bias[cols]): the K loop runs from 0 up in
-    # BLOCK_K steps, accumulating in float32, whatever num_rows is
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # BLOCK_K steps, accumulating in float32, whatever num_rows is. Tiles are launched GROUP_M
+    # row tiles at a time down each column of tiles (the weight tile stays in L2 for them):
+    # which program computes a tile changes no bits, only the order tiles run in.
+    tiles_m = tl.cdiv(num_rows, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_m
+    tile_n = (pid % (GROUP_M * tiles_n)) // group_m
+    rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     live_rows = rows < num_rows
     live_cols = cols < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
-        inside = (k + ks) < K
-        a = tl.load(
-            x_ptr + rows[:, None] * x_stride + (k + ks)[None, :],
-            mask=live_rows[:, None] & inside[None, :],
-            other=0.0,
-        )
+        if K % BLOCK_K == 0:  # every K column inside: the same values, unmasked loads
+            a_mask = live_rows[:, None]
+            b_mask = live_cols[None, :]
+        else:
+            inside = (k + ks) < K
+            a_mask = live_rows[:, None] & inside[None, :]
+            b_mask = inside[:, None] & live_cols[None, :]
+        a = tl.load(x_ptr + rows[:, None] * x_stride + (k + ks)[None, :], mask=a_mask, other=0.0)
         b = tl.load(
-            w_ptr + cols[None, :].to(tl.int64) * K + (k + ks)[:, None],
-            mask=inside[:, None] & live_cols[None, :],
-            other=0.0,
+            w_ptr + cols[None, :].to(tl.int64) * K + (k + ks)[:, None], mask=b_mask, other=0.0
         )
         if UPCAST:  # (the interpreter's bfloat16 dot is wrong: tiers.jit)
             a, b = a.to(tl.float32), b.to(tl.float32)
@@ -145,7 +157,7 @@ def matmul(
     if not rows:
         return out
     tiles = gemm_tiles(x.dtype)
-    grid = (triton.cdiv(rows, tiles.block_m), triton.cdiv(n, tiles.block_n))
+    grid = (triton.cdiv(rows, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
     _matmul_kernel[grid](
         x,
         weight,
@@ -160,6 +172,7 @@ def matmul(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
+        GROUP_M=_GROUP_M,
         PRECISION=_precision(x.dtype),
         UPCAST=_upcast(x.dtype),
         num_warps=tiles.warps,

@@ -95,7 +95,7 @@ text = ptx(d._matmul_kernel,
            {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
             "num_rows": "i32", "x_stride": "i32", "out_stride": "i32"},
            {"N": 2048, "K": 2048, "HAS_BIAS": False, "BLOCK_M": g.block_m, "BLOCK_N": g.block_n,
-            "BLOCK_K": g.block_k, "PRECISION": "tf32", "UPCAST": False},
+            "BLOCK_K": g.block_k, "GROUP_M": d._GROUP_M, "PRECISION": "tf32", "UPCAST": False},
            {"num_warps": g.warps, "num_stages": g.stages})
 out["matmul"] = [count(text, r"wgmma\.mma_async"), count(text, r"mma\.sync")]
 t = da.tiles_for(64)
