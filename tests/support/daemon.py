@@ -41,6 +41,7 @@ class DaemonProcess:
         self.port: int | None = None
         self.proc: subprocess.Popen | None = None
         self.output: list[str] = []
+        self._drainer: threading.Thread | None = None
 
     @property
     def address(self) -> str:
@@ -61,7 +62,8 @@ class DaemonProcess:
         )
         first = self._read_until_listening(timeout_s)
         self.port = int(first)
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
         self.wait_serving(timeout_s)
         return self
 
@@ -120,6 +122,7 @@ class DaemonProcess:
         if self.alive():
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
+            self._drained()
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM: graceful shutdown. Returns the exit status."""
@@ -129,7 +132,13 @@ class DaemonProcess:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+            self._drained()
         return self.proc.returncode if self.proc is not None else 0
+
+    def _drained(self) -> None:
+        """Wait for the exited daemon's last lines to reach `log` (the pipe's end)."""
+        if self._drainer is not None:
+            self._drainer.join(timeout=10)
 
     def restart(self) -> DaemonProcess:
         self.stop()
