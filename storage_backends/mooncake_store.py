@@ -7,7 +7,10 @@
 A page is one Mooncake object, `<prefix><32 hex digits of the key>`, holding the encoded object
 (header, then payload), so every read is checked like any other backend's: key, layout,
 checksum and, with a tenant secret, the MAC; a damaged, foreign or truncated object is a counted
-miss. Writes are upserts: a page rewritten under its key replaces the old one.
+miss. Writes are Mooncake puts, which keep an object the store holds already (keys are content
+addresses: the object under a key normally holds that very page; a put is cheaper than an
+upsert, and a direct put needs no look first); an object a read refuses is removed
+(`put_keeps_existing`: counted under `num_dropped`), so the next put of its key refills it.
 
 Pages move through registered memory, never through Python `bytes`, in one of two ways.
 
@@ -18,12 +21,11 @@ Pages move through registered memory, never through Python `bytes`, in one of tw
   A round moves in chunks of 8 MiB or more, the next chunk framed, or the last checked, while
   one moves (`workers.overlapped`). The pages a transfer moves are marked in
   `lent.LentRegions` while it runs: one that outlives its call leaves them quarantined
-  (`quarantined`) until it is over. Pages the store already holds are upserted staged
-  (Mooncake's put keeps what it has). An object of another size (damaged, signed, lz4)
+  (`quarantined`) until it is over. An object of another size (damaged, signed, lz4)
   moves nothing and is read again staged.
 - Staged, for everything else: the backend allocates one staging arena (`buffer`),
   registers it with the transfer engine, and moves each round of a batch with
-  `batch_upsert_from` / `batch_get_into` between the arena and the store. On the way out a
+  `batch_put_from` / `batch_get_into` between the arena and the store. On the way out a
   page is copied into the arena and framed there (its checksum taken of that copy); on the
   way in the C check verifies each object in the arena and copies it into the caller's buffer
   in the same pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer
@@ -93,6 +95,8 @@ _INSTALL = (
 
 # Mooncake's error codes (mooncake-store types.h) that mean something here.
 _NOT_FOUND = -704  # OBJECT_NOT_FOUND
+_EXISTS = -705  # OBJECT_ALREADY_EXISTS: a put of a key the store holds (the client says 0)
+_NOT_READY = -703  # REPLICA_IS_NOT_READY: here, another client's put of the key is under way
 _NO_ROOM = -200  # NO_AVAILABLE_HANDLE: nothing left to allocate or evict
 _TOO_SMALL = -600  # INVALID_PARAMS: here, the object is larger than the buffer it was read into
 _RPC_FAIL = -900  # the master did not answer
@@ -130,6 +134,7 @@ class _Round:
 class MooncakeBackend(StorageBackend):
     scheme = "mooncake"
     transient_errors = (MooncakeFault, OSError)
+    put_keeps_existing = True
 
     def __init__(
         self, options: MooncakeOptions, layout: str | None = None, *, name: str = ""
@@ -342,7 +347,7 @@ class MooncakeBackend(StorageBackend):
 
     async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
         """`batch_put`: straight from a lent pool's pages (`_put_direct`), or copied into the
-        arena (only while the call runs), framed there and upserted."""
+        arena (only while the call runs), framed there and put."""
         head = header_size(self.layout, signed=self._mac_key is not None)
         sizes = [head + len(view) for view in views]
         guard = CopyGuard()
@@ -395,7 +400,7 @@ class MooncakeBackend(StorageBackend):
             if obj.payload is not payload:  # lz4 kept: the smaller block replaces the page
                 arena.view[at + head : at + head + len(obj.payload)] = obj.payload
             sizes.append(head + len(obj.payload))
-        return self._upsert(keys, self._addresses(one, start), sizes)
+        return self._put_from(keys, self._addresses(one, start), sizes)
 
     async def _put_direct(
         self,
@@ -405,38 +410,16 @@ class MooncakeBackend(StorageBackend):
         head: int,
         guard: CopyGuard,
     ) -> list[PageStatus]:
-        """Pages not in the store yet: framed where they are (the checksum read from the
-        caller's page), each header put from the arena and its payload straight from the
-        page, one transfer per chunk, the next chunk framed while one moves (`overlapped`).
-        Pages the store holds already are upserted through the arena (Mooncake's put keeps
-        an object it has; only an upsert replaces it). The pages are marked in `_lent` while
-        the transfers read them: one that outlives the call leaves them quarantined."""
-        present = await self._in_pool(lambda: self._client.batch_is_exist(self._names(keys)))
-        _raise_if_all_failed(present, "batch_is_exist")
-        statuses: list[PageStatus] = [PageStatus.ERROR] * len(keys)
-        absent = [i for i, code in enumerate(present) if code != 1]
-        held = [i for i, code in enumerate(present) if code == 1]
-        if absent:
-            work = functools.partial(self._put_round, absent, keys, views, addresses, head, guard)
-            done = await self._rounds(_slots([head] * len(absent)), work, PageStatus.REJECTED)
-            for i, status in zip(absent, done, strict=True):
-                statuses[i] = status
-        if held:  # copied into the arena (under `guard`), framed there, upserted
-            held_keys, held_views = [keys[i] for i in held], [views[i] for i in held]
-
-            def staged(one: _Round, start: int) -> list[PageStatus]:
-                chosen = [held_keys[j] for j in one.items]
-                return self._put_pages(one, start, chosen, held_views, head, guard)
-
-            sizes = [head + len(view) for view in held_views]
-            done = await self._rounds(_slots(sizes), staged, PageStatus.REJECTED)
-            for i, status in zip(held, done, strict=True):
-                statuses[i] = status
-        return statuses
+        """Pages framed where they are (the checksum read from the caller's page), each
+        header put from the arena and its payload straight from the page, one transfer per
+        chunk, the next chunk framed while one moves (`overlapped`); a page the store holds
+        already is kept as it is. The pages are marked in `_lent` while the transfers read
+        them: one that outlives the call leaves them quarantined."""
+        work = functools.partial(self._put_round, keys, views, addresses, head, guard)
+        return await self._rounds(_slots([head] * len(keys)), work, PageStatus.REJECTED)
 
     def _put_round(
         self,
-        absent: list[int],
         keys: list[bytes],
         views: list[memoryview],
         addresses: list[int],
@@ -445,8 +428,8 @@ class MooncakeBackend(StorageBackend):
         one: _Round,
         start: int,
     ) -> list[PageStatus]:
-        """One round of `_put_direct` (a worker thread): `absent[j]` for j in the round."""
-        items, heads = [absent[j] for j in one.items], self._addresses(one, start)
+        """One round of `_put_direct` (a worker thread)."""
+        items, heads = one.items, self._addresses(one, start)
         token = self._lent.mark([(addresses[i], addresses[i] + len(views[i])) for i in items])
         if token is None:  # a page handed in while a transfer still moves it
             self._note_page_error("batch_put: a page still under an earlier transfer")
@@ -483,7 +466,7 @@ class MooncakeBackend(StorageBackend):
         return [status for chunk in moved for status in chunk]
 
     async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
-        """The objects API's put: already-framed objects of any layout, copied in and upserted."""
+        """The objects API's put: already-framed objects of any layout, copied in and put."""
 
         def work(one: _Round, start: int) -> list[PageStatus]:
             arena, sizes = self._arena, []
@@ -492,25 +475,27 @@ class MooncakeBackend(StorageBackend):
                 arena.view[at : at + len(obj.header)] = obj.header
                 arena.view[at + len(obj.header) : at + obj.nbytes] = obj.payload
                 sizes.append(obj.nbytes)
-            return self._upsert([keys[i] for i in one.items], self._addresses(one, start), sizes)
+            return self._put_from([keys[i] for i in one.items], self._addresses(one, start), sizes)
 
         return await self._rounds(
             _slots([obj.nbytes for obj in objects]), work, PageStatus.REJECTED
         )
 
-    def _upsert(
+    def _put_from(
         self, keys: list[bytes], addresses: list[int], sizes: list[int]
     ) -> list[PageStatus]:
-        codes = self._client.batch_upsert_from(self._names(keys), addresses, sizes, self._config)
-        return self._statuses(codes, "batch_upsert_from")
+        """Put objects from the arena; one the store holds already is kept (its key is in
+        the store: stored)."""
+        codes = self._client.batch_put_from(self._names(keys), addresses, sizes, self._config)
+        return self._statuses(codes, "batch_put_from")
 
     def _statuses(self, codes: list[int], op: str) -> list[PageStatus]:
         _raise_if_all_failed(codes, op)
         statuses = []
         for code in codes:
-            if code == 0:
+            if code in (0, _EXISTS):
                 statuses.append(PageStatus.STORED)
-            elif code == _NO_ROOM:
+            elif code in (_NO_ROOM, _NOT_READY):  # (not_ready: someone else's put of it)
                 statuses.append(PageStatus.REJECTED)
             else:
                 self._note_page_error(f"{op}: Mooncake error {code}")
