@@ -148,6 +148,7 @@ class MooncakeBackend(StorageBackend):
         self._pool: WorkerPool | None = None
         self._round_bytes = options.buffer_bytes // 2  # two rounds move at once, at least
         self._config = self._replicate_config()
+        self._complete = self._module.ReplicaStatus.COMPLETE
         self._lent = LentRegions()
         plain = self._compression is Compression.NONE  # (lz4 objects vary in size)
         self._direct_bytes = options.direct_bytes if plain else 0
@@ -633,11 +634,10 @@ class MooncakeBackend(StorageBackend):
         return await self._rounds(slots, work, CorruptReason.LENGTH)
 
     async def _fetch(self, keys: list[bytes], sizes: list[int] | None) -> list[Fetched]:
-        """The objects API's get: sizes from the master, then a read into the arena and a
-        copy out (the caller keeps the bytes)."""
+        """The objects API's get: sizes from the master (one query for the batch), then a
+        read into the arena and a copy out (the caller keeps the bytes)."""
         names = self._names(keys)
-        lengths = await self._in_pool(lambda: [self._client.get_size(name) for name in names])
-        _raise_if_all_failed(lengths, "get_size")
+        lengths = await self._in_pool(lambda: self._object_sizes(names))
         fetched: list[Fetched] = [None] * len(keys)
         present = [i for i, n in enumerate(lengths) if n >= 0]
         for i in present:  # a length from outside: bounded before anything is sized by it
@@ -656,6 +656,28 @@ class MooncakeBackend(StorageBackend):
         for i, item in zip(wanted, got, strict=True):
             fetched[i] = item
         return fetched
+
+    def _object_sizes(self, names: list[str]) -> list[int]:
+        """Each object's size in bytes, or a negative code (absent: `_NOT_FOUND`), from one
+        query of the master for the batch (a worker thread). A key described by no complete
+        memory replica (on disk only, or still being written) is asked for alone; a batch
+        the master describes none of is told apart from an unreachable master by one key."""
+        described = self._client.batch_get_replica_desc(names)
+        lengths = []
+        for name in names:
+            replicas = described.get(name, ())
+            length = _NOT_FOUND
+            for replica in replicas:
+                if replica.is_memory_replica() and replica.status == self._complete:
+                    length = replica.get_memory_descriptor().buffer_descriptor.size
+                    break
+            else:
+                if replicas:
+                    length = self._client.get_size(name)
+            lengths.append(length)
+        if names and not described:
+            _raise_if_all_failed([self._client.get_size(names[0])], "batch_get_replica_desc")
+        return lengths
 
     def _in_arena(self, codes: list[int], one: _Round, start: int, op: str) -> list[Any]:
         """What a read into the arena found, per page: its object (a view of the arena),

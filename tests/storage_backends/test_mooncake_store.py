@@ -170,6 +170,43 @@ def test_the_objects_api_removes_a_damaged_object_it_refuses(mooncake_url, raw_c
     run(body())
 
 
+class _CountingClient:
+    """A Mooncake client that counts the calls made through it."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return getattr(self.client, name)
+
+
+def test_the_objects_api_asks_the_master_once_for_a_batch_s_sizes(mooncake_url, pages):
+    """`batch_get_objects` learns every object's size from one query of the master, not a
+    round trip per key; absent keys among them are misses."""
+    url = mooncake_url()
+    keys = [pages.key(i, "sizes") for i in range(6)]
+    data = [pages.page(k, 512 * (i + 1)) for i, k in enumerate(keys)]
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            for key, page in zip(keys[:4], data[:4], strict=True):  # pages of 4 sizes
+                assert await store.batch_put([key], [page]) == [True]
+            store._client = counting = _CountingClient(store._client)
+            blobs = await store.batch_get_objects(keys)
+            stored = zip(keys[:4], data[:4], strict=True)
+            assert blobs[:4] == [encode_object(k, pages.LAYOUT, d) for k, d in stored]
+            assert blobs[4:] == [None, None]
+            assert counting.calls.get("get_size", 0) == 0
+            assert counting.calls["batch_get_replica_desc"] == 1
+            assert await store.batch_get_objects(keys[4:]) == [None, None]  # none described
+            assert counting.calls.get("get_size", 0) == 1
+            assert store.stats().num_errors == 0
+
+    run(body())
+
+
 def test_an_object_of_an_unknown_format_version_is_left_in_place(mooncake_url, raw_client, pages):
     """A newer writer's object (a format version this reader does not know) is a miss here,
     but intact for its own readers: it is not removed."""
@@ -266,7 +303,8 @@ def test_master_killed_then_restarted(own_store, pages):
             assert await store.batch_get(keys, views) == [False] * 4
             assert await store.batch_exists(keys) == 0
             assert await store.batch_put(keys, data) == [False] * 4
-            assert store.stats().num_errors + store.stats().num_timeouts >= 3  # faults
+            assert await store.batch_get_objects(keys) == [None] * 4
+            assert store.stats().num_errors + store.stats().num_timeouts >= 4  # faults
             master.start()  # the same ports
 
             async def stored_again():
