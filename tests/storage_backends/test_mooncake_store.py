@@ -397,6 +397,7 @@ def chunks(request, monkeypatch):
 
     if request.param > 1:
         monkeypatch.setattr(mooncake_store, "_CHUNK_BYTES", PAGE_BYTES)
+        monkeypatch.setattr(mooncake_store, "_MAX_CHUNKS", 4)  # (one on a two-core machine)
     return request.param
 
 
