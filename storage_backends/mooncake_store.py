@@ -19,10 +19,10 @@ Pages move through registered memory, never through Python `bytes`, in one of tw
   of the staging arena and its payload to or from the caller's page, framed (checksum read
   from the page) or checked (`verify.check_object` over the two parts) where the page lies.
   On a machine of more than two cores a round moves in chunks of 8 MiB or more, the next
-  chunk framed, or the last checked, while one moves (`workers.overlapped`). The pages a transfer moves are marked in
-  `lent.LentRegions` while it runs: one that outlives its call leaves them quarantined
-  (`quarantined`) until it is over. An object of another size (damaged, signed, lz4)
-  moves nothing and is read again staged.
+  chunk framed, or the last checked, while one moves (`workers.overlapped`). The pages a
+  transfer moves are marked in `lent.LentRegions` while it runs: one that outlives its call
+  leaves them quarantined (`quarantined`) until it is over. An object of another size
+  (damaged, signed, lz4) moves nothing and is read again staged.
 - Staged, for everything else: the backend allocates one staging arena (`buffer`),
   registers it with the transfer engine, and moves each round of a batch with
   `batch_put_from` / `batch_get_into` between the arena and the store. On the way out a
