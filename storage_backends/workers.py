@@ -63,16 +63,25 @@ class WorkerPool(concurrent.futures.Executor):
             if item is None:
                 break
             future, fn, args, kwargs = item
-            if future.set_running_or_notify_cancel():
+            result = error = None
+            running = future.set_running_or_notify_cancel()
+            if running:
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as exc:  # handed to whoever waits on the future
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
+                    error = exc
+            # Counted as finished before the waiter hears of it: a caller that submits its
+            # next work as soon as it has the result finds this thread idle, and does not
+            # start another (sequential calls stay on one thread: a Mooncake call made from
+            # a different thread each time ran at half speed).
             with self._lock:
                 self._num_pending -= 1
                 self._unfinished.discard(future)
+            if running and error is not None:
+                future.set_exception(error)
+                error = None  # (no reference cycle through the traceback)
+            elif running:
+                future.set_result(result)
         with self._lock:
             self._num_live -= 1
             last = self._num_live == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -35,6 +36,28 @@ def test_a_stuck_worker_is_left_behind_and_queued_work_can_be_cancelled():
     assert stuck.result(5) is True
     pool.stopped().result(5)
     assert pool.num_pending() == 0
+
+
+def test_a_caller_that_submits_on_each_result_stays_on_one_thread():
+    """Work counts as finished before its waiter hears of it, so a caller that submits its
+    next work as soon as it has a result finds the thread idle and starts no other (here the
+    waiter's callback dawdles on the worker, as an event loop's wake-up can; a Mooncake call
+    made from a different thread each time ran at half speed)."""
+    pool = WorkerPool(4, thread_name_prefix="test-pool")
+    threads = []
+    for _ in range(5):
+        go = threading.Event()
+
+        def work(go=go) -> None:
+            go.wait(5)
+            threads.append(threading.current_thread().name)
+
+        future = pool.submit(work)
+        future.add_done_callback(lambda _: time.sleep(0.02))  # runs on the worker, after
+        go.set()
+        future.result(5)
+    pool.shutdown()
+    assert len(threads) == 5 and len(set(threads)) == 1
 
 
 def test_share_does_every_task_once_with_helpers_or_alone():
