@@ -60,6 +60,20 @@ def test_a_caller_that_submits_on_each_result_stays_on_one_thread():
     assert len(threads) == 5 and len(set(threads)) == 1
 
 
+def test_calls_one_after_another_run_on_the_thread_that_went_idle_last():
+    """Once work that came at once has started several threads, calls made one after
+    another still run on one of them (work goes to the thread idle for the shortest time)."""
+    pool = WorkerPool(3, thread_name_prefix="test-lifo")
+    gate = threading.Event()
+    together = [pool.submit(gate.wait, 5) for _ in range(3)]  # three threads, all busy
+    gate.set()
+    assert [future.result(5) for future in together] == [True] * 3
+    names = [pool.submit(lambda: threading.current_thread().name).result(5) for _ in range(8)]
+    assert len({t.name for t in threading.enumerate() if t.name.startswith("test-lifo")}) == 3
+    pool.shutdown()
+    assert len(set(names)) == 1
+
+
 def test_share_does_every_task_once_with_helpers_or_alone():
     """Every task done exactly once, whether helpers join or every worker is busy (then the
     caller does it all and does not wait for the queued helpers); the first error is raised
