@@ -16,7 +16,10 @@ Claim (issue 4): with batches of 32 pages of 64 KiB, 256 KiB and 2 MiB,
   the clients lend it nothing, as an engine's would. Both sides move the pages of one pool
   registered with (lent to) the client. Also timed in turn, as a second baseline: SGLang's
   own Mooncake backend (`MooncakeStore`) with its real host pool on the CPU (the guards of
-  tests/support/sglang_cpu.py), putting and getting the same number of bytes.
+  tests/support/sglang_cpu.py), putting and getting the same number of bytes. And as
+  context, the raw client moving objects of a framed page's size (page + header): Mooncake's
+  TCP transport moves an object in steps of 64 KiB, so a 64 KiB page framed is one step
+  more than the page alone (`put_ratio_vs_raw_framed_put`, `get_ratio_vs_raw_framed_get`).
 
 Also measured, as context: `memory` against a Python memcpy of the same bytes, and the file
 backend's way of doing I/O against `aiofiles` with one await per open/write/read/rename
@@ -390,27 +393,36 @@ def plain_redis_ops(port: int, work: Workload) -> tuple[Timed, Timed, Timed]:
     return put, get, close
 
 
-def raw_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]:
+def raw_mooncake_ops(
+    address: str, work: Workload, *, extra_bytes: int = 0
+) -> tuple[Timed, Timed, Timed]:
     """The Mooncake client alone: the batch's pages in one registered buffer, put with
     `batch_put_from` under fresh names each repetition, read back with `batch_get_into` into
-    the workload's pool (registered too)."""
+    the workload's pool (registered too). With `extra_bytes`, objects that much larger than
+    a page (a framed page's size: context), from and into buffers of their own."""
     from mooncake.store import MooncakeDistributedStore
 
     client = MooncakeDistributedStore()
     if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
         raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
-    source = np.frombuffer(work.source, dtype=np.uint8)
-    target = np.frombuffer(work.pool, dtype=np.uint8)
+    size = work.page_bytes + extra_bytes
+    if extra_bytes:
+        rng = np.random.default_rng(work.seed)
+        source = rng.integers(0, 256, size * len(work.pages), dtype=np.uint8)
+        target = np.zeros_like(source)
+    else:
+        source = np.frombuffer(work.source, dtype=np.uint8)
+        target = np.frombuffer(work.pool, dtype=np.uint8)
     for array in (source, target):
         if client.register_buffer(array.ctypes.data, array.nbytes) != 0:
             raise RuntimeError("the raw Mooncake client could not register a buffer")
-    size = work.page_bytes
     sources = [source.ctypes.data + i * size for i in range(len(work.pages))]
     targets = [target.ctypes.data + i * size for i in range(len(work.pages))]
     sizes = [size] * len(work.pages)
+    prefix = f"raw{extra_bytes}:" if extra_bytes else "raw:"
 
     def names(keys: list[bytes]) -> list[str]:
-        return ["raw:" + key.hex() for key in keys]
+        return [prefix + key.hex() for key in keys]
 
     async def put() -> None:
         for keys in work.batches:
@@ -592,6 +604,12 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
     more_put_ceilings: dict[str, Timed] = {}
     more_get_ceilings: dict[str, Timed] = {}
     close_sglang = None
+    if name == "mooncake":  # context: the raw client moving objects of a framed page's size
+        framed_put, framed_get, close_framed = raw_mooncake_ops(
+            env["mooncake"].address, work, extra_bytes=header_size(LAYOUT)
+        )
+        more_put_ceilings["raw_framed_put"] = framed_put
+        more_get_ceilings["raw_framed_get"] = framed_get
     if name == "mooncake" and env.get("sglang") and work.page_bytes % SGLANG_LAYER_BYTES:
         print(f"not measuring SGLang's Mooncake backend at {work.page_bytes}-byte pages: its "
               f"MHA pages come in {SGLANG_LAYER_BYTES}-byte layers", file=sys.stderr)  # fmt: skip
@@ -640,6 +658,8 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
     await teardown()
     if name in ("redis", "mooncake"):
         await close_plain()
+    if name == "mooncake":
+        await close_framed()
     context = {}
     if name == "mooncake":
         context = await mooncake_latency(env["mooncake_url"](), env["mooncake"].address, work)
@@ -654,7 +674,7 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         context[f"{label}_gbps"] = _sig(med[label])
         context[f"get_ratio_vs_{label}"] = _sig(_median_ratio(rates["get"], rates[label]))
     for label in more_put_ceilings:
-        rate = f"{label}_gbps" if label.startswith("sglang") else f"{label}_ceiling_gbps"
+        rate = f"{label}_gbps" if label.startswith(("sglang", "raw")) else f"{label}_ceiling_gbps"
         context[rate] = _sig(med[label])
         context[f"put_ratio_vs_{label}"] = _sig(_median_ratio(rates["put"], rates[label]))
     if references:
@@ -748,6 +768,12 @@ def print_table(rows: list[dict]) -> None:
             target += (
                 f"   (put vs write + fsync per batch: {r['batch_fsync_put_ceiling_gbps']:.3f}"
                 f" = {r['put_ratio_vs_batch_fsync_put']:.0%})"
+            )
+        if "raw_framed_put_gbps" in r:
+            target += (
+                f"   (raw client, objects of a framed page's size: put"
+                f" {r['put_ratio_vs_raw_framed_put']:.0%},"
+                f" get {r['get_ratio_vs_raw_framed_get']:.0%})"
             )
         if "sglang_put_gbps" in r:
             target += (

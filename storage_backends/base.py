@@ -109,6 +109,11 @@ class StorageBackend(Connection):
     # reads such a page through a buffer of its own, copied into the pieces once verified,
     # and joins the pieces of a page to store (one copy each way).
     takes_pieces: ClassVar[bool] = False
+    # Whether a put keeps an object the store already holds under its key instead of
+    # replacing it (cheaper where the store offers it: keys are content addresses, so the
+    # object under a key normally holds that very page). Such a backend removes an object
+    # that fails its check on read (`num_dropped`), so that the next put refills the key.
+    put_keeps_existing: ClassVar[bool] = False
 
     def __init__(self, options: BackendOptions, layout: str | None, *, name: str = "") -> None:
         super().__init__(options, name or f"{self.scheme}://")
@@ -241,6 +246,8 @@ class StorageBackend(Connection):
             self._tally.count_reads(found, sum(map(page_nbytes, views)), Counter())
             return found
         corrupt = Counter(o.value for o in outcomes if isinstance(o, CorruptReason))
+        if corrupt:
+            await self._drop_refused(keys, outcomes)
         failed = sum(1 for outcome in outcomes if outcome is PageStatus.ERROR)
         if failed:
             self._counts["errors"] += failed
@@ -331,6 +338,7 @@ class StorageBackend(Connection):
             return [None] * len(keys)
         blobs: list[bytes | None] = []
         corrupt: Counter[str] = Counter()
+        refused: list[CorruptReason | None] = [None] * len(keys)
         for key, item in zip(keys, fetched, strict=True):
             if item is None or isinstance(item, PageStatus):
                 if item is PageStatus.ERROR:
@@ -343,12 +351,32 @@ class StorageBackend(Connection):
                 reason = verify_object(item, key, mac_key=self._mac_key) if verify else None
             if reason is not None:
                 corrupt[reason.value] += 1
+                refused[len(blobs)] = reason
                 blobs.append(None)
             else:
                 blobs.append(join_parts(item))
         hits = [blob is not None for blob in blobs]
         self._tally.count_reads(hits, sum(len(b) for b in blobs if b is not None), corrupt)
+        if corrupt:
+            await self._drop_refused(keys, refused)
         return blobs
+
+    async def _drop_refused(self, keys: list[bytes], outcomes: Sequence[object]) -> None:
+        """Where puts keep what the store holds (`put_keeps_existing`), remove the objects a
+        read refused, so that the next put of those keys stores them afresh; counted under
+        `num_dropped`. An object of a format version this reader does not know is left alone
+        (a newer writer's, intact for its readers)."""
+        if not self.put_keeps_existing:
+            return
+        refused = [
+            key
+            for key, outcome in zip(keys, outcomes, strict=True)
+            if isinstance(outcome, CorruptReason) and outcome is not CorruptReason.VERSION
+        ]
+        if refused:
+            dropped = await self._call("drop_refused", lambda: self._delete(refused))
+            if dropped is not FAULT:
+                self._counts["dropped"] += dropped
 
     @property
     def signs_pages(self) -> bool:

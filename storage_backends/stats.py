@@ -47,6 +47,7 @@ class BackendStats:
     written_bytes: int  # object bytes stored
     num_forged: int = 0  # refused reads (and object puts) without a valid MAC for our secret
     num_abandoned: int = 0  # operations close() left unfinished after its grace (a hung backend)
+    num_dropped: int = 0  # refused objects removed on read (a store whose put keeps what it has)
     num_short_circuited: int = 0  # calls failed fast by the open circuit breaker
     num_breaker_trips: int = 0  # times repeated faults opened the breaker
     breaker_state: str = "closed"  # closed | open | probing
@@ -140,6 +141,7 @@ class Tally:
             read_bytes=c["read_bytes"],
             written_bytes=c["written_bytes"],
             num_abandoned=c["abandoned"],
+            num_dropped=c["dropped"],
             num_short_circuited=c["short_circuited"],
             num_breaker_trips=breaker.num_trips,
             breaker_state=breaker.state.value,

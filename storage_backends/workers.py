@@ -10,43 +10,76 @@ it chooses, and `num_pending()` how much work it would abandon by not waiting lo
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+_WAIT = object()
+
+
+class _Slot:
+    """Where an idle thread waits: work is handed straight to it (None: stop)."""
+
+    __slots__ = ("item", "wake")
+
+    def __init__(self) -> None:
+        self.item: Any = None
+        self.wake = threading.Lock()
+        self.wake.acquire()  # released by hand()
+
+    def hand(self, item: Any) -> None:
+        self.item = item
+        self.wake.release()
+
+    def take(self) -> Any:
+        self.wake.acquire()
+        item, self.item = self.item, None
+        return item
+
 
 class WorkerPool(concurrent.futures.Executor):
     """At most `max_workers` daemon threads, started as work arrives (an Executor, so
-    `loop.run_in_executor` takes it). Queued work may be cancelled through its future."""
+    `loop.run_in_executor` takes it). Queued work may be cancelled through its future.
+
+    Work goes to the thread that went idle last (a stack, not a queue of waiting threads), so
+    calls one after another run on one thread, however many the pool has started for work
+    that came at once: a Mooncake call made from a different thread each time ran at less
+    than half speed here (32 x 64 KiB: 2.9-4.0 ms against 1.3-1.7 from one thread).
+    """
 
     def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._max_workers = max_workers
         self._prefix = thread_name_prefix
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._queued: collections.deque = collections.deque()  # work no thread has taken
+        self._idle: list[_Slot] = []  # threads waiting for work, the last to go idle last
         self._num_threads = 0
         self._num_live = 0
-        self._num_pending = 0  # submitted and not taken off the queue and finished
+        self._num_pending = 0  # submitted and not finished (queued or running)
         self._unfinished: set[concurrent.futures.Future] = set()
         self._shut = False
         self._stopped: concurrent.futures.Future = concurrent.futures.Future()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any):
         future: concurrent.futures.Future = concurrent.futures.Future()
+        item = (future, fn, args, kwargs)
         with self._lock:
             if self._shut:
                 raise RuntimeError(f"{self._prefix}: the pool is shut down")
             self._num_pending += 1
             self._unfinished.add(future)
-            self._queue.put((future, fn, args, kwargs))
-            if self._num_pending > self._num_threads < self._max_workers:
-                self._start_thread()  # more work than threads: one more, up to the limit
+            if self._idle:
+                self._idle.pop().hand(item)  # the thread idle for the shortest time
+            else:
+                self._queued.append(item)
+                if self._num_pending > self._num_threads < self._max_workers:
+                    self._start_thread()  # more work than threads: one more, up to the limit
         return future
 
     def _start_thread(self) -> None:
@@ -57,22 +90,49 @@ class WorkerPool(concurrent.futures.Executor):
         )
         thread.start()
 
+    def _after(self, slot: _Slot, done: concurrent.futures.Future | None) -> Any:
+        """Count `done`'s work finished, then this thread's next work: queued work, None
+        (stop), or _WAIT (it is idle now, on the stack: its next work comes through `slot`)."""
+        with self._lock:
+            if done is not None:
+                self._num_pending -= 1
+                self._unfinished.discard(done)
+            if self._queued:
+                return self._queued.popleft()
+            if self._shut:
+                return None
+            self._idle.append(slot)
+            return _WAIT
+
     def _work(self) -> None:
+        slot = _Slot()
+        done: concurrent.futures.Future | None = None
+        result: Any = None
+        error: BaseException | None = None
         while True:
-            item = self._queue.get()
+            # Counted finished, and idle, before the waiter hears of it: a caller that submits
+            # its next work as soon as it has the result hands it to this same thread.
+            item = self._after(slot, done)
+            if done is not None and error is not None:
+                done.set_exception(error)
+            elif done is not None:
+                done.set_result(result)
+            done, result, error = None, None, None  # (no reference cycle through a traceback)
+            if item is _WAIT:
+                item = slot.take()
             if item is None:
                 break
             future, fn, args, kwargs = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as exc:  # handed to whoever waits on the future
-                    future.set_exception(exc)
-                else:
-                    future.set_result(result)
-            with self._lock:
-                self._num_pending -= 1
-                self._unfinished.discard(future)
+            if not future.set_running_or_notify_cancel():
+                with self._lock:
+                    self._num_pending -= 1
+                    self._unfinished.discard(future)
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # handed to whoever waits on the future
+                error = exc
+            done = future
         with self._lock:
             self._num_live -= 1
             last = self._num_live == 0
@@ -97,22 +157,22 @@ class WorkerPool(concurrent.futures.Executor):
                 self._shut = True
                 if cancel_futures:
                     self._cancel_queued()
-                for _ in range(self._num_live):
-                    self._queue.put(None)
+                while self._idle:
+                    self._idle.pop().hand(None)
                 if self._num_live == 0:
                     self._stopped.set_result(None)
         if wait:
             self._stopped.result()
 
     def _cancel_queued(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None and item[0].cancel():
+        kept = collections.deque()
+        for item in self._queued:
+            if item[0].cancel():
                 self._num_pending -= 1
                 self._unfinished.discard(item[0])
+            else:
+                kept.append(item)
+        self._queued = kept
 
 
 _DONE = object()

@@ -111,7 +111,9 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_an_object_damaged_in_the_store_is_a_miss(mooncake_url, raw_client, pages, damage, lent):
     """The stored object is read back by a plain client, damaged, and written over itself;
-    read through the arena, or straight into a lent pool (then checked where it landed)."""
+    read through the arena, or straight into a lent pool (then checked where it landed).
+    The read removes it (a put keeps what the store holds): the next put stores the page
+    again and it reads back whole."""
     url = mooncake_url(direct="4KiB")
     key = pages.key(1, damage)
     payload = pages.page(key, PAGE_BYTES)
@@ -132,8 +134,97 @@ def test_an_object_damaged_in_the_store_is_a_miss(mooncake_url, raw_client, page
             assert store.stats().num_corrupt == {reason: 1}
             if not lent or damage in ("truncated", "much_longer"):
                 assert bytes(pool) == b"\xa5" * len(pool)  # checked before it was copied
+            assert store.stats().num_dropped == 1
+            assert raw_client.is_exist(name) == 0
+            assert await store.batch_put([key], [payload]) == [True]
+            assert await store.batch_get([key], views) == [True]
+            assert bytes(views[0]) == payload
+            assert raw_client.get(name) == blob
+            stats = store.stats()
+            assert (stats.num_corrupt, stats.num_dropped, stats.num_errors) == ({reason: 1}, 1, 0)
+
+    run(body())
+
+
+def test_the_objects_api_removes_a_damaged_object_it_refuses(mooncake_url, raw_client, pages):
+    """`batch_get_objects` (the daemon's read) refuses a damaged object and removes it, so a
+    later put of its key stores it afresh."""
+    url = mooncake_url()
+    key = pages.key(1, "objects-damaged")
+    payload = pages.page(key, PAGE_BYTES)
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            assert await store.batch_put([key], [payload]) == [True]
+            name = object_name(url, key)
+            blob = raw_client.get(name)
+            assert raw_client.upsert(name, _flip(blob, len(blob) - 1)) == 0
+            assert await store.batch_put([key], [payload]) == [True]  # kept: still damaged
             assert await store.batch_get_objects([key]) == [None]
+            assert store.stats().num_corrupt == {"checksum": 1}
+            assert store.stats().num_dropped == 1
+            assert raw_client.is_exist(name) == 0
+            assert await store.batch_put_objects([key], [blob]) == [True]
+            assert await store.batch_get_objects([key]) == [blob]
+
+    run(body())
+
+
+class _CountingClient:
+    """A Mooncake client that counts the calls made through it."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return getattr(self.client, name)
+
+
+def test_the_objects_api_asks_the_master_once_for_a_batch_s_sizes(mooncake_url, pages):
+    """`batch_get_objects` learns every object's size from one query of the master, not a
+    round trip per key; absent keys among them are misses."""
+    url = mooncake_url()
+    keys = [pages.key(i, "sizes") for i in range(6)]
+    data = [pages.page(k, 512 * (i + 1)) for i, k in enumerate(keys)]
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            for key, page in zip(keys[:4], data[:4], strict=True):  # pages of 4 sizes
+                assert await store.batch_put([key], [page]) == [True]
+            store._client = counting = _CountingClient(store._client)
+            blobs = await store.batch_get_objects(keys)
+            stored = zip(keys[:4], data[:4], strict=True)
+            assert blobs[:4] == [encode_object(k, pages.LAYOUT, d) for k, d in stored]
+            assert blobs[4:] == [None, None]
+            assert counting.calls.get("get_size", 0) == 0
+            assert counting.calls["batch_get_replica_desc"] == 1
+            assert await store.batch_get_objects(keys[4:]) == [None, None]  # none described
+            assert counting.calls.get("get_size", 0) == 1
             assert store.stats().num_errors == 0
+
+    run(body())
+
+
+def test_an_object_of_an_unknown_format_version_is_left_in_place(mooncake_url, raw_client, pages):
+    """A newer writer's object (a format version this reader does not know) is a miss here,
+    but intact for its own readers: it is not removed."""
+    url = mooncake_url()
+    key = pages.key(1, "newer")
+    payload = pages.page(key, PAGE_BYTES)
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            name = object_name(url, key)
+            newer = bytearray(encode_object(key, pages.LAYOUT, payload))
+            newer[4] = 9  # the format version (after the 4-byte magic)
+            assert raw_client.put(name, bytes(newer)) == 0
+            _, views = pages.pool_views(1, PAGE_BYTES)
+            assert await store.batch_get([key], views) == [False]
+            assert store.stats().num_corrupt == {"version": 1}
+            assert store.stats().num_dropped == 0
+            assert raw_client.get(name) == bytes(newer)
 
     run(body())
 
@@ -212,7 +303,8 @@ def test_master_killed_then_restarted(own_store, pages):
             assert await store.batch_get(keys, views) == [False] * 4
             assert await store.batch_exists(keys) == 0
             assert await store.batch_put(keys, data) == [False] * 4
-            assert store.stats().num_errors + store.stats().num_timeouts >= 3  # faults
+            assert await store.batch_get_objects(keys) == [None] * 4
+            assert store.stats().num_errors + store.stats().num_timeouts >= 4  # faults
             master.start()  # the same ports
 
             async def stored_again():
@@ -305,15 +397,17 @@ def chunks(request, monkeypatch):
 
     if request.param > 1:
         monkeypatch.setattr(mooncake_store, "_CHUNK_BYTES", PAGE_BYTES)
+        monkeypatch.setattr(mooncake_store, "_MAX_CHUNKS", 4)  # (one on a two-core machine)
     return request.param
 
 
-def test_puts_from_a_lent_pool_store_the_format_and_replace_what_is_there(
+def test_puts_from_a_lent_pool_store_the_format_and_keep_what_is_there(
     mooncake_url, raw_client, pages, chunks
 ):
     """Pages of a lent pool go to the store straight from the pool (headers from the arena):
-    the stored objects are the shared format; a page the store holds already (here a
-    damaged copy) is replaced, as every put of this backend replaces."""
+    the stored objects are the shared format; an object the store holds already under a
+    key is kept, as every put of this backend keeps it (a damaged one goes when a read
+    refuses it: test_an_object_damaged_in_the_store_is_a_miss)."""
     url = mooncake_url(direct="4KiB")
     keys = [pages.key(i, "lent-put") for i in range(4)]
     data = [pages.page(k, PAGE_BYTES) for k in keys]
@@ -335,7 +429,8 @@ def test_puts_from_a_lent_pool_store_the_format_and_replace_what_is_there(
             store._put_direct = counted
             assert await store.batch_put(keys, views) == [True] * 4
             assert calls == [4]
-            for key, page in zip(keys, data, strict=True):
+            assert raw_client.get(object_name(url, keys[0])) == damaged
+            for key, page in zip(keys[1:], data[1:], strict=True):
                 blob = raw_client.get(object_name(url, key))
                 assert blob == encode_object(key, pages.LAYOUT, page)
             assert store.quarantined(views) == [False] * 4

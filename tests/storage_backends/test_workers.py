@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -35,6 +36,42 @@ def test_a_stuck_worker_is_left_behind_and_queued_work_can_be_cancelled():
     assert stuck.result(5) is True
     pool.stopped().result(5)
     assert pool.num_pending() == 0
+
+
+def test_a_caller_that_submits_on_each_result_stays_on_one_thread():
+    """Work counts as finished before its waiter hears of it, so a caller that submits its
+    next work as soon as it has a result finds the thread idle and starts no other (here the
+    waiter's callback dawdles on the worker, as an event loop's wake-up can; a Mooncake call
+    made from a different thread each time ran at half speed)."""
+    pool = WorkerPool(4, thread_name_prefix="test-pool")
+    threads = []
+    for _ in range(5):
+        go = threading.Event()
+
+        def work(go=go) -> None:
+            go.wait(5)
+            threads.append(threading.current_thread().name)
+
+        future = pool.submit(work)
+        future.add_done_callback(lambda _: time.sleep(0.02))  # runs on the worker, after
+        go.set()
+        future.result(5)
+    pool.shutdown()
+    assert len(threads) == 5 and len(set(threads)) == 1
+
+
+def test_calls_one_after_another_run_on_the_thread_that_went_idle_last():
+    """Once work that came at once has started several threads, calls made one after
+    another still run on one of them (work goes to the thread idle for the shortest time)."""
+    pool = WorkerPool(3, thread_name_prefix="test-lifo")
+    gate = threading.Event()
+    together = [pool.submit(gate.wait, 5) for _ in range(3)]  # three threads, all busy
+    gate.set()
+    assert [future.result(5) for future in together] == [True] * 3
+    names = [pool.submit(lambda: threading.current_thread().name).result(5) for _ in range(8)]
+    assert len({t.name for t in threading.enumerate() if t.name.startswith("test-lifo")}) == 3
+    pool.shutdown()
+    assert len(set(names)) == 1
 
 
 def test_share_does_every_task_once_with_helpers_or_alone():
