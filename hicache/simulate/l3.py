@@ -34,15 +34,16 @@ class L3StorePreset:
 STORE_PRESETS: dict[str, L3StorePreset] = {
     # get_gbps of the 2 MiB row; latency: the 64 KiB row's one_page_get_us less the time
     # that page takes at that rate (the simulator adds bytes / bandwidth itself).
-    # Medians of three runs (docs/performance.md, 8d86abd: 2 MiB pages read straight into
-    # the lent pool): 0.59-0.74 GB/s, one-page gets 255-422 us.
+    # The quiet runs of docs/performance.md's second Mooncake stop (c8200a2, load under
+    # 1.5: one worker thread a batch): 2 MiB gets 1.15-1.34 GB/s, one-page gets 550-590 us
+    # (the first stop, 8d86abd at load 5-7: 0.59-0.74 GB/s, 255-422 us).
     "mooncake-tcp": L3StorePreset(
-        bandwidth_bytes_per_s=0.72e9,
-        latency_s=380e-6 - (64 << 10) / 0.72e9,
+        bandwidth_bytes_per_s=1.25e9,
+        latency_s=570e-6 - (64 << 10) / 1.25e9,
         measured="python benchmarks/bench_backends.py --backends mooncake "
         "--page-sizes 65536,2097152 --reps 7: Mooncake Store over tcp on loopback (a master "
         "and a mooncake_client holding the pages), a 2-core VM shared with other work "
-        "(load 5-7)",
+        "(load under 1.5)",
     ),
 }
 
