@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import device_name, emit  # noqa: E402
+from benchmarks.common import cuda_median_ms, device_name, emit  # noqa: E402
 from tiers.device_pool import DevicePool  # noqa: E402
 from tiers.host_pool import HostPool  # noqa: E402
 from tiers.layout import KVLayout  # noqa: E402
@@ -30,20 +30,6 @@ CASES = [
     ("mla-dsv3-p64", "mla;layers=61;page=64;kv_lora_rank=512;rope_dim=64;dtype=bfloat16", 1000),
     ("mla-dsv3-p16", "mla;layers=61;page=16;kv_lora_rank=512;rope_dim=64;dtype=bfloat16", 4000),
 ]
-
-
-def median_ms(body, repeats: int = 5) -> float:
-    body()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        body()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return sorted(samples)[len(samples) // 2]
 
 
 def run_case(name: str, descriptor: str, num_pages: int) -> list[dict]:
@@ -63,8 +49,8 @@ def run_case(name: str, descriptor: str, num_pages: int) -> list[dict]:
     flat_host = host_pool.kv.view(-1)[:elements]
     flat_dev = torch.empty(elements, dtype=host_pool.kv.dtype, device="cuda")
     ceilings = {
-        "load": median_ms(lambda: flat_dev.copy_(flat_host, non_blocking=True)),
-        "backup": median_ms(lambda: flat_host.copy_(flat_dev, non_blocking=True)),
+        "load": cuda_median_ms(lambda: flat_dev.copy_(flat_host, non_blocking=True)),
+        "backup": cuda_median_ms(lambda: flat_host.copy_(flat_dev, non_blocking=True)),
     }
     engines = {
         k: TransferEngine(device_pool, host_pool, kernel=k) for k in ("copy_engine", "triton")
@@ -76,9 +62,9 @@ def run_case(name: str, descriptor: str, num_pages: int) -> list[dict]:
                "ceiling_gbps": round(total / ceilings[op] / 1e6, 2)}  # fmt: skip
         for kernel, engine in engines.items():
             if op == "load":
-                ms = median_ms(lambda e=engine: e.load_async(host_ids, dev_ids).wait())
+                ms = cuda_median_ms(lambda e=engine: e.load_async(host_ids, dev_ids).wait())
             else:
-                ms = median_ms(lambda e=engine: e.backup_async(dev_ids, host_ids).wait())
+                ms = cuda_median_ms(lambda e=engine: e.backup_async(dev_ids, host_ids).wait())
             row[f"{kernel}_gbps"] = round(total / ms / 1e6, 2)
             row[f"{kernel}_ratio"] = round(ceilings[op] / ms, 3)
         row["correct"] = check(engines["copy_engine"], device_pool, host_pool, host_ids, dev_ids)

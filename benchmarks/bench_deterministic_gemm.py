@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.bench_engine import MODELS  # noqa: E402
-from benchmarks.common import device_name, emit  # noqa: E402
+from benchmarks.common import cuda_median_ms, device_name, emit  # noqa: E402
 from engine_integration.engine.model import deterministic  # noqa: E402
 
 CANDIDATES = (
@@ -47,21 +47,6 @@ def projection_shapes(name: str) -> list[tuple[str, int, int]]:
         ("gate_up", 2 * c.intermediate_size, c.hidden_size),
         ("down", c.hidden_size, c.intermediate_size),
     ]
-
-
-def timed(fn, reps: int) -> float:
-    """Median seconds of one call over `reps` CUDA-event-timed calls (after two warm-ups)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         for _, _, k in shapes
     }
     base = {
-        (m, label): timed(lambda x=inputs[m, k], w=weights[label]: F.linear(x, w), args.reps)
+        (m, label): cuda_median_ms(
+            lambda x=inputs[m, k], w=weights[label]: F.linear(x, w), args.reps, warmups=2
+        )
         for m in rows
         for label, _, k in shapes
     }
@@ -102,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             for m in rows:
                 for label, _, k in shapes:
                     x, w = inputs[m, k], weights[label]
-                    ours = timed(lambda x=x, w=w: deterministic.matmul(x, w), args.reps)
+                    ours = cuda_median_ms(
+                        lambda x=x, w=w: deterministic.matmul(x, w), args.reps, warmups=2
+                    )
                     ratios[m, label] = ours / base[m, label]
             by_rows = {}
             for m in rows:

@@ -82,3 +82,22 @@ def parallel_read_s(
         return time.perf_counter() - began
     finally:
         os.close(fd)
+
+
+def cuda_median_ms(body, repeats: int = 5, warmups: int = 1) -> float:
+    """The median milliseconds of `body()` on the current CUDA stream, each call timed by a
+    pair of CUDA events, after `warmups` untimed calls."""
+    import torch
+
+    for _ in range(warmups):
+        body()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        body()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return sorted(samples)[len(samples) // 2]
