@@ -22,10 +22,10 @@ read rate, with the prior latency (`l3_latency_prior_s`, what a store's first re
 once: its reader's threads starting, its tables read) as its round trip, so a short run is
 recomputed until a read has measured the store, and a new cache's first hit is never slower
 than cold; a run worth even that read is fetched (and measures the store). A run declined
-on the prior alone has its first read batch read into L2 in the background (`probe_pages`;
-one probe at a time, none once measured): its request recomputes, and the store is measured
-off any request's path, so a prior far below the store's real rate costs two hits, not
-every hit until a probe.
+on the prior alone has its first read batch read into L2 in the background once the engine
+has run its next step (`probe_pages`; one probe at a time, none once measured): its request
+recomputes, and the store is measured off any request's path, so a prior far below the
+store's real rate costs two hits, not every hit until a probe.
 A match asks `worth_looking` before its L3 lookup: when no fetch of the run could pay even
 if L3 held every page of it, the lookup is skipped too (on the H200 a 1K-token L3 hit that
 fetched nothing cost 0.9x of cold in its lookup and decision). Every `PROBE_EVERY` runs

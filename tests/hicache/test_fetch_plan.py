@@ -210,14 +210,18 @@ def test_the_controller_fetches_a_run_from_a_fast_store(cache_with):
 
 def test_a_store_the_prior_undersells_is_measured_off_the_request_path(cache_with):
     """A prior far below the store (1 MB/s against 10 GB/s) declines the first hits, but
-    each reads its first batch into L2 in the background, one at a time, so after the two
-    reads that measure the store (the first is no sample) its hits are fetched."""
+    each reads its first batch into L2 in the background once the engine's next step has run,
+    one at a time, so after the two reads that measure the store (the first is no sample) its
+    hits are fetched."""
     cache, store = cache_with(read_bytes_per_s=10e9, l3_read_prior_bytes_per_s=1e6)
     report_engine_steps(cache, seconds_per_row=1e-4)
     executor = cache.executor
     for seed in (1, 2):
         match = l3_match(cache, store, seed=seed)
         assert match.num_l3_pages == 0  # recomputed: the request never waits for the probe
+        assert cache.stats().prefetches_issued == seed - 1  # not beside the step computing it
+        cache.record_compute(512, attention_pairs(0, 512), 512e-4)  # that step ran
+        assert cache.stats().prefetches_issued == seed
         assert l3_match(cache, store, seed=seed + 10).num_l3_pages == 0  # a probe is running
         assert cache.stats().prefetches_issued == seed
         executor.advance_to(executor.next_done_s())
