@@ -229,8 +229,8 @@ def main() -> None:
         row["gb_per_s"] = round(gb / row["seconds"], 3) if row["case"] != "compute" else None
         row["seconds"] = round(row["seconds"], 6)
         for key in ("of_ceiling", "hidden"):
-            if key in row:
-                row[key] = round(row[key], 3)
+            if key in row:  # three significant digits: a loaded CPU's 0.0004 is not 0.0
+                row[key] = float(f"{row[key]:.3g}")
         emit({**common, **row})
     print(f"\n{name}: {args.prefix_tokens}-token prefix, {gb:.3f} GB, {shape.num_layers} layers")
     print(f"{'case':10} {'layer ms':>9} {'ms':>9} {'GB/s':>8} {'of ceiling':>10} {'hidden':>7}")
