@@ -577,10 +577,11 @@ class HiCache:
             if found:
                 end = self._tree.extend_l3(end, data, first.matched_pages + found).last_node
         held = first.num_l3_pages + found
-        num_pages = held if fetch_all else self._pages_worth_fetching(data, first, held)
+        run = self._run_to_fetch(data, first, held)
+        num_pages = held if fetch_all else self._pages_worth_fetching(run)
         if num_pages < self._policy.prefetch_min_pages:
             if not fetch_all:
-                self._probe_store(end, self._run_to_fetch(data, first, held))
+                self._probe_store(end, run)
             return end, None
         tail = self._l3_cut(RadixTree.trailing(end, Tier.L3), num_pages)
         op = self._mover.submit_prefetch(tail) if tail is not None else None
@@ -612,12 +613,12 @@ class HiCache:
         if tail.level == Tier.L3 and status_of(tail) is None:
             self._store_probe = self._mover.submit_prefetch(tail)
 
-    def _pages_worth_fetching(self, data: bytes, match: MatchResult, num_l3_pages: int) -> int:
-        """How many of the L3 pages past the L1/L2 hit to fetch: all (`always`), or the
-        leading part that beats recomputing them (`measured`: `fetch_plan`)."""
-        if self._policy.l3_fetch_policy == "always" or not num_l3_pages:
-            return num_l3_pages
-        return self._rates.plan(self._run_to_fetch(data, match, num_l3_pages)).num_pages
+    def _pages_worth_fetching(self, run: RunToFetch) -> int:
+        """How many of the L3 pages of `run` to fetch: all (`always`), or the leading part
+        that beats recomputing them (`measured`: `fetch_plan`)."""
+        if self._policy.l3_fetch_policy == "always" or not run.num_pages:
+            return run.num_pages
+        return self._rates.plan(run).num_pages
 
     def _worth_looking(self, data: bytes, match: MatchResult, num_l3_pages: int) -> bool:
         """Whether an L3 lookup could change what the match fetches, were all of the

@@ -97,11 +97,11 @@ def _matmul_kernel(
     tiles_m = tl.cdiv(num_rows, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
+    first_m = pid // (GROUP_M * tiles_n) * GROUP_M
     group_m = min(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_m
-    tile_n = (pid % (GROUP_M * tiles_n)) // group_m
+    in_group = pid % (GROUP_M * tiles_n)
+    tile_m = first_m + in_group % group_m
+    tile_n = in_group // group_m
     rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
