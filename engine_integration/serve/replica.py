@@ -56,6 +56,7 @@ from engine_integration.serve.openai_api import (
 )
 from engine_integration.serve.replica_config import ReplicaConfig
 from hicache.config import PolicyConfig
+from hicache.simulate.calibrate import INFO_PATH
 from hicache.simulate.profile import PROFILE_PATH
 from radix.keys import Namespace
 
@@ -230,7 +231,7 @@ class Replica:
         app.router.add_post(CHAT, self.completions)
         app.router.add_post("/hicache/prefill", self.prefill)
         app.router.add_post("/hicache/tokenize/{endpoint:v1/.+}", self.tokenize)
-        app.router.add_get("/hicache/info", self.info)
+        app.router.add_get(INFO_PATH, self.info)
         app.router.add_get(PROFILE_PATH, self.profile)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)

@@ -1,8 +1,9 @@
 """`hicache simulate --calibrate URL`: a hardware profile from a running replica.
 
-It sends the replica a few cold prompts of several lengths (random token ids, one output
-token each: one engine step per prompt up to the prefill chunk), so that its compute fit
-has samples across rows and attention pairs, then reads `GET /v1/hicache/profile` and
+It sends the replica a few cold prompts of several lengths (random token ids below its
+tokenizer's size, which `/hicache/info` gives; one output token each: one engine step per
+prompt up to the prefill chunk), so that its compute fit has samples across rows and
+attention pairs, then reads `GET /v1/hicache/profile` and
 returns it checked (`hicache.simulate.profile`), with the request overhead: the median of
 the prompts' wall times less their fitted steps. Before reading it, it sends each round's
 longest prompt again, oldest first: on a replica whose L1 holds about one of them and L2
@@ -28,6 +29,7 @@ from typing import Any
 from hicache.simulate.errors import SimulationError
 from hicache.simulate.profile import PROFILE_PATH, HardwareProfile, profile_from_dict
 
+INFO_PATH = "/hicache/info"  # the replica's own facts: the ids a prompt may hold among them
 WARMUP_LENGTHS = (64, 128, 256, 512, 1024, 2048)  # cut at the replica's prefill chunk
 _TIMEOUT_S = 300.0
 WAIT_S = 120.0  # for a replica that is still starting
@@ -49,7 +51,7 @@ def calibrate(
     first = _get(base + PROFILE_PATH, where)
     if not isinstance(first, dict) or not isinstance(first.get("model"), dict):
         raise SimulationError(f"{where}: the reply is not a hardware profile")
-    vocab = first["model"].get("vocab_size")
+    vocab = _prompt_vocab(_get(base + INFO_PATH, where), first["model"].get("vocab_size"))
     chunk = first.get("prefill_chunk_tokens")
     if not isinstance(vocab, int) or vocab < 2 or not isinstance(chunk, int) or chunk < 1:
         raise SimulationError(f"{where}: the profile has no usable vocab_size/prefill chunk")
@@ -76,6 +78,17 @@ def calibrate(
         data = {**data, "source": url}
     profile = profile_from_dict(data, where)
     return dataclasses.replace(profile, request_overhead_s=_overhead_s(profile, walls))
+
+
+def _prompt_vocab(info: Any, model_vocab: Any) -> Any:
+    """The token ids a prompt may hold: those below the replica's tokenizer size, which a
+    model whose embedding outgrows its tokenizer (the benchmarks' random-weight models over
+    the byte-level one, a checkpoint padded for its kernels) does not share; the model's
+    size where the replica does not say."""
+    said = info.get("vocab_size") if isinstance(info, dict) else None
+    if isinstance(said, int) and isinstance(model_vocab, int):
+        return min(said, model_vocab)
+    return model_vocab
 
 
 def _wait_until_up(url: str, where: str, wait_s: float) -> None:

@@ -11,7 +11,11 @@ import pytest
 
 from engine_integration.engine.core import kv_layout_for
 from engine_integration.engine.embedded import load_model
-from engine_integration.engine.model.config import EngineConfig
+from engine_integration.engine.model.config import (
+    EngineConfig,
+    model_config_to_json,
+    tiny_model_config,
+)
 from hicache.simulate.calibrate import calibrate
 from hicache.simulate.errors import SimulationError
 from hicache.simulate.profile import PROFILE_FORMAT, PROFILE_PATH, load_profile
@@ -105,6 +109,23 @@ def test_calibrate_samples_l3_reads_on_a_replica_sized_for_it(tmp_path):
         process.stop()
     assert profile.num_read_samples >= 1 and profile.num_load_samples >= 1
     assert profile.l3_latency_s > 0
+
+
+def test_calibrate_sends_ids_the_replica_takes_when_its_model_outgrows_its_tokenizer(tmp_path):
+    """A model whose embedding has more rows than its tokenizer has tokens (the benchmarks'
+    random-weight models over the byte-level tokenizer, or a checkpoint padded for its
+    kernels): the replica takes prompt ids below the tokenizer's size only, so that is the
+    range calibration draws from, not the model's."""
+    config = tmp_path / "padded.json"
+    config.write_text(model_config_to_json(tiny_model_config(0).replace(vocab_size=4096)))
+    process = replica("--model-config", str(config), "--page-size", str(PAGE))
+    process.start()
+    try:
+        assert get_json(process.url + PROFILE_PATH)["model"]["vocab_size"] == 4096
+        profile = calibrate(process.url, rounds=1)
+    finally:
+        process.stop()
+    assert profile.num_compute_samples >= 6
 
 
 def test_calibrate_waits_for_a_replica_that_is_still_starting(tmp_path):
