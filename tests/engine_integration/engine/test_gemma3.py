@@ -546,14 +546,41 @@ def test_sentencepiece_merges_recovered_and_bos_once():
     assert second[: len(first)] == first and second.count(2) == 1
 
 
-def test_dense_cuda_refuses_what_its_kernels_do_not_implement(gemma_dir):
+def test_dense_cuda_kernels_are_kept_to_the_block_they_implement(gemma_dir):
     """The dense CUDA path's fused kernels and graphs know the Llama block only: a Gemma 3
-    model there is a named refusal (checked on the config: no GPU needed)."""
-    from engine_integration.engine.model.forward import check_dense_cuda
+    model runs dense batches there through torch's ops (checked on the config: no GPU
+    needed; `test_gemma3_dense_on_cuda_matches_transformers` runs it)."""
+    from engine_integration.engine.model.forward import dense_kernels
 
     model, _ = load_model(gemma_dir, CONFIG)
-    with pytest.raises(ValueError, match="Gemma 3's block .* windowed source layers"):
-        check_dense_cuda(model.config)
-    with pytest.raises(ValueError, match="windowed source layers"):
-        check_dense_cuda(model.config.replace(block="llama"))
-    check_dense_cuda(model.config.replace(block="llama", windowed_layers=()))
+    assert not dense_kernels(model.config)
+    assert not dense_kernels(model.config.replace(block="llama"))
+    assert dense_kernels(model.config.replace(block="llama", windowed_layers=()))
+
+
+@pytest.mark.gpu
+def test_gemma3_dense_on_cuda_matches_transformers(gemma_dir, reference, tmp_path):
+    """On CUDA, Gemma 3 runs the engine's default path (dense batches, torch's ops; float32
+    here, so that transformers' CPU logits are the reference): cold and on hits from L1,
+    L2 and L3, the last position's logits and the greedy tokens match transformers'."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    config = EngineConfig(device="cuda", dtype="float32", page_size=16, prefill_chunk_tokens=64)
+    model, _ = load_model(gemma_dir, config)
+    assert model.block_rows is None and not model.fused_kernels and not model.attend_pages
+    first = random_prompt(1, 90)
+    second = first[:70] + random_prompt(2, 12)
+    third = first[:70] + random_prompt(4, 12)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
+    url = f"file://{tmp_path}/l3?capacity=64MiB"
+    sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
+    outputs = run_through_tiers(model, config, sizes, {"cold": first, "cut": second}, third, params)
+    outputs["cache off"] = run_one(cache_off(model, config), third, params)
+    for scenario, output in outputs.items():
+        prompt = {"cold": first, "cut": second}.get(scenario, third)
+        logits, tokens = reference.run(prompt)
+        error = _relative_error(output.logits[0].cpu(), logits)
+        assert error < 1e-3, (scenario, error)
+        assert output.token_ids == tokens, scenario
+    for tier in ("l1", "l2", "l3"):
+        assert outputs[f"{tier.upper()} hit"].metrics.hit_tokens[tier] >= 64, tier
