@@ -600,7 +600,8 @@ def _print_table(rows: list[dict], args) -> None:
             (r["l3_read_gb_s"], r["l3_ceiling_gb_s"]),
             (r["l2_load_gb_s"], r["l2_ceiling_gb_s"]),
         ):
-            cells.append(f"{rate:.1f}/{ceiling:.1f}GB/s ({rate / ceiling:.0%})")
+            share = f"{rate / ceiling:.0%}" if ceiling else "-"  # (nothing moved: no ceiling)
+            cells.append(f"{rate:.1f}/{ceiling:.1f}GB/s ({share})")
         print("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
 
 
