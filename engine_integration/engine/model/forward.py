@@ -269,12 +269,14 @@ class Model:
                 config.num_heads, config.num_kv_heads, config.head_dim, block_rows, self.dtype
             )
         # Dense batches on CUDA, through this path's kernels where they implement the block
-        # (`dense_kernels`); otherwise through torch's ops, as on the CPU.
-        dense_cuda = block_rows is None and self.device.type == "cuda" and dense_kernels(config)
+        # (`dense_kernels`); otherwise through torch's ops, as on the CPU, with the row-wise
+        # halves of each layer replayed as graphs all the same.
+        dense_on_cuda = block_rows is None and self.device.type == "cuda"
+        dense_cuda = dense_on_cuda and dense_kernels(config)
         # The last layer computes only the rows whose output is read (`logits_runs`); False:
         # every row, the reference the tests compare it with.
         self.skip_unread_rows = True
-        self._graphs = RowwiseGraphs() if dense_cuda and cuda_graphs else None
+        self._graphs = RowwiseGraphs() if dense_on_cuda and cuda_graphs else None
         # Dense batches on CUDA norm and rotate in one kernel each (`fused`); elsewhere the
         # torch ops, whose bits the CPU's batch invariance rests on.
         # The deterministic path uses them too: a program per row, one order per row.

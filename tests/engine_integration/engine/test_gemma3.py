@@ -560,9 +560,10 @@ def test_dense_cuda_kernels_are_kept_to_the_block_they_implement(gemma_dir):
 
 @pytest.mark.gpu
 def test_gemma3_dense_on_cuda_matches_transformers(gemma_dir, reference, tmp_path):
-    """On CUDA, Gemma 3 runs the engine's default path (dense batches, torch's ops; float32
-    here, so that transformers' CPU logits are the reference): cold and on hits from L1,
-    L2 and L3, the last position's logits and the greedy tokens match transformers'."""
+    """On CUDA, Gemma 3 runs the engine's default path (dense batches, torch's ops, the
+    row-wise halves of each layer as graph replays; float32 here, so that transformers'
+    CPU logits are the reference): cold and on hits from L1, L2 and L3, the last
+    position's logits and the greedy tokens match transformers'."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     config = EngineConfig(device="cuda", dtype="float32", page_size=16, prefill_chunk_tokens=64)
@@ -584,3 +585,4 @@ def test_gemma3_dense_on_cuda_matches_transformers(gemma_dir, reference, tmp_pat
         assert output.token_ids == tokens, scenario
     for tier in ("l1", "l2", "l3"):
         assert outputs[f"{tier.upper()} hit"].metrics.hit_tokens[tier] >= 64, tier
+    assert model.num_graphs > 0  # the row-wise halves of its layers, replayed
