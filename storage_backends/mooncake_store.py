@@ -78,6 +78,7 @@ from .objects import (
     FramedObject,
     byte_view,
     frame_objects,
+    frame_objects_into,
     header_size,
 )
 from .options import redact_url
@@ -383,15 +384,43 @@ class MooncakeBackend(StorageBackend):
         head: int,
         guard: CopyGuard,
     ) -> list[PageStatus]:
-        arena = self._arena
-        payloads = []
+        """One staged round of `batch_put` (a worker thread): the pages copied into the
+        arena, framed there, and put. Plain pages (no lz4, no MAC) are copied and framed in
+        one pass (`frame_objects_into`); the others are copied, then framed as the codec and
+        the MAC need."""
+        pages = [views[i] for i in one.items]
         with guard.writing() as allowed:  # (reading the caller's pages, here)
             if not allowed:
                 return [PageStatus.ERROR] * len(keys)  # the call is over: nothing is sent
-            for i, offset in zip(one.items, one.offsets, strict=True):
-                at = start + offset + head
-                np.copyto(arena.array[at : at + len(views[i])], np.frombuffer(views[i], np.uint8))
-                payloads.append(arena.view[at : at + len(views[i])])
+            if self._compression is Compression.NONE and self._mac_key is None:
+                region = self._arena.view[start : start + one.nbytes]
+                threads = _threads(sum(map(len, pages)))
+                frame_objects_into(keys, self.layout, pages, region, one.offsets, threads=threads)
+                payloads = None
+            else:
+                payloads = self._copy_in(one, start, pages, head)
+        if payloads is None:
+            sizes = [head + len(page) for page in pages]
+        else:
+            sizes = self._frame_in_arena(one, start, keys, payloads, head)
+        return self._put_from(keys, self._addresses(one, start), sizes)
+
+    def _copy_in(
+        self, one: _Round, start: int, pages: list[memoryview], head: int
+    ) -> list[memoryview]:
+        """Each page copied to its slot of the round's region, past its header's room."""
+        arena, payloads = self._arena, []
+        for page, offset in zip(pages, one.offsets, strict=True):
+            at = start + offset + head
+            np.copyto(arena.array[at : at + len(page)], np.frombuffer(page, np.uint8))
+            payloads.append(arena.view[at : at + len(page)])
+        return payloads
+
+    def _frame_in_arena(
+        self, one: _Round, start: int, keys: list[bytes], payloads: list[memoryview], head: int
+    ) -> list[int]:
+        """Frame pages copied into the arena (lz4, a MAC) and write each header (and an lz4
+        block kept) in front of its slot; each object's size."""
         framed = frame_objects(
             keys,
             self.layout,
@@ -400,14 +429,14 @@ class MooncakeBackend(StorageBackend):
             threads=_threads(sum(map(len, payloads))),
             mac_key=self._mac_key,
         )
-        sizes = []
+        sizes, view = [], self._arena.view
         for obj, payload, offset in zip(framed, payloads, one.offsets, strict=True):
             at = start + offset
-            arena.view[at : at + head] = obj.header
+            view[at : at + head] = obj.header
             if obj.payload is not payload:  # lz4 kept: the smaller block replaces the page
-                arena.view[at + head : at + head + len(obj.payload)] = obj.payload
+                view[at + head : at + head + len(obj.payload)] = obj.payload
             sizes.append(head + len(obj.payload))
-        return self._put_from(keys, self._addresses(one, start), sizes)
+        return sizes
 
     async def _put_direct(
         self,

@@ -345,6 +345,27 @@ def _frame_plain(
     ]
 
 
+def frame_objects_into(
+    keys: Sequence[bytes],
+    layout: str,
+    pages: list[memoryview],
+    out: memoryview,
+    offsets: list[int],
+    *,
+    threads: int = 1,
+) -> None:
+    """Uncompressed version 1 pages as whole objects in `out`, each (header, then a copy of
+    its page) at offsets[i]: the same bytes as `frame_objects` and a copy, in one call and
+    one pass over each page (`checks.frame_copies`: its checksum is taken of the copy as it
+    is made; with the C extension, on up to `threads` threads). For a store that sends
+    objects from memory of its own (Mooncake's staging arena)."""
+    encoded = layout_bytes(layout)
+    joined = b"".join([check_key(key) for key in keys])
+    if len(joined) != KEY_BYTES * len(pages):
+        raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+    checks.frame_copies(joined, plain_template(encoded), encoded, pages, out, offsets, threads)
+
+
 def plain_template(layout: bytes) -> bytes:
     """The first 48 bytes of the header of an uncompressed version 1 page of `layout`, with
     the key and the lengths zero: what `frame_headers` fills in per page (key at 16, lengths

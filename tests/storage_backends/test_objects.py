@@ -17,6 +17,7 @@ from storage_backends.objects import (
     CorruptReason,
     encode_object,
     frame_object,
+    frame_objects_into,
     header_size,
     join_parts,
     layout_bytes,
@@ -59,6 +60,23 @@ def test_frame_object_keeps_the_callers_buffer():
     assert framed.payload.obj is page  # no copy on the write path
     assert framed.nbytes == header_size(LAYOUT) + 512
     assert join_parts(framed) == encode_object(KEY, LAYOUT, page)
+
+
+def test_frame_objects_into_writes_whole_objects_that_decode():
+    pages = [memoryview(os.urandom(n)) for n in (0, 300, 70_000)]
+    keys = [bytes([i]) * 16 for i in range(len(pages))]
+    size = header_size(LAYOUT)
+    offsets = [0, size + 8, 2 * size + 320]  # (the first, empty page's object is its header)
+    out = memoryview(bytearray(offsets[-1] + size + len(pages[-1])))
+    frame_objects_into(keys, LAYOUT, pages, out, offsets)
+    for key, page, at in zip(keys, pages, offsets, strict=True):
+        obj = out[at : at + size + len(page)]
+        assert bytes(obj) == encode_object(key, LAYOUT, page)
+        assert bytes(decode_object(obj, key, LAYOUT)) == page
+    with pytest.raises(ValueError, match="page key"):
+        frame_objects_into([b"short", *keys[1:]], LAYOUT, pages, out, offsets)
+    with pytest.raises(ValueError, match="2 keys for 3 pages"):
+        frame_objects_into(keys[:2], LAYOUT, pages, out, offsets)
 
 
 def test_decode_into_accepts_parts_and_fills_the_buffer():
