@@ -83,7 +83,7 @@ from .objects import (
 )
 from .options import redact_url
 from .shared_clients import SharedClients
-from .staging import StagingArena, aligned
+from .staging import ALIGN_BYTES, StagingArena
 from .verify import check_object, decode_objects_into
 from .workers import WorkerPool, overlapped, share
 
@@ -526,6 +526,8 @@ class MooncakeBackend(StorageBackend):
         return self._statuses(codes, "batch_put_from")
 
     def _statuses(self, codes: list[int], op: str) -> list[PageStatus]:
+        if codes.count(0) == len(codes):  # the common case: every page put
+            return [PageStatus.STORED] * len(codes)
         _raise_if_all_failed(codes, op)
         statuses = []
         for code in codes:
@@ -650,18 +652,21 @@ class MooncakeBackend(StorageBackend):
             codes = self._client.batch_get_into(names, self._addresses(one, start), one.slots)
             fetched = self._in_arena(codes, one, start, "batch_get_into")
             found = [j for j, item in enumerate(fetched) if isinstance(item, memoryview)]
-            outcomes: list[ReadInto] = list(fetched)
+            objs = [fetched[j] for j in found]
             with guard.writing() as allowed:
                 if not allowed:
                     return [None] * len(names)  # the call is over: nothing is written
                 reasons = decode_objects_into(
-                    [fetched[j] for j in found],
+                    objs,
                     [keys[one.items[j]] for j in found],
                     self._layout_bytes,
                     [views[one.items[j]] for j in found],
-                    threads=_threads(sum(len(fetched[j]) for j in found)),
+                    threads=_threads(sum(map(len, objs))),
                     mac_key=self._mac_key,
                 )
+            if len(objs) == len(fetched) and reasons.count(None) == len(reasons):
+                return [True] * len(reasons)  # the common case: every page read and checked
+            outcomes: list[ReadInto] = list(fetched)
             for j, reason in zip(found, reasons, strict=True):
                 outcomes[j] = True if reason is None else reason
             return outcomes
@@ -719,10 +724,11 @@ class MooncakeBackend(StorageBackend):
         None (absent or vanished), LENGTH (larger than its buffer) or an error."""
         _raise_if_all_failed(codes, op)
         found: list[Any] = []
+        arena = self._arena.view
         for code, offset, slot in zip(codes, one.offsets, one.slots, strict=True):
             at = start + offset
             if 0 <= code <= slot:
-                found.append(self._arena.view[at : at + code])
+                found.append(arena[at : at + code])
             elif code == _TOO_SMALL:
                 found.append(CorruptReason.LENGTH)
             elif code == _RPC_FAIL:
@@ -743,7 +749,9 @@ def _close_client(client: Any) -> None:
 
 
 def _slots(sizes: list[int]) -> list[int]:
-    return [aligned(size) for size in sizes]
+    """Each size rounded up to a multiple of `ALIGN_BYTES` (`staging.aligned` without a call
+    per page: 3 us of a batch of 32 here)."""
+    return [-(-size // ALIGN_BYTES) * ALIGN_BYTES for size in sizes]
 
 
 def _chunks(sizes: list[int]) -> list[list[int]]:
