@@ -26,11 +26,12 @@ Pages move through registered memory, never through Python `bytes`, in one of tw
 - Staged, for everything else: the backend allocates one staging arena (`buffer`),
   registers it with the transfer engine, and moves each round of a batch with
   `batch_put_from` / `batch_get_into` between the arena and the store. On the way out a
-  page is copied into the arena and framed there (its checksum taken of that copy); on the
-  way in the C check verifies each object in the arena and copies it into the caller's buffer
-  in the same pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer
-  still running when its call timed out writes only the arena (whose region is lent again
-  only once the transfer is over), never the caller's pages.
+  page is copied into the arena and framed in the same pass (`objects.frame_objects_into`:
+  its checksum taken of the copy as it is made; an lz4 or signed page is copied, then
+  framed); on the way in the C check verifies each object in the arena and copies it into
+  the caller's buffer in the same pass (`verify.decode_objects_into`), under the call's
+  `CopyGuard`: a transfer still running when its call timed out writes only the arena
+  (whose region is lent again only once the transfer is over), never the caller's pages.
 
 Why a threshold: a second transfer a page costs about 34 us on TCP here, twice the raw read
 of a 64 KiB page, and nothing measurable at 512 KiB and 2 MiB, where the staging copy costs
