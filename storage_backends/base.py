@@ -61,7 +61,7 @@ from .objects import (
     layout_bytes,
     load_secret,
     page_nbytes,
-    page_view,
+    page_views,
     scatter_page,
     split_object,
     writable_views,
@@ -266,10 +266,7 @@ class StorageBackend(Connection):
         timed out may still reach storage later, checked by its checksum like any other.
         """
         keys = check_keys(keys)
-        try:
-            views = [page_view(page) for page in pages]
-        except (TypeError, ValueError):  # name the bad one (names are built only then)
-            views = [page_view(page, what=f"pages[{i}]") for i, page in enumerate(pages)]
+        views = page_views(pages)
         check_same_length("pages", keys, views)
         self._require_layout("batch_put")
         if not keys:
@@ -430,16 +427,20 @@ class StorageBackend(Connection):
         page was stored)."""
         if statuses is FAULT:
             return [False] * len(sizes)
+        num_stored = statuses.count(PageStatus.STORED)
+        self._counts["puts"] += num_stored
+        if num_stored == len(statuses):  # the common case: every page stored
+            self._counts["written_bytes"] += sum(sizes)
+            return [True] * num_stored
         stored = [status is PageStatus.STORED for status in statuses]
-        tally = Counter(statuses)
-        self._counts["puts"] += tally[PageStatus.STORED]
-        self._counts["put_rejected"] += tally[PageStatus.REJECTED]
-        self._counts["errors"] += tally[PageStatus.ERROR]
+        self._counts["put_rejected"] += statuses.count(PageStatus.REJECTED)
         self._counts["written_bytes"] += sum(
             size for size, ok in zip(sizes, stored, strict=True) if ok
         )
-        if tally[PageStatus.ERROR]:
-            self._tally.warn_page_errors(op, tally[PageStatus.ERROR])
+        num_errors = statuses.count(PageStatus.ERROR)
+        self._counts["errors"] += num_errors
+        if num_errors:
+            self._tally.warn_page_errors(op, num_errors)
         return stored
 
 

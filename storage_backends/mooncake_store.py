@@ -26,11 +26,12 @@ Pages move through registered memory, never through Python `bytes`, in one of tw
 - Staged, for everything else: the backend allocates one staging arena (`buffer`),
   registers it with the transfer engine, and moves each round of a batch with
   `batch_put_from` / `batch_get_into` between the arena and the store. On the way out a
-  page is copied into the arena and framed there (its checksum taken of that copy); on the
-  way in the C check verifies each object in the arena and copies it into the caller's buffer
-  in the same pass (`verify.decode_objects_into`), under the call's `CopyGuard`: a transfer
-  still running when its call timed out writes only the arena (whose region is lent again
-  only once the transfer is over), never the caller's pages.
+  page is copied into the arena and framed in the same pass (`objects.frame_objects_into`:
+  its checksum taken of the copy as it is made; an lz4 or signed page is copied, then
+  framed); on the way in the C check verifies each object in the arena and copies it into
+  the caller's buffer in the same pass (`verify.decode_objects_into`), under the call's
+  `CopyGuard`: a transfer still running when its call timed out writes only the arena
+  (whose region is lent again only once the transfer is over), never the caller's pages.
 
 Why a threshold: a second transfer a page costs about 34 us on TCP here, twice the raw read
 of a 64 KiB page, and nothing measurable at 512 KiB and 2 MiB, where the staging copy costs
@@ -78,11 +79,12 @@ from .objects import (
     FramedObject,
     byte_view,
     frame_objects,
+    frame_objects_into,
     header_size,
 )
 from .options import redact_url
 from .shared_clients import SharedClients
-from .staging import StagingArena, aligned
+from .staging import ALIGN_BYTES, StagingArena
 from .verify import check_object, decode_objects_into
 from .workers import WorkerPool, overlapped, share
 
@@ -383,15 +385,43 @@ class MooncakeBackend(StorageBackend):
         head: int,
         guard: CopyGuard,
     ) -> list[PageStatus]:
-        arena = self._arena
-        payloads = []
+        """One staged round of `batch_put` (a worker thread): the pages copied into the
+        arena, framed there, and put. Plain pages (no lz4, no MAC) are copied and framed in
+        one pass (`frame_objects_into`); the others are copied, then framed as the codec and
+        the MAC need."""
+        pages = [views[i] for i in one.items]
         with guard.writing() as allowed:  # (reading the caller's pages, here)
             if not allowed:
                 return [PageStatus.ERROR] * len(keys)  # the call is over: nothing is sent
-            for i, offset in zip(one.items, one.offsets, strict=True):
-                at = start + offset + head
-                np.copyto(arena.array[at : at + len(views[i])], np.frombuffer(views[i], np.uint8))
-                payloads.append(arena.view[at : at + len(views[i])])
+            if self._compression is Compression.NONE and self._mac_key is None:
+                region = self._arena.view[start : start + one.nbytes]
+                threads = _threads(sum(map(len, pages)))
+                frame_objects_into(keys, self.layout, pages, region, one.offsets, threads=threads)
+                payloads = None
+            else:
+                payloads = self._copy_in(one, start, pages, head)
+        if payloads is None:
+            sizes = [head + len(page) for page in pages]
+        else:
+            sizes = self._frame_in_arena(one, start, keys, payloads, head)
+        return self._put_from(keys, self._addresses(one, start), sizes)
+
+    def _copy_in(
+        self, one: _Round, start: int, pages: list[memoryview], head: int
+    ) -> list[memoryview]:
+        """Each page copied to its slot of the round's region, past its header's room."""
+        arena, payloads = self._arena, []
+        for page, offset in zip(pages, one.offsets, strict=True):
+            at = start + offset + head
+            np.copyto(arena.array[at : at + len(page)], np.frombuffer(page, np.uint8))
+            payloads.append(arena.view[at : at + len(page)])
+        return payloads
+
+    def _frame_in_arena(
+        self, one: _Round, start: int, keys: list[bytes], payloads: list[memoryview], head: int
+    ) -> list[int]:
+        """Frame pages copied into the arena (lz4, a MAC) and write each header (and an lz4
+        block kept) in front of its slot; each object's size."""
         framed = frame_objects(
             keys,
             self.layout,
@@ -400,14 +430,14 @@ class MooncakeBackend(StorageBackend):
             threads=_threads(sum(map(len, payloads))),
             mac_key=self._mac_key,
         )
-        sizes = []
+        sizes, view = [], self._arena.view
         for obj, payload, offset in zip(framed, payloads, one.offsets, strict=True):
             at = start + offset
-            arena.view[at : at + head] = obj.header
+            view[at : at + head] = obj.header
             if obj.payload is not payload:  # lz4 kept: the smaller block replaces the page
-                arena.view[at + head : at + head + len(obj.payload)] = obj.payload
+                view[at + head : at + head + len(obj.payload)] = obj.payload
             sizes.append(head + len(obj.payload))
-        return self._put_from(keys, self._addresses(one, start), sizes)
+        return sizes
 
     async def _put_direct(
         self,
@@ -497,6 +527,8 @@ class MooncakeBackend(StorageBackend):
         return self._statuses(codes, "batch_put_from")
 
     def _statuses(self, codes: list[int], op: str) -> list[PageStatus]:
+        if codes.count(0) == len(codes):  # the common case: every page put
+            return [PageStatus.STORED] * len(codes)
         _raise_if_all_failed(codes, op)
         statuses = []
         for code in codes:
@@ -621,18 +653,21 @@ class MooncakeBackend(StorageBackend):
             codes = self._client.batch_get_into(names, self._addresses(one, start), one.slots)
             fetched = self._in_arena(codes, one, start, "batch_get_into")
             found = [j for j, item in enumerate(fetched) if isinstance(item, memoryview)]
-            outcomes: list[ReadInto] = list(fetched)
+            objs = [fetched[j] for j in found]
             with guard.writing() as allowed:
                 if not allowed:
                     return [None] * len(names)  # the call is over: nothing is written
                 reasons = decode_objects_into(
-                    [fetched[j] for j in found],
+                    objs,
                     [keys[one.items[j]] for j in found],
                     self._layout_bytes,
                     [views[one.items[j]] for j in found],
-                    threads=_threads(sum(len(fetched[j]) for j in found)),
+                    threads=_threads(sum(map(len, objs))),
                     mac_key=self._mac_key,
                 )
+            if len(objs) == len(fetched) and reasons.count(None) == len(reasons):
+                return [True] * len(reasons)  # the common case: every page read and checked
+            outcomes: list[ReadInto] = list(fetched)
             for j, reason in zip(found, reasons, strict=True):
                 outcomes[j] = True if reason is None else reason
             return outcomes
@@ -690,10 +725,11 @@ class MooncakeBackend(StorageBackend):
         None (absent or vanished), LENGTH (larger than its buffer) or an error."""
         _raise_if_all_failed(codes, op)
         found: list[Any] = []
+        arena = self._arena.view
         for code, offset, slot in zip(codes, one.offsets, one.slots, strict=True):
             at = start + offset
             if 0 <= code <= slot:
-                found.append(self._arena.view[at : at + code])
+                found.append(arena[at : at + code])
             elif code == _TOO_SMALL:
                 found.append(CorruptReason.LENGTH)
             elif code == _RPC_FAIL:
@@ -714,7 +750,9 @@ def _close_client(client: Any) -> None:
 
 
 def _slots(sizes: list[int]) -> list[int]:
-    return [aligned(size) for size in sizes]
+    """Each size rounded up to a multiple of `ALIGN_BYTES` (`staging.aligned` without a call
+    per page: 3 us of a batch of 32 here)."""
+    return [-(-size // ALIGN_BYTES) * ALIGN_BYTES for size in sizes]
 
 
 def _chunks(sizes: list[int]) -> list[list[int]]:

@@ -3,10 +3,10 @@
 it `portable`, the same checks and framing in Python.
 
 `checks` is the one the object check and the framing go through (`xxh3_64`, `check_object`,
-`check_copy`, `frame_headers`, the same answers from either): memory://, redis:// and
-grpc:// work with or without the extension. The `file://` backend's batch reads and writes
-are the extension's alone (they are why it exists: benchmarks/bench_file_read.py); it asks
-for them with `require_pageio`, which names what to install where they are missing.
+`check_copy`, `frame_headers`, `frame_copies`, the same answers from either): memory://,
+redis:// and grpc:// work with or without the extension. The `file://` backend's batch reads
+and writes are the extension's alone (they are why it exists: benchmarks/bench_file_read.py);
+it asks for them with `require_pageio`, which names what to install where they are missing.
 """
 
 from __future__ import annotations

@@ -229,13 +229,40 @@ def scatter_page(page: Buffer, pieces: Sequence[memoryview]) -> None:
         offset += len(piece)
 
 
-def writable_views(buffers: Sequence[PageBuffers]) -> list[PageView]:
-    """Flat writable byte views of the caller's pages (each one buffer, or its pieces); a bad
-    one is named by its position (the names are built only then: this runs for every read)."""
+def page_views(
+    pages: Sequence[PageBuffers], *, writable: bool = False, what: str = "pages"
+) -> list[PageView]:
+    """`page_view` of each of a batch's pages; a bad one is named by its position (the names
+    are built only then: this runs for every call)."""
     try:
-        return [page_view(buf, writable=True) for buf in buffers]
-    except ValueError:
-        return [page_view(buf, writable=True, what=f"into[{i}]") for i, buf in enumerate(buffers)]
+        views = _flat_views(pages, writable)
+        return views if views is not None else [page_view(p, writable=writable) for p in pages]
+    except (TypeError, ValueError):
+        return [
+            page_view(page, writable=writable, what=f"{what}[{i}]") for i, page in enumerate(pages)
+        ]
+
+
+def _flat_views(pages: Sequence[PageBuffers], writable: bool) -> list[memoryview] | None:
+    """The common case of `page_views`, in one loop without a call per page: every page a
+    flat byte memoryview (writable if asked) or, to read, `bytes`. None where one is not."""
+    views = []
+    for page in pages:
+        kind = type(page)
+        if kind is memoryview and page.format == "B" and page.ndim == 1 and page.c_contiguous:
+            if writable and page.readonly:
+                return None
+            views.append(page)
+        elif kind is bytes and not writable:
+            views.append(memoryview(page))
+        else:
+            return None
+    return views
+
+
+def writable_views(buffers: Sequence[PageBuffers]) -> list[PageView]:
+    """Flat writable byte views of the caller's pages (each one buffer, or its pieces)."""
+    return page_views(buffers, writable=True, what="into")
 
 
 def check_same_length(name: str, keys: list[bytes], values: Sequence[object]) -> None:
@@ -343,6 +370,27 @@ def _frame_plain(
     return [
         FramedObject(bytes(view[size * i : size * (i + 1)]), page) for i, page in enumerate(pages)
     ]
+
+
+def frame_objects_into(
+    keys: Sequence[bytes],
+    layout: str,
+    pages: list[memoryview],
+    out: memoryview,
+    offsets: list[int],
+    *,
+    threads: int = 1,
+) -> None:
+    """Uncompressed version 1 pages as whole objects in `out`, each (header, then a copy of
+    its page) at offsets[i]: the same bytes as `frame_objects` and a copy, in one call and
+    one pass over each page (`checks.frame_copies`: its checksum is taken of the copy as it
+    is made; with the C extension, on up to `threads` threads). For a store that sends
+    objects from memory of its own (Mooncake's staging arena)."""
+    encoded = layout_bytes(layout)
+    joined = b"".join([check_key(key) for key in keys])
+    if len(joined) != KEY_BYTES * len(pages):
+        raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+    checks.frame_copies(joined, plain_template(encoded), encoded, pages, out, offsets, threads)
 
 
 def plain_template(layout: bytes) -> bytes:

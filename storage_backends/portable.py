@@ -162,7 +162,50 @@ def frame_headers(
         raise ValueError("frame_headers: the layout is at most 65535 bytes")
     out = memoryview(headers)
     for i, page in enumerate(pages):
-        length = _LENGTH.pack(len(page))
-        head = b"".join((plain[:16], keys[_KEY_BYTES * i : _KEY_BYTES * (i + 1)], length, length))
-        checksum = xxh3_64(head + layout, page)
-        out[size * i : size * (i + 1)] = head + _LENGTH.pack(checksum) + layout
+        key = keys[_KEY_BYTES * i : _KEY_BYTES * (i + 1)]
+        out[size * i : size * (i + 1)] = _plain_header(plain, key, layout, page)
+
+
+def frame_copies(
+    keys: bytes,
+    plain: bytes,
+    layout: bytes,
+    pages: list[memoryview],
+    out: bytearray | memoryview,
+    offsets: list[int],
+    threads: int,
+) -> None:
+    """`_pageio.frame_copies`, on this thread: into `out` at offsets[i], the whole object of
+    each uncompressed page: its header (as `frame_headers` makes it), then a copy of the
+    page, the checksum taken of the copy. Every object is checked to fit `out` first."""
+    del threads
+    if (
+        len(plain) != _PLAIN_BYTES
+        or len(keys) != _KEY_BYTES * len(pages)
+        or len(offsets) != len(pages)
+    ):
+        raise ValueError(
+            "frame_copies: plain must be 48 bytes, keys 16 bytes and one offset per page"
+        )
+    if len(layout) > _MAX_LAYOUT_BYTES:
+        raise ValueError("frame_copies: the layout is at most 65535 bytes")
+    target = memoryview(out)
+    if target.readonly:
+        raise TypeError("frame_copies: `out` must be writable")
+    size = _FIXED_BYTES + len(layout)
+    for i, (at, page) in enumerate(zip(offsets, pages, strict=True)):
+        if at < 0 or at + size + len(page) > len(target):
+            raise ValueError(f"frame_copies: object {i} does not fit the bytes of `out`")
+    for i, (at, page) in enumerate(zip(offsets, pages, strict=True)):
+        copy = target[at + size : at + size + len(page)]
+        copy[:] = page
+        key = keys[_KEY_BYTES * i : _KEY_BYTES * (i + 1)]
+        target[at : at + size] = _plain_header(plain, key, layout, copy)
+
+
+def _plain_header(plain: bytes, key: bytes, layout: bytes, page: memoryview) -> bytes:
+    """The header of an uncompressed page: `plain` with its key and lengths, the checksum
+    (of those 48 bytes, the layout and the page), the layout."""
+    length = _LENGTH.pack(len(page))
+    head = b"".join((plain[:16], key, length, length))
+    return head + _LENGTH.pack(xxh3_64(head + layout, page)) + layout

@@ -17,13 +17,21 @@ from storage_backends.objects import (
     CorruptReason,
     encode_object,
     frame_object,
+    frame_objects_into,
     header_size,
     join_parts,
     layout_bytes,
+    page_views,
     parse_header,
     split_object,
+    writable_views,
 )
-from storage_backends.verify import decode_object, decode_object_into, verify_object
+from storage_backends.verify import (
+    decode_object,
+    decode_object_into,
+    decode_objects_into,
+    verify_object,
+)
 
 KEY = bytes(range(16))
 LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"
@@ -59,6 +67,67 @@ def test_frame_object_keeps_the_callers_buffer():
     assert framed.payload.obj is page  # no copy on the write path
     assert framed.nbytes == header_size(LAYOUT) + 512
     assert join_parts(framed) == encode_object(KEY, LAYOUT, page)
+
+
+def test_frame_objects_into_writes_whole_objects_that_decode():
+    pages = [memoryview(os.urandom(n)) for n in (0, 300, 70_000)]
+    keys = [bytes([i]) * 16 for i in range(len(pages))]
+    size = header_size(LAYOUT)
+    offsets = [0, size + 8, 2 * size + 320]  # (the first, empty page's object is its header)
+    out = memoryview(bytearray(offsets[-1] + size + len(pages[-1])))
+    frame_objects_into(keys, LAYOUT, pages, out, offsets)
+    for key, page, at in zip(keys, pages, offsets, strict=True):
+        obj = out[at : at + size + len(page)]
+        assert bytes(obj) == encode_object(key, LAYOUT, page)
+        assert bytes(decode_object(obj, key, LAYOUT)) == page
+    with pytest.raises(ValueError, match="page key"):
+        frame_objects_into([b"short", *keys[1:]], LAYOUT, pages, out, offsets)
+    with pytest.raises(ValueError, match="2 keys for 3 pages"):
+        frame_objects_into(keys[:2], LAYOUT, pages, out, offsets)
+
+
+def test_page_views_take_any_buffer_and_name_a_bad_one():
+    flat = memoryview(bytearray(8))
+    grid = memoryview(bytearray(8)).cast("B", (2, 4))
+    views = page_views([b"ab", flat, bytearray(b"cd"), grid, [b"x", b"y"]])
+    assert views[1] is flat and bytes(views[0]) == b"ab" and bytes(views[2]) == b"cd"
+    assert views[3].ndim == 1 and len(views[3]) == 8
+    assert [bytes(piece) for piece in views[4]] == [b"x", b"y"]
+    assert writable_views([flat])[0] is flat
+    with pytest.raises(ValueError, match=r"pages\[1\] must be C-contiguous"):
+        page_views([b"ok", memoryview(bytearray(8))[::2]])
+    with pytest.raises(ValueError, match=r"into\[1\] must be writable"):
+        writable_views([bytearray(2), b"read-only"])
+    with pytest.raises(ValueError, match=r"into\[0\] must be writable"):
+        writable_views([memoryview(b"read-only")])
+
+
+def test_decode_objects_into_answers_each_object_of_a_batch():
+    """Views into one buffer (a network backend's arena) checked and copied in one call: all
+    verified, or each answered alone (damaged, another key's, lz4 decoded, in parts)."""
+    pages = [os.urandom(4096) for _ in range(4)] + [bytes(4096)]
+    keys = [bytes([i]) * 16 for i in range(5)]
+    blobs = [encode_object(k, LAYOUT, p) for k, p in zip(keys[:4], pages[:4], strict=True)]
+    blobs.append(encode_object(keys[4], LAYOUT, pages[4], "lz4"))
+    arena = memoryview(bytearray(b"".join(blobs)))
+    starts = [sum(map(len, blobs[:i])) for i in range(len(blobs))]
+    objs = [arena[at : at + len(blob)] for at, blob in zip(starts, blobs, strict=True)]
+    layout = layout_bytes(LAYOUT)
+
+    def decode(objects, expected_keys):
+        into = [memoryview(bytearray(4096)) for _ in objects]
+        return decode_objects_into(objects, expected_keys, layout, into), into
+
+    results, into = decode(objs[:4], keys[:4])
+    assert results == [None] * 4 and [bytes(b) for b in into] == pages[:4]
+    arena[starts[1] + len(blobs[1]) - 1] ^= 1  # a flipped byte in the second payload
+    parts = [objs[3][:100], objs[3][100:]]
+    results, into = decode(
+        [objs[0], objs[1], objs[2], parts, objs[4]], [*keys[:2], bytes(16), *keys[3:]]
+    )
+    assert results == [None, CorruptReason.CHECKSUM, CorruptReason.KEY, None, None]
+    assert bytes(into[1]) == bytes(into[2]) == bytes(4096)  # left as they were
+    assert [bytes(into[i]) for i in (0, 3, 4)] == [pages[0], pages[3], pages[4]]
 
 
 def test_decode_into_accepts_parts_and_fills_the_buffer():

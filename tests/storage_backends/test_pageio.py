@@ -167,6 +167,72 @@ def test_the_check_names_the_first_thing_wrong(impl):
     assert impl.check_object(split, key, layout, len(page)) == 10
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("layout", [LAYOUT, "x" * 700, ""])
+def test_frame_copies_writes_what_frame_objects_frames(impl, layout, threads):
+    """Each object frame_copies writes (header, then the page copied) is `frame_objects`'
+    header and the page, byte for byte, at every size around the 64 KiB copy chunk and the
+    hash's stripes; the bytes between objects are left alone."""
+    rng = random.Random(11)
+    sizes = [0, 1, 63, 64, 65, 241, 4096, 65535, 65536, 65537, 2 * 65536 + 5, 200_000]
+    keys = [rng.randbytes(16) for _ in sizes]
+    pages = [memoryview(rng.randbytes(n)) for n in sizes]
+    size = header_size(layout)
+    offsets, at = [], 5  # gaps of 7 bytes, the first object off any alignment
+    for page in pages:
+        offsets.append(at)
+        at += size + len(page) + 7
+    out = bytearray(b"\xa5" * at)
+    encoded = layout_bytes(layout)
+    impl.frame_copies(
+        b"".join(keys), plain_template(encoded), encoded, pages, out, offsets, threads
+    )
+    framed = frame_objects(keys, layout, pages)
+    ends = [0]
+    for start, obj in zip(offsets, framed, strict=True):
+        assert out[start : start + size] == obj.header
+        assert out[start + size : start + obj.nbytes] == bytes(obj.payload)
+        ends.append(start + obj.nbytes)
+    gaps = [out[end:start] for end, start in zip(ends, [*offsets, len(out)], strict=True)]
+    assert all(gap == b"\xa5" * len(gap) for gap in gaps)
+
+
+def test_frame_copies_of_c_and_portable_agree():
+    """The same work through the C extension and `portable`: the same bytes."""
+    rng = random.Random(12)
+    encoded = layout_bytes(LAYOUT)
+    pages = [memoryview(rng.randbytes(n)) for n in (0, 100, 65536, 1 << 20)]
+    keys = b"".join(rng.randbytes(16) for _ in pages)
+    size = header_size(LAYOUT)
+    offsets = [sum(size + len(p) for p in pages[:i]) for i in range(len(pages))]
+    outs = []
+    for chosen in (pageio, portable):
+        out = bytearray(offsets[-1] + size + len(pages[-1]))
+        chosen.frame_copies(keys, plain_template(encoded), encoded, pages, out, offsets, 2)
+        outs.append(out)
+    assert outs[0] == outs[1]
+
+
+def test_frame_copies_refuses_what_does_not_fit_and_writes_nothing(impl):
+    encoded = layout_bytes(LAYOUT)
+    plain, size = plain_template(encoded), header_size(LAYOUT)
+    pages = [memoryview(b"p" * 100), memoryview(b"q" * 100)]
+    keys = b"k" * 32
+    out = bytearray(2 * (size + 100))
+    for offsets in ([0, size + 101], [-1, size + 100], [0, 2 * (size + 100)]):
+        with pytest.raises(ValueError, match="does not fit"):
+            impl.frame_copies(keys, plain, encoded, pages, out, offsets, 1)
+        assert out == bytearray(len(out))  # the first object fit, and was not written either
+    with pytest.raises(ValueError, match="one offset per page"):
+        impl.frame_copies(keys, plain, encoded, pages, out, [0], 1)
+    with pytest.raises(ValueError, match="keys 16"):
+        impl.frame_copies(keys[:31], plain, encoded, pages, out, [0, size + 100], 1)
+    with pytest.raises(ValueError, match="plain must be 48 bytes"):
+        impl.frame_copies(keys, b"short", encoded, pages, out, [0, size + 100], 1)
+    with pytest.raises(TypeError):
+        impl.frame_copies(keys, plain, encoded, pages, bytes(len(out)), [0, size + 100], 1)
+
+
 def test_frame_headers_refuses_wrong_sizes(impl):
     encoded = layout_bytes(LAYOUT)
     headers = bytearray(header_size(LAYOUT))
