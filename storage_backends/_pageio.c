@@ -1002,6 +1002,22 @@ static void frame_one(batch_t *batch, size_t unit) {
                frames->keys + KEY_BYTES * unit, &page, 1, frames->headers + header_bytes * unit);
 }
 
+/* The arguments frame_headers and frame_copies share: `plain` of PLAIN_BYTES, KEY_BYTES of
+ * keys a page and `sized` (the caller's check of its own buffers), else a ValueError saying
+ * `wrong`; and a layout whose length fits the header's u16. 0 with the exception set. */
+static int frame_args_ok(const char *name, const Py_buffer *keys, const Py_buffer *plain,
+                         const Py_buffer *layout, Py_ssize_t num, int sized, const char *wrong) {
+    if (plain->len != PLAIN_BYTES || keys->len != KEY_BYTES * num || !sized) {
+        PyErr_Format(PyExc_ValueError, "%s: %s", name, wrong);
+        return 0;
+    }
+    if (layout->len > MAX_LAYOUT_BYTES) {
+        PyErr_Format(PyExc_ValueError, "%s: the layout is at most 65535 bytes", name);
+        return 0;
+    }
+    return 1;
+}
+
 PyDoc_STRVAR(frame_headers_doc,
 "frame_headers(keys, plain, layout, pages, headers, threads) -> None\n\n"
 "Write into `headers` ((56 + len(layout)) bytes per page) the header of each uncompressed\n"
@@ -1021,16 +1037,11 @@ static PyObject *frame_headers(PyObject *self, PyObject *args) {
     Py_ssize_t num = PyList_GET_SIZE(pages);
     held_t held = {NULL, 0};
     size_t header_bytes = FIXED_BYTES + (size_t)layout.len;
-    if (plain.len != PLAIN_BYTES || keys.len != KEY_BYTES * num ||
-        (size_t)headers.len != header_bytes * (size_t)num) {
-        PyErr_SetString(PyExc_ValueError, "frame_headers: plain must be 48 bytes, keys 16 "
-                                          "bytes per page, headers 56 + len(layout) per page");
+    if (!frame_args_ok("frame_headers", &keys, &plain, &layout, num,
+                       (size_t)headers.len == header_bytes * (size_t)num,
+                       "plain must be 48 bytes, keys 16 bytes per page, headers 56 + "
+                       "len(layout) per page"))
         goto done;
-    }
-    if (layout.len > MAX_LAYOUT_BYTES) { /* its length is a u16 of the header */
-        PyErr_SetString(PyExc_ValueError, "frame_headers: the layout is at most 65535 bytes");
-        goto done;
-    }
     held.views = PyMem_Calloc(num ? num : 1, sizeof *held.views);
     if (held.views == NULL) {
         PyErr_NoMemory();
@@ -1130,16 +1141,10 @@ static PyObject *frame_copies(PyObject *self, PyObject *args) {
     Py_ssize_t num = PyList_GET_SIZE(pages);
     held_t held = {NULL, 0};
     Py_ssize_t *at = NULL;
-    if (plain.len != PLAIN_BYTES || keys.len != KEY_BYTES * num ||
-        PyList_GET_SIZE(offsets) != num) {
-        PyErr_SetString(PyExc_ValueError, "frame_copies: plain must be 48 bytes, keys 16 "
-                                          "bytes and one offset per page");
+    if (!frame_args_ok("frame_copies", &keys, &plain, &layout, num,
+                       PyList_GET_SIZE(offsets) == num,
+                       "plain must be 48 bytes, keys 16 bytes and one offset per page"))
         goto done;
-    }
-    if (layout.len > MAX_LAYOUT_BYTES) { /* its length is a u16 of the header */
-        PyErr_SetString(PyExc_ValueError, "frame_copies: the layout is at most 65535 bytes");
-        goto done;
-    }
     held.views = PyMem_Calloc(num ? num : 1, sizeof *held.views);
     at = PyMem_Calloc(num ? num : 1, sizeof *at);
     if (held.views == NULL || at == NULL) {
