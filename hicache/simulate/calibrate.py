@@ -3,9 +3,9 @@
 It sends the replica a few cold prompts of several lengths (random token ids below its
 tokenizer's size, which `/hicache/info` gives; one output token each: one engine step per
 prompt up to the prefill chunk), so that its compute fit has samples across rows and
-attention pairs, then reads `GET /v1/hicache/profile` and
-returns it checked (`hicache.simulate.profile`), with the request overhead: the median of
-the prompts' wall times less their fitted steps. Before reading it, it sends each round's
+attention pairs, then reads `GET /v1/hicache/profile` and returns it checked
+(`hicache.simulate.profile`), with the request overhead: the median of the prompts' wall
+times less their fitted steps. Before reading it, it sends each round's
 longest prompt again, oldest first: on a replica whose L1 holds about one of them and L2
 two, over an L3, these come back from L3 (the first read of a cache is no sample of
 the store's rate, the second is), so the profile's L3 read rate is measured, not the
