@@ -5,14 +5,14 @@ tokenizer's size, which `/hicache/info` gives; one output token each: one engine
 prompt up to the prefill chunk), so that its compute fit has samples across rows and
 attention pairs, then reads `GET /v1/hicache/profile` and returns it checked
 (`hicache.simulate.profile`), with the request overhead: the median of the prompts' wall
-times less their fitted steps. Before reading it, it sends each round's
-longest prompt again, oldest first: on a replica whose L1 holds about one of them and L2
-two, over an L3, these come back from L3 (the first read of a cache is no sample of
-the store's rate, the second is), so the profile's L3 read rate is measured, not the
-prior; on others they are L1 or L2 hits (loads, which sample the L2 link). The prompts go
-into the replica's cache like any others: calibrate a replica before its measured run, or
-one started for the purpose. A replica still starting (its port not yet open, or loading
-its model) is waited for, up to `wait_s`. Stdlib HTTP only (torch-free).
+times less their fitted steps. Before reading it, it sends each round's longest prompt
+again, oldest first: on a replica whose L1 holds about one of them and L2 two, over an L3,
+these come back from L3 (the first read of a cache is no sample of the store's rate, the
+second is), so the profile's L3 read rate is measured, not the prior; on others they are L1
+or L2 hits (loads, which sample the L2 link). The prompts go into the replica's cache like
+any others: calibrate a replica before its measured run, or one started for the purpose. A
+replica still starting (its port not yet open, or loading its model) is waited for, up to
+`wait_s`. Stdlib HTTP only (torch-free).
 """
 
 from __future__ import annotations
