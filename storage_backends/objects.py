@@ -243,17 +243,21 @@ def page_views(
         ]
 
 
+def is_flat_bytes(buf: object) -> bool:
+    """Whether `buf` is a memoryview C can read as it is: one contiguous run of bytes."""
+    return type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and buf.c_contiguous
+
+
 def _flat_views(pages: Sequence[PageBuffers], writable: bool) -> list[memoryview] | None:
-    """The common case of `page_views`, in one loop without a call per page: every page a
-    flat byte memoryview (writable if asked) or, to read, `bytes`. None where one is not."""
+    """The common case of `page_views`, in one pass with no names built: every page a flat
+    byte memoryview (writable if asked) or, to read, `bytes`. None where one is not."""
     views = []
     for page in pages:
-        kind = type(page)
-        if kind is memoryview and page.format == "B" and page.ndim == 1 and page.c_contiguous:
+        if is_flat_bytes(page):
             if writable and page.readonly:
                 return None
             views.append(page)
-        elif kind is bytes and not writable:
+        elif type(page) is bytes and not writable:
             views.append(memoryview(page))
         else:
             return None

@@ -32,6 +32,7 @@ from .objects import (
     ObjectParts,
     as_parts,
     byte_view,
+    is_flat_bytes,
     layout_bytes,
     start_mac,
 )
@@ -244,10 +245,7 @@ def decode_objects_into(
 def _one_buffers(objs: Sequence[ObjectParts]) -> list[memoryview | None]:
     """`_one_buffer` of each object, without a call per object where each is a flat byte
     view already (a network backend's replies in its arena)."""
-    if all(
-        type(obj) is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous
-        for obj in objs
-    ):
+    if all(is_flat_bytes(obj) for obj in objs):
         return list(objs)
     return [_one_buffer(obj) for obj in objs]
 

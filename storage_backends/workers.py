@@ -95,8 +95,7 @@ class WorkerPool(concurrent.futures.Executor):
         (stop), or _WAIT (it is idle now, on the stack: its next work comes through `slot`)."""
         with self._lock:
             if done is not None:
-                self._num_pending -= 1
-                self._unfinished.discard(done)
+                self._finished(done)
             if self._queued:
                 return self._queued.popleft()
             if self._shut:
@@ -125,8 +124,7 @@ class WorkerPool(concurrent.futures.Executor):
             future, fn, args, kwargs = item
             if not future.set_running_or_notify_cancel():
                 with self._lock:
-                    self._num_pending -= 1
-                    self._unfinished.discard(future)
+                    self._finished(future)
                 continue
             try:
                 result = fn(*args, **kwargs)
@@ -165,14 +163,16 @@ class WorkerPool(concurrent.futures.Executor):
             self._stopped.result()
 
     def _cancel_queued(self) -> None:
-        kept = collections.deque()
-        for item in self._queued:
-            if item[0].cancel():
-                self._num_pending -= 1
-                self._unfinished.discard(item[0])
-            else:
-                kept.append(item)
-        self._queued = kept
+        """Cancel the work no thread has taken (none of it runs: each cancel succeeds)."""
+        for future, *_ in self._queued:
+            future.cancel()
+            self._finished(future)
+        self._queued.clear()
+
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        """Count `future`'s work over: run, failed or cancelled (the caller holds the lock)."""
+        self._num_pending -= 1
+        self._unfinished.discard(future)
 
 
 _DONE = object()

@@ -28,7 +28,13 @@ from engine_integration.engine.errors import CheckpointError
 from engine_integration.engine.model.config import EngineConfig
 from engine_integration.engine.model.hf_config import read_hf_config, write_hf_config
 from engine_integration.engine.sampling import SamplingParams
-from tests.support.engines import cache_off, random_prompt, run_one, run_through_tiers
+from tests.support.engines import (
+    TEST_POLICY,
+    cache_off,
+    random_prompt,
+    run_one,
+    run_through_tiers,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,24 +113,13 @@ class Reference:
         return logits, generated[0, len(prompt) :].tolist()
 
 
-def _policy():
-    from hicache.config import PolicyConfig
-
-    return PolicyConfig(  # every tier served whatever the rates: deterministic tiers
-        write_policy="write_through",
-        prefetch_policy="wait_complete",
-        l3_fetch_policy="always",
-        l2_load_policy="always",
-    )
-
-
 def _scenarios(model, first, second, third, tmp_path, params):
     """The engine's outputs for `third` in each way it can be served: cache off, and, after
     `first` warmed the cache and `second` (which parts from `first` where `third` does)
     took the sidecar there, as a hit from L1, from L2 (L1 evicted) and from L3 (a new cache
     over the same store). `second` is served shorter: no sidecar at its boundary yet."""
     url = f"file://{tmp_path}/l3?capacity=64MiB"
-    sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
+    sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=TEST_POLICY)
     warm_up = {"cold": first, "cut": second}
     return {
         "cache off": run_one(cache_off(model, CONFIG), third, params),
@@ -230,7 +225,7 @@ def test_gemma3_damaged_sidecar_in_l3_is_a_counted_miss(gemma_dir, tmp_path):
     expected = run_one(cache_off(model, CONFIG), longer, params)
     directory = tmp_path / "l3"
     sizes = CacheSizes(
-        l1_pages=64, l2_pages=64, l3_url=f"file://{directory}?capacity=64MiB", policy=_policy()
+        l1_pages=64, l2_pages=64, l3_url=f"file://{directory}?capacity=64MiB", policy=TEST_POLICY
     )
     cache = build_cache(model, CONFIG, sizes)
     try:
@@ -334,7 +329,7 @@ def test_gemma3_random_traffic_under_eviction_is_exact(gemma_dir, tmp_path):
     stems = [random_prompt(20 + k, 50) for k in range(3)]
     history: list[list[int]] = []
     sizes = CacheSizes(
-        l1_pages=48, l2_pages=64, l3_url=f"file://{tmp_path}/l3?capacity=64MiB", policy=_policy()
+        l1_pages=48, l2_pages=64, l3_url=f"file://{tmp_path}/l3?capacity=64MiB", policy=TEST_POLICY
     )
     cache = build_cache(model, config, sizes)
     hits = cut = 0
@@ -574,7 +569,7 @@ def test_gemma3_dense_on_cuda_matches_transformers(gemma_dir, reference, tmp_pat
     third = first[:70] + random_prompt(4, 12)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, return_logits=True)
     url = f"file://{tmp_path}/l3?capacity=64MiB"
-    sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=_policy())
+    sizes = CacheSizes(l1_pages=64, l2_pages=64, l3_url=url, policy=TEST_POLICY)
     outputs = run_through_tiers(model, config, sizes, {"cold": first, "cut": second}, third, params)
     outputs["cache off"] = run_one(cache_off(model, config), third, params)
     for scenario, output in outputs.items():
