@@ -109,17 +109,12 @@ class CachedPages:
 
     def _load_sidecar(self, tokens: bytes, boundary: int, window: LateWindow) -> int:
         """Write the sidecar of `boundary` into `window` if the cache holds all of it: a
-        whole one, or a delta of k pages and the whole sidecar k pages up. Returns the runs
-        read (1 or 2), 0 if it is not all there."""
-        shape = self.shape
-        for delta_pages in range(min(shape.span_pages, boundary // self.page_size)):
-            if not self._load_run(tokens, boundary, delta_pages, window):
-                continue
-            if not delta_pages:
-                return 1
-            base = boundary - delta_pages * self.page_size
-            return 2 if self._load_run(tokens, base, 0, window) else 0
-        return 0
+        whole one, or a delta of k pages and the whole sidecar k pages up
+        (`SidecarShape.whole_runs`). Returns the runs read (1 or 2), 0 if it is not all
+        there."""
+        return self.shape.whole_runs(
+            boundary, lambda at, delta_pages: self._load_run(tokens, at, delta_pages, window)
+        )
 
     def _load_run(self, tokens: bytes, boundary: int, delta_pages: int, window) -> bool:
         """Write one sidecar run (whole, or a delta) into `window` if the cache has it all."""

@@ -22,76 +22,19 @@ the depth the index held past the hit it was served (the ring is copied when the
 reaches those boundaries: `snapshot`). Where two of one request's boundaries are closer
 than a sidecar's span, the deeper one is a *delta*: only its windowed KV past the shallower
 one (k pages, tag `TAG_TOKEN - k`), whole together with the sidecar k pages up its path.
+
+Their shape and keys, which the router reads too, are in `sidecar_shape.py` (no torch);
+this module moves their KV.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from engine_integration.engine.model.config import ModelConfig
 from engine_integration.engine.model.window import LateWindow
-from radix.keys import TOKEN_BYTES
+from engine_integration.engine.sidecar_shape import TAG_TOKEN, SidecarShape
 
-TAG_TOKEN = 0xFFFF_FFFF  # a whole sidecar's; TAG_TOKEN - k: a delta of k pages
-
-
-@dataclass(frozen=True)
-class SidecarShape:
-    """How the sidecars of one model and page size are laid out."""
-
-    page_size: int
-    num_windowed_layers: int
-    num_page_layers: int
-    span_pages: int  # pages of windowed KV a sidecar holds (fewer near the start)
-
-    @classmethod
-    def of(cls, config: ModelConfig, page_size: int) -> SidecarShape | None:
-        """None for a model without windowed source layers."""
-        if not config.windowed_layers:
-            return None
-        return cls(
-            page_size=page_size,
-            num_windowed_layers=len(config.windowed_layers),
-            num_page_layers=config.num_page_layers,
-            span_pages=-(-(config.window_tokens - 1) // page_size),
-        )
-
-    @property
-    def ring_slots(self) -> int:
-        """Ring slots a request needs so that a sidecar of its last full page can still be
-        read off the ring (one page more than a sidecar's span)."""
-        return (self.span_pages + 1) * self.page_size
-
-    def tag_page(self, delta_pages: int = 0) -> list[int]:
-        """The first page of a sidecar's run in the index: a whole sidecar's, or a delta's of
-        `delta_pages` pages."""
-        return [TAG_TOKEN - delta_pages] * self.page_size
-
-    def tag_pages(self) -> list[list[int]]:
-        """The first page of every kind of sidecar run (whole, then each delta)."""
-        return [self.tag_page(k) for k in range(self.span_pages)]
-
-    def pages_before(self, boundary: int) -> int:
-        """Pages of windowed KV the whole sidecar of `boundary` holds."""
-        return min(self.span_pages, boundary // self.page_size)
-
-    def window_pages(self, boundary: int, delta_pages: int = 0) -> int:
-        """Pages of windowed KV the sidecar of `boundary` holds: whole, or a delta's."""
-        return delta_pages or self.pages_before(boundary)
-
-    def num_pages(self, boundary: int, delta_pages: int = 0) -> int:
-        """Cache pages the sidecar of `boundary` takes (whole, or a delta)."""
-        pieces = self.num_windowed_layers * self.window_pages(boundary, delta_pages)
-        return -(-pieces // self.num_page_layers)
-
-    def tokens(self, tokens: bytes, boundary: int, delta_pages: int = 0) -> bytes:
-        """The index tokens of the sidecar of `boundary` of `tokens` (encoded): the prefix,
-        then the tag pages (a whole sidecar's, or a delta's)."""
-        tag = (TAG_TOKEN - delta_pages).to_bytes(TOKEN_BYTES, "little")
-        num_tokens = self.num_pages(boundary, delta_pages) * self.page_size
-        return tokens[: boundary * TOKEN_BYTES] + tag * num_tokens
+__all__ = ["TAG_TOKEN", "SidecarShape", "pack", "snapshot", "unpack"]
 
 
 def snapshot(shape: SidecarShape, window: LateWindow, boundary: int) -> torch.Tensor | None:

@@ -3,7 +3,8 @@
     POST /v1/completions, /v1/chat/completions   (streamed with "stream": true)
     POST /hicache/prefill      the prompt's KV into the cache and through to L3 (P/D)
     POST /hicache/tokenize/v1/completions (or .../chat/completions): the prompt's token ids
-    GET  /hicache/info         name, role, namespace digest, page size, event sockets, load
+    GET  /hicache/info         name, role, namespace digest, page size (and sidecar shape),
+                               event sockets, load
     GET  /v1/hicache/profile   what it measured: step costs, link and L3 rates, model, device
                                (`calibration.py`; `hicache simulate --calibrate` reads it)
     GET  /health, /v1/models
@@ -259,6 +260,7 @@ class Replica:
                 "model": self.model_name,
                 "namespace_digest": self.namespace.digest.hex(),
                 "page_size": self.config.page_size,
+                "sidecar": self._sidecar_info(),
                 "vocab_size": self.tokenizer.vocab_size,  # what a prompt's ids may be
                 "cache": self.cache is not None,
                 "device": self.config.device,
@@ -271,6 +273,12 @@ class Replica:
                 "pid": os.getpid(),
             }
         )
+
+    def _sidecar_info(self) -> dict[str, int] | None:
+        """An interleaved model's sidecar shape, for a router to count only the prefix a hit
+        is served (engine/sidecar_shape.py); None for other models."""
+        shape = self.engine.pages.shape
+        return None if shape is None else shape.to_info()
 
     async def profile(self, _request: web.Request) -> web.Response:
         document = replica_profile(self.model, self.engine_config, self.cache)

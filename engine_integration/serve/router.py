@@ -6,9 +6,12 @@ daemon's) and keeps, per replica, which tiers hold each page key (`PageIndex`). 
 request it gets the prompt's token ids from a replica (`/hicache/tokenize`: one tokenizer,
 the replicas' own), computes the page keys the replicas' indexes use (the namespace digest
 comes from `/hicache/info`), reads off each replica's cached prefix per tier, and lets
-`hicache.routing` choose: the same code the simulator plans with. A prompt just routed
-counts as cached on its replica for a few seconds (`RecentPages`) until the replica's own
-events say what it keeps.
+`hicache.routing` choose: the same code the simulator plans with. For an interleaved model
+(Gemma 2/3) the prefix counts only as deep as a replica serves a hit: to the deepest
+boundary whose sidecar its index holds whole (the shape from `/hicache/info`,
+engine/sidecar_shape.py). A prompt just routed counts as cached on its replica for a few
+seconds (`RecentPages`), with the sidecar it stores at the prompt's end, until the
+replica's own events say what it keeps.
 
 P/D: when some replicas are `--role prefill` and others `--role decode`, a request goes to a
 decode replica (chosen by the policy over the decode replicas: a conversation's earlier turns
@@ -42,6 +45,7 @@ import aiohttp
 import zmq
 from aiohttp import web
 
+from engine_integration.engine.sidecar_shape import SidecarKeys, SidecarShape
 from engine_integration.serve.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -144,18 +148,31 @@ def cached_prefix(
     own: PageIndex,
     shared: PageIndex | None,
     recent: RecentPages | None = None,
+    sidecars: SidecarKeys | None = None,
 ) -> CachedPrefix:
     """The leading pages of `keys` a replica can serve, each counted in the fastest tier
     holding it: its own L1/L2/L3, or the shared L3 (the daemon's events); pages `recent`
-    still holds count as L1."""
-    counts = [0, 0, 0]
+    still holds count as L1. For an interleaved model (`sidecars`: the prompt's sidecar
+    keys) only as deep as the deepest boundary whose sidecar is whole, as the replica
+    serves a hit (engine/sidecar_shape.py)."""
     now = time.monotonic()
-    for key in keys:
+
+    def tiers(key: bytes) -> int:
         mask = own.tiers(key) | (_L3 if shared is not None and shared.tiers(key) else 0)
         if recent is not None and recent.holds(key, now):
             mask |= _L1
+        return mask
+
+    masks = []
+    for key in keys:
+        mask = tiers(key)
         if not mask:
             break
+        masks.append(mask)
+    if sidecars is not None and masks:
+        del masks[sidecars.served_pages(len(masks), lambda key: tiers(key) != 0) :]
+    counts = [0, 0, 0]
+    for mask in masks:
         counts[0 if mask & _L1 else 1 if mask & _L2 else 2] += 1
     return CachedPrefix(*counts)
 
@@ -167,6 +184,7 @@ class ReplicaState:
     role: str = "both"
     page_size: int = 0
     digest: bytes = b""
+    sidecar: SidecarShape | None = None  # an interleaved model's (None: no sidecars)
     started_s: float = 0.0
     alive: bool = False
     in_flight: int = 0
@@ -333,6 +351,8 @@ class RouteServer:
             info = json.loads(body)
             info["namespace_digest"] = bytes.fromhex(info["namespace_digest"])
             info["page_size"] = int(info["page_size"])
+            if info.get("sidecar") is not None:
+                info["sidecar"] = SidecarShape.from_info(info["sidecar"], info["page_size"])
             _ = info["name"], info["role"], info["started_s"]
         except (ValueError, TypeError, KeyError) as error:
             raise ValueError(f"{not_a_replica} and {type(error).__name__}: {error})") from None
@@ -353,6 +373,7 @@ class RouteServer:
         with self.lock:
             replica.name, replica.role = info["name"], info["role"]
             replica.page_size, replica.digest = page_size, digest
+            replica.sidecar = info.get("sidecar")
             replica.started_s = info["started_s"]
             replica.index.clear()
             replica.recent.clear()
@@ -508,31 +529,44 @@ class RouteServer:
             self.page_size,
             num_pages,
         )
+        sidecars: dict[SidecarShape, SidecarKeys] = {}  # (one model: one shape, if any)
         with self.lock:
             pd = any(r.alive and r.role == "prefill" for r in self.replicas)
             serving = "decode" if pd else "both"
-            decode = self._choose(keys, serving, tried)
+            decode = self._choose(keys, serving, tried, sidecars)
             if decode is None:
                 return None
             replica, choice = decode
             prefill = None
             if pd and needs_prefill(choice[1], num_pages):
-                chosen = self._choose(keys, "prefill", tried)
+                chosen = self._choose(keys, "prefill", tried, sidecars)
                 if chosen is None:
                     return None
                 prefill = chosen[0]
                 prefill.num_routed += 1
-                prefill.recent.add(keys)
+                _routed(prefill, keys, sidecars)
             replica.num_routed += 1
-            replica.recent.add(keys)
+            _routed(replica, keys, sidecars)
             return replica, prefill, choice
 
-    def _choose(self, keys: list[bytes], role: str, tried: set[int]):
+    def _choose(
+        self,
+        keys: list[bytes],
+        role: str,
+        tried: set[int],
+        sidecars: dict[SidecarShape, SidecarKeys],
+    ):
         candidates, cached = [], {}
         for i, replica in enumerate(self.replicas):
             if not replica.alive or replica.role != role or i in tried:
                 continue
-            cached[i] = cached_prefix(keys, replica.index, self.shared_l3, replica.recent)
+            cached[i] = cached_prefix(
+                keys,
+                replica.index,
+                self.shared_l3,
+                replica.recent,
+                _sidecar_keys(sidecars, replica.sidecar, keys),
+            )
             candidates.append(Candidate(i, cached[i], replica.in_flight, replica.num_routed))
         if not candidates:
             return None
@@ -599,6 +633,28 @@ class RouteServer:
             message = error_body(f"the replica failed mid-stream: {error}", "server_error")
             await stream.write(b"data: " + json.dumps(message).encode() + b"\n\n")
         return stream
+
+
+def _sidecar_keys(
+    made: dict[SidecarShape, SidecarKeys], shape: SidecarShape | None, keys: list[bytes]
+) -> SidecarKeys | None:
+    """The prompt's sidecar keys for a replica of `shape` (None: a model without them),
+    made once for every replica of that shape."""
+    if shape is None:
+        return None
+    if shape not in made:
+        made[shape] = SidecarKeys(shape, keys)
+    return made[shape]
+
+
+def _routed(
+    replica: ReplicaState, keys: list[bytes], sidecars: dict[SidecarShape, SidecarKeys]
+) -> None:
+    """Count the prompt's pages as the replica's for a while (`RecentPages`), and for an
+    interleaved model the sidecar it stores at the prompt's lookup end (the last of `keys`)."""
+    made = _sidecar_keys(sidecars, replica.sidecar, keys)
+    boundary = len(keys) * replica.page_size
+    replica.recent.add(keys + made.run(boundary, 0) if made is not None and keys else keys)
 
 
 async def _passed_on(reply: aiohttp.ClientResponse) -> web.Response:

@@ -10,9 +10,12 @@ from collections import Counter
 
 import pytest
 
+from engine_integration.engine.model.config import model_config_to_json, tiny_model_config
+from engine_integration.engine.sidecar_shape import SidecarKeys, SidecarShape
 from engine_integration.serve.router import PageIndex, RecentPages, cached_prefix
 from hicache.controller import CachedPrefix
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from radix.keys import Namespace, page_keys
 from tests.support.replicas import (
     get_json,
     post_json,
@@ -206,3 +209,55 @@ def test_the_router_index_follows_stores_and_removals_per_tier():
     expired = RecentPages(hold_s=0)
     expired.add([a])
     assert cached_prefix([a], own, None, expired) == NONE
+
+
+def test_the_router_counts_an_interleaved_prefix_to_its_deepest_whole_sidecar_in_any_tier():
+    shape = SidecarShape(page_size=4, num_windowed_layers=2, num_page_layers=4, span_pages=2)
+    keys = page_keys(list(range(1, 17)), Namespace(model_id="m", layout="l"), 4)
+    sidecars = SidecarKeys(shape, keys)
+    own, shared = PageIndex(), PageIndex()
+    own.apply([BlockStored(keys[:2], None, [], 4, None, "GPU", None)])
+    own.apply([BlockStored(keys[2:], None, [], 4, None, "CPU", None)])
+    assert cached_prefix(keys, own, None) == CachedPrefix(2, 2, 0)
+    assert cached_prefix(keys, own, None, None, sidecars) == NONE
+    shared.apply([BlockStored(sidecars.run(12, 0), None, [], 4, None, "STORAGE", None)])
+    assert cached_prefix(keys, own, shared, None, sidecars) == CachedPrefix(2, 1, 0)
+    recent = RecentPages(hold_s=60)
+    recent.add(sidecars.run(16, 0))
+    assert cached_prefix(keys, own, None, recent, sidecars) == CachedPrefix(2, 2, 0)
+
+
+def test_the_router_counts_an_interleaved_models_prefix_only_as_deep_as_a_hit_is_served(
+    tmp_path,
+):
+    """An interleaved model's hit is served only at a boundary whose sidecar (the window
+    layers' KV before it) is whole. After S + X, the replica holds S's pages but the only
+    sidecar is at X's end: a prompt S + Z finds S and is served no hit. The router's count
+    must say the same, not S's pages."""
+    config = tiny_model_config(1).replace(
+        num_source_layers=6, windowed_layers=(0, 2), window_tokens=32, model_id="interleaved"
+    )
+    path = tmp_path / "interleaved.json"
+    path.write_text(model_config_to_json(config))
+    served = replica("--model-config", str(path), *REPLICA_FLAGS).start()
+    front = router("--replica", served.url, "--policy", "prefix").start()
+    try:
+        shared = list(range(1, 3 * PAGE + 1))  # three whole pages
+
+        def ask(tail: list[int]) -> dict:
+            body = {"prompt": shared + tail, "max_tokens": 4, "temperature": 0}
+            status, answer = post_json(f"{front.url}/v1/completions", body)
+            assert status == 200, answer
+            wait_events_applied(front.url)
+            return answer["hicache"]
+
+        ask([200 + i % 50 for i in range(40)])
+        second = ask([100 + i % 50 for i in range(40)])
+        predicted = sum(second["route"]["cached_pages"]) * PAGE
+        assert predicted == sum(second["hit_tokens"].values()) == 0
+        third = ask([100 + i % 50 for i in range(40)])  # its sidecars are stored now
+        assert sum(third["route"]["cached_pages"]) * PAGE == sum(third["hit_tokens"].values())
+        assert sum(third["hit_tokens"].values()) > 0
+    finally:
+        front.stop()
+        served.stop()
