@@ -15,14 +15,7 @@ upsert, and a direct put needs no look first); an object a read refuses is remov
 Pages move through registered memory, never through Python `bytes`, in one of two ways.
 
 - Straight, for pages of at least `direct` bytes in a pool the caller lent (`lend`: the
-  engine lends its L2 pool): one multi-buffer transfer a page, its header to or from a slot
-  of the staging arena and its payload to or from the caller's page, framed (checksum read
-  from the page) or checked (`verify.check_object` over the two parts) where the page lies.
-  On a machine of more than two cores a round moves in chunks of 8 MiB or more, the next
-  chunk framed, or the last checked, while one moves (`workers.overlapped`). The pages a
-  transfer moves are marked in `lent.LentRegions` while it runs: one that outlives its call
-  leaves them quarantined (`quarantined`) until it is over. An object of another size
-  (damaged, signed, lz4) moves nothing and is read again staged.
+  engine lends its L2 pool), with no copy: mooncake_direct.py.
 - Staged, for everything else: the backend allocates one staging arena (`buffer`),
   registers it with the transfer engine, and moves each round of a batch with
   `batch_put_from` / `batch_get_into` between the arena and the store. On the way out a
@@ -32,10 +25,6 @@ Pages move through registered memory, never through Python `bytes`, in one of tw
   the caller's buffer in the same pass (`verify.decode_objects_into`), under the call's
   `CopyGuard`: a transfer still running when its call timed out writes only the arena
   (whose region is lent again only once the transfer is over), never the caller's pages.
-
-Why a threshold: a second transfer a page costs about 34 us on TCP here, twice the raw read
-of a 64 KiB page, and nothing measurable at 512 KiB and 2 MiB, where the staging copy costs
-15-25 % of the transfer (docs/performance.md).
 
 Backends of one process on one store share one Mooncake client (`SharedClients`: it costs
 about twenty threads and its own ports, and lends its segment once), each with its own
@@ -56,8 +45,6 @@ Mooncake client moving the same bytes on the same store.
 from __future__ import annotations
 
 import asyncio
-import functools
-import itertools
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -65,28 +52,40 @@ from typing import Any
 
 import numpy as np
 
-from .base import CPUS, Fetched, PageStatus, ReadInto, StorageBackend
+from .base import Fetched, PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .guard import CopyGuard
-from .lent import LentRegions, address_of
+from .lent import LentRegions
+from .mooncake_common import (
+    EXISTS,
+    NO_ROOM,
+    NOT_FOUND,
+    NOT_READY,
+    RPC_FAIL,
+    TOO_SMALL,
+    MooncakeFault,
+    Round,
+    num_threads,
+    raise_if_all_failed,
+    slot_sizes,
+)
+from .mooncake_direct import AGAIN, DirectPath
 from .mooncake_options import MooncakeOptions, options_from_url
 from .objects import (
     MAC_BYTES,
     MAX_PAYLOAD_BYTES,
-    Buffer,
     Compression,
     CorruptReason,
     FramedObject,
-    byte_view,
     frame_objects,
     frame_objects_into,
     header_size,
 )
 from .options import redact_url
 from .shared_clients import SharedClients
-from .staging import StagingArena, aligned
-from .verify import check_object, decode_objects_into
-from .workers import WorkerPool, overlapped, share
+from .staging import StagingArena
+from .verify import decode_objects_into
+from .workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -95,28 +94,6 @@ _INSTALL = (
     "mooncake:// needs the Mooncake client: pip install mooncake-transfer-engine-non-cuda "
     "(mooncake-transfer-engine with CUDA) and apt-get install libibverbs1 libnuma1"
 )
-
-# Mooncake's error codes (mooncake-store types.h) that mean something here.
-_NOT_FOUND = -704  # OBJECT_NOT_FOUND
-_EXISTS = -705  # OBJECT_ALREADY_EXISTS: a put of a key the store holds (the client says 0)
-_NOT_READY = -703  # REPLICA_IS_NOT_READY: here, another client's put of the key is under way
-_NO_ROOM = -200  # NO_AVAILABLE_HANDLE: nothing left to allocate or evict
-_TOO_SMALL = -600  # INVALID_PARAMS: here, the object is larger than the buffer it was read into
-_RPC_FAIL = -900  # the master did not answer
-_TRANSFER_FAIL = -800  # TRANSFER_FAIL: here also an object larger than the buffers read into
-# A direct round moves in chunks of this many bytes, up to this many (a transfer costs about
-# 0.1 ms of its own here: chunks of 8 MiB and more cost nothing measurable), so that the
-# framing or check of one runs beside the transfer of another. That needs a core beside the
-# transfer's (which takes about one, and the holder's part of another): on two cores, one
-# transfer a round measured 5-7 % faster at 32 x 2 MiB than four chunks overlapped.
-_CHUNK_BYTES = 8 << 20
-_MAX_CHUNKS = 4 if CPUS > 2 else 1
-_THREAD_BYTES = 4 << 20  # framing or checking: a thread per this many bytes (`_threads`)
-_AGAIN = object()  # a direct read that found an object of another size: read it staged
-
-
-class MooncakeFault(ConnectionError):
-    """A call failed as a whole (the master unreachable); the base counts it as a fault."""
 
 
 def _import_client() -> Any:
@@ -128,17 +105,7 @@ def _import_client() -> Any:
     return store
 
 
-class _Round:
-    """Pages of one batch that move together through one region of the arena."""
-
-    def __init__(self, items: list[int], slots: list[int]) -> None:
-        self.items = items  # positions in the batch
-        self.slots = slots  # bytes reserved for each, aligned
-        self.offsets = list(itertools.accumulate(slots[:-1], initial=0))
-        self.nbytes = self.offsets[-1] + slots[-1] if slots else 0
-
-
-class MooncakeBackend(StorageBackend):
+class MooncakeBackend(DirectPath, StorageBackend):
     scheme = "mooncake"
     transient_errors = (MooncakeFault, OSError)
     put_keeps_existing = True
@@ -257,41 +224,13 @@ class MooncakeBackend(StorageBackend):
     def _abandon(self) -> int:
         return 0 if self._pool is None else self._pool.num_pending()
 
-    # -- lending --------------------------------------------------------------------------------
-
-    def lend(self, region: Buffer) -> bool:
-        """Pages of `region` of at least `direct` bytes move straight between it and the store
-        (their headers through the arena); registered with the client before the next call
-        (a region the client refuses is not lent after all: its pages go through the arena)."""
-        if not self._direct_bytes:
-            return False
-        self._lent.add(region)
-        return True
-
-    def quarantined(self, pages: Sequence[Buffer]) -> list[bool]:
-        views = [byte_view(page, what="page") for page in pages]
-        return [self._lent.busy(address_of(view), len(view)) for view in views]
-
-    async def _direct_now(self, views: list[memoryview]) -> list[int] | None:
-        """The address of each page, where every page of the batch can move directly (large
-        enough, in a lent region, registered first if it was lent since); else None."""
-        if not self._direct_bytes or any(len(view) < self._direct_bytes for view in views):
-            return None
-        if self._lent.unregistered():
-            await self._in_pool(self._register_lent)
-        addresses = [address_of(view) for view in views]
-        for address, view in zip(addresses, views, strict=True):
-            if not self._lent.inside(address, len(view)):
-                return None
-        return addresses
-
     # -- running on the workers ---------------------------------------------------------------
 
     async def _in_pool(self, work: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self._pool.submit(work))
 
     async def _rounds(
-        self, slots: list[int], work: Callable[[_Round, int], list[Any]], too_large: Any
+        self, slots: list[int], work: Callable[[Round, int], list[Any]], too_large: Any
     ) -> list[Any]:
         """Split a batch into rounds of at most half the arena, run `work(round, start)` on
         the workers for each (all at once), and put their outcomes back in batch order; an
@@ -300,27 +239,27 @@ class MooncakeBackend(StorageBackend):
         if not slots:
             return []
         if sum(slots) <= self._round_bytes:  # the common case: the batch is one round
-            return await self._run_round(_Round(list(range(len(slots))), slots), work)
+            return await self._run_round(Round(list(range(len(slots))), slots), work)
         outcomes: list[Any] = [too_large] * len(slots)
         rounds, items, sizes, total = [], [], [], 0
         for i, slot in enumerate(slots):
             if slot > self._round_bytes:
                 continue
             if total + slot > self._round_bytes:
-                rounds.append(_Round(items, sizes))
+                rounds.append(Round(items, sizes))
                 items, sizes, total = [], [], 0
             items.append(i)
             sizes.append(slot)
             total += slot
         if items:
-            rounds.append(_Round(items, sizes))
+            rounds.append(Round(items, sizes))
         results = await asyncio.gather(*(self._run_round(r, work) for r in rounds))
         for one, result in zip(rounds, results, strict=True):
             for i, outcome in zip(one.items, result, strict=True):
                 outcomes[i] = outcome
         return outcomes
 
-    async def _run_round(self, one: _Round, work: Callable[[_Round, int], list[Any]]) -> list:
+    async def _run_round(self, one: Round, work: Callable[[Round, int], list[Any]]) -> list:
         arena = self._arena
         start = await arena.reserve(one.nbytes)
         try:
@@ -335,7 +274,7 @@ class MooncakeBackend(StorageBackend):
         prefix = self.options.prefix
         return [prefix + key.hex() for key in keys]
 
-    def _addresses(self, one: _Round, start: int) -> list[int]:
+    def _addresses(self, one: Round, start: int) -> list[int]:
         base = self._arena.address + start
         return [base + offset for offset in one.offsets]
 
@@ -343,7 +282,7 @@ class MooncakeBackend(StorageBackend):
 
     async def _exists(self, keys: list[bytes]) -> int:
         codes = await self._in_pool(lambda: self._client.batch_is_exist(self._names(keys)))
-        _raise_if_all_failed(codes, "batch_is_exist")
+        raise_if_all_failed(codes, "batch_is_exist")
         for i, code in enumerate(codes):
             if code != 1:
                 return i
@@ -351,7 +290,7 @@ class MooncakeBackend(StorageBackend):
 
     async def _delete(self, keys: list[bytes]) -> int:
         codes = await self._in_pool(lambda: self._client.batch_remove(self._names(keys), True))
-        _raise_if_all_failed(codes, "batch_remove")
+        raise_if_all_failed(codes, "batch_remove")
         return sum(1 for code in codes if code == 0)
 
     async def _frame_and_store(self, keys: list[bytes], views: list[memoryview]) -> list[bool]:
@@ -361,14 +300,14 @@ class MooncakeBackend(StorageBackend):
         sizes = [head + len(view) for view in views]
         guard = CopyGuard()
 
-        def work(one: _Round, start: int) -> list[PageStatus]:
+        def work(one: Round, start: int) -> list[PageStatus]:
             return self._put_pages(one, start, [keys[i] for i in one.items], views, head, guard)
 
         async def put() -> list[PageStatus]:
             addresses = await self._direct_now(views)
             if addresses is not None:
                 return await self._put_direct(keys, views, addresses, head, guard)
-            return await self._rounds(_slots(sizes), work, PageStatus.REJECTED)
+            return await self._rounds(slot_sizes(sizes), work, PageStatus.REJECTED)
 
         try:
             statuses = await self._call("batch_put", put)
@@ -378,7 +317,7 @@ class MooncakeBackend(StorageBackend):
 
     def _put_pages(
         self,
-        one: _Round,
+        one: Round,
         start: int,
         keys: list[bytes],
         views: list[memoryview],
@@ -395,7 +334,7 @@ class MooncakeBackend(StorageBackend):
                 return [PageStatus.ERROR] * len(keys)  # the call is over: nothing is sent
             if self._compression is Compression.NONE and self._mac_key is None:
                 region = self._arena.view[start : start + one.nbytes]
-                threads = _threads(sum(map(len, pages)))
+                threads = num_threads(sum(map(len, pages)))
                 frame_objects_into(keys, self.layout, pages, region, one.offsets, threads=threads)
                 payloads = None
             else:
@@ -407,7 +346,7 @@ class MooncakeBackend(StorageBackend):
         return self._put_from(keys, self._addresses(one, start), sizes)
 
     def _copy_in(
-        self, one: _Round, start: int, pages: list[memoryview], head: int
+        self, one: Round, start: int, pages: list[memoryview], head: int
     ) -> list[memoryview]:
         """Each page copied to its slot of the round's region, past its header's room."""
         arena, payloads = self._arena, []
@@ -418,7 +357,7 @@ class MooncakeBackend(StorageBackend):
         return payloads
 
     def _frame_in_arena(
-        self, one: _Round, start: int, keys: list[bytes], payloads: list[memoryview], head: int
+        self, one: Round, start: int, keys: list[bytes], payloads: list[memoryview], head: int
     ) -> list[int]:
         """Frame pages copied into the arena (lz4, a MAC) and write each header (and an lz4
         block kept) in front of its slot; each object's size."""
@@ -427,7 +366,7 @@ class MooncakeBackend(StorageBackend):
             self.layout,
             payloads,
             self._compression,
-            threads=_threads(sum(map(len, payloads))),
+            threads=num_threads(sum(map(len, payloads))),
             mac_key=self._mac_key,
         )
         sizes, view = [], self._arena.view
@@ -439,73 +378,10 @@ class MooncakeBackend(StorageBackend):
             sizes.append(head + len(obj.payload))
         return sizes
 
-    async def _put_direct(
-        self,
-        keys: list[bytes],
-        views: list[memoryview],
-        addresses: list[int],
-        head: int,
-        guard: CopyGuard,
-    ) -> list[PageStatus]:
-        """Pages framed where they are (the checksum read from the caller's page), each
-        header put from the arena and its payload straight from the page, one transfer per
-        chunk, the next chunk framed while one moves (`overlapped`); a page the store holds
-        already is kept as it is. The pages are marked in `_lent` while the transfers read
-        them: one that outlives the call leaves them quarantined."""
-        work = functools.partial(self._put_round, keys, views, addresses, head, guard)
-        return await self._rounds(_slots([head] * len(keys)), work, PageStatus.REJECTED)
-
-    def _put_round(
-        self,
-        keys: list[bytes],
-        views: list[memoryview],
-        addresses: list[int],
-        head: int,
-        guard: CopyGuard,
-        one: _Round,
-        start: int,
-    ) -> list[PageStatus]:
-        """One round of `_put_direct` (a worker thread)."""
-        items, heads = one.items, self._addresses(one, start)
-        token = self._lent.mark([(addresses[i], addresses[i] + len(views[i])) for i in items])
-        if token is None:  # a page handed in while a transfer still moves it
-            self._note_page_error("batch_put: a page still under an earlier transfer")
-            return [PageStatus.ERROR] * len(items)
-
-        def frame(js: list[int]) -> None:
-            framed = frame_objects(
-                [keys[items[j]] for j in js],
-                self.layout,
-                [views[items[j]] for j in js],
-                threads=_threads(sum(len(views[items[j]]) for j in js)),
-                mac_key=self._mac_key,
-            )
-            for obj, j in zip(framed, js, strict=True):
-                at = start + one.offsets[j]
-                self._arena.view[at : at + head] = obj.header
-
-        def move(js: list[int], _: Any) -> list[PageStatus]:
-            if guard.closed:
-                return [PageStatus.ERROR] * len(js)  # the call is over: nothing more is sent
-            codes = self._client.batch_put_from_multi_buffers(
-                self._names([keys[items[j]] for j in js]),
-                [[heads[j], addresses[items[j]]] for j in js],
-                [[head, len(views[items[j]])] for j in js],
-                self._config,
-            )
-            return self._statuses(codes, "batch_put_from_multi_buffers")
-
-        try:
-            chunks = _chunks([len(views[i]) for i in items])
-            moved = overlapped(self._pool, chunks, move, before=frame)
-        finally:
-            self._lent.unmark(token)
-        return [status for chunk in moved for status in chunk]
-
     async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
         """The objects API's put: already-framed objects of any layout, copied in and put."""
 
-        def work(one: _Round, start: int) -> list[PageStatus]:
+        def work(one: Round, start: int) -> list[PageStatus]:
             arena, sizes = self._arena, []
             for i, offset in zip(one.items, one.offsets, strict=True):
                 at, obj = start + offset, objects[i]
@@ -515,7 +391,7 @@ class MooncakeBackend(StorageBackend):
             return self._put_from([keys[i] for i in one.items], self._addresses(one, start), sizes)
 
         return await self._rounds(
-            _slots([obj.nbytes for obj in objects]), work, PageStatus.REJECTED
+            slot_sizes([obj.nbytes for obj in objects]), work, PageStatus.REJECTED
         )
 
     def _put_from(
@@ -529,12 +405,12 @@ class MooncakeBackend(StorageBackend):
     def _statuses(self, codes: list[int], op: str) -> list[PageStatus]:
         if codes.count(0) == len(codes):  # the common case: every page put
             return [PageStatus.STORED] * len(codes)
-        _raise_if_all_failed(codes, op)
+        raise_if_all_failed(codes, op)
         statuses = []
         for code in codes:
-            if code in (0, _EXISTS):
+            if code in (0, EXISTS):
                 statuses.append(PageStatus.STORED)
-            elif code in (_NO_ROOM, _NOT_READY):  # (not_ready: someone else's put of it)
+            elif code in (NO_ROOM, NOT_READY):  # (not_ready: someone else's put of it)
                 statuses.append(PageStatus.REJECTED)
             else:
                 self._note_page_error(f"{op}: Mooncake error {code}")
@@ -550,7 +426,7 @@ class MooncakeBackend(StorageBackend):
         if addresses is None:
             return await self._fetch_staged(keys, views, guard)
         outcomes = await self._fetch_direct(keys, views, addresses, guard)
-        again = [i for i, outcome in enumerate(outcomes) if outcome is _AGAIN]
+        again = [i for i, outcome in enumerate(outcomes) if outcome is AGAIN]
         if again:  # another size than a page's object (damaged, signed, lz4): read staged
             staged = await self._fetch_staged(
                 [keys[i] for i in again], [views[i] for i in again], guard
@@ -559,96 +435,15 @@ class MooncakeBackend(StorageBackend):
                 outcomes[i] = outcome
         return outcomes
 
-    async def _fetch_direct(
-        self, keys: list[bytes], views: list[memoryview], addresses: list[int], guard: CopyGuard
-    ) -> list[Any]:
-        """Each object's header into the arena and its payload straight into the caller's
-        page, in one transfer per chunk of the round; then the check, in place, of each chunk
-        while the next one moves (`overlapped`). The pages are marked in `_lent` while the
-        transfers run: one that outlives the call leaves them quarantined."""
-        head = header_size(self.layout, signed=self._mac_key is not None)
-
-        def work(one: _Round, start: int) -> list[Any]:
-            items, heads = one.items, self._addresses(one, start)
-            token = self._lent.mark([(addresses[i], addresses[i] + len(views[i])) for i in items])
-            if token is None:  # a page handed in again while a transfer still moves it
-                self._note_page_error("batch_get: a page still under an earlier transfer")
-                return [PageStatus.ERROR] * len(items)
-
-            def move(js: list[int], _: Any) -> list[int] | None:
-                if guard.closed:
-                    return None  # the call is over: nothing more is moved
-                return self._client.batch_get_into_multi_buffers(
-                    self._names([keys[items[j]] for j in js]),
-                    [[heads[j], addresses[items[j]]] for j in js],
-                    [[head, len(views[items[j]])] for j in js],
-                )
-
-            def check(js: list[int], codes: list[int] | None) -> list[Any]:
-                if codes is None:
-                    return [None] * len(js)
-                return self._check_in_place(codes, js, one, start, head, keys, views)
-
-            try:
-                chunks = _chunks([len(views[i]) for i in items])
-                checked = overlapped(self._pool, chunks, move, after=check)
-            finally:
-                self._lent.unmark(token)
-            return [outcome for chunk in checked for outcome in chunk]
-
-        return await self._rounds(_slots([head] * len(keys)), work, CorruptReason.LENGTH)
-
-    def _check_in_place(
-        self,
-        codes: list[int],
-        js: list[int],
-        one: _Round,
-        start: int,
-        head: int,
-        keys: list[bytes],
-        views: list[memoryview],
-    ) -> list[Any]:
-        """What each direct read of round positions `js` found: True (checked where it
-        landed), a reason, a miss, an error, or `_AGAIN` (an object of another size: nothing
-        was moved)."""
-        _raise_if_all_failed(codes, "batch_get_into_multi_buffers")
-        outcomes: list[Any] = [None] * len(codes)
-        landed = []
-        for k, (code, j) in enumerate(zip(codes, js, strict=True)):
-            if code == head + len(views[one.items[j]]):
-                landed.append(k)
-            elif code in (_TOO_SMALL, _TRANSFER_FAIL):
-                outcomes[k] = _AGAIN
-            elif code == _RPC_FAIL:
-                self._note_page_error("batch_get_into_multi_buffers: the master did not answer")
-                outcomes[k] = PageStatus.ERROR
-
-        def check(k: int) -> None:
-            i, at = one.items[js[k]], start + one.offsets[js[k]]
-            parts = [self._arena.view[at : at + head], views[i]]
-            checked = check_object(
-                parts, keys[i], self._layout_bytes, raw_bytes=len(views[i]), mac_key=self._mac_key
-            )
-            if isinstance(checked, CorruptReason):
-                outcomes[k] = checked
-            elif checked[0].compression is not Compression.NONE:
-                outcomes[k] = _AGAIN  # (lz4 of a page's size: decoded staged)
-            else:
-                outcomes[k] = True
-
-        nbytes = sum(len(views[one.items[js[k]]]) for k in landed)
-        share(self._pool, landed, check, _threads(nbytes))
-        return outcomes
-
     async def _fetch_staged(
         self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
     ) -> list[ReadInto]:
         """Read each round into the arena, then check and copy it into the caller's buffers
         (while the call runs: `guard`)."""
         head = header_size(self.layout)
-        slots = _slots([head + len(view) + _SLACK_BYTES for view in views])
+        slots = slot_sizes([head + len(view) + _SLACK_BYTES for view in views])
 
-        def work(one: _Round, start: int) -> list[ReadInto]:
+        def work(one: Round, start: int) -> list[ReadInto]:
             names = self._names([keys[i] for i in one.items])
             codes = self._client.batch_get_into(names, self._addresses(one, start), one.slots)
             fetched = self._in_arena(codes, one, start, "batch_get_into")
@@ -662,7 +457,7 @@ class MooncakeBackend(StorageBackend):
                     [keys[one.items[j]] for j in found],
                     self._layout_bytes,
                     [views[one.items[j]] for j in found],
-                    threads=_threads(sum(map(len, objs))),
+                    threads=num_threads(sum(map(len, objs))),
                     mac_key=self._mac_key,
                 )
             if len(objs) == len(fetched) and reasons.count(None) == len(reasons):
@@ -687,19 +482,21 @@ class MooncakeBackend(StorageBackend):
 
         wanted = [i for i in present if fetched[i] is None]
 
-        def work(one: _Round, start: int) -> list[Fetched]:
+        def work(one: Round, start: int) -> list[Fetched]:
             batch = [names[wanted[j]] for j in one.items]
             codes = self._client.batch_get_into(batch, self._addresses(one, start), one.slots)
             got = self._in_arena(codes, one, start, "batch_get_into")
             return [bytes(item) if isinstance(item, memoryview) else item for item in got]
 
-        got = await self._rounds(_slots([lengths[i] for i in wanted]), work, CorruptReason.LENGTH)
+        got = await self._rounds(
+            slot_sizes([lengths[i] for i in wanted]), work, CorruptReason.LENGTH
+        )
         for i, item in zip(wanted, got, strict=True):
             fetched[i] = item
         return fetched
 
     def _object_sizes(self, names: list[str]) -> list[int]:
-        """Each object's size in bytes, or a negative code (absent: `_NOT_FOUND`), from one
+        """Each object's size in bytes, or a negative code (absent: `NOT_FOUND`), from one
         query of the master for the batch (a worker thread). A key described by no complete
         memory replica (on disk only, or still being written) is asked for alone; a batch
         the master describes none of is told apart from an unreachable master by one key."""
@@ -707,7 +504,7 @@ class MooncakeBackend(StorageBackend):
         lengths = []
         for name in names:
             replicas = described.get(name, ())
-            length = _NOT_FOUND
+            length = NOT_FOUND
             for replica in replicas:
                 if replica.is_memory_replica() and replica.status == self._complete:
                     length = replica.get_memory_descriptor().buffer_descriptor.size
@@ -717,22 +514,22 @@ class MooncakeBackend(StorageBackend):
                     length = self._client.get_size(name)
             lengths.append(length)
         if names and not described:
-            _raise_if_all_failed([self._client.get_size(names[0])], "batch_get_replica_desc")
+            raise_if_all_failed([self._client.get_size(names[0])], "batch_get_replica_desc")
         return lengths
 
-    def _in_arena(self, codes: list[int], one: _Round, start: int, op: str) -> list[Any]:
+    def _in_arena(self, codes: list[int], one: Round, start: int, op: str) -> list[Any]:
         """What a read into the arena found, per page: its object (a view of the arena),
         None (absent or vanished), LENGTH (larger than its buffer) or an error."""
-        _raise_if_all_failed(codes, op)
+        raise_if_all_failed(codes, op)
         found: list[Any] = []
         arena = self._arena.view
         for code, offset, slot in zip(codes, one.offsets, one.slots, strict=True):
             at = start + offset
             if 0 <= code <= slot:
                 found.append(arena[at : at + code])
-            elif code == _TOO_SMALL:
+            elif code == TOO_SMALL:
                 found.append(CorruptReason.LENGTH)
-            elif code == _RPC_FAIL:
+            elif code == RPC_FAIL:
                 self._note_page_error(f"{op}: the master did not answer")
                 found.append(PageStatus.ERROR)
             else:  # absent, evicted, or its segment gone: a miss
@@ -747,29 +544,6 @@ _CLIENTS = SharedClients()  # one Mooncake client per master and settings, in th
 
 def _close_client(client: Any) -> None:
     client.close()
-
-
-def _slots(sizes: list[int]) -> list[int]:
-    return [aligned(size) for size in sizes]
-
-
-def _chunks(sizes: list[int]) -> list[list[int]]:
-    """Positions 0..len(sizes)-1 in consecutive chunks of about `_CHUNK_BYTES` (at most
-    `_MAX_CHUNKS`): each moves in a transfer of its own while the CPU work of its neighbours
-    (framing, checking) runs beside it. A batch under two chunks' worth is one chunk."""
-    num = max(1, min(_MAX_CHUNKS, sum(sizes) // _CHUNK_BYTES, len(sizes)))
-    return [list(range(k * len(sizes) // num, (k + 1) * len(sizes) // num)) for k in range(num)]
-
-
-def _threads(nbytes: int) -> int:
-    """Threads that frame or check `nbytes` of pages: one per `_THREAD_BYTES` (a 2 MiB
-    batch framed on one thread took 0.08 ms here, on two 0.10)."""
-    return max(1, min(nbytes // _THREAD_BYTES, 4, CPUS))
-
-
-def _raise_if_all_failed(codes: Sequence[int], op: str) -> None:
-    if codes and all(code == _RPC_FAIL for code in codes):
-        raise MooncakeFault(f"{op}: the master did not answer")
 
 
 def _route_to(host: str, port: int) -> str:

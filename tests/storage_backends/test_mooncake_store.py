@@ -393,11 +393,11 @@ def test_a_hung_holder_costs_one_timeout_and_no_late_write(own_store, pages):
 def chunks(request, monkeypatch):
     """Direct rounds in one transfer, or in four chunks (a page's worth each) whose
     framing and checks overlap the transfers of their neighbours."""
-    from storage_backends import mooncake_store
+    from storage_backends import mooncake_direct
 
     if request.param > 1:
-        monkeypatch.setattr(mooncake_store, "_CHUNK_BYTES", PAGE_BYTES)
-        monkeypatch.setattr(mooncake_store, "_MAX_CHUNKS", 4)  # (one on a two-core machine)
+        monkeypatch.setattr(mooncake_direct, "_CHUNK_BYTES", PAGE_BYTES)
+        monkeypatch.setattr(mooncake_direct, "_MAX_CHUNKS", 4)  # (one on a two-core machine)
     return request.param
 
 
