@@ -5,6 +5,7 @@
     engine_cli.py   the `hicache engine` command line (torch-free)
     openai_api.py   the OpenAI request and response shapes, validated at the edge
     router.py       `hicache route`: sends each request where its prefix is cached
+    route_index.py  what the router knows of each replica's cache, from its KV events
     route_cli.py    the `hicache route` command line
     workload.py     the demo's multi-turn chat: real questions, token-exact histories
     demo.py         the `hicache demo` command line (torch-free)

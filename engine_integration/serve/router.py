@@ -2,16 +2,16 @@
 replicas, sending each request where it costs least.
 
 The router subscribes to every replica's KV events (and, with `--l3-events`, to the cache
-daemon's) and keeps, per replica, which tiers hold each page key (`PageIndex`). For a
-request it gets the prompt's token ids from a replica (`/hicache/tokenize`: one tokenizer,
-the replicas' own), computes the page keys the replicas' indexes use (the namespace digest
-comes from `/hicache/info`), reads off each replica's cached prefix per tier, and lets
-`hicache.routing` choose: the same code the simulator plans with. For an interleaved model
-(Gemma 2/3) the prefix counts only as deep as a replica serves a hit: to the deepest
-boundary whose sidecar its index holds whole (the shape from `/hicache/info`,
-engine/sidecar_shape.py). A prompt just routed counts as cached on its replica for a few
-seconds (`RecentPages`), with the sidecar it stores at the prompt's end, until the
-replica's own events say what it keeps.
+daemon's) and keeps, per replica, which tiers hold each page key (`PageIndex`,
+route_index.py). For a request it gets the prompt's token ids from a replica
+(`/hicache/tokenize`: one tokenizer, the replicas' own), computes the page keys the
+replicas' indexes use (the namespace digest comes from `/hicache/info`), reads off each
+replica's cached prefix per tier, and lets `hicache.routing` choose: the same code the
+simulator plans with. For an interleaved model (Gemma 2/3) the prefix counts only as deep
+as a replica serves a hit: to the deepest boundary whose sidecar its index holds whole
+(the shape from `/hicache/info`, engine/sidecar_shape.py). A prompt just routed counts as
+cached on its replica for a few seconds (`RecentPages`), with the sidecar it stores at the
+prompt's end, until the replica's own events say what it keeps.
 
 P/D: when some replicas are `--role prefill` and others `--role decode`, a request goes to a
 decode replica (chosen by the policy over the decode replicas: a conversation's earlier turns
@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
-import zmq
 from aiohttp import web
 
 from engine_integration.engine.sidecar_shape import SidecarKeys, SidecarShape
@@ -56,125 +55,21 @@ from engine_integration.serve.openai_api import (
     read_body,
     serve_until_stopped,
 )
-from hicache.events import (
-    TIER_OF_MEDIUM,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventSubscriber,
+from engine_integration.serve.route_index import (
+    RECENT_HOLD_S,
+    EventFeed,
+    PageIndex,
+    RecentPages,
+    cached_prefix,
 )
-from hicache.routing import CachedPrefix, Candidate, Router, RoutingConfig, needs_prefill
+from hicache.events import EventSubscriber
+from hicache.routing import Candidate, Router, RoutingConfig, needs_prefill
 from radix.keys import chain_keys, encode_tokens
-from radix.node import Tier
 
 logger = logging.getLogger(__name__)
 
-_L1, _L2, _L3 = (1 << (tier - 1) for tier in Tier)
 _TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=5)
 _INFO_MAX_BYTES = 1 << 20  # a replica's /hicache/info is a few hundred bytes
-RECENT_HOLD_S = 5.0  # how long a routed prompt counts as cached before its events confirm it
-
-
-class PageIndex:
-    """Which tiers of one publisher hold each page key, from its events."""
-
-    def __init__(self) -> None:
-        self._tiers: dict[bytes, int] = {}
-        self.seq = -1  # the last batch applied
-
-    def __len__(self) -> int:
-        return len(self._tiers)
-
-    def apply(self, events) -> None:
-        tiers = self._tiers
-        for event in events:
-            if isinstance(event, BlockStored):
-                bit = 1 << (TIER_OF_MEDIUM.get(event.medium, Tier.L3) - 1)
-                for key in event.block_hashes:
-                    tiers[key] = tiers.get(key, 0) | bit
-            elif isinstance(event, BlockRemoved):
-                bit = 1 << (TIER_OF_MEDIUM.get(event.medium, Tier.L3) - 1)
-                for key in event.block_hashes:
-                    left = tiers.get(key, 0) & ~bit
-                    if left:
-                        tiers[key] = left
-                    else:
-                        tiers.pop(key, None)
-            elif isinstance(event, AllBlocksCleared):
-                tiers.clear()
-
-    def clear(self) -> None:
-        self._tiers.clear()
-
-    def tiers(self, key: bytes) -> int:
-        return self._tiers.get(key, 0)
-
-    def num_pages(self) -> dict[str, int]:
-        counts = {"l1": 0, "l2": 0, "l3": 0}
-        for mask in self._tiers.values():
-            for name, bit in (("l1", _L1), ("l2", _L2), ("l3", _L3)):
-                counts[name] += bool(mask & bit)
-        return counts
-
-
-class RecentPages:
-    """Pages a replica is about to hold: the prompts just sent to it, counted as in L1
-    until `hold_s` has passed. Its events take a moment to arrive; a conversation's next
-    turn, sent the moment the answer is in, must not miss its history meanwhile. Only the
-    events say what stays: an entry that they never confirm simply expires."""
-
-    def __init__(self, hold_s: float) -> None:
-        self.hold_s = hold_s
-        self._until: dict[bytes, float] = {}
-
-    def add(self, keys: list[bytes]) -> None:
-        until = time.monotonic() + self.hold_s
-        for key in keys:
-            self._until[key] = until
-
-    def holds(self, key: bytes, now: float) -> bool:
-        return self._until.get(key, 0.0) > now
-
-    def expire(self) -> None:
-        now = time.monotonic()
-        self._until = {k: t for k, t in self._until.items() if t > now}
-
-    def clear(self) -> None:
-        self._until.clear()
-
-
-def cached_prefix(
-    keys: list[bytes],
-    own: PageIndex,
-    shared: PageIndex | None,
-    recent: RecentPages | None = None,
-    sidecars: SidecarKeys | None = None,
-) -> CachedPrefix:
-    """The leading pages of `keys` a replica can serve, each counted in the fastest tier
-    holding it: its own L1/L2/L3, or the shared L3 (the daemon's events); pages `recent`
-    still holds count as L1. For an interleaved model (`sidecars`: the prompt's sidecar
-    keys) only as deep as the deepest boundary whose sidecar is whole, as the replica
-    serves a hit (engine/sidecar_shape.py)."""
-    now = time.monotonic()
-
-    def tiers(key: bytes) -> int:
-        mask = own.tiers(key) | (_L3 if shared is not None and shared.tiers(key) else 0)
-        if recent is not None and recent.holds(key, now):
-            mask |= _L1
-        return mask
-
-    masks = []
-    for key in keys:
-        mask = tiers(key)
-        if not mask:
-            break
-        masks.append(mask)
-    if sidecars is not None and masks:
-        del masks[sidecars.served_pages(len(masks), lambda key: tiers(key) != 0) :]
-    counts = [0, 0, 0]
-    for mask in masks:
-        counts[0 if mask & _L1 else 1 if mask & _L2 else 2] += 1
-    return CachedPrefix(*counts)
 
 
 @dataclass(eq=False)
@@ -212,73 +107,6 @@ class RouterConfig:
         for url in self.replica_urls:
             if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).port:
                 raise ValueError(f"--replica must be http://HOST:PORT, got {url!r}")
-
-
-class EventFeed:
-    """One thread reading every subscription into the indexes, under `lock`."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self.lock = lock
-        self._feeds: list[tuple[EventSubscriber, PageIndex]] = []
-        self._changes: list = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hicache-route-events", daemon=True)
-        self._thread.start()
-
-    def add(self, subscriber: EventSubscriber, index: PageIndex) -> None:
-        with self.lock:
-            self._changes.append(("add", subscriber, index))
-
-    def remove(self, subscriber: EventSubscriber) -> None:
-        with self.lock:
-            self._changes.append(("remove", subscriber, None))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for subscriber, _ in self._feeds:
-            subscriber.close()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with self.lock:
-                changes, self._changes = self._changes, []
-            for kind, subscriber, index in changes:
-                if kind == "add":
-                    self._feeds.append((subscriber, index))
-                else:
-                    self._feeds = [(s, i) for s, i in self._feeds if s is not subscriber]
-                    subscriber.close()
-            if not self._feeds:
-                self._stop.wait(0.05)
-                continue
-            poller = zmq.Poller()
-            for subscriber, _ in self._feeds:
-                poller.register(subscriber.socket, zmq.POLLIN)
-            ready = dict(poller.poll(50))
-            for subscriber, index in self._feeds:
-                if subscriber.socket in ready:
-                    self._read(subscriber, index)
-
-    def _read(self, subscriber: EventSubscriber, index: PageIndex) -> None:
-        lost, joined = subscriber.lost, subscriber.last_seq >= 0
-        batches = subscriber.receive(0)
-        with self.lock:
-            if subscriber.lost != lost and joined:
-                logger.warning(
-                    "events from %s were lost: forgetting its pages", subscriber.endpoint
-                )
-                index.clear()
-            elif subscriber.lost != lost:  # joined late, with no replay socket to catch up
-                logger.info(
-                    "%s published %d batches before this router subscribed (no replay "
-                    "socket): pages stored before now are unknown here",
-                    subscriber.endpoint,
-                    subscriber.lost,
-                )
-            for seq, batch in batches:
-                index.apply(batch.events)
-                index.seq = seq
 
 
 class RouteServer:

@@ -12,7 +12,7 @@ import pytest
 
 from engine_integration.engine.model.config import model_config_to_json, tiny_model_config
 from engine_integration.engine.sidecar_shape import SidecarKeys, SidecarShape
-from engine_integration.serve.router import PageIndex, RecentPages, cached_prefix
+from engine_integration.serve.route_index import PageIndex, RecentPages, cached_prefix
 from hicache.controller import CachedPrefix
 from hicache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from radix.keys import Namespace, page_keys
