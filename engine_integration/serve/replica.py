@@ -263,6 +263,9 @@ class Replica:
                 "sidecar": self._sidecar_info(),
                 "vocab_size": self.tokenizer.vocab_size,  # what a prompt's ids may be
                 "cache": self.cache is not None,
+                "l1_pages": self.config.l1_pages,  # what a prompt and its answer may take
+                "l2_pages": self.config.l2_pages if self.cache is not None else 0,
+                "l3": self.cache is not None and self.config.l3_url is not None,
                 "device": self.config.device,
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "events_endpoint": self.publisher.endpoint if self.publisher else None,

@@ -16,7 +16,7 @@ from engine_integration.engine.model.config import (
     model_config_to_json,
     tiny_model_config,
 )
-from hicache.simulate.calibrate import calibrate
+from hicache.simulate.calibrate import MAX_FILL_PROMPTS, calibrate, fill_prompts, warmup_lengths
 from hicache.simulate.errors import SimulationError
 from hicache.simulate.profile import PROFILE_FORMAT, PROFILE_PATH, load_profile
 from tests.support.cli import run_hicache
@@ -98,15 +98,7 @@ def test_calibrate_samples_l3_reads_on_a_replica_sized_for_it(tmp_path):
     """L1 for about one of the longest warm-up prompts (2,048 tokens: 128 pages), L2 for
     two, over a file:// L3: the repeated prompts come back from L3, and the profile's L3
     read rate is measured (the first read of a cache is no sample), not the prior."""
-    process = replica(
-        "--page-size", str(PAGE), "--l1-pages", "130", "--l2-pages", "260",
-        "--l3-url", f"file://{tmp_path}/l3?capacity=1GiB",
-    )  # fmt: skip
-    process.start()
-    try:
-        profile = calibrate(process.url, rounds=3)
-    finally:
-        process.stop()
+    profile = _calibrated_over_l3(tmp_path, l1_pages=130, l2_pages=260, rounds=3)
     assert profile.num_read_samples >= 1 and profile.num_load_samples >= 1
     assert profile.l3_latency_s > 0
 
@@ -147,3 +139,42 @@ def test_calibrate_gives_up_on_nothing_listening_naming_the_wait():
     port = free_port()
     with pytest.raises(SimulationError, match=r"within 0 s \(--calibrate-wait\)"):
         calibrate(f"http://127.0.0.1:{port}", wait_s=0)
+
+
+def test_calibrate_samples_l3_reads_however_large_the_replicas_l1_and_l2(tmp_path):
+    """An L1 and L2 that hold every warm-up prompt (here 200 + 400 pages: 9,600 tokens, the
+    planner's H200 replicas 196K): calibration pushes enough prompts through them that the
+    oldest come back from L3, so the profile's L3 read rate is measured there too."""
+    profile = _calibrated_over_l3(tmp_path, l1_pages=200, l2_pages=400, rounds=1)
+    assert profile.num_read_samples >= 1
+
+
+def _calibrated_over_l3(tmp_path, *, l1_pages: int, l2_pages: int, rounds: int):
+    """The profile `calibrate` makes of a replica of these pools over a file:// L3."""
+    process = replica(
+        "--page-size", str(PAGE), "--l1-pages", str(l1_pages), "--l2-pages", str(l2_pages),
+        "--l3-url", f"file://{tmp_path}/l3?capacity=1GiB",
+    )  # fmt: skip
+    process.start()
+    try:
+        return calibrate(process.url, rounds=rounds)
+    finally:
+        process.stop()
+
+
+def test_the_warm_up_spans_rows_up_to_a_chunk_then_chunks_over_a_cached_prefix():
+    ladder = [64, 128, 256, 512, 1024, 2048]
+    assert warmup_lengths(2048, 65536) == ladder + [4096, 8192]  # the H200 planner's L1
+    assert warmup_lengths(2048, 8192) == ladder + [4096]  # half the L1 holds one: no more
+    assert warmup_lengths(2048, 0) == ladder  # a replica that does not say
+    assert warmup_lengths(512, 1 << 20) == [64, 128, 256, 512, 1024, 2048]
+    assert warmup_lengths(48, 1 << 20) == [48, 96, 192]
+
+
+def test_the_prompts_that_push_the_warm_up_into_l3_cover_l1_and_l2():
+    info = {"l3": True, "l1_pages": 200, "l2_pages": 400, "page_size": 16}
+    assert fill_prompts(info, 2048) == 6  # 9,600 tokens: 5 prompts hold them, one more
+    assert fill_prompts(info | {"l3": False}, 2048) == 0
+    assert fill_prompts(info | {"l2_pages": "400"}, 2048) == 3  # L1 only (not a count)
+    big = info | {"l1_pages": 1 << 20, "l2_pages": 1 << 20}
+    assert fill_prompts(big, 2048) == MAX_FILL_PROMPTS
