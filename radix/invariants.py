@@ -104,11 +104,11 @@ def _check_node(tree: RadixTree, node: Node, live: dict, seen_ids: dict) -> None
         clash = seen_ids[tier].intersection(ids)
         _expect(not clash, f"{tier.name} page ids {sorted(clash)[:5]} are held twice")
         seen_ids[tier].update(ids)
-    for tier in Tier:
-        if tree._is_candidate(node, tier):
+    for slot in tree._heaps:
+        if tree._is_candidate(node, slot):
             _expect(
-                node.in_heap[tier] and (id(node), node.heap_gen[tier]) in live[tier],
-                f"{node} is an {tier.name} eviction candidate missing from the heap",
+                node.in_heap[slot] and (id(node), node.heap_gen[slot]) in live[slot],
+                f"{node} is an eviction candidate (heap {slot}) missing from its heap",
             )
     if node.keys is not None:
         previous = tree._last_key(node.parent)

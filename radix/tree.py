@@ -16,6 +16,8 @@ Contracts:
 - A node is a handle on its prefix: a split keeps it as the deeper half, and a node that
   leaves the tree keeps its parent link, so walking up from it (`held_end`, `path`) finds
   the part of the prefix the index holds now, without a lookup from the root.
+- Eviction takes a tier's leaf-most runs in policy order (`take_victim`); in L2, once none
+  of its own is left, its spare copies: those of runs L1 and L3 hold too (`SPARE_L2`).
 - The tree is not thread-safe; its owner serialises calls.
 """
 
@@ -31,7 +33,11 @@ from radix.eviction import CandidateHeap, eviction_key_function
 from radix.keys import TOKEN_BYTES, Namespace, chain_keys, encode_tokens
 from radix.node import NO_TIER, Node, Tier
 
-_TIERS = tuple(Tier)
+# The heap slot (Node.in_heap / heap_gen, indexed by Tier, leave 0 free) of L2's spare
+# copies: L2 copies of runs that L1 and L3 hold too. `take_victim(L2)` takes them only once
+# L2 has no run of its own left to give, so that an L2 no larger than L1 under
+# write-through (every L1 run copied to L2) still has room for backups and L3 fetches.
+SPARE_L2 = 0
 
 Tokens = Sequence[int] | np.ndarray | bytes
 
@@ -116,7 +122,9 @@ class RadixTree:
         self._locked_pages = [0, 0, 0, 0]  # of those, pages in locked nodes
         self._level_pages = [0, 0, 0, 0, 0]  # pages per level (the fastest tier holding them)
         key = eviction_key_function(eviction_policy)
-        self._heaps = {tier: CandidateHeap(tier, key, self._is_candidate) for tier in Tier}
+        self._heaps = {
+            slot: CandidateHeap(slot, key, self._is_candidate) for slot in (*Tier, SPARE_L2)
+        }
         self.listener: ResidencyListener | None = None  # told of every residency change
 
     # ------------------------------------------------------------------ queries
@@ -642,22 +650,25 @@ class RadixTree:
         lowered = priority < node.priority
         node.priority = priority
         if lowered:
-            for tier in _TIERS:
-                if node.in_heap[tier]:
-                    self._heaps[tier].push(node, force=True)
+            for slot, heap in self._heaps.items():
+                if node.in_heap[slot]:
+                    heap.push(node, force=True)
 
     # ------------------------------------------------------------------ eviction
 
     def take_victim(self, tier: Tier, max_pages: int) -> Node | None:
         """The next run to evict from `tier`, cut to at most `max_pages` pages, or None.
 
-        Victims are the runs of `tier` with no child in that tier, in policy order. One may
-        be the only copy of a prefix that runs below depend on (`can_clear` is False): the
-        caller writes it to a slower tier first, or hands it back with `requeue`.
+        Victims are the runs of `tier` with no child in that tier, in policy order; in L2,
+        once none is left, L2's spare copies (`SPARE_L2`). One may be the only copy of a
+        prefix that runs below depend on (`can_clear` is False): the caller writes it to a
+        slower tier first, or hands it back with `requeue`.
         """
         if max_pages <= 0:
             return None
         node = self._heaps[tier].pop()
+        if node is None and tier == Tier.L2:
+            node = self._heaps[SPARE_L2].pop()
         if node is not None and node.num_pages > max_pages:
             self._split(node, node.num_pages - max_pages)
         return node
@@ -732,6 +743,13 @@ class RadixTree:
             return node.device_page_ids is not None and not below[Tier.L1]
         if tier == Tier.L2:
             return node.level == Tier.L2 and not below[Tier.L2]
+        if tier == SPARE_L2:  # an L2 copy of a run L1 and L3 hold too, none in L2 below
+            held = node.device_page_ids is not None and node.host_page_ids is not None
+            if not held or not node.in_l3 or below[Tier.L2]:
+                return False
+            return not below[Tier.L1] or all(  # (only a child in L1 may hold a copy too)
+                child.host_page_ids is None for child in node.children.values()
+            )
         return node.level == Tier.L3 and not node.children
 
     def _refresh(self, node: Node) -> None:
@@ -777,6 +795,7 @@ class RadixTree:
         head.children_at_level[node.level] = 1
         parent.children[head.data[: self._page_bytes]] = head
         self._num_nodes += 1
+        self._refresh(head)  # (L2's spare copy of the first half, if it is one)
         return head
 
     def _detach(self, node: Node) -> None:

@@ -8,43 +8,17 @@ run back among the candidates, and `_make_room` took it again, forever.
 
 from __future__ import annotations
 
-from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config, PolicyConfig
+from hicache.config import PolicyConfig
 from hicache.controller import HiCache
-from hicache.simulate.executor import Link, Links, VirtualExecutor
 from hicache.simulate.l3 import SimulatedL3
 from radix.keys import page_keys
 from tests.support.caches import NS
-from tiers.layout import KVLayout
-
-LAYOUT = KVLayout(
-    kind="mha", num_layers=1, page_size=4, dtype="float32", num_kv_heads=1, head_dim=2
-)
+from tests.support.virtual import virtual_cache
 
 
 def make_cache(store: SimulatedL3) -> HiCache:
-    links = Links(
-        device_to_host=Link("d2h", 1e9),
-        host_to_device=Link("h2d", 1e9),
-        host_latency_s=0.0,
-        l3_write=(Link("out", 1e9),),
-        l3_read=(Link("in", 1e9),),
-        l3_latency_s=0.0,
-    )
-    executor = VirtualExecutor(
-        num_device_pages=16,
-        num_host_pages=4,
-        page_bytes=LAYOUT.bytes_per_page,
-        links=links,
-        stores={"l3": store},
-    )
-    config = HiCacheConfig(
-        layout=LAYOUT,
-        l1=L1Config(num_pages=16),
-        l2=L2Config(budget_bytes=4 * LAYOUT.bytes_per_page, reserve_bytes=0, pin_memory=False),
-        l3=L3Config(url="sim://l3"),
-        policy=PolicyConfig(write_policy="write_back", prefetch_policy="wait_complete"),
-    )
-    return HiCache(config, executor)
+    policy = PolicyConfig(write_policy="write_back", prefetch_policy="wait_complete")
+    return virtual_cache(store, l1_pages=16, l2_pages=4, policy=policy)[0]
 
 
 def put(cache: HiCache, tokens: list[int]) -> None:

@@ -264,7 +264,9 @@ def test_l3_that_keeps_part_of_each_write_costs_hits_and_breaks_nothing(
     halves = TracePlayer(config, trace, acknowledge=lambda n: n // 2)
     result = halves.run()
     assert 0 < result.tiers["l3"].hit_tokens < whole.tiers["l3"].hit_tokens
-    assert result.tiers["l1"].hit_tokens == whole.tiers["l1"].hit_tokens
+    # L3 hits, not L1 ones. (Not the same L1 hits either: L2's room counts the spare L2
+    # copies of pages that L1 and L3 both hold, which depend on what L3 kept.)
+    assert result.tiers["l1"].hit_tokens >= whole.tiers["l1"].hit_tokens
     for cache in halves.caches:
         stats = cache.stats()
         assert stats.prefetch_pages_missing == 0  # the index never believed in a lost page
