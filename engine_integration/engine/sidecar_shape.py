@@ -5,8 +5,8 @@ A sidecar of page boundary b is a run of pages chained on from b's page key, its
 `TAG_TOKEN` (a whole sidecar) or `TAG_TOKEN - k` (a delta of k pages, whole together with
 the whole sidecar k pages up). `SidecarShape.whole_runs` is the one rule of when a boundary's
 sidecar is whole: the engine follows it loading a hit's sidecar (`pages.CachedPages`), and
-the router checking its replicas' indexes (`SidecarKeys`, serve/router.py), so that the
-prefix the router counts is the hit a replica serves.
+the router checking its replicas' indexes (`SidecarKeys`, serve/route_index.py), so that
+the prefix the router counts is the hit a replica serves.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from engine_integration.engine.model.config import ModelConfig
 from radix.keys import TOKEN_BYTES, chain_keys
 
 TAG_TOKEN = 0xFFFF_FFFF  # a whole sidecar's; TAG_TOKEN - k: a delta of k pages
+_MAX_FIELD = 1 << 16  # a stated shape's layers or pages (far past any model's)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class SidecarShape:
         """The shape a replica states; ValueError naming a field missing or out of range."""
         if not isinstance(info, dict):
             raise ValueError(f"sidecar: expected an object, got {type(info).__name__}")
+        if type(page_size) is not int or not 1 <= page_size <= _MAX_FIELD:
+            raise ValueError(f"sidecar: a page size in [1, {_MAX_FIELD}], not {page_size!r}")
         fields = {}
         for name in ("num_windowed_layers", "num_page_layers", "span_pages"):
             value = info.get(name)
@@ -113,9 +116,6 @@ class SidecarShape:
                 raise ValueError(f"sidecar.{name}: expected an int in [1, {_MAX_FIELD}]")
             fields[name] = value
         return cls(page_size=page_size, **fields)
-
-
-_MAX_FIELD = 1 << 16  # (layers or pages of one sidecar: far past any model's)
 
 
 class SidecarKeys:

@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 _TIMEOUT = aiohttp.ClientTimeout(total=600, sock_connect=5)
 _INFO_MAX_BYTES = 1 << 20  # a replica's /hicache/info is a few hundred bytes
+_MAX_PAGE_SIZE = 1 << 20  # tokens a page (a replica saying more is not one)
 
 
 @dataclass(eq=False)
@@ -179,6 +180,8 @@ class RouteServer:
             info = json.loads(body)
             info["namespace_digest"] = bytes.fromhex(info["namespace_digest"])
             info["page_size"] = int(info["page_size"])
+            if not 1 <= info["page_size"] <= _MAX_PAGE_SIZE:
+                raise ValueError(f"page size {info['page_size']} is not in [1, {_MAX_PAGE_SIZE}]")
             if info.get("sidecar") is not None:
                 info["sidecar"] = SidecarShape.from_info(info["sidecar"], info["page_size"])
             _ = info["name"], info["role"], info["started_s"]

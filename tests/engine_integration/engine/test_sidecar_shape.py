@@ -79,3 +79,5 @@ def test_the_shape_round_trips_through_a_replicas_info_and_bad_fields_are_named(
         SidecarShape.from_info(SHAPE.to_info() | {"span_pages": 0}, PAGE)
     with pytest.raises(ValueError, match="sidecar.num_page_layers"):
         SidecarShape.from_info(SHAPE.to_info() | {"num_page_layers": "4"}, PAGE)
+    with pytest.raises(ValueError, match="sidecar: a page size in"):
+        SidecarShape.from_info(SHAPE.to_info(), 0)

@@ -12,6 +12,7 @@ that is not one is exit 2, one line.
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import signal
 import socket
@@ -134,9 +135,19 @@ def test_a_taken_port_is_named_before_the_slow_start(taken_port, command):
     assert f"--port: cannot listen on 127.0.0.1:{taken_port}: Address already in use" in line
 
 
+_INFO = {"namespace_digest": "00" * 16, "name": "x", "role": "both", "started_s": 0.0}
+_BAD_INFO = {  # path -> /hicache/info with something out of range
+    "/page-0": _INFO | {"page_size": 0},
+    "/sidecar": _INFO | {"page_size": 16, "sidecar": {"span_pages": 0}},
+}
+
+
 class _NotAReplica(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
         body = b"<html>hello</html>"
+        for path, info in _BAD_INFO.items():
+            if self.path == path + "/hicache/info":
+                self.path, body = "/hicache/info", json.dumps(info).encode()
         self.send_response(200 if self.path == "/hicache/info" else 404)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -156,7 +167,15 @@ def not_a_replica():
     server.server_close()
 
 
-@pytest.mark.parametrize("path, reason", [("", "JSONDecodeError"), ("/nowhere", "HTTP 404")])
+@pytest.mark.parametrize(
+    "path, reason",
+    [
+        ("", "JSONDecodeError"),
+        ("/nowhere", "HTTP 404"),
+        ("/page-0", "page size"),
+        ("/sidecar", "sidecar.num_windowed_layers"),
+    ],
+)
 def test_routing_to_a_server_that_is_not_a_replica_is_exit_2_in_one_line(
     not_a_replica, path, reason
 ):
