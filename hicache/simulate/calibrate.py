@@ -40,6 +40,7 @@ INFO_PATH = "/hicache/info"  # the replica's own facts: the ids a prompt may hol
 WARMUP_LENGTHS = (64, 128, 256, 512, 1024, 2048)  # cut at the replica's prefill chunk
 WARMUP_CHUNKS = (2, 4)  # prompts of this many chunks too, where half the replica's L1 holds one
 MAX_FILL_PROMPTS = 64  # prompts that push the warm-up out of L1 and L2 into L3, at most
+MAX_PROMPT_TOKENS = 1 << 16  # the longest prompt sent, whatever a replica says it takes
 _TIMEOUT_S = 300.0
 WAIT_S = 120.0  # for a replica that is still starting
 
@@ -68,17 +69,7 @@ def calibrate(
         raise SimulationError(f"{where}: the profile has no usable vocab_size/prefill chunk")
     send = _Sender(base, where, vocab, random.Random(seed))
     lengths = warmup_lengths(chunk, _l1_tokens(info))
-    walls = []  # (prompt length, seconds from send to answer)
-    longest = []  # each round's longest prompt
-    for _ in range(rounds):
-        for length in lengths:
-            prompt = send.draw(length)
-            began = time.perf_counter()
-            send.again(prompt)
-            walls.append((length, time.perf_counter() - began))
-        longest.append(prompt)
-    for prompt in longest:  # again, oldest first: hits from wherever they went (L2, L3)
-        send.again(prompt)
+    walls = _warm_up(send, lengths, rounds)
     data = _get(base + PROFILE_PATH, where)
     if rounds and isinstance(data, dict) and not data.get("num_read_samples"):
         _through_l3(send, info, lengths[-1])
@@ -94,11 +85,31 @@ def calibrate(
     return dataclasses.replace(profile, request_overhead_s=_overhead_s(profile, walls))
 
 
+def _warm_up(send: _Sender, lengths: list[int], rounds: int) -> list[tuple[int, float]]:
+    """`rounds` prompts of each length, then each round's longest again, oldest first (hits
+    from wherever they went: L2, L3). Returns each first send's (length, wall seconds)."""
+    walls = []
+    longest = []
+    for _ in range(rounds):
+        for length in lengths:
+            prompt = send.draw(length)
+            began = time.perf_counter()
+            send.again(prompt)
+            walls.append((length, time.perf_counter() - began))
+        longest.append(prompt)
+    for prompt in longest:
+        send.again(prompt)
+    return walls
+
+
 def warmup_lengths(chunk: int, l1_tokens: int) -> list[int]:
     """The warm-up prompts' lengths: those of `WARMUP_LENGTHS` up to the prefill `chunk`
-    (one step each), then `WARMUP_CHUNKS` chunks where half of `l1_tokens` holds them."""
+    (one step each), then `WARMUP_CHUNKS` chunks where half of `l1_tokens` holds them; none
+    past `MAX_PROMPT_TOKENS`."""
+    chunk = min(chunk, MAX_PROMPT_TOKENS)
     lengths = [n for n in WARMUP_LENGTHS if n <= chunk] or [chunk]
-    return lengths + [k * chunk for k in WARMUP_CHUNKS if k * chunk <= l1_tokens // 2]
+    limit = min(l1_tokens // 2, MAX_PROMPT_TOKENS)
+    return lengths + [k * chunk for k in WARMUP_CHUNKS if k * chunk <= limit]
 
 
 def fill_prompts(info: dict, length: int) -> int:

@@ -169,6 +169,7 @@ def test_the_warm_up_spans_rows_up_to_a_chunk_then_chunks_over_a_cached_prefix()
     assert warmup_lengths(2048, 0) == ladder  # a replica that does not say
     assert warmup_lengths(512, 1 << 20) == [64, 128, 256, 512, 1024, 2048]
     assert warmup_lengths(48, 1 << 20) == [48, 96, 192]
+    assert warmup_lengths(1 << 40, 1 << 62) == ladder  # what a replica says is bounded
 
 
 def test_the_prompts_that_push_the_warm_up_into_l3_cover_l1_and_l2():
