@@ -100,18 +100,21 @@ def measure(ours, rest: list[str], workdir: Path) -> list[dict]:
 
 
 def calibrate_replica(serving, rounds: int) -> HardwareProfile:
-    """A profile of a fresh replica of bench_serving's model, device, dtype, page size and
-    engine, whose L1 holds about one of the longest warm-up prompts and L2 two (pool sizes
-    change no step's cost), over a file:// L3: calibration's repeated prompts then come back
-    from L3 and measure its read rate (3 rounds: 3 reads, the last 2 sampled)."""
+    """A profile of a fresh replica of bench_serving's model, device, dtype, page size,
+    engine and pools, over a file:// L3 (calibration pushes its prompts through to it and
+    measures its read rate). Its L1 holds at least one of the longest single-chunk warm-up
+    prompts and L2 two: the served replicas' pools may be smaller, and pool sizes change no
+    step's cost. An L1 that holds several chunks' prompt gets those too (`warmup_lengths`),
+    which tell a pair's cost from a row's."""
     from tests.support.replicas import HttpProcess
 
     pages = -(-max(WARMUP_LENGTHS) // serving.page_size) + 2
+    l1_pages, l2_pages = max(serving.l1_pages, pages), max(serving.l2_pages, 2 * pages)
     with tempfile.TemporaryDirectory(prefix="hicache-bench-planner-") as workdir:
         setup = bench_serving.Setup(
             tuple(bench_serving.model_flags(serving.model, Path(workdir))), serving.device,
             serving.dtype, 1, serving.routing, serving.page_size, serving.max_running,
-            pages, 2 * pages, serving.l3_capacity, serving.threads, serving.seed,
+            l1_pages, l2_pages, serving.l3_capacity, serving.threads, serving.seed,
         )  # fmt: skip
         l3_url = f"file://{workdir}/l3?capacity={serving.l3_capacity}"
         flags = bench_serving.replica_flags(setup, "l1l2l3-file", l3_url)
