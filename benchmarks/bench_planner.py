@@ -71,6 +71,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace, list[
     a("--serving-json", type=Path, help="bench_serving's JSON lines (default: run it now)")
     a("--profile", type=Path, help="a hardware profile (default: calibrate a replica now)")
     a("--calibrate-rounds", type=int, default=3, help="warm-up prompts of each length")
+    a(
+        "--calibrate-no-l3",
+        action="store_true",
+        help="leave the profile's L3 rate at the prior unless the warm-up reads L3 itself",
+    )
     a("--planner-json-out", type=Path, help="also write this script's JSON lines here")
     a("--serving-json-out", type=Path, help="keep bench_serving's JSON lines here")
     a("--profile-out", type=Path, help="keep the calibrated profile here")
@@ -99,7 +104,7 @@ def measure(ours, rest: list[str], workdir: Path) -> list[dict]:
         raise SystemExit(f"bench_planner: --serving-json {path}: {error}") from None
 
 
-def calibrate_replica(serving, rounds: int) -> HardwareProfile:
+def calibrate_replica(serving, rounds: int, *, through_l3: bool = True) -> HardwareProfile:
     """A profile of a fresh replica of bench_serving's model, device, dtype, page size,
     engine and pools, over a file:// L3 (calibration pushes its prompts through to it and
     measures its read rate). Its L1 holds at least one of the longest single-chunk warm-up
@@ -121,7 +126,7 @@ def calibrate_replica(serving, rounds: int) -> HardwareProfile:
         process = HttpProcess("engine", "serve", "--port", "0", "--name", "calibration", *flags)
         process.start(timeout_s=900)
         try:
-            return calibrate(process.url, rounds=rounds)
+            return calibrate(process.url, rounds=rounds, through_l3=through_l3)
         finally:
             process.stop()
 
@@ -247,7 +252,9 @@ def main(argv=None) -> int:
     if ours.profile is not None:
         profile = load_profile(ours.profile)
     else:
-        profile = calibrate_replica(serving, ours.calibrate_rounds)
+        profile = calibrate_replica(
+            serving, ours.calibrate_rounds, through_l3=not ours.calibrate_no_l3
+        )
         if ours.profile_out is not None:
             profile.write(ours.profile_out)
     print(f"\nbench_planner: profile of {profile.model.name} on {profile.device} "

@@ -46,9 +46,11 @@ WAIT_S = 120.0  # for a replica that is still starting
 
 
 def calibrate(
-    url: str, *, rounds: int = 3, seed: int = 0, wait_s: float = WAIT_S
+    url: str, *, rounds: int = 3, seed: int = 0, wait_s: float = WAIT_S, through_l3: bool = True
 ) -> HardwareProfile:
-    """The replica at `url`'s profile, after `rounds` warm-up prompts of each length."""
+    """The replica at `url`'s profile, after `rounds` warm-up prompts of each length;
+    `through_l3=False`: no more prompts to reach an L3 the warm-up did not read from (its
+    rate stays the prior, as a replica's does until it reads)."""
     if rounds < 0:
         raise SimulationError(f"--calibrate-rounds must be >= 0, got {rounds}")
     if not 0 <= wait_s <= 3600:
@@ -71,7 +73,7 @@ def calibrate(
     lengths = warmup_lengths(chunk, _l1_tokens(info))
     walls = _warm_up(send, lengths, rounds)
     data = _get(base + PROFILE_PATH, where)
-    if rounds and isinstance(data, dict) and not data.get("num_read_samples"):
+    if through_l3 and rounds and isinstance(data, dict) and not data.get("num_read_samples"):
         _through_l3(send, info, lengths[-1])
         data = _get(base + PROFILE_PATH, where)
     if isinstance(data, dict) and data.get("compute") is None:
