@@ -8,6 +8,7 @@ import asyncio
 import functools
 import re
 import threading
+import time
 import uuid
 from urllib.parse import unquote, urlsplit
 
@@ -171,15 +172,36 @@ def test_a_failed_load_is_recomputed_by_vllm(serving, tmp_path, groups):
 HYBRID = EngineShape(groups=(GroupShape("full", 2), GroupShape("sliding", 2, window=40)))
 
 
-def admitted(engine, req_id, max_steps=4):
+# How long a test steps the engine waiting for something a lookup decides. A hybrid model's
+# lookup (and any lookup past L3) runs on the planner's thread, waited for only
+# `LOOKUP_WAIT_S` a step, so under load its answer can come many steps late.
+ANSWER_WAIT_S = 60.0
+
+
+def step_until(engine, done, what: str):
+    """Steps the engine until `done(output)` holds for a step's SchedulerOutput; returns that
+    output. Fails after `ANSWER_WAIT_S`, not after a number of steps."""
+    deadline = time.monotonic() + ANSWER_WAIT_S
+    while time.monotonic() < deadline:
+        output = engine.step()
+        if done(output):
+            return output
+    raise AssertionError(f"{what} within {ANSWER_WAIT_S:.0f} s")
+
+
+def newly_scheduled(output, req_id: str):
+    return next((new for new in output.scheduled_new_reqs if new.req_id == req_id), None)
+
+
+def admitted(engine, req_id: str) -> int:
     """Steps until the request is scheduled; returns the tokens computed before that step
     (vLLM's own hit plus the connector's load)."""
-    for _ in range(max_steps):
-        output = engine.step()
-        for new in output.scheduled_new_reqs:
-            if new.req_id == req_id:
-                return new.num_computed_tokens
-    raise AssertionError(f"{req_id} was not scheduled in {max_steps} steps")
+    output = step_until(
+        engine,
+        lambda output: newly_scheduled(output, req_id) is not None,
+        f"{req_id} was not scheduled",
+    )
+    return newly_scheduled(output, req_id).num_computed_tokens
 
 
 def test_a_hybrid_model_loads_full_pages_and_only_the_window(serving):
@@ -217,7 +239,16 @@ def test_a_hybrid_model_under_chunked_prefill_and_preemption(serving):
     assert engine.wrong_reads == []
 
 
-def test_a_hybrid_load_that_fails_is_recomputed_from_the_start(serving):
+@pytest.fixture(params=["prompt", "late"])
+def lookup_answers(request, monkeypatch):
+    """A hybrid model's lookup runs on the planner's thread; under load it answers a step
+    or more after the request arrives. "late": every answer waits at least one step."""
+    if request.param == "late":
+        monkeypatch.setattr("engine_integration.vllm.plan.LOOKUP_WAIT_S", 0)
+    return request.param
+
+
+def test_a_hybrid_load_that_fails_is_recomputed_from_the_start(serving, lookup_answers):
     engine = serving(shape=HYBRID)
     _, sliding = engine.worker._shared.caches
     prompt = random_prompt(32, 100, vocab=1000)
@@ -225,16 +256,19 @@ def test_a_hybrid_load_that_fails_is_recomputed_from_the_start(serving):
     engine.run()
     assert engine.scheduler.reset_prefix_cache()
 
+    evicted = []
+
     def evict_the_windows(output):  # between the scheduler's lookup and the worker's load
-        if output.kv_connector_metadata.plan.loads:
+        if output.kv_connector_metadata.plan.loads and not evicted:
             sliding.evict("l1", 10**6)
             sliding.evict("l2", 10**6)
+            evicted.append(engine.num_steps)
 
     engine.before_execute = evict_the_windows
     engine.add("b", prompt + [5])
-    engine.step()  # the load fails: vLLM is told through failed_recving
+    step_until(engine, lambda _: evicted, "no step carried b's load")  # whenever it comes
     engine.before_execute = None
-    assert admitted(engine, "b") == 0  # recomputed from token 0
+    assert admitted(engine, "b") == 0  # the load failed (failed_recving): recomputed
     engine.run()
     assert engine.wrong_reads == []
 
@@ -400,7 +434,7 @@ def test_an_asynchronous_l3_lookup_never_holds_the_scheduler(serving, tmp_path):
             assert output.num_scheduled_tokens.get("c") == 1
     finally:
         GatedFileBackend.GATE.set()
-    assert admitted(second, "b", max_steps=50) == 80
+    assert admitted(second, "b") == 80
     second.run()
     assert second.wrong_reads == []
 
