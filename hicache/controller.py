@@ -234,7 +234,7 @@ class HiCache:
             return CachedPrefix(found.num_l1_pages, found.num_l2_pages, found.num_l3_pages)
 
     def set_residency_listener(self, listener) -> None:
-        """From now on, tell `listener` (a `radix.tree.ResidencyListener`, such as
+        """From now on, tell `listener` (a `radix.residency.ResidencyListener`, such as
         `hicache.events.TierEvents`) of every page the index gains or loses, per tier.
         None stops it. Called under the cache's lock: the listener must not block."""
         with self._lock:

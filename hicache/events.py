@@ -14,7 +14,7 @@ gateway) read hicache the same way:
   sequence number on (`[b"", seq]` from a DEALER); the publisher answers with the batches it
   still keeps, as the PUB socket sent them, then an end marker of sequence -1.
 
-`TierEvents` is the index's listener (`radix.tree.ResidencyListener`): every run that gains
+`TierEvents` is the index's listener (`radix.residency.ResidencyListener`): every run that gains
 or loses a tier becomes one event, queued; the publisher sends what is queued as one batch
 every `batch_interval_s` (or sooner, at `max_batch_events`), so a busy cache does not
 publish per page. The first batch of a publisher begins with `AllBlocksCleared`: whatever a

@@ -34,7 +34,7 @@ def event_queue() -> deque:
 
 
 class GroupEvents:
-    """A KV group's cache listener (`radix.tree.ResidencyListener`): vLLM events, queued.
+    """A KV group's cache listener (`radix.residency.ResidencyListener`): vLLM events, queued.
     Called under the cache's lock: it only appends."""
 
     def __init__(self, queue: deque, group, page_size: int) -> None:
