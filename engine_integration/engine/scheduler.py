@@ -43,8 +43,8 @@ import torch
 from engine_integration.engine import sidecar
 from engine_integration.engine.errors import EngineError, RequestTooLargeError
 from engine_integration.engine.model.config import EngineConfig, ModelConfig
-from engine_integration.engine.model.forward import SeqRows
 from engine_integration.engine.model.rows import as_index
+from engine_integration.engine.model.step_rows import SeqRows
 from engine_integration.engine.model.window import LateWindow
 from engine_integration.engine.pages import PageSource
 from engine_integration.engine.request import Request, RequestState

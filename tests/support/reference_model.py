@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_integration.engine.model.config import ModelConfig
-from engine_integration.engine.model.forward import _inverse_frequencies
+from engine_integration.engine.model.norm_rope import _inverse_frequencies
 from engine_integration.engine.model.weights import ModelWeights
 
 

@@ -5,7 +5,12 @@
     weights.py      ModelWeights: random from a seed, or a safetensors checkpoint
     gguf_checkpoint.py  a GGUF file: its config and dequantized tensors (`gguf` package)
     tokenizer.py    byte-level, tokenizer.json, or a GGUF's metadata, through `tokenizers`
-    forward.py      Model: the forward pass of one engine step
+    forward.py      Model: the forward pass of one engine step (source layers, head)
+    late_layers.py  its mixin: the boundary residual and the late (sliding-window) layers
+    rowwise.py      its mixin: a layer's row-wise parts (norm, projections, RoPE, MLP)
+    step_rows.py    SeqRows (a request's rows in a step), HeldRows: which rows are read
+    norm_rope.py    RotaryTable, rms_norm, apply_rope in torch's ops
+    kernel_support.py  which kernel paths (dense CUDA, deterministic) implement a model
     attention.py    attention over paged source KV (full or windowed) and over the late window
     rows.py         RowLayout: rows in fixed groups by position (batch invariance on the CPU)
     window.py       LateWindow: the late layers' ring of W tokens per request

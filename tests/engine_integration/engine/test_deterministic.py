@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_integration.engine.embedded import load_model
-from engine_integration.engine.model import deterministic, deterministic_attention, forward
+from engine_integration.engine.model import deterministic, deterministic_attention, kernel_support
 from engine_integration.engine.model.paged_attention import DeviceStep
 from engine_integration.engine.model.window import LateWindow
 from engine_integration.engine.sampling import SamplingParams
@@ -235,7 +235,7 @@ def test_deterministic_is_refused_by_name_where_it_cannot_hold(monkeypatch):
         load_model(None, DETERMINISTIC, model_config=gemma)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         load_model(None, DETERMINISTIC, model_config=SMALL.replace(head_dim=24))
-    monkeypatch.setattr(forward, "INTERPRETED", False)  # a plain CPU run
+    monkeypatch.setattr(kernel_support, "INTERPRETED", False)  # a plain CPU run
     with pytest.raises(ValueError, match="deterministic runs its Triton kernels on CUDA"):
         load_model(None, DETERMINISTIC, model_config=SMALL)
 

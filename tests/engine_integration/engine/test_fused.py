@@ -13,7 +13,7 @@ import torch
 
 from engine_integration.engine.embedded import load_model
 from engine_integration.engine.model import fused
-from engine_integration.engine.model.forward import RotaryTable, apply_rope, rms_norm
+from engine_integration.engine.model.norm_rope import RotaryTable, apply_rope, rms_norm
 from engine_integration.engine.sampling import SamplingParams
 from tests.support.engines import ENGINE, SMALL, cache_off, random_prompt, run_one
 

@@ -545,7 +545,7 @@ def test_dense_cuda_kernels_are_kept_to_the_block_they_implement(gemma_dir):
     """The dense CUDA path's fused kernels and graphs know the Llama block only: a Gemma 3
     model runs dense batches there through torch's ops (checked on the config: no GPU
     needed; `test_gemma3_dense_on_cuda_matches_transformers` runs it)."""
-    from engine_integration.engine.model.forward import dense_kernels
+    from engine_integration.engine.model.kernel_support import dense_kernels
 
     model, _ = load_model(gemma_dir, CONFIG)
     assert not dense_kernels(model.config)

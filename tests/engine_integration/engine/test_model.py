@@ -9,8 +9,8 @@ import torch
 
 from engine_integration.engine.embedded import load_model
 from engine_integration.engine.model.config import EngineConfig, RopeScaling
-from engine_integration.engine.model.forward import (
-    Model,
+from engine_integration.engine.model.forward import Model
+from engine_integration.engine.model.norm_rope import (
     RotaryTable,
     _inverse_frequencies,
     apply_rope,
