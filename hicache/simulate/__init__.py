@@ -19,6 +19,7 @@ only the clock and the byte movement are modelled. Nothing here imports torch.
     verdict.py    where the next dollar of cache goes; whether a shared L3 pays off
     report.py     text and Markdown tables;  plots.py: a sweep's PNG (matplotlib, Agg)
     progress.py   a progress bar on stderr;  cli.py: `hicache simulate`
+    flags.py      its flags;  flag_config.py: their checks, and the SimulationConfig they make
 """
 
 from hicache.simulate.config import SimulationConfig

@@ -170,7 +170,7 @@ def test_the_saved_figure_says_what_it_is_computed_from_and_adds_up(capsys):
 
 def test_a_saving_above_the_gpu_bill_is_explained(capsys):
     from hicache.cli import build_parser
-    from hicache.simulate.cli import build_config
+    from hicache.simulate.flag_config import build_config
     from hicache.simulate.player import TracePlayer
     from hicache.simulate.report import savings_basis
     from hicache.simulate.trace import load_trace
@@ -240,7 +240,8 @@ def test_ctrl_c_during_a_sweep_is_one_line_exit_130_and_ends_the_workers():
 def test_an_l3_store_preset_sets_bandwidth_and_latency_unless_flags_do():
     import argparse
 
-    from hicache.simulate.cli import add_arguments, build_config
+    from hicache.simulate.flag_config import build_config
+    from hicache.simulate.flags import add_arguments
     from hicache.simulate.l3 import STORE_PRESETS
     from hicache.simulate.trace import load_trace
 
