@@ -1,95 +1,36 @@
-"""KV events: what a cache stores and drops, per tier, in vLLM's wire format.
-
-Routers that read vLLM's KV events (llm-d's KV-cache manager, Dynamo's router, SGLang's
-gateway) read hicache the same way:
-
-- a message is three ZMQ frames on a PUB socket: `topic`, an 8-byte big-endian sequence
-  number, and a msgpack `KVEventBatch` (`[ts, [event, ...]]`, an array);
-- an event is a msgpack map tagged by `"type"`: `BlockStored` (page keys as `block_hashes`,
-  the key of the page before them as `parent_block_hash`, their `token_ids`, `block_size` =
-  page size, `medium`), `BlockRemoved` (`block_hashes`, `medium`) or `AllBlocksCleared`;
-- `medium` names the tier: "GPU" for L1, "CPU" for L2, "STORAGE" for L3. A page in several
-  tiers is stored once per tier and removed per tier;
-- a subscriber that missed messages asks the replay socket (ROUTER) for every batch from a
-  sequence number on (`[b"", seq]` from a DEALER); the publisher answers with the batches it
-  still keeps, as the PUB socket sent them, then an end marker of sequence -1.
-
-`TierEvents` is the index's listener (`radix.residency.ResidencyListener`): every run that gains
-or loses a tier becomes one event, queued; the publisher sends what is queued as one batch
-every `batch_interval_s` (or sooner, at `max_batch_events`), so a busy cache does not
-publish per page. The first batch of a publisher begins with `AllBlocksCleared`: whatever a
-subscriber knew of an earlier process at that address is gone.
-
-This module knows sockets and encodings; it does not know the controller (the controller is
-given a listener) or the daemon (which publishes its own L3 events through `EventPublisher`).
+"""Publishing KV events: `EventPublisher` batches what is queued and sends it on a PUB
+socket, keeps it for replay and logs subscribers in; `TierEvents`, the index's listener,
+queues an event per run of pages. The format is wire.py's; subscriber.py reads it.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import zmq
 
+from hicache.events.wire import (
+    END_OF_REPLAY,
+    EVENT_FORMATS,
+    MEDIUM_OF_TIER,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    encode_batch,
+    extra_keys_of,
+)
 from radix.node import Tier
 
 logger = logging.getLogger(__name__)
-
-MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE = "GPU", "CPU", "STORAGE"
-MEDIUM_OF_TIER = {Tier.L1: MEDIUM_GPU, Tier.L2: MEDIUM_CPU, Tier.L3: MEDIUM_STORAGE}
-TIER_OF_MEDIUM = {medium: tier for tier, medium in MEDIUM_OF_TIER.items()}
-END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-
-
-# ---------------------------------------------------------------------------- the wire format
-
-
-class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    # vLLM's: per block, what else its hash covers. Here the page's namespace extra key
-    # (a request's cache salt or LoRA adapter), so a router tells salted pages apart.
-    extra_keys: list[tuple | None] | None = None
-
-
-class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    block_hashes: list[bytes]
-    medium: str | None
-
-
-class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
-
-
-_encode = msgspec.msgpack.Encoder().encode
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """A batch off the wire; raises msgspec.DecodeError for anything else."""
-    return _decoder.decode(payload)
 
 
 # ---------------------------------------------------------------------------- publishing
@@ -411,212 +352,3 @@ class TierEvents:
 
     def pages_removed(self, tier: Tier, keys: list[bytes], namespace=None) -> None:
         self.publisher.add((BlockRemoved(keys, MEDIUM_OF_TIER[tier]),))
-
-
-# ---------------------------------------------------------------------------- subscribing
-
-
-class EventSubscriber:
-    """One publisher's batches, in order and without gaps while its replay buffer lasts.
-
-    `receive(timeout_s)` returns the batches that arrived: a gap in the sequence numbers
-    (a slow join, a reconnect, dropped messages) is filled from the replay socket first.
-    `lost` counts batches that neither the socket nor the replay buffer had: a consumer
-    that sees it grow has an incomplete picture (the router forgets that replica's pages).
-    Use from one thread.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        replay_endpoint: str | None = None,
-        *,
-        topic: str = "",
-        secret: str | None = None,
-    ) -> None:
-        """`secret`: the credential of a publisher that has them (see EventPublisher)."""
-        self._context = zmq.Context.instance()
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
-        self.secret = secret
-        self.socket = self._context.socket(zmq.SUB)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self._login(self.socket)
-        self.socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self.socket.connect(endpoint)
-        self.last_seq = -1
-        self.lost = 0
-        self.num_replayed = 0
-
-    def receive(self, timeout_s: float = 0.0) -> list[tuple[int, KVEventBatch]]:
-        batches: list[tuple[int, KVEventBatch]] = []
-        if not self.socket.poll(int(timeout_s * 1000)):
-            return batches
-        while True:
-            try:
-                _topic, seq_bytes, payload = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return batches
-            self._accept(int.from_bytes(seq_bytes, "big"), payload, batches)
-
-    def replay(self, timeout_s: float = 2.0) -> list[tuple[int, KVEventBatch]]:
-        """Ask for every batch after the last one seen (returns them in order)."""
-        batches: list[tuple[int, KVEventBatch]] = []
-        for seq, payload in self._fetch_replay(self.last_seq + 1, timeout_s):
-            self._accept(seq, payload, batches, replaying=True)
-        return batches
-
-    def _accept(self, seq: int, payload: bytes, out: list, *, replaying: bool = False) -> None:
-        try:
-            batch = decode_batch(payload)
-        except msgspec.DecodeError as error:
-            logger.warning("a KV event batch from %s did not decode: %s", self.endpoint, error)
-            return
-        restarted = seq <= self.last_seq and _starts_clean(batch)
-        if seq <= self.last_seq and not restarted:
-            return  # already had it (a replay overlapping what the socket delivered)
-        if restarted:
-            self.last_seq = seq - 1
-        if seq > self.last_seq + 1 and not replaying:
-            out.extend(self.replay())
-            if seq <= self.last_seq:
-                return
-        if seq > self.last_seq + 1:
-            self.lost += seq - self.last_seq - 1
-        self.last_seq = seq
-        out.append((seq, batch))
-
-    def _fetch_replay(self, start_seq: int, timeout_s: float) -> list[tuple[int, bytes]]:
-        if self.replay_endpoint is None:
-            return []
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        self._login(dealer)
-        dealer.connect(self.replay_endpoint)
-        found: list[tuple[int, bytes]] = []
-        try:
-            dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
-            deadline = time.monotonic() + timeout_s
-            while True:
-                remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if remaining_ms <= 0 or not dealer.poll(remaining_ms):
-                    logger.warning("the replay from %s did not finish", self.replay_endpoint)
-                    return found
-                frames = dealer.recv_multipart()
-                if len(frames) != 4 or frames[2] == END_OF_REPLAY:
-                    self.num_replayed += len(found)
-                    return found
-                found.append((int.from_bytes(frames[2], "big"), frames[3]))
-        finally:
-            dealer.close(linger=0)
-
-    def _login(self, socket: zmq.Socket) -> None:
-        if self.secret is not None:
-            socket.plain_username = b"hicache"
-            socket.plain_password = self.secret.encode()
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-
-
-def _starts_clean(batch: KVEventBatch) -> bool:
-    return bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
-
-
-# ---------------------------------------------------------------------------- formats
-
-EVENT_FORMATS = ("vllm", "sglang")
-
-
-def default_topic(model: str, host: str | None = None) -> str:
-    """llm-d's topic for a replica: `kv@<host>@<model>` (each replica its own)."""
-    return f"kv@{host or socket.gethostname()}@{model}"
-
-
-# SGLang 0.5.23's schema (sglang/srt/disaggregation/kv_events.py): the same tagged maps in
-# an array-like batch, but block hashes are int64 and the media are its own names.
-SGLANG_MEDIUM = {MEDIUM_GPU: "GPU", MEDIUM_CPU: "CPU_PINNED", MEDIUM_STORAGE: "EXTERNAL"}
-
-
-class SglangBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    lora_name: str | None = None
-
-
-class SglangBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class SglangAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
-    pass
-
-
-class SglangEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[SglangBlockStored | SglangBlockRemoved | SglangAllBlocksCleared]
-    attn_dp_rank: int | None = None
-
-
-def extra_keys_of(namespace, num_pages: int) -> list[tuple | None] | None:
-    """vLLM's `extra_keys` for `num_pages` pages of `namespace`: its extra key (a cache
-    salt, a LoRA adapter) for each, or None for pages without one."""
-    extra_key = getattr(namespace, "extra_key", "")
-    return [(extra_key,)] * num_pages if extra_key else None
-
-
-def sglang_hash(key: bytes) -> int:
-    """A page key as SGLang's int64 block hash: its first 8 bytes, big-endian, signed."""
-    return int.from_bytes(key[:8], "big", signed=True)
-
-
-def _to_sglang(event: KVEvent):
-    if isinstance(event, BlockStored):
-        parent = event.parent_block_hash
-        return SglangBlockStored(
-            [sglang_hash(key) for key in event.block_hashes],
-            sglang_hash(parent) if parent is not None else None,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            SGLANG_MEDIUM.get(event.medium, event.medium),
-            cache_salt=event.extra_keys[0][0] if event.extra_keys else None,
-            lora_name=event.lora_name,
-        )
-    if isinstance(event, BlockRemoved):
-        return SglangBlockRemoved(
-            [sglang_hash(key) for key in event.block_hashes],
-            SGLANG_MEDIUM.get(event.medium, event.medium),
-        )
-    return SglangAllBlocksCleared()
-
-
-def encode_batch(batch: KVEventBatch, format: str = "vllm") -> bytes:
-    """A batch in the wire format `format` names (`EVENT_FORMATS`)."""
-    if format == "sglang":
-        events = [_to_sglang(event) for event in batch.events]
-        return _encode(SglangEventBatch(batch.ts, events, batch.data_parallel_rank))
-    return _encode(batch)
-
-
-__all__ = [
-    "EVENT_FORMATS",
-    "default_topic",
-    "encode_batch",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "EventPublisher",
-    "EventSubscriber",
-    "EventsConfig",
-    "KVEventBatch",
-    "TierEvents",
-    "decode_batch",
-]
