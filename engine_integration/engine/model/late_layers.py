@@ -20,8 +20,8 @@ from engine_integration.engine.model.rowwise import RowwiseParts
 from engine_integration.engine.model.step_rows import (
     HeldRows,
     SeqRows,
-    _consecutive,
-    _late_logits,
+    consecutive,
+    late_logits,
 )
 from engine_integration.engine.model.weights import LayerWeights, ModelWeights
 
@@ -107,7 +107,7 @@ class LateLayers(RowwiseParts):
             attn = torch.cat(outputs)
             if finish:
                 x = self._finish_layer(weights, x, layout, attn)
-        wanted = _late_logits(seqs, runs)  # (late row, logits row, position) of those read
+        wanted = late_logits(seqs, runs)  # (late row, logits row, position) of those read
         if not wanted:
             return out
         rows = [row for row, _, _ in wanted]
@@ -119,7 +119,7 @@ class LateLayers(RowwiseParts):
         else:
             finished = self._pick(layout.unpack(x), rows)
         logits_rows = [n for _, n, _ in wanted]
-        if _consecutive(logits_rows):
+        if consecutive(logits_rows):
             out[logits_rows[0] : logits_rows[0] + len(logits_rows)] = finished
         else:
             out.index_copy_(0, self._rows(logits_rows), finished)

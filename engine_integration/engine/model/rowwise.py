@@ -13,7 +13,7 @@ from engine_integration.engine.model.config import ModelConfig
 from engine_integration.engine.model.graphs import RowwiseGraphs
 from engine_integration.engine.model.norm_rope import apply_rope, rms_norm
 from engine_integration.engine.model.rows import RowLayout, Workspace, as_index
-from engine_integration.engine.model.step_rows import _consecutive
+from engine_integration.engine.model.step_rows import consecutive
 from engine_integration.engine.model.weights import LayerWeights
 
 
@@ -157,7 +157,7 @@ class RowwiseParts:
         """Rows `rows` of x: consecutive ones as a slice (a view; a copy with `own`, for a
         caller that writes into the result), no index sent to the device; others through an
         index (a new tensor)."""
-        if _consecutive(rows):
+        if consecutive(rows):
             part = x[rows[0] : rows[0] + len(rows)]
             return part.clone() if own else part
         return x.index_select(0, self._rows(rows))

@@ -1,6 +1,6 @@
 """A step's rows, as plain positions: `SeqRows` (one request's rows, the forward pass's
 input, built by the scheduler), `HeldRows` (which positions a hidden tensor holds), and which
-rows are read (`logits_runs`, `_late_logits`). No torch op runs here; `forward.py` and its
+rows are read (`logits_runs`, `late_logits`). No torch op runs here; `forward.py` and its
 mixins use them to pick rows."""
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ class HeldRows:
         return rows
 
 
-def _consecutive(rows: list[int]) -> bool:
+def consecutive(rows: list[int]) -> bool:
     """Whether `rows` are n, n + 1, ... in order (an empty list is not)."""
     return bool(rows) and rows == list(range(rows[0], rows[0] + len(rows)))
 
 
-def _late_logits(seqs: Sequence[SeqRows], runs) -> list[tuple[int, int, int]]:
+def late_logits(seqs: Sequence[SeqRows], runs) -> list[tuple[int, int, int]]:
     """For late `runs` (k, seq, start, end) of `seqs`, the late rows that want logits:
     (row among the late rows, row among the logits rows, position)."""
     logits_row = {k: n for n, k in enumerate(k for k, s in enumerate(seqs) if s.want_logits)}
