@@ -13,7 +13,8 @@ subcommands of `hicache` are registered as entry points (pyproject.toml). The co
 in pyproject.toml and checked by tests/test_layering.py.
 
 Where to look (one module each):
-    what happens in match()           hicache/controller.py (`HiCache.match`; hicache/match.py)
+    what happens in match()           hicache/controller.py (`HiCache.match`; hicache/match.py,
+                                      hicache/match_steps.py)
     the load-or-recompute decision    hicache/fetch_plan.py (the engine asks through pages.py)
     where a batch is written to L3    hicache/mover.py (`PageMover`: every op it submits)
     where a page is verified          storage_backends/verify.py (every backend reads through it)
