@@ -22,7 +22,7 @@ from benchmarks.common import DEFAULT_TRACE, device_name, emit  # noqa: E402
 from hicache.simulate import simulate  # noqa: E402
 from hicache.simulate.config import SimulationConfig  # noqa: E402
 from hicache.simulate.hardware import PRESETS as HARDWARE  # noqa: E402
-from hicache.simulate.models import PRESETS as MODELS  # noqa: E402
+from hicache.simulate.model_presets import PRESETS as MODELS  # noqa: E402
 from hicache.simulate.sweep import SweepAxis, grid, run_configs  # noqa: E402
 from hicache.simulate.trace import load_mooncake  # noqa: E402
 

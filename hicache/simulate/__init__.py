@@ -6,7 +6,8 @@ prefetch and eviction policies are the live cache's, so the hit rates are its hi
 only the clock and the byte movement are modelled. Nothing here imports torch.
 
     trace.py      Mooncake JSONL traces, and a seeded multi-turn conversation generator
-    models.py     model presets and config.json: KV bytes per token, weights, prefill FLOPs
+    models.py     ModelSpec: KV bytes per token, weights, prefill FLOPs
+    hf_config.py  a Hugging Face config.json as a ModelSpec;  model_presets.py: the presets
     hardware.py   GPU presets: HBM, host memory, links, FLOPs, price
     config.py     SimulationConfig: instances, tier sizes, links, policies, prices
     l3.py         SimulatedL3: a shared LRU store whose pages appear when their write ends

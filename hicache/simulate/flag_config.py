@@ -17,7 +17,8 @@ from hicache.simulate.config import (
 from hicache.simulate.errors import SimulationError
 from hicache.simulate.hardware import load_hardware
 from hicache.simulate.l3 import STORE_PRESETS
-from hicache.simulate.models import canonical_dtype, load_model
+from hicache.simulate.model_presets import load_model
+from hicache.simulate.models import canonical_dtype
 from hicache.simulate.profile import load_profile
 from hicache.simulate.sweep import parse_capacity
 from hicache.simulate.trace import Trace

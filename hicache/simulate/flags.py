@@ -23,7 +23,7 @@ from hicache.simulate.calibrate import WAIT_S
 from hicache.simulate.config import ROUTING, SimulationConfig
 from hicache.simulate.hardware import PRESETS as HARDWARE_PRESETS
 from hicache.simulate.l3 import STORE_PRESETS
-from hicache.simulate.models import PRESETS as MODEL_PRESETS
+from hicache.simulate.model_presets import PRESETS as MODEL_PRESETS
 from hicache.simulate.trace import CONVERSATIONS
 
 _POLICY = PolicyConfig()

@@ -7,7 +7,7 @@ import pytest
 from hicache.config import PolicyConfig
 from hicache.simulate.config import SimulationConfig
 from hicache.simulate.hardware import PRESETS as HARDWARE
-from hicache.simulate.models import PRESETS as MODELS
+from hicache.simulate.model_presets import PRESETS as MODELS
 from hicache.simulate.trace import BUNDLED, load_mooncake
 
 MOONCAKE = BUNDLED["mooncake"]

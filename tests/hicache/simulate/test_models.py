@@ -8,7 +8,8 @@ import json
 import pytest
 
 from hicache.simulate.errors import SimulationError
-from hicache.simulate.models import PRESETS, from_hf_config, load_model
+from hicache.simulate.hf_config import from_hf_config
+from hicache.simulate.model_presets import PRESETS, load_model
 
 # Cached KV bytes per token, written out from each formula with the public config numbers:
 # GQA 2 x full layers x kv_heads x head_dim x dtype bytes; MLA layers x (rank + rope) x bytes.
