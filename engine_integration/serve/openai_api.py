@@ -34,8 +34,15 @@ from engine_integration.serve.workload import render_chat
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-# Fields we accept and ignore (they change no token): OpenAI's bookkeeping.
-_IGNORED = {"model", "user", "stream_options", "presence_penalty", "frequency_penalty"}
+# The fields each endpoint takes: those served (the prompt, the sampling fields, `stream`),
+# and OpenAI's bookkeeping, accepted and ignored (it changes no token). Any other field is
+# refused by name: one that changes the tokens or how they are cached (`min_p`,
+# `cache_salt`, ...) is never served as if it had been honoured.
+_SERVED = {
+    "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stream",
+    "ignore_eos",
+}  # fmt: skip
+_IGNORED = {"model", "user", "stream_options"}
 _UNSUPPORTED = {
     "n": lambda v: v not in (None, 1),
     "best_of": lambda v: v not in (None, 1),
@@ -148,6 +155,11 @@ def check_fields(path: str, body: Any) -> tuple[Sampling, bool]:
     Raises BadRequest naming what is wrong."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
+    known = _SERVED | _IGNORED | _UNSUPPORTED.keys() | set(_PENALTIES)
+    known.add("prompt" if path == COMPLETIONS else "messages")
+    for name in body:
+        if name not in known:
+            raise BadRequest(f"{_shown(name)} is not supported by hicache engine serve")
     for name, refused in _UNSUPPORTED.items():
         if name in body and refused(body[name]):
             raise BadRequest(f"'{name}' is not supported by hicache engine serve")
@@ -168,8 +180,10 @@ def check_fields(path: str, body: Any) -> tuple[Sampling, bool]:
         top_p=_number(body.get("top_p", 1.0), "top_p", low=1e-9, high=1.0),
         top_k=_int(body.get("top_k", 0), "top_k", low=0, high=1 << 31),
         seed=_int(body.get("seed", 0), "seed", low=0, high=(1 << 63) - 1),
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        ignore_eos=body.get("ignore_eos", False),
     )
+    if not isinstance(sampling.ignore_eos, bool):
+        raise BadRequest("'ignore_eos' must be true or false")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false")
@@ -229,14 +243,21 @@ def _chat_messages(messages: Any) -> None:
 
 def _int(value: Any, name: str, *, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRequest(f"'{name}' must be an integer in [{low}, {high}], got {value!r}")
+        raise BadRequest(f"'{name}' must be an integer in [{low}, {high}], got {_shown(value)}")
     return value
 
 
 def _number(value: Any, name: str, *, low: float, high: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise BadRequest(f"'{name}' must be a number in [{low}, {high}], got {value!r}")
+        raise BadRequest(f"'{name}' must be a number in [{low}, {high}], got {_shown(value)}")
     return float(value)
+
+
+def _shown(value: Any, limit: int = 64) -> str:
+    """`value` as an error message shows it: its repr (quoted, escaped: one line), cut at
+    `limit` characters (a name or value from a client can be as long as the body)."""
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------- responses

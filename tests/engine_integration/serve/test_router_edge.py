@@ -33,6 +33,9 @@ BAD = {
     "messages a string": (CHAT, b'{"messages": "hi"}'),
     "max_tokens -1": (C, b'{"prompt": "x", "max_tokens": -1}'),
     "stream a string": (C, b'{"prompt": "x", "stream": "yes"}'),
+    "ignore_eos a string": (C, b'{"prompt": "x", "ignore_eos": "false"}'),
+    "cache_salt": (C, b'{"prompt": "x", "cache_salt": "tenant-a"}'),  # one namespace here
+    "min_p": (C, b'{"prompt": "x", "min_p": 0.1}'),
 }
 
 
