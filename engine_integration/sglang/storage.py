@@ -52,15 +52,12 @@ none), as SGLang's Mooncake backend does.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -71,6 +68,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from engine_integration.sglang.config import StorageSettings, head_slices, shard_of
+from engine_integration.sglang.kv_pool import Attached
+from engine_integration.sglang.metrics import Throughput
 from engine_integration.sglang.pages import PageGeometry, byte_buffer, is_logical_anchor
 from engine_integration.sglang.sidecars import (
     SidecarPool,
@@ -89,168 +89,6 @@ from storage_backends import (
 
 logger = logging.getLogger(__name__)
 
-URL_VARIABLE = "HICACHE_L3_URL"
-# Keys of the extra config that SGLang reads itself (it removes its prefetch_* keys first).
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-OWN_KEYS = frozenset({"url", "model_id"})
-
-
-@dataclass(frozen=True)
-class StorageSettings:
-    """What the extra config (and the environment) says.
-
-    url:      any hicache L3 URL; from the extra config's "url", else $HICACHE_L3_URL.
-    model_id: the model name keys are namespaced by; default SGLang's own (served) name.
-    """
-
-    url: str
-    model_id: str
-
-    @classmethod
-    def from_storage_config(
-        cls, config: HiCacheStorageConfig, environ: Mapping[str, str] | None = None
-    ) -> StorageSettings:
-        extra = config.extra_config if config.extra_config is not None else {}
-        if not isinstance(extra, Mapping):
-            raise BackendConfigError(
-                f"--hicache-storage-backend-extra-config must be a JSON object, got "
-                f"{type(extra).__name__}"
-            )
-        unknown = sorted(set(extra) - SGLANG_KEYS - OWN_KEYS)
-        if unknown:
-            raise BackendConfigError(
-                f"extra config: unknown key(s) {', '.join(map(repr, unknown))}; hicache reads "
-                f"{', '.join(sorted(OWN_KEYS))} (SGLang: {', '.join(sorted(SGLANG_KEYS))})"
-            )
-        env = os.environ if environ is None else environ
-        url = extra.get("url", env.get(URL_VARIABLE))
-        if url is None:
-            raise BackendConfigError(
-                f"extra config: 'url' is missing (or set {URL_VARIABLE}), e.g. "
-                '"url": "redis://127.0.0.1:6379/0"'
-            )
-        if not isinstance(url, str) or "://" not in url:
-            raise BackendConfigError(f"extra config: 'url' must be a backend URL, got {url!r}")
-        model_id = extra.get("model_id", config.model_name)
-        if not isinstance(model_id, str) or not model_id:
-            raise BackendConfigError(
-                "extra config: 'model_id' is needed (SGLang passed no model name), got "
-                f"{model_id!r}"
-            )
-        return cls(url=url, model_id=model_id)
-
-
-def head_slices(config: HiCacheStorageConfig) -> int:
-    """How many objects of heads each page is stored as: SGLang's `tp_lcm_size` (the least
-    common multiple of the tp sizes that share the store) over this instance's tp size, so
-    that each object holds the heads of one rank at tp_lcm_size. 1 without tp_lcm_size and
-    for MLA, whose KV every rank holds whole (tp is not in its keys: shared already)."""
-    lcm = config.tp_lcm_size
-    if not lcm or config.is_mla_model:
-        return 1
-    if type(lcm) is not int or lcm < 1 or lcm % config.tp_size:
-        raise BackendConfigError(
-            f"extra config: tp_lcm_size={lcm!r} must be a multiple of tp_size={config.tp_size}"
-        )
-    return lcm // config.tp_size
-
-
-def shard_of(
-    config: HiCacheStorageConfig, *, tp_sharded: bool = False, head_slice: int | None = None
-) -> str:
-    """The part of the namespace that tells one rank's KV from another's.
-
-    MLA KV is the same on every tp rank (SGLang lets one writer store it): tp is left out,
-    unless `tp_sharded` (an extra pool split by tp rank even for an MLA model: Mamba state).
-    With `head_slice` (MHA KV under tp_lcm_size), the rank named is the one at tp_lcm_size
-    that holds that slice of this rank's heads: `tp=rank*slices+slice/tp_lcm_size`.
-    """
-    if config.dcp_size > 1:
-        raise BackendConfigError(
-            f"dcp_size={config.dcp_size}: decode context parallelism is not supported"
-        )
-    slices = head_slices(config)
-    replicated = config.is_mla_model and not tp_sharded
-    if head_slice is not None and not replicated and config.tp_lcm_size:
-        tp = f"tp={config.tp_rank * slices + head_slice}/{config.tp_size * slices}"
-    else:
-        tp = f"tp={config.tp_rank}/{config.tp_size}"
-    parts = [] if replicated else [tp]
-    parts.append(f"pp={config.pp_rank}/{config.pp_size}")
-    if config.attn_cp_size > 1:
-        parts.append(f"cp={config.attn_cp_rank}/{config.attn_cp_size}")
-    return ";".join(parts)
-
-
-class _Attached:
-    """What exists once the host pool is registered: its geometry, its bytes, the store."""
-
-    def __init__(
-        self, pool: Any, geometry: PageGeometry, store: SyncBackend, digests: Sequence[bytes]
-    ):
-        self.pool = pool
-        self.geometry = geometry
-        self.buffer = byte_buffer(pool.kv_buffer)
-        self.store = store
-        # The namespaces' seeds (model, layout, shard), one per head slice of a page.
-        self.digests = tuple(digests)
-        if len(self.digests) != geometry.head_slices:
-            raise ValueError(f"{len(self.digests)} namespaces for {geometry.head_slices} slices")
-
-    def object_keys(self, keys: Sequence[str]) -> list[bytes]:
-        """The 16-byte keys of every object of every page, page by page (slice by slice
-        within a page, each slice in its own namespace)."""
-        if not all(type(key) is str for key in keys):
-            bad = next(i for i, key in enumerate(keys) if type(key) is not str)
-            raise ValueError(f"keys[{bad}] must be a str (SGLang page hash), got {keys[bad]!r}")
-        hasher = xxhash.xxh3_128()
-        out = []
-        per_slice = self.geometry.num_objects // len(self.digests)
-        for key in keys:
-            raw = key.encode()
-            for digest in self.digests:
-                for part in range(per_slice):
-                    hasher.reset()
-                    hasher.update(digest)
-                    hasher.update(len(raw).to_bytes(4, "little"))
-                    hasher.update(raw)
-                    hasher.update(part.to_bytes(2, "little"))
-                    out.append(hasher.digest())
-        return out
-
-    def per_page(self, found: Sequence[bool]) -> list[bool]:
-        """Per-object outcomes -> per-page: a page is there only if all its objects (every
-        part of every head slice) are."""
-        n = self.geometry.num_objects
-        if n == 1:
-            return list(found)
-        return [all(found[i : i + n]) for i in range(0, len(found), n)]
-
-
-class _Throughput:
-    """The per-call pages and GB/s that SGLang's storage metrics histogram, since last read."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lists: dict[str, list[float]] = {
-            "prefetch_pgs": [],
-            "backup_pgs": [],
-            "prefetch_bandwidth": [],
-            "backup_bandwidth": [],
-        }
-
-    def record(self, kind: str, num_pages: int, num_bytes: int, elapsed_s: float) -> None:
-        with self._lock:
-            self._lists[f"{kind}_pgs"].append(num_pages)
-            self._lists[f"{kind}_bandwidth"].append(num_bytes / max(elapsed_s, 1e-9) / 1e9)
-
-    def take(self) -> dict[str, list[float]]:
-        with self._lock:
-            taken = {name: list(values) for name, values in self._lists.items()}
-            for values in self._lists.values():
-                values.clear()
-        return taken
-
 
 class HiCacheSGLangStorage(HiCacheStorage):
     """SGLang's L3 on hicache storage. Built by SGLang's `StorageBackendFactory` as
@@ -268,9 +106,9 @@ class HiCacheSGLangStorage(HiCacheStorage):
             open_backend(self.settings.url)
         except BackendConfigError as exc:
             raise BackendConfigError(f"extra config 'url': {exc}") from None
-        self._attached: _Attached | None = None
+        self._attached: Attached | None = None
         self._attach_lock = threading.Lock()
-        self._throughput = _Throughput()
+        self._throughput = Throughput()
         self._metrics = storage_config.enable_storage_metrics
         self.num_refused_writes = 0  # set calls refused: not this rank's to write (MLA)
         self._sidecars: dict[str, SidecarPool] = {}  # extra host pools, by SGLang's pool name
@@ -310,7 +148,7 @@ class HiCacheSGLangStorage(HiCacheStorage):
         with self._attach_lock:
             previous, self._attached = (
                 self._attached,
-                _Attached(mem_pool_host, geometry, store, digests),
+                Attached(mem_pool_host, geometry, store, digests),
             )
         if previous is not None:
             previous.store.close()
@@ -422,7 +260,7 @@ class HiCacheSGLangStorage(HiCacheStorage):
             )
         return sidecar
 
-    def _pool(self) -> _Attached:
+    def _pool(self) -> Attached:
         attached = self._attached
         if attached is None and self._logical_anchor is not None:
             raise BackendConfigError(
@@ -599,13 +437,13 @@ class HiCacheSGLangStorage(HiCacheStorage):
         self.num_refused_writes += num_pages
         return False
 
-    def _flat_page(self, attached: _Attached) -> torch.Tensor:
+    def _flat_page(self, attached: Attached) -> torch.Tensor:
         buffer = attached.pool.kv_buffer
         return torch.empty(
             attached.geometry.page_bytes // buffer.element_size(), dtype=buffer.dtype
         )
 
-    def _record(self, kind: str, attached: _Attached, num_pages: int, start: float) -> None:
+    def _record(self, kind: str, attached: Attached, num_pages: int, start: float) -> None:
         if self._metrics:
             elapsed = time.perf_counter() - start
             self._throughput.record(
