@@ -11,7 +11,9 @@
     step_rows.py    SeqRows (a request's rows in a step), HeldRows: which rows are read
     norm_rope.py    RotaryTable, rms_norm, apply_rope in torch's ops
     kernel_support.py  which kernel paths (dense CUDA, deterministic) implement a model
-    attention.py    attention over paged source KV (full or windowed) and over the late window
+    attention.py    attention over paged source KV; the SDPA and flash calls the window shares
+    tile_attention.py  its batch-invariant tiles: nested on the CPU, one masked call elsewhere
+    window_attention.py  sliding-window attention over the window ring (late or windowed layers)
     rows.py         RowLayout: rows in fixed groups by position (batch invariance on the CPU)
     window.py       LateWindow: the late layers' ring of W tokens per request
     paged_attention.py  CUDA: a few queries straight over a request's pages (Triton)

@@ -29,13 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine_integration.engine.model import deterministic_attention, paged_attention
-from engine_integration.engine.model.attention import (
-    check_tile_invariance,
-    page_slots,
-    source_attention,
-    window_attention,
-    write_kv,
-)
+from engine_integration.engine.model.attention import page_slots, source_attention, write_kv
 from engine_integration.engine.model.config import ModelConfig
 from engine_integration.engine.model.graphs import RowwiseGraphs
 from engine_integration.engine.model.kernel_support import check_deterministic, dense_kernels
@@ -51,7 +45,9 @@ from engine_integration.engine.model.rows import (
 )
 from engine_integration.engine.model.rowwise import RowwiseParts
 from engine_integration.engine.model.step_rows import HeldRows, SeqRows, logits_runs
+from engine_integration.engine.model.tile_attention import check_tile_invariance
 from engine_integration.engine.model.weights import ModelWeights
+from engine_integration.engine.model.window_attention import window_attention
 from hicache.fetch_plan import COMPUTE_SAMPLES
 
 
@@ -118,7 +114,7 @@ class Model(LateLayers, RowwiseParts):
         )
         # Dense batches on CUDA replay the row-wise halves of each layer as CUDA graphs.
         # Batch invariance rests on measured properties of the CPU's gemm (rows.py) and of its
-        # attention kernel (attention.py): checked at the model's shapes, once per process.
+        # attention kernel (tile_attention.py): checked at the model's shapes, once per process.
         row_group = None
         if block_rows is not None:
             row_group = gemm_row_group(_projection_shapes(config), self.dtype, block_rows)

@@ -9,11 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_integration.engine.model import deterministic_attention
-from engine_integration.engine.model.attention import (
-    fresh_window_attention,
-    window_attention,
-    write_kv,
-)
+from engine_integration.engine.model.attention import write_kv
 from engine_integration.engine.model.norm_rope import RotaryTable
 from engine_integration.engine.model.rows import RowLayout
 from engine_integration.engine.model.rowwise import RowwiseParts
@@ -24,6 +20,10 @@ from engine_integration.engine.model.step_rows import (
     late_logits,
 )
 from engine_integration.engine.model.weights import LayerWeights, ModelWeights
+from engine_integration.engine.model.window_attention import (
+    fresh_window_attention,
+    window_attention,
+)
 
 
 class LateLayers(RowwiseParts):

@@ -320,11 +320,11 @@ def test_source_attention_calls_flash_as_sdpa_would(rows, keys):
     every layer of every step): the very result SDPA gives with a lower-right causal bias."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from engine_integration.engine.model.attention import _flash_lower_right, _flash_takes, _sdpa
+    from engine_integration.engine.model.attention import _flash_lower_right, _flash_takes, sdpa
 
     generator = torch.Generator(device="cuda").manual_seed(rows)
     q = torch.randn(rows, 32, 64, device="cuda", generator=generator).bfloat16()
     kv = torch.randn(keys, 2, 8, 64, device="cuda", generator=generator).bfloat16()
     assert _flash_takes(q, kv)
     direct = _flash_lower_right(q, kv, 0.125)
-    assert torch.equal(direct, _sdpa(q, kv, causal_lower_right(rows, keys), 0.125))
+    assert torch.equal(direct, sdpa(q, kv, causal_lower_right(rows, keys), 0.125))

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_integration.engine.model import rows as rows_module
-from engine_integration.engine.model.attention import nested_tile_attention, tiled_attention
 from engine_integration.engine.model.rows import RowLayout, tail_free
+from engine_integration.engine.model.tile_attention import nested_tile_attention, tiled_attention
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -194,21 +194,21 @@ def test_a_cpu_whose_gemm_breaks_the_premise_is_named_at_model_load(monkeypatch,
 def test_a_cpu_whose_attention_breaks_the_premise_is_named_at_model_load(monkeypatch, caplog):
     """The model also checks, at its head shapes, that the nested tile attention keeps a
     query's bits across calls of different row counts; where it does not, one warning."""
-    from engine_integration.engine.model import attention
+    from engine_integration.engine.model import tile_attention
 
-    assert attention.check_tile_invariance(4, 2, 16, 8, torch.float32)
-    real = attention._FLASH
+    assert tile_attention.check_tile_invariance(4, 2, 16, 8, torch.float32)
+    real = tile_attention._FLASH
 
     def drifting(q, k, v, **kwargs):  # a kernel whose bits depend on the row count
         out, lse = real(q, k, v, **kwargs)
         return out + (q.shape[2] % 24) * 1e-7, lse
 
-    monkeypatch.setattr(attention, "_FLASH", drifting)
-    attention._tiles_row_invariant.cache_clear()
-    with caplog.at_level("WARNING", logger="engine_integration.engine.model.attention"):
-        assert not attention.check_tile_invariance(4, 2, 16, 8, torch.float32)
+    monkeypatch.setattr(tile_attention, "_FLASH", drifting)
+    tile_attention._tiles_row_invariant.cache_clear()
+    with caplog.at_level("WARNING", logger="engine_integration.engine.model.tile_attention"):
+        assert not tile_attention.check_tile_invariance(4, 2, 16, 8, torch.float32)
     assert "only to rounding" in caplog.text
-    attention._tiles_row_invariant.cache_clear()
+    tile_attention._tiles_row_invariant.cache_clear()
 
 
 def test_a_cpu_whose_gemm_needs_larger_row_groups_gets_them(monkeypatch):

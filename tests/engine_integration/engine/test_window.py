@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_integration.engine.model.attention import window_attention
 from engine_integration.engine.model.window import LateWindow
+from engine_integration.engine.model.window_attention import window_attention
 
 WIDTH, HEADS, KV_HEADS, DIM = 8, 4, 2, 16
 
