@@ -112,6 +112,13 @@ class ServerConfig:
         _check(0 <= self.port < 65536, f"--port must be in [0, 65535], got {self.port}")
         _check(self.capacity_bytes > 0, f"--capacity must be > 0, got {self.capacity_bytes}")
         self._check_namespaces()
+        self._check_spill()
+        self._check_access()
+        self._check_limits()
+        self._check_events()
+
+    def _check_spill(self) -> None:
+        """--spill-*: one place to spill to, and what it takes."""
         if self.spill_dir is not None:
             _check(os.path.isabs(self.spill_dir), f"--spill-dir must be absolute: {self.spill_dir}")
             _check(
@@ -142,6 +149,9 @@ class ServerConfig:
             self.spill_mode == "evict" or self.spill_dir is not None or self.spill_url is not None,
             "--spill-mode write-through needs --spill-dir or --spill-url",
         )
+
+    def _check_access(self) -> None:
+        """TLS, the token files, the tenants, and who can reach the host."""
         _check(
             (self.tls_cert_file is None) == (self.tls_key_file is None),
             "--tls-cert and --tls-key go together",
@@ -159,6 +169,9 @@ class ServerConfig:
             f"--host {self.host} is reachable from other machines: give --tenants-file or "
             "--auth-token-file (or --insecure-any-host to serve anyone who can connect)",
         )
+
+    def _check_limits(self) -> None:
+        """Message, batch and object sizes, streams and memory, and the waits."""
         _check(
             MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES,
             f"--max-message-bytes must be in [{MIN_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}], "
@@ -187,6 +200,9 @@ class ServerConfig:
                 (0 < value if low == "(" else 0 <= value) and value <= MAX_WAIT_S,
                 f"{flag} must be in {low}0, {MAX_WAIT_S:g}] seconds, got {value}",
             )
+
+    def _check_events(self) -> None:
+        """--events-*: ZMQ addresses, and a replay socket only beside a publisher."""
         for flag, endpoint in (
             ("--events-endpoint", self.events_endpoint),
             ("--events-replay-endpoint", self.events_replay_endpoint),
