@@ -56,6 +56,8 @@ _UNSUPPORTED = {
     "response_format": lambda v: v is not None,
 }
 _PENALTIES = ("presence_penalty", "frequency_penalty")
+_TAKEN = _SERVED | _IGNORED | _UNSUPPORTED.keys() | set(_PENALTIES)
+_FIELDS = {COMPLETIONS: _TAKEN | {"prompt"}, CHAT: _TAKEN | {"messages"}}
 
 
 MAX_BODY_BYTES = 1 << 20  # a request body; a longer prompt is sent as token ids or not at all
@@ -155,10 +157,10 @@ def check_fields(path: str, body: Any) -> tuple[Sampling, bool]:
     Raises BadRequest naming what is wrong."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
-    known = _SERVED | _IGNORED | _UNSUPPORTED.keys() | set(_PENALTIES)
-    known.add("prompt" if path == COMPLETIONS else "messages")
+    if path not in _FIELDS:
+        raise BadRequest(f"unknown endpoint {path}")
     for name in body:
-        if name not in known:
+        if name not in _FIELDS[path]:
             raise BadRequest(f"{_shown(name)} is not supported by hicache engine serve")
     for name, refused in _UNSUPPORTED.items():
         if name in body and refused(body[name]):
@@ -168,10 +170,8 @@ def check_fields(path: str, body: Any) -> tuple[Sampling, bool]:
             raise BadRequest(f"'{name}' is not supported by hicache engine serve")
     if path == COMPLETIONS:
         _completion_prompt(body.get("prompt"))
-    elif path == CHAT:
-        _chat_messages(body.get("messages"))
     else:
-        raise BadRequest(f"unknown endpoint {path}")
+        _chat_messages(body.get("messages"))
     default_max = 16
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
     sampling = Sampling(
