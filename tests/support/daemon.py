@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"^hicache serve: listening on \S+:(\d+)")  # (not a library's log line)
+_CHECK_S = 2.0  # one health check's deadline in `wait_serving`
 
 
 class DaemonProcess:
@@ -100,19 +101,36 @@ class DaemonProcess:
         return "".join(self.output)
 
     def wait_serving(self, timeout_s: float = 20.0) -> None:
-        target = self.address
+        """Until the health service answers SERVING, asking on a fresh connection at most
+        every `_CHECK_S`: a connection the test process made to this port before (to a
+        daemon since stopped) carries nothing over, such as gRPC's reconnect backoff. Past
+        `timeout_s`, or if the daemon exits, a RuntimeError with its log."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                status = self._check(min(_CHECK_S, max(left, 0.1)))
+            except grpc.RpcError as error:
+                status = error.code()
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            if not self.alive() or left <= 0:
+                raise RuntimeError(
+                    f"daemon on {self.address} is not serving after {timeout_s}s "
+                    f"(last answer: {status}); its log:\n{self.log[-4000:]}"
+                )
+
+    def _check(self, timeout_s: float):
+        options = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own
         channel = (
-            grpc.secure_channel(target, self.credentials)
+            grpc.secure_channel(self.address, self.credentials, options=options)
             if self.credentials is not None
-            else grpc.insecure_channel(target)
+            else grpc.insecure_channel(self.address, options=options)
         )
         with channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True
-            )
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            raise RuntimeError(f"daemon on {target} is {reply.status}")
+            request = health_pb2.HealthCheckRequest()
+            return stub.Check(request, timeout=timeout_s, wait_for_ready=True).status
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
