@@ -410,7 +410,13 @@ def raw_mooncake_ops(
     from storage_backends.workers import WorkerPool
 
     client = MooncakeDistributedStore()
-    if client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
+    pool = WorkerPool(1, thread_name_prefix="raw-mooncake") if threaded else None
+    args = ("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address)
+    if pool is None:
+        code = client.setup(*args)
+    else:  # set up on the thread that calls it, as the backend's client is
+        code = pool.submit(client.setup, *args).result()
+    if code != 0:
         raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
     size = work.page_bytes + extra_bytes
     if extra_bytes:
@@ -427,7 +433,6 @@ def raw_mooncake_ops(
     targets = [target.ctypes.data + i * size for i in range(len(work.pages))]
     sizes = [size] * len(work.pages)
     prefix = f"raw{extra_bytes}{'t' if threaded else ''}:"
-    pool = WorkerPool(1, thread_name_prefix="raw-mooncake") if threaded else None
 
     def names(keys: list[bytes]) -> list[str]:
         return [prefix + key.hex() for key in keys]
