@@ -23,6 +23,15 @@ import threading
 ENTRY_POINT_GROUP = "hicache.commands"
 
 
+def say(line: str) -> None:
+    """`line` on stdout in one write, flushed. print() writes the text and its newline apart,
+    which unbuffered (PYTHONUNBUFFERED, `python -u`) reach the file one by one: a log line
+    written to stderr between them, where both go to one pipe, lands inside the line (a
+    port read off "listening on HOST:PORT" took the log line's date as more digits)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def subcommands() -> dict[str, str]:
     """name -> module of every registered subcommand, in name order. A subcommand module
     exposes `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`."""

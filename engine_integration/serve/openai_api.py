@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from engine_integration.serve.workload import render_chat
+from hicache.cli import say
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -367,9 +368,9 @@ async def serve_until_stopped(app, sock: socket.socket, command: str, banner, cl
     for signum in (signal.SIGTERM, signal.SIGINT):  # before the banner: a stop after it is clean
         loop.add_signal_handler(signum, stop.set)
     await web.SockSite(runner, sock, shutdown_timeout=SHUTDOWN_GRACE_S).start()
-    print(banner(sock.getsockname()[1]), flush=True)
+    say(banner(sock.getsockname()[1]))
     await stop.wait()
     await runner.cleanup()
     await close()
-    print(f"{command}: stopped", flush=True)
+    say(f"{command}: stopped")
     return 0

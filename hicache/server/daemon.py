@@ -31,6 +31,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from hicache.cli import say
 from storage_backends.allocator import tune_for_large_messages
 from storage_backends.errors import StorageError
 from storage_backends.protocol import SERVICE
@@ -192,9 +193,9 @@ async def serve(config: ServerConfig) -> int:
     _on_signals(asyncio.get_running_loop(), stop, _shutdown_bound_s(config))
     where = f"{config.host}:{port}" + (" (TLS)" if config.tls_cert_file else "")
     metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
-    print(f"hicache serve: listening on {where}{metrics}", flush=True)
+    say(f"hicache serve: listening on {where}{metrics}")
     shares = f" ({config.calls_per_tenant} per tenant)" if config.num_tenants > 1 else ""
-    print(f"hicache serve: {config.budget.describe()}{shares}", flush=True)
+    say(f"hicache serve: {config.budget.describe()}{shares}")
     await stop.wait()
     logger.info("shutting down: finishing calls in flight, then flushing the spill")
     spilled = await server.stop()
@@ -207,7 +208,7 @@ async def serve(config: ServerConfig) -> int:
     message = f"hicache serve: stopped ({spilled} pages written to the spill)"
     if not server.closed_cleanly:  # nothing lost; threads stuck in the spill stay stuck
         _exit_now(0, message + "; spill threads still hung at exit")
-    print(message, flush=True)
+    say(message)
     return 0
 
 

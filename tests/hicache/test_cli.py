@@ -88,3 +88,26 @@ def test_engine_serve_refuses_what_it_cannot_run_before_loading(capsys, argv, me
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hicache engine serve: error: "), err
     assert message in err[0]
+
+
+def test_say_writes_a_line_in_one_write(monkeypatch):
+    """A line the test harnesses read a port off ("listening on HOST:PORT") reaches stdout in
+    one write: with print() under PYTHONUNBUFFERED the newline came in a write of its own, and
+    a log line on stderr (the same pipe) landed between them, making the port 448492026."""
+    import io
+
+    from hicache.cli import say
+
+    writes = []
+
+    class Unbuffered(io.TextIOBase):  # what print() meets under PYTHONUNBUFFERED
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stdout", Unbuffered())
+    print("hicache serve: listening on 127.0.0.1:44849", flush=True)
+    assert len(writes) == 2  # (the fault: two writes, with room for a log line between)
+    writes.clear()
+    say("hicache serve: listening on 127.0.0.1:44849")
+    assert writes == ["hicache serve: listening on 127.0.0.1:44849\n"]
