@@ -8,7 +8,6 @@ Waits are bounded polls on what the store reports, never sleeps for time.
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -65,8 +64,6 @@ def own_store(tmp_path: Path) -> Iterator[tuple[MooncakeMaster, Callable[..., Mo
 
     yield master, start_holder
     for holder in holders:
-        if holder.proc is not None and holder.proc.poll() is None:
-            holder.proc.send_signal(signal.SIGCONT)  # (a paused one must hear the TERM)
         holder.stop()
     master.stop()
 
@@ -365,15 +362,12 @@ def test_a_hung_holder_costs_one_timeout_and_no_late_write(own_store, pages):
             assert await writer.batch_put(keys, data) == [True] * 4
         async with open_backend(url + "&timeout=1s", layout=pages.LAYOUT) as store:
             await store.connect()  # (set up before the pause: only the read is timed)
-            holder.proc.send_signal(signal.SIGSTOP)
-            try:
+            with holder.paused():
                 pool, views = pages.pool_views(4, PAGE_BYTES)
                 started = time.monotonic()
                 assert await store.batch_get(keys, views) == [False] * 4
                 assert time.monotonic() - started < 30  # the deadline, with room for load
                 assert store.stats().num_timeouts == 1
-            finally:
-                holder.proc.send_signal(signal.SIGCONT)
             arena = store._arena
             await wait_until_async(
                 lambda: asyncio.sleep(0, arena.num_taken() == 0), "the late transfer ending"
@@ -504,8 +498,7 @@ def test_a_transfer_past_its_deadline_keeps_its_lent_pages_quarantined(own_store
             pool, views = pages.pool_views(4, PAGE_BYTES)
             assert store.lend(pool) is True
             assert await store.batch_exists(keys) == 4  # (set up before the pause)
-            holder.proc.send_signal(signal.SIGSTOP)
-            try:
+            with holder.paused():
                 assert await store.batch_get(keys, views) == [False] * 4
                 assert store.stats().num_timeouts == 1
                 free = [not q for q in store.quarantined(views)]
@@ -513,8 +506,6 @@ def test_a_transfer_past_its_deadline_keeps_its_lent_pages_quarantined(own_store
                 again = await store.batch_get(keys, views)  # the caller breaking the rule
                 assert again == [False] * 4
                 assert store.stats().num_errors == 4
-            finally:
-                holder.proc.send_signal(signal.SIGCONT)
             await wait_until_async(
                 lambda: asyncio.sleep(0, store._pool.num_pending() == 0), "the transfer ending"
             )
@@ -546,13 +537,10 @@ def test_a_put_past_its_deadline_keeps_its_lent_pages_quarantined(own_store, pag
             views = [memoryview(pool)[i * PAGE_BYTES : (i + 1) * PAGE_BYTES] for i in range(4)]
             assert store.lend(pool) is True
             assert await store.batch_exists(keys) == 0  # (set up before the pause)
-            holder.proc.send_signal(signal.SIGSTOP)
-            try:
+            with holder.paused():
                 assert await store.batch_put(keys, views) == [False] * 4
                 assert store.stats().num_timeouts == 1
                 assert store.quarantined(views) == [True] * 4
-            finally:
-                holder.proc.send_signal(signal.SIGCONT)
             await wait_until_async(
                 lambda: asyncio.sleep(0, store._pool.num_pending() == 0), "the transfer ending"
             )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -203,13 +202,10 @@ def test_a_slow_server_costs_one_timeout_not_a_hang(start_redis, pages):
     async def body():
         async with open_backend(url, layout=pages.LAYOUT) as store:
             await store.batch_put([key], [bytes(PAGE_BYTES)])
-            server.proc.send_signal(signal.SIGSTOP)  # it never answers until it goes on
             _, views = pages.pool_views(1, PAGE_BYTES)
-            try:
+            with server.paused():  # it never answers until it goes on
                 # a stopped server answers nothing: a miss here is the call's own timeout
                 got = await asyncio.wait_for(store.batch_get([key], views), WITHIN_S)
-            finally:
-                server.proc.send_signal(signal.SIGCONT)
             assert got == [False]
             assert store.stats().num_timeouts == 1
             assert await store.batch_get([key], views) == [True]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,13 +65,54 @@ class ServerProcess:
             self.proc.wait()
 
     def stop(self) -> None:
-        """SIGTERM, and SIGKILL if it is not gone within 10 s."""
+        """SIGTERM, and SIGKILL if it is not gone within 10 s (a paused one is continued
+        first, to hear the TERM)."""
         if self.proc is not None and self.proc.poll() is None:
+            self.resume()
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hung for the block (`pause`), as a server that keeps its connections and answers
+        nothing; continued after it, however the block ends."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP, returning once every thread of the process is stopped. `kill` returns as
+        soon as the signal is queued, and until the thread picked to take it gets a core the
+        others run on: a paused Mooncake holder served a read in that window."""
+        assert self.proc is not None and self.proc.poll() is None, "nothing to pause"
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not all_threads_stopped(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"process {self.proc.pid} did not stop within {timeout_s} s")
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        """SIGCONT (a paused process must go on to hear a TERM); nothing if it is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of `pid` is in the stopped state (Linux: /proc/PID/task)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        states.append(stat[stat.rindex(")") + 2])  # the field after the (name)
+    return bool(states) and all(state in "Tt" for state in states)
 
 
 class RedisProcess(ServerProcess):

@@ -5,7 +5,6 @@ order), over KV tensors vLLM's own allocator lays out."""
 from __future__ import annotations
 
 import json
-import signal
 from types import SimpleNamespace
 
 import pytest
@@ -194,7 +193,7 @@ def test_l3_down_gives_no_external_hit_within_the_timeout(vllm_engines, tmp_path
         compute_a(first, prompt)
         first.shutdown()
         second = vllm_engines({"page_size": 16, "l3_url": url})
-        server.proc.send_signal(signal.SIGSTOP)  # up, but answering nothing
+        server.pause()  # up, but answering nothing
         request = second.request("b", prompt)
         # (a stopped server answers nothing: only the lookup's own timeout ends the call)
         assert second.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -202,7 +201,6 @@ def test_l3_down_gives_no_external_hit_within_the_timeout(vllm_engines, tmp_path
         other = second.request("c", random_prompt(10, 70, vocab=1000))
         assert second.scheduler.get_num_new_matched_tokens(other, 0) == (0, False)
     finally:
-        server.proc.send_signal(signal.SIGCONT)
         server.stop()
 
 
