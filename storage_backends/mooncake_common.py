@@ -2,8 +2,9 @@
 here, the fault that fails a call as a whole, the rounds a batch moves through the staging
 arena in, and how many threads frame or check a round's pages.
 
-The backend (mooncake_store.py) stages pages through its arena; its straight path
-(mooncake_direct.py) moves a lent pool's pages with only their headers in the arena.
+The backend (mooncake_store.py) stages pages through its arena (mooncake_staged.py); its
+straight path (mooncake_direct.py) moves a lent pool's pages with only their headers in the
+arena.
 """
 
 from __future__ import annotations

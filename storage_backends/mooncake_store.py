@@ -24,7 +24,8 @@ Pages move through registered memory, never through Python `bytes`, in one of tw
   framed); on the way in the C check verifies each object in the arena and copies it into
   the caller's buffer in the same pass (`verify.decode_objects_into`), under the call's
   `CopyGuard`: a transfer still running when its call timed out writes only the arena
-  (whose region is lent again only once the transfer is over), never the caller's pages.
+  (whose region is lent again only once the transfer is over), never the caller's pages:
+  mooncake_staged.py, which also holds the objects API (whole objects, moved the same way).
 
 Backends of one process on one store share one Mooncake client (`SharedClients`: it costs
 about twenty threads and its own ports, and lends its segment once), each with its own
@@ -50,46 +51,30 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from .base import Fetched, PageStatus, ReadInto, StorageBackend
+from .base import PageStatus, ReadInto, StorageBackend
 from .errors import BackendConfigError
 from .guard import CopyGuard
 from .lent import LentRegions
 from .mooncake_common import (
     EXISTS,
     NO_ROOM,
-    NOT_FOUND,
     NOT_READY,
-    RPC_FAIL,
-    TOO_SMALL,
     MooncakeFault,
     Round,
-    num_threads,
     raise_if_all_failed,
     slot_sizes,
 )
 from .mooncake_direct import AGAIN, DirectPath
 from .mooncake_options import MooncakeOptions, options_from_url
-from .objects import (
-    MAC_BYTES,
-    MAX_PAYLOAD_BYTES,
-    Compression,
-    CorruptReason,
-    FramedObject,
-    frame_objects,
-    frame_objects_into,
-    header_size,
-)
+from .mooncake_staged import StagedPath
+from .objects import Compression, header_size
 from .options import redact_url
 from .shared_clients import SharedClients
 from .staging import StagingArena
-from .verify import decode_objects_into
 from .workers import WorkerPool
 
 logger = logging.getLogger(__name__)
 
-_SLACK_BYTES = MAC_BYTES + 64  # room past the expected object: a signed or longer one still fits
 _INSTALL = (
     "mooncake:// needs the Mooncake client: pip install mooncake-transfer-engine-non-cuda "
     "(mooncake-transfer-engine with CUDA) and apt-get install libibverbs1 libnuma1"
@@ -105,7 +90,7 @@ def _import_client() -> Any:
     return store
 
 
-class MooncakeBackend(DirectPath, StorageBackend):
+class MooncakeBackend(DirectPath, StagedPath, StorageBackend):
     scheme = "mooncake"
     transient_errors = (MooncakeFault, OSError)
     put_keeps_existing = True
@@ -315,93 +300,6 @@ class MooncakeBackend(DirectPath, StorageBackend):
             guard.close()
         return self._count_stores("batch_put", statuses, sizes)
 
-    def _put_pages(
-        self,
-        one: Round,
-        start: int,
-        keys: list[bytes],
-        views: list[memoryview],
-        head: int,
-        guard: CopyGuard,
-    ) -> list[PageStatus]:
-        """One staged round of `batch_put` (a worker thread): the pages copied into the
-        arena, framed there, and put. Plain pages (no lz4, no MAC) are copied and framed in
-        one pass (`frame_objects_into`); the others are copied, then framed as the codec and
-        the MAC need."""
-        pages = [views[i] for i in one.items]
-        with guard.writing() as allowed:  # (reading the caller's pages, here)
-            if not allowed:
-                return [PageStatus.ERROR] * len(keys)  # the call is over: nothing is sent
-            if self._compression is Compression.NONE and self._mac_key is None:
-                region = self._arena.view[start : start + one.nbytes]
-                threads = num_threads(sum(map(len, pages)))
-                frame_objects_into(keys, self.layout, pages, region, one.offsets, threads=threads)
-                payloads = None
-            else:
-                payloads = self._copy_in(one, start, pages, head)
-        if payloads is None:
-            sizes = [head + len(page) for page in pages]
-        else:
-            sizes = self._frame_in_arena(one, start, keys, payloads, head)
-        return self._put_from(keys, self._addresses(one, start), sizes)
-
-    def _copy_in(
-        self, one: Round, start: int, pages: list[memoryview], head: int
-    ) -> list[memoryview]:
-        """Each page copied to its slot of the round's region, past its header's room."""
-        arena, payloads = self._arena, []
-        for page, offset in zip(pages, one.offsets, strict=True):
-            at = start + offset + head
-            np.copyto(arena.array[at : at + len(page)], np.frombuffer(page, np.uint8))
-            payloads.append(arena.view[at : at + len(page)])
-        return payloads
-
-    def _frame_in_arena(
-        self, one: Round, start: int, keys: list[bytes], payloads: list[memoryview], head: int
-    ) -> list[int]:
-        """Frame pages copied into the arena (lz4, a MAC) and write each header (and an lz4
-        block kept) in front of its slot; each object's size."""
-        framed = frame_objects(
-            keys,
-            self.layout,
-            payloads,
-            self._compression,
-            threads=num_threads(sum(map(len, payloads))),
-            mac_key=self._mac_key,
-        )
-        sizes, view = [], self._arena.view
-        for obj, payload, offset in zip(framed, payloads, one.offsets, strict=True):
-            at = start + offset
-            view[at : at + head] = obj.header
-            if obj.payload is not payload:  # lz4 kept: the smaller block replaces the page
-                view[at + head : at + head + len(obj.payload)] = obj.payload
-            sizes.append(head + len(obj.payload))
-        return sizes
-
-    async def _store(self, keys: list[bytes], objects: list[FramedObject]) -> list[PageStatus]:
-        """The objects API's put: already-framed objects of any layout, copied in and put."""
-
-        def work(one: Round, start: int) -> list[PageStatus]:
-            arena, sizes = self._arena, []
-            for i, offset in zip(one.items, one.offsets, strict=True):
-                at, obj = start + offset, objects[i]
-                arena.view[at : at + len(obj.header)] = obj.header
-                arena.view[at + len(obj.header) : at + obj.nbytes] = obj.payload
-                sizes.append(obj.nbytes)
-            return self._put_from([keys[i] for i in one.items], self._addresses(one, start), sizes)
-
-        return await self._rounds(
-            slot_sizes([obj.nbytes for obj in objects]), work, PageStatus.REJECTED
-        )
-
-    def _put_from(
-        self, keys: list[bytes], addresses: list[int], sizes: list[int]
-    ) -> list[PageStatus]:
-        """Put objects from the arena; one the store holds already is kept (its key is in
-        the store: stored)."""
-        codes = self._client.batch_put_from(self._names(keys), addresses, sizes, self._config)
-        return self._statuses(codes, "batch_put_from")
-
     def _statuses(self, codes: list[int], op: str) -> list[PageStatus]:
         if codes.count(0) == len(codes):  # the common case: every page put
             return [PageStatus.STORED] * len(codes)
@@ -434,107 +332,6 @@ class MooncakeBackend(DirectPath, StorageBackend):
             for i, outcome in zip(again, staged, strict=True):
                 outcomes[i] = outcome
         return outcomes
-
-    async def _fetch_staged(
-        self, keys: list[bytes], views: list[memoryview], guard: CopyGuard
-    ) -> list[ReadInto]:
-        """Read each round into the arena, then check and copy it into the caller's buffers
-        (while the call runs: `guard`)."""
-        head = header_size(self.layout)
-        slots = slot_sizes([head + len(view) + _SLACK_BYTES for view in views])
-
-        def work(one: Round, start: int) -> list[ReadInto]:
-            names = self._names([keys[i] for i in one.items])
-            codes = self._client.batch_get_into(names, self._addresses(one, start), one.slots)
-            fetched = self._in_arena(codes, one, start, "batch_get_into")
-            found = [j for j, item in enumerate(fetched) if isinstance(item, memoryview)]
-            objs = [fetched[j] for j in found]
-            with guard.writing() as allowed:
-                if not allowed:
-                    return [None] * len(names)  # the call is over: nothing is written
-                reasons = decode_objects_into(
-                    objs,
-                    [keys[one.items[j]] for j in found],
-                    self._layout_bytes,
-                    [views[one.items[j]] for j in found],
-                    threads=num_threads(sum(map(len, objs))),
-                    mac_key=self._mac_key,
-                )
-            if len(objs) == len(fetched) and reasons.count(None) == len(reasons):
-                return [True] * len(reasons)  # the common case: every page read and checked
-            outcomes: list[ReadInto] = list(fetched)
-            for j, reason in zip(found, reasons, strict=True):
-                outcomes[j] = True if reason is None else reason
-            return outcomes
-
-        return await self._rounds(slots, work, CorruptReason.LENGTH)
-
-    async def _fetch(self, keys: list[bytes], sizes: list[int] | None) -> list[Fetched]:
-        """The objects API's get: sizes from the master (one query for the batch), then a
-        read into the arena and a copy out (the caller keeps the bytes)."""
-        names = self._names(keys)
-        lengths = await self._in_pool(lambda: self._object_sizes(names))
-        fetched: list[Fetched] = [None] * len(keys)
-        present = [i for i, n in enumerate(lengths) if n >= 0]
-        for i in present:  # a length from outside: bounded before anything is sized by it
-            if lengths[i] > MAX_PAYLOAD_BYTES + (1 << 17):
-                fetched[i] = CorruptReason.LENGTH
-
-        wanted = [i for i in present if fetched[i] is None]
-
-        def work(one: Round, start: int) -> list[Fetched]:
-            batch = [names[wanted[j]] for j in one.items]
-            codes = self._client.batch_get_into(batch, self._addresses(one, start), one.slots)
-            got = self._in_arena(codes, one, start, "batch_get_into")
-            return [bytes(item) if isinstance(item, memoryview) else item for item in got]
-
-        got = await self._rounds(
-            slot_sizes([lengths[i] for i in wanted]), work, CorruptReason.LENGTH
-        )
-        for i, item in zip(wanted, got, strict=True):
-            fetched[i] = item
-        return fetched
-
-    def _object_sizes(self, names: list[str]) -> list[int]:
-        """Each object's size in bytes, or a negative code (absent: `NOT_FOUND`), from one
-        query of the master for the batch (a worker thread). A key described by no complete
-        memory replica (on disk only, or still being written) is asked for alone; a batch
-        the master describes none of is told apart from an unreachable master by one key."""
-        described = self._client.batch_get_replica_desc(names)
-        lengths = []
-        for name in names:
-            replicas = described.get(name, ())
-            length = NOT_FOUND
-            for replica in replicas:
-                if replica.is_memory_replica() and replica.status == self._complete:
-                    length = replica.get_memory_descriptor().buffer_descriptor.size
-                    break
-            else:
-                if replicas:
-                    length = self._client.get_size(name)
-            lengths.append(length)
-        if names and not described:
-            raise_if_all_failed([self._client.get_size(names[0])], "batch_get_replica_desc")
-        return lengths
-
-    def _in_arena(self, codes: list[int], one: Round, start: int, op: str) -> list[Any]:
-        """What a read into the arena found, per page: its object (a view of the arena),
-        None (absent or vanished), LENGTH (larger than its buffer) or an error."""
-        raise_if_all_failed(codes, op)
-        found: list[Any] = []
-        arena = self._arena.view
-        for code, offset, slot in zip(codes, one.offsets, one.slots, strict=True):
-            at = start + offset
-            if 0 <= code <= slot:
-                found.append(arena[at : at + code])
-            elif code == TOO_SMALL:
-                found.append(CorruptReason.LENGTH)
-            elif code == RPC_FAIL:
-                self._note_page_error(f"{op}: the master did not answer")
-                found.append(PageStatus.ERROR)
-            else:  # absent, evicted, or its segment gone: a miss
-                found.append(None)
-        return found
 
 
 # -- helpers ---------------------------------------------------------------------------------
