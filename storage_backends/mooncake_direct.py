@@ -55,6 +55,7 @@ class DirectPath:
     `_addresses`, `_statuses`, `_note_page_error`)."""
 
     _client: Any
+    _config: Any  # the client's ReplicateConfig
     _arena: StagingArena | None
     _pool: WorkerPool | None
     _lent: LentRegions
