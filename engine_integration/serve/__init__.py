@@ -6,6 +6,7 @@
     openai_api.py   the OpenAI request and response shapes, validated at the edge
     router.py       `hicache route`: sends each request where its prefix is cached
     route_index.py  what the router knows of each replica's cache, from its KV events
+    route_replicas.py  the router's replicas: connected, probed, marked dead
     route_cli.py    the `hicache route` command line
     workload.py     the demo's multi-turn chat: real questions, token-exact histories
     demo.py         the `hicache demo` command line (torch-free)
