@@ -26,7 +26,7 @@ a timeout, a 5xx answer to a request that passed the edge. A replica's 4xx (a pr
 long for it) is the request's fault and is passed on to the client. A replica taken out has
 its index forgotten, and the request is sent to the next choice (a stream that has already
 sent tokens to the client cannot be moved: it ends with an error event). A probe brings a
-replica back once it answers `/health` again. What the router keeps of each replica, and
+replica back once it answers `/hicache/info` again. What the router keeps of each replica, and
 how it connects, probes and drops one, is in route_replicas.py.
 """
 
