@@ -42,29 +42,31 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import ClassVar, TypeVar
 
+from .buffers import (
+    Buffer,
+    PageBuffers,
+    PageView,
+    check_keys,
+    check_same_length,
+    joined_page,
+    page_nbytes,
+    page_views,
+    scatter_page,
+    writable_views,
+)
 from .connection import FAULT, Connection, Fault
 from .guard import CopyGuard
 from .objects import (
-    Buffer,
     Compression,
     CorruptReason,
     FramedObject,
     MacKey,
     ObjectParts,
-    PageBuffers,
-    PageView,
-    check_keys,
-    check_same_length,
     frame_objects,
     join_parts,
-    joined_page,
     layout_bytes,
     load_secret,
-    page_nbytes,
-    page_views,
-    scatter_page,
     split_object,
-    writable_views,
 )
 from .options import BackendOptions
 from .stats import BackendStats, Usage

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from .objects import KEY_BYTES
+from .buffers import KEY_BYTES
 
 _HEX = frozenset("0123456789abcdef")
 # A temporary file this old is a dead writer's (a pack is written and linked in within a

@@ -26,7 +26,8 @@ import os
 import struct
 from collections.abc import Sequence
 
-from .objects import KEY_BYTES, CorruptReason
+from .buffers import KEY_BYTES
+from .objects import CorruptReason
 
 PACK_MAGIC = b"HCPK"
 PACK_VERSION = 1

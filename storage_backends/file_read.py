@@ -40,11 +40,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from .base import CPUS, Fetched, PageStatus, ReadInto
+from .buffers import PageView, page_nbytes, page_pieces
 from .file_pack import PackTable, read_table
 from .file_space import DirectorySpace, page_path
 from .guard import CopyGuard
 from .native import pageio
-from .objects import MAC_BYTES, CorruptReason, PageView, page_nbytes, page_pieces, parse_header
+from .objects import MAC_BYTES, CorruptReason, parse_header
 from .verify import check_object, decode_object_into, mac_matches, reason_of
 from .workers import WorkerPool, share
 

@@ -39,13 +39,14 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from .base import CPUS, Fetched, PageStatus, ReadInto, StorageBackend
+from .buffers import PageView
 from .errors import BackendConfigError
 from .file_read import BatchRead, PackReader
 from .file_space import DirectorySpace, page_path
 from .file_write import BatchWrite, PackWriter
 from .guard import CopyGuard
 from .native import require_pageio
-from .objects import FramedObject, PageView, header_size
+from .objects import FramedObject, header_size
 from .options import BackendOptions, check_range, options_from_query, url_option
 from .stats import Usage
 from .workers import WorkerPool

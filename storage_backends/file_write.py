@@ -32,20 +32,11 @@ import os
 from collections.abc import Callable, Sequence
 
 from .base import CPUS, PageStatus
+from .buffers import PageView, joined_page, page_nbytes
 from .file_pack import pack_table
 from .file_space import DirectorySpace, StagedPack, page_path, temp_path
 from .native import pageio
-from .objects import (
-    Compression,
-    FramedObject,
-    MacKey,
-    PageView,
-    frame_objects,
-    joined_page,
-    layout_bytes,
-    page_nbytes,
-    plain_template,
-)
+from .objects import Compression, FramedObject, MacKey, frame_objects, layout_bytes, plain_template
 from .workers import WorkerPool
 
 _PARALLEL_BYTES = 1 << 20  # batches of several times this are cut into packs written in parallel

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from .objects import Buffer, byte_view
+from .buffers import Buffer, byte_view
 
 Span = tuple[int, int]  # [start, end) addresses
 

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .base import CPUS, PageStatus
+from .buffers import Buffer, byte_view
 from .guard import CopyGuard
 from .lent import LentRegions, address_of
 from .mooncake_common import (
@@ -34,7 +35,7 @@ from .mooncake_common import (
     raise_if_all_failed,
     slot_sizes,
 )
-from .objects import Buffer, Compression, CorruptReason, byte_view, frame_objects, header_size
+from .objects import Compression, CorruptReason, frame_objects, header_size
 from .staging import StagingArena
 from .verify import check_object
 from .workers import WorkerPool, overlapped, share

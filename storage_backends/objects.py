@@ -32,7 +32,7 @@ not checked), and so does the daemon, which stores clients' objects as opaque by
 The checksum is the xxHash library's XXH3-64, and it and the check of a stored object
 (header, lengths, checksum) are `native.checks`: the C extension's where it is built, else
 `portable`'s, which answer the same. This module holds the format and frames objects;
-`verify` checks and decodes them.
+`verify` checks and decodes them; `buffers` checks the caller's keys and pages.
 
 This module knows bytes and buffers only: not what a layout means, not where objects live.
 An object may arrive as one buffer or as several parts whose concatenation is the object
@@ -49,6 +49,7 @@ import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from .buffers import KEY_BYTES, Buffer, byte_view, check_key
 from .errors import BackendConfigError
 from .native import checks
 
@@ -56,7 +57,6 @@ MAGIC = b"HCKV"
 FORMAT_VERSION = 1
 SIGNED_VERSION = 2  # a MAC follows the layout descriptor
 MAC_BYTES = 32
-KEY_BYTES = 16
 HEADER_FIXED_BYTES = 56
 MAX_LAYOUT_BYTES = 0xFFFF
 MAX_PAYLOAD_BYTES = 1 << 30  # a payload larger than this is not a page: refused unread
@@ -68,14 +68,7 @@ _CHECKSUM = struct.Struct("<Q")
 _PLAIN = struct.Struct("<4sHBBH6x16sQQ")  # the fixed header up to the checksum
 assert FIXED_HEADER.size == HEADER_FIXED_BYTES
 
-Buffer = bytes | bytearray | memoryview
 ObjectParts = Buffer | Sequence[Buffer]
-# A page as a caller of batch_get / batch_put holds it: one buffer, or a list (or tuple) of
-# buffers whose concatenation is the page, its pieces (an engine's page scattered over its
-# pool, one piece per layer): read into and written from where they lie.
-PageBuffers = Buffer | Sequence[Buffer]
-PageView = memoryview | list[memoryview]  # the same, as flat byte views
-MAX_PIECES = 1023  # pieces of one page at most (with its header: one preadv / writev)
 MacKey = bytes  # a tenant's MAC key (`mac_key_from_secret`); None where there is no secret
 _MAC_LABEL = b"hicache page object v2\0"  # these MACs are of pages, and of nothing else
 
@@ -140,28 +133,7 @@ class FramedObject(NamedTuple):
         return len(self.header) + len(self.payload)
 
 
-# -- buffers and arguments -------------------------------------------------------------------
-
-
-def byte_view(buf: Buffer, *, writable: bool = False, what: str = "buffer") -> memoryview:
-    """A flat unsigned-byte view of `buf` (any C-contiguous buffer: bytes, array, numpy...)."""
-    if type(buf) is bytes and not writable:
-        return memoryview(buf)  # the common case, on every read: skip the checks
-    view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    if writable and view.readonly:
-        raise ValueError(f"{what} must be writable (got a read-only {type(buf).__name__})")
-    if not view.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous")
-    if view.format == "B" and view.ndim == 1:
-        return view
-    return view.cast("B")
-
-
-def check_key(key: bytes, *, what: str = "page key") -> bytes:
-    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-        got = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray)) else type(key).__name__
-        raise ValueError(f"{what} must be {KEY_BYTES} bytes, got {got}")
-    return key
+# -- layouts and MAC keys --------------------------------------------------------------------
 
 
 def layout_bytes(layout: str) -> bytes:
@@ -177,101 +149,6 @@ def header_size(layout: str, *, signed: bool = False) -> int:
     """Bytes of the header an object of this layout carries in front of its payload (with a
     MAC: `signed`)."""
     return HEADER_FIXED_BYTES + len(layout_bytes(layout)) + (MAC_BYTES if signed else 0)
-
-
-def check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    """A batch's keys as a list, each 16 bytes (a bad one is named by its position)."""
-    keys = list(keys)
-    if all(type(key) is bytes and len(key) == KEY_BYTES for key in keys):
-        return keys  # the common case, without building a message per key
-    for i, key in enumerate(keys):
-        check_key(key, what=f"keys[{i}]")
-    return keys
-
-
-def page_view(page: PageBuffers, *, writable: bool = False, what: str = "page") -> PageView:
-    """A page as flat byte views: one, or one per piece where the page is in pieces."""
-    if not isinstance(page, (list, tuple)):
-        return byte_view(page, writable=writable, what=what)
-    if not 1 <= len(page) <= MAX_PIECES:
-        raise ValueError(f"{what}: a page in pieces has 1 to {MAX_PIECES}, not {len(page)}")
-    try:  # (names are built only for a bad piece: a layer_first batch has thousands)
-        return [byte_view(piece, writable=writable) for piece in page]
-    except (TypeError, ValueError):
-        return [
-            byte_view(piece, writable=writable, what=f"{what} piece {j}")
-            for j, piece in enumerate(page)
-        ]
-
-
-def page_nbytes(view: PageView) -> int:
-    """The bytes of a page (of all its pieces)."""
-    return len(view) if isinstance(view, memoryview) else sum(map(len, view))
-
-
-def page_pieces(view: PageView) -> list[memoryview]:
-    """A page's pieces (a page of one buffer is its own one piece)."""
-    return [view] if isinstance(view, memoryview) else view
-
-
-def joined_page(view: PageView) -> memoryview:
-    """A page as one buffer: itself, or its pieces joined (one copy)."""
-    if isinstance(view, memoryview):
-        return view
-    return view[0] if len(view) == 1 else memoryview(b"".join(view))
-
-
-def scatter_page(page: Buffer, pieces: Sequence[memoryview]) -> None:
-    """Copy a page, one buffer, into its pieces (exactly as long, together)."""
-    offset = 0
-    for piece in pieces:
-        piece[:] = page[offset : offset + len(piece)]
-        offset += len(piece)
-
-
-def page_views(
-    pages: Sequence[PageBuffers], *, writable: bool = False, what: str = "pages"
-) -> list[PageView]:
-    """`page_view` of each of a batch's pages; a bad one is named by its position (the names
-    are built only then: this runs for every call)."""
-    try:
-        views = _flat_views(pages, writable)
-        return views if views is not None else [page_view(p, writable=writable) for p in pages]
-    except (TypeError, ValueError):
-        return [
-            page_view(page, writable=writable, what=f"{what}[{i}]") for i, page in enumerate(pages)
-        ]
-
-
-def is_flat_bytes(buf: object) -> bool:
-    """Whether `buf` is a memoryview C can read as it is: one contiguous run of bytes."""
-    return type(buf) is memoryview and buf.format == "B" and buf.ndim == 1 and buf.c_contiguous
-
-
-def _flat_views(pages: Sequence[PageBuffers], writable: bool) -> list[memoryview] | None:
-    """The common case of `page_views`, in one pass with no names built: every page a flat
-    byte memoryview (writable if asked) or, to read, `bytes`. None where one is not."""
-    views = []
-    for page in pages:
-        if is_flat_bytes(page):
-            if writable and page.readonly:
-                return None
-            views.append(page)
-        elif type(page) is bytes and not writable:
-            views.append(memoryview(page))
-        else:
-            return None
-    return views
-
-
-def writable_views(buffers: Sequence[PageBuffers]) -> list[PageView]:
-    """Flat writable byte views of the caller's pages (each one buffer, or its pieces)."""
-    return page_views(buffers, writable=True, what="into")
-
-
-def check_same_length(name: str, keys: list[bytes], values: Sequence[object]) -> None:
-    if len(values) != len(keys):
-        raise ValueError(f"{name} has {len(values)} entries for {len(keys)} keys")
 
 
 def load_secret(path: str, name: str) -> MacKey | None:

@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
+from .buffers import Buffer
 from .objects import (
     HEADER_FIXED_BYTES,
     MAC_BYTES,
     MAX_LAYOUT_BYTES,
     MAX_PAYLOAD_BYTES,
-    Buffer,
     CorruptReason,
 )
 

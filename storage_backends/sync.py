@@ -11,9 +11,9 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from .base import StorageBackend
+from .buffers import Buffer, PageBuffers
 from .errors import BackendClosedError
 from .loop_thread import LoopThread
-from .objects import Buffer, PageBuffers
 from .registry import open_backend
 from .stats import BackendStats
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
+from .buffers import Buffer, byte_view, is_flat_bytes
 from .native import checks
 from .objects import (
     CHECKSUM_OFFSET,
@@ -24,15 +25,12 @@ from .objects import (
     HEADER_FIXED_BYTES,
     MAC_BYTES,
     SIGNED_VERSION,
-    Buffer,
     Compression,
     CorruptReason,
     MacKey,
     ObjectHeader,
     ObjectParts,
     as_parts,
-    byte_view,
-    is_flat_bytes,
     layout_bytes,
     start_mac,
 )

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hicache.events import MEDIUM_STORAGE, BlockRemoved, BlockStored, EventPublisher
-from storage_backends.objects import Buffer, parse_header
+from storage_backends.buffers import Buffer
+from storage_backends.objects import parse_header
 
 
 def channels(tokens: Sequence[tuple[str, frozenset[str] | None]]) -> tuple[dict, list]:

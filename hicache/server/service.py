@@ -31,7 +31,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hicache import __version__
-from storage_backends.objects import KEY_BYTES, Buffer
+from storage_backends.buffers import KEY_BYTES, Buffer
 from storage_backends.pieces import (
     Piece,
     WireError,

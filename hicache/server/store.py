@@ -37,9 +37,9 @@ from typing import NamedTuple
 from urllib.parse import parse_qsl, urlencode
 
 from storage_backends import BackendConfigError, StorageBackend, open_backend, verify_object
+from storage_backends.buffers import Buffer
 from storage_backends.file_store import FileBackend, FileOptions
 from storage_backends.memory_store import MemoryBackend, MemoryOptions
-from storage_backends.objects import Buffer
 from storage_backends.options import redact_url
 
 from .config import ServerConfig

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from storage_backends.objects import KEY_BYTES, Buffer
+from storage_backends.buffers import KEY_BYTES, Buffer
 from storage_backends.pieces import Piece
 
 from .config import ServerConfig

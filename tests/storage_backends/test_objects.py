@@ -10,6 +10,7 @@ import pytest
 import xxhash
 from hypothesis import given, settings
 
+from storage_backends.buffers import page_views, writable_views
 from storage_backends.objects import (
     HEADER_FIXED_BYTES,
     MAGIC,
@@ -21,10 +22,8 @@ from storage_backends.objects import (
     header_size,
     join_parts,
     layout_bytes,
-    page_views,
     parse_header,
     split_object,
-    writable_views,
 )
 from storage_backends.verify import (
     decode_object,
