@@ -182,7 +182,7 @@ static uint64_t hash_pieces(const struct iovec *pieces, int count) {
 /* -- the object check ------------------------------------------------------------------------- */
 
 /* What a check found: VERIFIED, or why not (objects.CorruptReason, in Python, by these
- * numbers: objects._REASONS), or SPLIT_HEADER (the header straddles two parts: the caller
+ * numbers: verify._REASONS), or SPLIT_HEADER (the header straddles two parts: the caller
  * joins them and asks again). 0 is left for "not checked" in a batch's results. */
 enum {
     UNCHECKED = 0,
@@ -297,7 +297,7 @@ static int hashed_pieces(const struct iovec *parts, int count, size_t header_byt
 
 /* The one check of a stored object, `count` parts (at most MAX_PARTS) whose concatenation is
  * the object: its header (check_head), then the checksum over every byte but its own. The MAC
- * of a version 2 object is the caller's (objects.check_object: HMAC-SHA256 under the
+ * of a version 2 object is the caller's (verify.check_object: HMAC-SHA256 under the
  * tenant's key). */
 static int check_parts(const struct iovec *parts, int count, const expect_t *want,
                        found_t *found) {
@@ -897,7 +897,7 @@ PyDoc_STRVAR(check_object_doc,
 "Check one stored object, given as a list of buffers whose concatenation is the object:\n"
 "magic, version and flags, codec, that it is `key`'s (16 bytes), of `layout` (None: any),\n"
 "every length (`raw_bytes`: the decoded size expected, -1 for any), the checksum. 1 when it\n"
-"checked out, else the reason's number (objects._REASONS); 10 when the header straddles two\n"
+"checked out, else the reason's number (verify._REASONS); 10 when the header straddles two\n"
 "parts (join them and ask again). The MAC of a version 2 object is not looked at. Releases\n"
 "the GIL for objects of 64 KiB and more.");
 

@@ -15,7 +15,7 @@ dictionary lookup per page, and one read per 512 KiB of neighbouring pages, so t
 and the checksums dominate.
 
 Who does what: `file_read.BatchRead` reads one batch (where a page is verified:
-`objects.check_object`, as in every backend), `file_write.BatchWrite` writes one (where a
+`verify.check_object`, as in every backend), `file_write.BatchWrite` writes one (where a
 batch reaches the disk: `file_write.write_all`), `file_space.DirectorySpace` keeps capacity,
 LRU and the ledger across processes. This module is the backend around them.
 

@@ -130,7 +130,7 @@ def test_framing_matches_the_object_format(impl, layout):
 
 
 def test_the_check_names_the_first_thing_wrong(impl):
-    """Each damage of an object, as the C check numbers it (objects._REASONS names them)."""
+    """Each damage of an object, as the C check numbers it (verify._REASONS names them)."""
     key, page = os.urandom(16), os.urandom(5000)
     layout = layout_bytes(LAYOUT)
     good = bytearray(encode_object(key, LAYOUT, page))
