@@ -4,7 +4,8 @@ Every field is validated in `__post_init__` with a ValueError that names the fie
 allowed values. `HiCacheConfig.from_env()` reads `HICACHE_*` variables; this is the only
 place the environment is read (`command_environment` reads the `hicache serve` and
 `hicache demo` variables, `HICACHE_SERVE_*` and `HICACHE_DEMO_*`, for the CLI, and
-`read_config_file` their TOML files). No torch here: the simulator uses these classes too.
+`read_config_file` their TOML files; `backend_environment` the two an L3 backend inside
+another engine takes). No torch here: the simulator uses these classes too.
 """
 
 from __future__ import annotations
@@ -319,6 +320,36 @@ ENV_VARIABLES = {
     "HICACHE_PREFETCH_MIN_PAGES": ("policy", "prefetch_min_pages", int),
     "HICACHE_EVICTION_POLICY": ("policy", "eviction_policy", str),
 }
+
+
+# What a storage backend inside another engine takes from the environment (SGLang's: the
+# engine sizes its own host pool and runs its own policies, so the rest would go unhonoured).
+BACKEND_ENV_VARIABLES = ("HICACHE_L3_URL", "HICACHE_L3_SECRET_FILE")
+
+
+def backend_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The `BACKEND_ENV_VARIABLES` that `environ` sets, by their L3Config field (`url`,
+    `secret_file`). Any other `HICACHE_` variable (the commands' own aside) is a ValueError
+    that names it, as is an empty one."""
+    env = os.environ if environ is None else environ
+    refused = sorted(
+        k
+        for k in env
+        if k.startswith("HICACHE_")
+        and k not in BACKEND_ENV_VARIABLES
+        and not k.startswith(COMMAND_ENV_PREFIXES)
+    )
+    _require(
+        not refused,
+        f"{', '.join(refused)}: a storage backend inside an engine takes only "
+        f"{' and '.join(BACKEND_ENV_VARIABLES)} (the engine sizes and runs its own tiers)",
+    )
+    settings = {}
+    for variable in BACKEND_ENV_VARIABLES:
+        if variable in env:
+            _require(bool(env[variable]), f"{variable} is set but empty")
+            settings[ENV_VARIABLES[variable][1]] = env[variable]
+    return settings
 
 
 # ---------------------------------------------------------------- the commands' settings

@@ -23,7 +23,6 @@ import logging
 import os
 import threading
 import time
-from urllib.parse import urlencode
 
 from hicache.config import HiCacheConfig
 from hicache.ops import (
@@ -37,6 +36,7 @@ from hicache.ops import (
 from storage_backends.errors import StorageError
 from storage_backends.loop_thread import LoopThread
 from storage_backends.objects import header_size
+from storage_backends.options import with_option
 from storage_backends.registry import open_backend
 from tiers.device_pool import DevicePool
 from tiers.host_pool import HostPool
@@ -219,7 +219,7 @@ class RealExecutor(Executor):
 
     async def _open(self, url: str):
         if self._l3_secret_file:  # the config's tenant secret, as the URL option it is
-            url += ("&" if "?" in url else "?") + urlencode({"secret_file": self._l3_secret_file})
+            url = with_option(url, "secret_file", self._l3_secret_file)
         backend = open_backend(url, layout=self._layout.descriptor())
         await backend.connect()  # a wrong URL fails here, loudly, not later as misses
         if backend.lend(self.host_pool.region()):  # pages move straight into and out of L2

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlencode
 
 from .errors import BackendConfigError
 
@@ -200,6 +200,13 @@ def options_from_query(
         return cls(**fixed, **values)
     except BackendConfigError as exc:
         raise BackendConfigError(f"{url}: {exc}") from None
+
+
+def with_option(url: str, name: str, value: str) -> str:
+    """`url` with one more query option: a setting given apart from the URL (the tenant's
+    secret file from a config or the environment). Given in the URL as well, it is the error
+    "given twice" when the URL is opened."""
+    return url + ("&" if "?" in url else "?") + urlencode({name: value})
 
 
 def redact_url(url: str) -> str:

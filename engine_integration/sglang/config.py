@@ -6,13 +6,14 @@ builds the backend and as each host pool is registered.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
+from hicache.config import backend_environment
 from storage_backends import BackendConfigError
+from storage_backends.options import with_option
 
 URL_VARIABLE = "HICACHE_L3_URL"
 # Keys of the extra config that SGLang reads itself (it removes its prefetch_* keys first).
@@ -24,7 +25,8 @@ OWN_KEYS = frozenset({"url", "model_id"})
 class StorageSettings:
     """What the extra config (and the environment) says.
 
-    url:      any hicache L3 URL; from the extra config's "url", else $HICACHE_L3_URL.
+    url:      any hicache L3 URL; from the extra config's "url", else $HICACHE_L3_URL; with
+              $HICACHE_L3_SECRET_FILE as its `secret_file` (the tenant's MAC), where set.
     model_id: the model name keys are namespaced by; default SGLang's own (served) name.
     """
 
@@ -47,8 +49,11 @@ class StorageSettings:
                 f"extra config: unknown key(s) {', '.join(map(repr, unknown))}; hicache reads "
                 f"{', '.join(sorted(OWN_KEYS))} (SGLang: {', '.join(sorted(SGLANG_KEYS))})"
             )
-        env = os.environ if environ is None else environ
-        url = extra.get("url", env.get(URL_VARIABLE))
+        try:
+            env = backend_environment(environ)
+        except ValueError as exc:
+            raise BackendConfigError(f"environment: {exc}") from None
+        url = extra.get("url", env.get("url"))
         if url is None:
             raise BackendConfigError(
                 f"extra config: 'url' is missing (or set {URL_VARIABLE}), e.g. "
@@ -56,6 +61,8 @@ class StorageSettings:
             )
         if not isinstance(url, str) or "://" not in url:
             raise BackendConfigError(f"extra config: 'url' must be a backend URL, got {url!r}")
+        if "secret_file" in env:
+            url = with_option(url, "secret_file", env["secret_file"])
         model_id = extra.get("model_id", config.model_name)
         if not isinstance(model_id, str) or not model_id:
             raise BackendConfigError(

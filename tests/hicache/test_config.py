@@ -6,6 +6,7 @@ from hicache.config import (
     L2Config,
     L3Config,
     PolicyConfig,
+    backend_environment,
     parse_size,
 )
 from tiers.layout import KVLayout
@@ -126,3 +127,13 @@ def test_a_prefetch_timeout_out_of_its_stated_range_is_refused_by_name(name, val
 def test_the_exists_timeout_is_checked_against_its_range(value):
     with pytest.raises(ValueError, match=r"L3Config.exists_timeout_s must be in \(0, 3600\]"):
         L3Config(exists_timeout_s=value)
+
+
+def test_a_backend_inside_an_engine_takes_only_the_l3_url_and_secret():
+    assert backend_environment({}) == {}
+    env = {"HICACHE_L3_URL": "file:///kv", "HICACHE_L3_SECRET_FILE": "/s", "HICACHE_DEMO_X": "1"}
+    assert backend_environment(env) == {"url": "file:///kv", "secret_file": "/s"}
+    with pytest.raises(ValueError, match="HICACHE_L2_SIZE, HICACHE_LAYOUT: a storage backend"):
+        backend_environment({"HICACHE_LAYOUT": "x", "HICACHE_L2_SIZE": "1GiB"})
+    with pytest.raises(ValueError, match="HICACHE_L3_SECRET_FILE is set but empty"):
+        backend_environment({"HICACHE_L3_URL": "file:///kv", "HICACHE_L3_SECRET_FILE": ""})

@@ -579,6 +579,46 @@ def test_config_errors_name_the_field(file_url, monkeypatch):
     assert _create(without_url, host_pool()).batch_exists(keys_of(0)) == 0
 
 
+def test_the_tenant_secret_in_the_environment_signs_and_checks_pages(
+    file_url, monkeypatch, tmp_path
+):
+    """HICACHE_L3_SECRET_FILE, as the engine and the vLLM connector take it: pages are
+    written with a MAC, and a page written without the secret is a miss, counted forged."""
+    secret = tmp_path / "team-a.secret"
+    secret.write_bytes(os.urandom(32))
+    url = file_url()
+    monkeypatch.delenv("HICACHE_L3_SECRET_FILE", raising=False)
+    outsider = attach(url, host_pool(seed=40))
+    keys = keys_of(0, 1)
+    assert outsider.batch_set_v1(keys[:1], indices(0)) == [True]
+    monkeypatch.setenv("HICACHE_L3_SECRET_FILE", str(secret))
+    tenant_pool = host_pool(seed=41)
+    tenant = attach(url, tenant_pool)
+    assert tenant.batch_get_v1(keys[:1], indices(5)) == [False]
+    objects = len(tenant._attached.object_keys(keys[:1]))  # (K and V, here)
+    assert tenant.backend_stats().num_forged == objects
+    assert tenant.batch_set_v1(keys[1:], indices(1)) == [True]
+    assert tenant.batch_get_v1(keys[1:], indices(6)) == [True]
+    assert torch.equal(page_bits(tenant_pool, 6), page_bits(tenant_pool, 1))
+    with pytest.raises(BackendConfigError, match="'secret_file' given twice"):
+        attach(url + "&secret_file=" + str(secret), host_pool())
+    outsider.close()
+    tenant.close()
+
+
+@pytest.mark.parametrize(
+    "variable", ["HICACHE_L2_SIZE", "HICACHE_L3_WRITE_POLICY", "HICACHE_L3_URI"]
+)
+def test_a_variable_the_backend_cannot_honour_is_an_error_naming_it(
+    variable, file_url, monkeypatch
+):
+    """SGLang keeps its own host pool and policies: a hicache variable for them (or a
+    misspelt one) would be ignored, so it is refused by name."""
+    monkeypatch.setenv(variable, "64GiB")
+    with pytest.raises(BackendConfigError, match=variable):
+        _create(command_line_config(file_url()))
+
+
 def test_an_unreachable_store_fails_the_attach_naming_the_url():
     url = f"redis://127.0.0.1:{free_port()}/0?timeout=500ms"
     with pytest.raises(BackendUnavailableError, match="extra config 'url'"):
