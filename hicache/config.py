@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,13 +255,7 @@ class HiCacheConfig:
         The layout comes from `layout` or from HICACHE_LAYOUT (a layout descriptor).
         """
         env = os.environ if environ is None else environ
-        unknown = sorted(
-            k
-            for k in env
-            if k.startswith("HICACHE_")
-            and k not in ENV_VARIABLES
-            and not k.startswith(COMMAND_ENV_PREFIXES)
-        )
+        unknown = _other_variables(env, ENV_VARIABLES)
         _require(
             not unknown, f"unknown HICACHE_ variables {unknown}; known: {sorted(ENV_VARIABLES)}"
         )
@@ -332,13 +326,7 @@ def backend_environment(environ: Mapping[str, str] | None = None) -> dict[str, s
     `secret_file`). Any other `HICACHE_` variable (the commands' own aside) is a ValueError
     that names it, as is an empty one."""
     env = os.environ if environ is None else environ
-    refused = sorted(
-        k
-        for k in env
-        if k.startswith("HICACHE_")
-        and k not in BACKEND_ENV_VARIABLES
-        and not k.startswith(COMMAND_ENV_PREFIXES)
-    )
+    refused = _other_variables(env, BACKEND_ENV_VARIABLES)
     _require(
         not refused,
         f"{', '.join(refused)}: a storage backend inside an engine takes only "
@@ -350,6 +338,15 @@ def backend_environment(environ: Mapping[str, str] | None = None) -> dict[str, s
             _require(bool(env[variable]), f"{variable} is set but empty")
             settings[ENV_VARIABLES[variable][1]] = env[variable]
     return settings
+
+
+def _other_variables(env: Mapping[str, str], taken: Collection[str]) -> list[str]:
+    """The `HICACHE_` variables of `env` not `taken` (the commands' own aside), sorted."""
+    return sorted(
+        k
+        for k in env
+        if k.startswith("HICACHE_") and k not in taken and not k.startswith(COMMAND_ENV_PREFIXES)
+    )
 
 
 # ---------------------------------------------------------------- the commands' settings
