@@ -64,10 +64,12 @@ def test_calls_one_after_another_run_on_the_thread_that_went_idle_last():
     """Once work that came at once has started several threads, calls made one after
     another still run on one of them (work goes to the thread idle for the shortest time)."""
     pool = WorkerPool(3, thread_name_prefix="test-lifo")
-    gate = threading.Event()
-    together = [pool.submit(gate.wait, 5) for _ in range(3)]  # three threads, all busy
-    gate.set()
-    assert [future.result(5) for future in together] == [True] * 3
+    # Three threads, each holding one of the three at once: a thread scheduled late would
+    # otherwise find the work done and go idle after the calls below began (the last to go
+    # idle takes the next work, as it should, and the calls would run on two threads).
+    started = threading.Barrier(3)
+    together = [pool.submit(started.wait, 5) for _ in range(3)]
+    assert sorted(future.result(5) for future in together) == [0, 1, 2]
     names = [pool.submit(lambda: threading.current_thread().name).result(5) for _ in range(8)]
     assert len({t.name for t in threading.enumerate() if t.name.startswith("test-lifo")}) == 3
     pool.shutdown()
