@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import threading
-import time
 import types
 import uuid
 from collections.abc import Callable, Iterator
@@ -47,7 +46,7 @@ from storage_backends import (  # noqa: E402
 from storage_backends.file_pack import read_table  # noqa: E402
 from storage_backends.file_space import page_path  # noqa: E402
 from tests.support.daemon import DaemonProcess  # noqa: E402
-from tests.support.deadline import WITHIN_S, within_deadline  # noqa: E402
+from tests.support.deadline import WITHIN_S, wait_until, within_deadline  # noqa: E402
 from tests.support.servers import RedisProcess, free_port  # noqa: E402
 from tests.support.sglang_cpu import host_pool as real_host_pool  # noqa: E402
 
@@ -515,14 +514,15 @@ def test_a_daemon_killed_mid_batch_gives_misses_within_the_timeout():
 
         reader = threading.Thread(target=prefetch_io)
         reader.start()
-        time.sleep(0.3)
+        wait_until(lambda: len(outcomes) >= 2, "reads while the daemon is up")
         server.kill()
-        time.sleep(1.5)
+        killed = len(outcomes)  # reads from here on may have begun before the kill
+        wait_until(lambda: len(outcomes) >= killed + 3, "reads after the kill")
         stop.set()
         reader.join(WITHIN_S)
         assert not reader.is_alive()  # no call hung (each ends by its own timeout)
         assert outcomes[0] == [True, True]
-        assert outcomes[-1] == [False, False]
+        assert outcomes[killed + 1 :] == [[False, False]] * (len(outcomes) - killed - 1)
         backend.close()
     finally:
         server.stop()
