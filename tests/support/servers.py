@@ -93,6 +93,8 @@ class ServerProcess:
         self.proc.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
         while not all_threads_stopped(self.proc.pid):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"process {self.proc.pid} exited as it was paused")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"process {self.proc.pid} did not stop within {timeout_s} s")
             time.sleep(0.001)
