@@ -46,28 +46,34 @@ import asyncio
 import importlib.util
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import xxhash  # noqa: E402
-
+from benchmarks.backend_ceilings import (  # noqa: E402
+    SGLANG_LAYER_BYTES,
+    aiofiles_ops,
+    bare_pack_ops,
+    memcpy_ops,
+    per_file_ops,
+    plain_redis_ops,
+    raw_file_ops,
+    raw_mooncake_ops,
+    sglang_missing,
+    sglang_mooncake_ops,
+)
+from benchmarks.backend_servers import mooncake_latency, start_mooncake, start_redis  # noqa: E402
+from benchmarks.backend_workload import LAYOUT, Timed, Workload, _sig  # noqa: E402
 from benchmarks.common import device_name, emit  # noqa: E402
 from storage_backends import open_backend  # noqa: E402
-from storage_backends.native import checks  # noqa: E402
 from storage_backends.objects import header_size  # noqa: E402
 
-LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"  # an opaque label here
 TARGETS = {"file": 0.70, "file_fsync": 0.70, "redis": 0.90, "mooncake": 0.90}
 CEILINGS = {
     "memory": "python memcpy of the same bytes",
@@ -78,8 +84,6 @@ CEILINGS = {
     "mooncake": "raw Mooncake client batch_put_from / batch_get_into of the same bytes, "
     "registered buffers, same store",
 }
-
-Timed = Callable[[], Awaitable[None]]
 
 
 def parse_args() -> argparse.Namespace:
@@ -106,52 +110,6 @@ def parse_args() -> argparse.Namespace:
     if args.smoke:
         args.page_sizes, args.batch_pages, args.total_bytes, args.reps = "4096", 4, 64 << 10, 1
     return args
-
-
-class Workload:
-    """Batches of random pages, and one reusable "L2 pool" to read into.
-
-    Every repetition writes new keys (`start_rep`), as fresh traffic would: rewriting the same
-    keys would measure the filesystem replacing files instead of storing pages.
-    """
-
-    def __init__(self, page_bytes: int, batch_pages: int, total_bytes: int, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.page_bytes = page_bytes
-        self.seed = seed
-        self.num_batches = max(1, total_bytes // (page_bytes * batch_pages))
-        self.pages = [rng.bytes(page_bytes) for _ in range(batch_pages)]
-        self.pool = bytearray(page_bytes * batch_pages)
-        view = memoryview(self.pool)
-        self.into = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages)]
-        # The same pages as one "L2 pool" of their own, for a backend that takes a lent pool
-        # (and the raw Mooncake client, which puts from registered memory).
-        self.source = bytearray(b"".join(self.pages))
-        view = memoryview(self.source)
-        self.source_pages = [
-            view[i * page_bytes : (i + 1) * page_bytes] for i in range(len(self.pages))
-        ]
-        self.rep = 0
-        self.all_batches: list[list[bytes]] = []
-        # Untimed, after each repetition: sides that drop the repetition's pages (a store
-        # whose holder would otherwise fault in fresh memory for every repetition's puts).
-        self.forgetters: list[Callable[[list[list[bytes]]], Awaitable[None]]] = []
-        self.start_rep(0)
-
-    def start_rep(self, rep: int) -> None:
-        self.rep = rep
-        self.batches = [
-            [
-                xxhash.xxh3_128_digest(f"{self.seed}:{self.page_bytes}:{rep}:{b}:{i}".encode())
-                for i in range(len(self.pages))
-            ]
-            for b in range(self.num_batches)
-        ]
-        self.all_batches += self.batches
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_batches * len(self.pages) * self.page_bytes
 
 
 async def measure(fn: Timed, nbytes: int) -> float:
@@ -215,386 +173,6 @@ def backend_ops(url: str, work: Workload) -> tuple[Timed, Timed, Timed, Timed]:
 
         work.forgetters.append(forget)
     return setup, put, get, teardown
-
-
-# -- ceilings --------------------------------------------------------------------------------
-
-
-def memcpy_ops(work: Workload) -> tuple[Timed, Timed]:
-    stored: dict[bytes, bytes] = {}
-
-    async def put() -> None:
-        for keys in work.batches:
-            for key, page in zip(keys, work.pages, strict=True):
-                stored[key] = bytes(memoryview(page))  # a copy: bytes(bytes) would not be
-
-    async def get() -> None:
-        for keys in work.batches:
-            for key, view in zip(keys, work.into, strict=True):
-                view[:] = stored[key]
-
-    return put, get
-
-
-def raw_file_ops(directory: Path, work: Workload, *, fsync: str) -> tuple[Timed, Timed]:
-    """Write / read one large file of the workload's bytes; `fsync`: "none", "end" (once,
-    after the last byte: the issue's ceiling) or "batch" (after each batch's bytes)."""
-
-    def path() -> Path:
-        return directory / f"ceiling-{fsync}-{work.rep}.bin"
-
-    async def put() -> None:
-        fd = os.open(path(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for _ in work.batches:
-                for page in work.pages:
-                    os.write(fd, page)
-                if fsync == "batch":
-                    os.fsync(fd)
-            if fsync == "end":
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    async def get() -> None:
-        fd = os.open(path(), os.O_RDONLY)
-        try:
-            for _ in work.batches:
-                for view in work.into:
-                    os.readv(fd, [view])
-        finally:
-            os.close(fd)
-
-    return put, get
-
-
-def per_file_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
-    """The file backend's layout with bare os calls (temp + rename, open + read): what one
-    file per page costs on this filesystem before any of hicache's work."""
-    header = bytes(header_size(LAYOUT))
-    made: set[Path] = set()
-
-    def path_of(key: bytes) -> Path:
-        name = key.hex()
-        return directory / "per-file" / name[:2] / name[2:4] / name
-
-    async def put() -> None:
-        for keys in work.batches:
-            for key, page in zip(keys, work.pages, strict=True):
-                final = path_of(key)
-                if final.parent not in made:
-                    final.parent.mkdir(parents=True, exist_ok=True)
-                    made.add(final.parent)
-                tmp = f"{final}.tmp"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.writev(fd, [header, page])
-                os.close(fd)
-                os.rename(tmp, final)
-
-    async def get() -> None:
-        head = bytearray(len(header))
-        for keys in work.batches:
-            for key, view in zip(keys, work.into, strict=True):
-                fd = os.open(path_of(key), os.O_RDONLY)
-                os.preadv(fd, [head, view], 0)
-                os.close(fd)
-
-    return put, get
-
-
-def bare_pack_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
-    """A file per batch read as the file backend reads a pack (one preadv of headers and pages
-    per 512 KiB, hicache's xxh3 (native.checks) over every page, one thread) with bare os calls and
-    nothing else: the floor of a verified read through packs on this machine (context, not a
-    ceiling)."""
-    header = bytes(header_size(LAYOUT))
-    folder = directory / "bare-packs"
-    folder.mkdir(exist_ok=True)
-    per_stretch = max(1, (512 << 10) // (len(header) + work.page_bytes))
-
-    async def put() -> None:
-        for b, _ in enumerate(work.batches):
-            fd = os.open(folder / f"{work.rep}-{b}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.writev(fd, [part for page in work.pages for part in (header, page)])
-            os.close(fd)
-
-    async def get() -> None:
-        heads = [bytearray(len(header)) for _ in work.into]
-        record = len(header) + work.page_bytes
-        for b, _ in enumerate(work.batches):
-            fd = os.open(folder / f"{work.rep}-{b}", os.O_RDONLY)
-            for start in range(0, len(work.into), per_stretch):
-                pages = range(start, min(start + per_stretch, len(work.into)))
-                os.preadv(fd, [x for i in pages for x in (heads[i], work.into[i])], start * record)
-                for i in pages:
-                    checks.xxh3_64(heads[i], work.into[i])  # the page checksum hicache uses
-            os.close(fd)
-
-    return put, get
-
-
-def aiofiles_ops(directory: Path, work: Workload) -> tuple[Timed, Timed]:
-    """The same files as the file backend (header + page, temp + rename), via aiofiles."""
-    import aiofiles
-    import aiofiles.os
-
-    header = bytes(header_size(LAYOUT))
-
-    def path_of(key: bytes) -> Path:
-        name = key.hex()
-        return directory / "aio" / name[:2] / name[2:4] / name
-
-    async def put_one(key: bytes, page: bytes) -> None:
-        final = path_of(key)
-        await aiofiles.os.makedirs(final.parent, exist_ok=True)
-        tmp = final.with_name(final.name + ".tmp")
-        async with aiofiles.open(tmp, "wb") as f:
-            await f.write(header)
-            await f.write(page)
-        await aiofiles.os.rename(tmp, final)
-
-    async def get_one(key: bytes, view: memoryview) -> None:
-        async with aiofiles.open(path_of(key), "rb", buffering=0) as f:
-            await f.read(len(header))
-            await f.readinto(view)
-
-    async def put() -> None:
-        for keys in work.batches:
-            await asyncio.gather(*(put_one(k, p) for k, p in zip(keys, work.pages, strict=True)))
-
-    async def get() -> None:
-        for keys in work.batches:
-            await asyncio.gather(*(get_one(k, v) for k, v in zip(keys, work.into, strict=True)))
-
-    return put, get
-
-
-def plain_redis_ops(port: int, work: Workload) -> tuple[Timed, Timed, Timed]:
-    import redis.asyncio as aredis
-
-    client = aredis.Redis(host="127.0.0.1", port=port)
-
-    async def put() -> None:
-        for keys in work.batches:
-            pipe = client.pipeline(transaction=False)
-            for key, page in zip(keys, work.pages, strict=True):
-                pipe.set(b"plain:" + key, page)
-            await pipe.execute()
-
-    async def get() -> None:
-        for keys in work.batches:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(b"plain:" + key)
-            values = await pipe.execute()
-            assert all(v is not None for v in values)
-
-    async def close() -> None:
-        await client.flushdb()
-        await client.aclose()
-
-    return put, get, close
-
-
-def raw_mooncake_ops(
-    address: str, work: Workload, *, extra_bytes: int = 0, threaded: bool = False
-) -> tuple[Timed, Timed, Timed]:
-    """The Mooncake client alone: the batch's pages in one registered buffer, put with
-    `batch_put_from` under fresh names each repetition, read back with `batch_get_into` into
-    the workload's pool (registered too). With `extra_bytes`, objects that much larger than
-    a page (a framed page's size: context), from and into buffers of their own. `threaded`:
-    each call made on a worker thread and awaited, as an asyncio caller must make a blocking
-    call (context: what the hand-off to a thread and back costs)."""
-    from mooncake.store import MooncakeDistributedStore
-
-    from storage_backends.workers import WorkerPool
-
-    client = MooncakeDistributedStore()
-    pool = WorkerPool(1, thread_name_prefix="raw-mooncake") if threaded else None
-    args = ("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address)
-    if pool is None:
-        code = client.setup(*args)
-    else:  # set up on the thread that calls it, as the backend's client is
-        code = pool.submit(client.setup, *args).result()
-    if code != 0:
-        raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
-    size = work.page_bytes + extra_bytes
-    if extra_bytes:
-        rng = np.random.default_rng(work.seed)
-        source = rng.integers(0, 256, size * len(work.pages), dtype=np.uint8)
-        target = np.zeros_like(source)
-    else:
-        source = np.frombuffer(work.source, dtype=np.uint8)
-        target = np.frombuffer(work.pool, dtype=np.uint8)
-    for array in (source, target):
-        if client.register_buffer(array.ctypes.data, array.nbytes) != 0:
-            raise RuntimeError("the raw Mooncake client could not register a buffer")
-    sources = [source.ctypes.data + i * size for i in range(len(work.pages))]
-    targets = [target.ctypes.data + i * size for i in range(len(work.pages))]
-    sizes = [size] * len(work.pages)
-    prefix = f"raw{extra_bytes}{'t' if threaded else ''}:"
-
-    def names(keys: list[bytes]) -> list[str]:
-        return [prefix + key.hex() for key in keys]
-
-    async def call(method: Callable, *args: object) -> list[int]:
-        if pool is None:
-            return method(*args)
-        return await asyncio.wrap_future(pool.submit(method, *args))
-
-    async def put() -> None:
-        for keys in work.batches:
-            codes = await call(client.batch_put_from, names(keys), sources, sizes)
-            assert all(code == 0 for code in codes), f"raw put failed: {codes}"
-
-    async def get() -> None:
-        for keys in work.batches:
-            codes = await call(client.batch_get_into, names(keys), targets, sizes)
-            assert all(code == size for code in codes), f"raw get failed: {codes}"
-
-    async def forget(batches: list[list[bytes]]) -> None:
-        for keys in batches:
-            client.batch_remove(names(keys), True)
-
-    work.forgetters.append(forget)
-
-    async def close() -> None:
-        for keys in work.all_batches:
-            client.batch_remove(names(keys), True)
-        client.unregister_buffer(source.ctypes.data)
-        client.unregister_buffer(target.ctypes.data)
-        client.close()
-        if pool is not None:
-            pool.shutdown()
-
-    return put, get, close
-
-
-SGLANG_LAYER_BYTES = 2 * 16 * 8 * 128 * 2  # K and V of 16 tokens, 8 heads of 128, bf16
-
-
-def sglang_mooncake_ops(address: str, work: Workload) -> tuple[Timed, Timed, Timed]:
-    """SGLang's own Mooncake backend (`MooncakeStore`, v1 API) on the same store, with its
-    real host pool on the CPU (tests/support/sglang_cpu): an MHA page_first pool whose pages
-    are the workload's size (16 tokens, 8 heads of 128, bf16; one layer per 64 KiB). It
-    puts a batch's pages from the pool's first half and reads them into its second, as its
-    HiCache controller does: no header, no checksum (its K and V are an object each)."""
-    tokens, layers = 16, work.page_bytes // SGLANG_LAYER_BYTES
-    if layers < 1 or layers * SGLANG_LAYER_BYTES != work.page_bytes:
-        raise ValueError(f"no SGLang MHA page of {work.page_bytes} bytes (64 KiB multiples)")
-    from tests.support import sglang_cpu
-
-    sglang_cpu.install()  # the guards SGLang's host pools need on a CPU-only machine
-    import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
-
-    num_pages = len(work.pages)
-    pool = sglang_cpu.host_pool(
-        "mha", "page_first", layer_num=layers, page_size=tokens, num_pages=2 * num_pages,
-        head_num=8, head_dim=128,
-    )  # fmt: skip
-    raw = pool.kv_buffer.view(torch.uint8)
-    seeded = torch.Generator().manual_seed(work.seed)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=seeded))
-    os.environ.update(
-        MOONCAKE_MASTER=address, MOONCAKE_PROTOCOL="tcp", MOONCAKE_DEVICE="",
-        MOONCAKE_TE_META_DATA_SERVER="P2PHANDSHAKE", MOONCAKE_GLOBAL_SEGMENT_SIZE="0",
-        MOONCAKE_LOCAL_HOSTNAME="127.0.0.1",
-    )  # fmt: skip
-    config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name="bench/sglang", extra_config={},
-    )  # fmt: skip
-    store = MooncakeStore(config, pool)
-    store.register_mem_pool_host(pool)
-    written = torch.arange(num_pages * tokens)
-    read = torch.arange(num_pages * tokens, 2 * num_pages * tokens)
-
-    def names(keys: list[bytes]) -> list[str]:
-        return ["sglang-" + key.hex() for key in keys]
-
-    async def put() -> None:
-        for keys in work.batches:
-            assert all(store.batch_set_v1(names(keys), written)), "sglang put failed"
-
-    async def get() -> None:
-        for keys in work.batches:
-            assert all(store.batch_get_v1(names(keys), read)), "sglang get missed"
-
-    async def forget(batches: list[list[bytes]]) -> None:
-        for keys in batches:
-            objects = [f"{n}_{store.mha_suffix}_{kv}" for n in names(keys) for kv in "kv"]
-            store.store.batch_remove(objects, True)
-
-    work.forgetters.append(forget)
-
-    async def close() -> None:
-        await forget(work.all_batches)
-        store.close()
-
-    return put, get, close
-
-
-def sglang_missing() -> str | None:
-    """Why SGLang's Mooncake backend cannot be measured here, or None."""
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed"
-    from tests.support.sglang_cpu import TEST_SITE
-
-    if importlib.util.find_spec("torchvision") is None and not TEST_SITE.is_dir():
-        return f"no torchvision for SGLang's imports (.ci/run puts one in {TEST_SITE.name})"
-    return None
-
-
-async def mooncake_latency(url: str, address: str, work: Workload, num: int = 50) -> dict:
-    """Median seconds of a one-page `batch_get` through the backend and of the raw client's
-    `batch_get_into` of the same page: the per-request latency `hicache simulate` models."""
-    from mooncake.store import MooncakeDistributedStore
-
-    key, page, view = work.batches[0][0], work.pages[0], work.into[0]
-    backend = open_backend(url, layout=LAYOUT)
-    raw = MooncakeDistributedStore()
-    try:
-        await backend.connect()
-        assert await backend.batch_put([key], [page]) == [True]
-        if raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
-            raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
-        target = np.frombuffer(work.pool, dtype=np.uint8)
-        raw.register_buffer(target.ctypes.data, target.nbytes)
-        name = "latency:" + key.hex()
-        raw.batch_put_from([name], [np.frombuffer(page, np.uint8).ctypes.data], [len(page)])
-        ours, theirs = [], []
-        for _ in range(num):
-            started = time.perf_counter()
-            assert await backend.batch_get([key], [view]) == [True]
-            ours.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            assert raw.batch_get_into([name], [target.ctypes.data], [len(page)]) == [len(page)]
-            theirs.append(time.perf_counter() - started)
-        raw.batch_remove([name], True)
-        await backend.delete([key])
-    finally:
-        await backend.close()
-        raw.close()
-    return {
-        "one_page_get_us": _sig(statistics.median(ours) * 1e6),
-        "raw_one_page_get_us": _sig(statistics.median(theirs) * 1e6),
-    }
-
-
-def start_mooncake(workdir: Path, segment_bytes: int):
-    """A master and one holder lending `segment_bytes`, on loopback (tests/support/servers)."""
-    from tests.support.servers import MooncakeHolder, MooncakeMaster
-
-    master = MooncakeMaster(workdir / "mooncake", client_ttl_s=10).start()
-    try:
-        holder = MooncakeHolder(master, segment_bytes).start()
-    except BaseException:
-        master.stop()
-        raise
-    return master, holder
 
 
 # -- running one case ------------------------------------------------------------------------
@@ -741,11 +319,6 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
     }
 
 
-def _sig(value: float) -> float:
-    """Four significant digits (a slow tiny smoke run must not round to 0)."""
-    return float(f"{value:.4g}")
-
-
 def _median_ratio(values: list[float], ceilings: list[float]) -> float:
     return statistics.median(v / c for v, c in zip(values, ceilings, strict=True))
 
@@ -754,28 +327,6 @@ def _query_of(env: dict, name: str) -> str:
     """The backend URL's options (the scratch path left out)."""
     url = env[f"{'file' if name == 'file_aiofiles' else name}_url"]()
     return url.split("://")[0] + "://...?" + url.partition("?")[2]
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
-                conn.sendall(b"PING\r\n")
-                if conn.recv(16).startswith(b"+PONG"):
-                    return proc, port
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
 
 
 def print_table(rows: list[dict]) -> None:

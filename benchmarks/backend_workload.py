@@ -1,0 +1,66 @@
+"""What every side of a bench_backends.py case shares: the pages it moves (`Workload`), the
+layout label they are framed under, and how a figure is rounded. The ceilings
+(backend_ceilings.py), the servers and the latency probe (backend_servers.py) and the runner
+(bench_backends.py) build on it; it imports none of them."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import xxhash
+
+LAYOUT = "mha;layers=32;page=64;kv_heads=8;head_dim=128;dtype=bfloat16"  # an opaque label here
+
+Timed = Callable[[], Awaitable[None]]
+
+
+class Workload:
+    """Batches of random pages, and one reusable "L2 pool" to read into.
+
+    Every repetition writes new keys (`start_rep`), as fresh traffic would: rewriting the same
+    keys would measure the filesystem replacing files instead of storing pages.
+    """
+
+    def __init__(self, page_bytes: int, batch_pages: int, total_bytes: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.page_bytes = page_bytes
+        self.seed = seed
+        self.num_batches = max(1, total_bytes // (page_bytes * batch_pages))
+        self.pages = [rng.bytes(page_bytes) for _ in range(batch_pages)]
+        self.pool = bytearray(page_bytes * batch_pages)
+        view = memoryview(self.pool)
+        self.into = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages)]
+        # The same pages as one "L2 pool" of their own, for a backend that takes a lent pool
+        # (and the raw Mooncake client, which puts from registered memory).
+        self.source = bytearray(b"".join(self.pages))
+        view = memoryview(self.source)
+        self.source_pages = [
+            view[i * page_bytes : (i + 1) * page_bytes] for i in range(len(self.pages))
+        ]
+        self.rep = 0
+        self.all_batches: list[list[bytes]] = []
+        # Untimed, after each repetition: sides that drop the repetition's pages (a store
+        # whose holder would otherwise fault in fresh memory for every repetition's puts).
+        self.forgetters: list[Callable[[list[list[bytes]]], Awaitable[None]]] = []
+        self.start_rep(0)
+
+    def start_rep(self, rep: int) -> None:
+        self.rep = rep
+        self.batches = [
+            [
+                xxhash.xxh3_128_digest(f"{self.seed}:{self.page_bytes}:{rep}:{b}:{i}".encode())
+                for i in range(len(self.pages))
+            ]
+            for b in range(self.num_batches)
+        ]
+        self.all_batches += self.batches
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_batches * len(self.pages) * self.page_bytes
+
+
+def _sig(value: float) -> float:
+    """Four significant digits (a slow tiny smoke run must not round to 0)."""
+    return float(f"{value:.4g}")
