@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.backend_workload import LAYOUT, Workload, _sig
+from benchmarks.backend_workload import LAYOUT, Workload
+from benchmarks.common import sig
 from storage_backends import open_backend
 
 
@@ -82,6 +83,6 @@ async def mooncake_latency(url: str, address: str, work: Workload, num: int = 50
         await backend.close()
         raw.close()
     return {
-        "one_page_get_us": _sig(statistics.median(ours) * 1e6),
-        "raw_one_page_get_us": _sig(statistics.median(theirs) * 1e6),
+        "one_page_get_us": sig(statistics.median(ours) * 1e6),
+        "raw_one_page_get_us": sig(statistics.median(theirs) * 1e6),
     }

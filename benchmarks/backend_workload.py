@@ -59,8 +59,3 @@ class Workload:
     @property
     def total_bytes(self) -> int:
         return self.num_batches * len(self.pages) * self.page_bytes
-
-
-def _sig(value: float) -> float:
-    """Four significant digits (a slow tiny smoke run must not round to 0)."""
-    return float(f"{value:.4g}")

@@ -69,8 +69,8 @@ from benchmarks.backend_ceilings import (  # noqa: E402
     sglang_mooncake_ops,
 )
 from benchmarks.backend_servers import mooncake_latency, start_mooncake, start_redis  # noqa: E402
-from benchmarks.backend_workload import LAYOUT, Timed, Workload, _sig  # noqa: E402
-from benchmarks.common import device_name, emit  # noqa: E402
+from benchmarks.backend_workload import LAYOUT, Timed, Workload  # noqa: E402
+from benchmarks.common import device_name, emit, sig  # noqa: E402
 from storage_backends import open_backend  # noqa: E402
 from storage_backends.objects import header_size  # noqa: E402
 
@@ -276,19 +276,19 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
     if close_sglang is not None:
         await close_sglang()
     for label in more_get_ceilings:
-        context[f"{label}_gbps"] = _sig(med[label])
-        context[f"get_ratio_vs_{label}"] = _sig(_median_ratio(rates["get"], rates[label]))
+        context[f"{label}_gbps"] = sig(med[label])
+        context[f"get_ratio_vs_{label}"] = sig(_median_ratio(rates["get"], rates[label]))
     for label in more_put_ceilings:
         rate = f"{label}_gbps" if label.startswith(("sglang", "raw")) else f"{label}_ceiling_gbps"
-        context[rate] = _sig(med[label])
-        context[f"put_ratio_vs_{label}"] = _sig(_median_ratio(rates["put"], rates[label]))
+        context[rate] = sig(med[label])
+        context[f"put_ratio_vs_{label}"] = sig(_median_ratio(rates["put"], rates[label]))
     if references:
         context |= {
-            "per_file_put_gbps": _sig(med["per_file_put"]),
-            "per_file_get_gbps": _sig(med["per_file_get"]),
+            "per_file_put_gbps": sig(med["per_file_put"]),
+            "per_file_get_gbps": sig(med["per_file_get"]),
             "per_file": "bare os calls, one file per page (context, not a ceiling)",
-            "bare_pack_put_gbps": _sig(med["bare_pack_put"]),
-            "bare_pack_get_gbps": _sig(med["bare_pack_get"]),
+            "bare_pack_put_gbps": sig(med["bare_pack_put"]),
+            "bare_pack_get_gbps": sig(med["bare_pack_get"]),
             "bare_pack_get_ratio": round(
                 _median_ratio(rates["bare_pack_get"], rates["ceiling_get"]), 3
             ),
@@ -303,15 +303,15 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         "batch_pages": len(work.pages),
         "bytes_per_measurement": nbytes,
         "reps": args.reps,
-        "put_gbps": _sig(med["put"]),
-        "get_gbps": _sig(med["get"]),
+        "put_gbps": sig(med["put"]),
+        "get_gbps": sig(med["get"]),
         "ceiling": CEILINGS[name],
-        "ceiling_put_gbps": _sig(med["ceiling_put"]),
-        "ceiling_get_gbps": _sig(med["ceiling_get"]),
+        "ceiling_put_gbps": sig(med["ceiling_put"]),
+        "ceiling_get_gbps": sig(med["ceiling_get"]),
         # Ratios are medians of per-repetition ratios: each pairs two measurements taken
         # back to back, so load from elsewhere on the machine cancels out of them.
-        "put_ratio": _sig(_median_ratio(rates["put"], rates["ceiling_put"])),
-        "get_ratio": _sig(_median_ratio(rates["get"], rates["ceiling_get"])),
+        "put_ratio": sig(_median_ratio(rates["put"], rates["ceiling_put"])),
+        "get_ratio": sig(_median_ratio(rates["get"], rates["ceiling_get"])),
         "target_ratio": TARGETS.get(name),
         **context,
         "device": device_name("cpu"),

@@ -38,6 +38,7 @@ if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.common import sig  # noqa: E402
 from tiers.device_pool import DevicePool  # noqa: E402
 from tiers.host_pool import HostPool  # noqa: E402
 from tiers.kernels import DEFAULT_COPY_CONFIG, CopyConfig, backup, load_layer  # noqa: E402
@@ -265,11 +266,6 @@ class Transfers:
                 fn()
                 times.append((time.perf_counter() - begin) * 1e3)
         return times
-
-
-def sig(value: float) -> float:
-    """Four significant digits: readable in the JSON line at any scale."""
-    return float(f"{value:.4g}")
 
 
 def fill_random_(kv, seed: int) -> None:

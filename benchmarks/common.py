@@ -33,6 +33,12 @@ def device_name(device: str = "cpu") -> str:
     return platform.processor() or platform.machine()
 
 
+def sig(value: float) -> float:
+    """Four significant digits: readable in a JSON line at any scale (a slow tiny smoke run
+    must not round to 0)."""
+    return float(f"{value:.4g}")
+
+
 def emit(result: dict) -> None:
     """Print one JSON line of results, stamped with the revision."""
     print(json.dumps({"git": git_revision(), **result}), flush=True)
