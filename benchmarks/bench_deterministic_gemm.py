@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.bench_engine import MODELS  # noqa: E402
 from benchmarks.common import cuda_median_ms, device_name, emit  # noqa: E402
+from benchmarks.engine_models import MODELS  # noqa: E402
 from engine_integration.engine.model import deterministic  # noqa: E402
 
 CANDIDATES = (

@@ -74,65 +74,15 @@ import torch  # noqa: E402
 
 from benchmarks.common import device_name, emit  # noqa: E402
 from benchmarks.engine_cases import CPUS, Bench  # noqa: E402
+from benchmarks.engine_models import MODELS  # noqa: E402
 from engine_integration.engine.core import kv_layout_for  # noqa: E402
 from engine_integration.engine.embedded import load_model, smollm2_path  # noqa: E402
 from engine_integration.engine.model import deterministic  # noqa: E402
-from engine_integration.engine.model.config import EngineConfig, ModelConfig, tiny_model_config  # noqa: E402
+from engine_integration.engine.model.config import EngineConfig  # noqa: E402
 from engine_integration.engine.model.forward import Model  # noqa: E402
 from storage_backends import file_read  # noqa: E402
 from storage_backends.options import parse_size  # noqa: E402
 
-MODEL_1B = ModelConfig(
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_layers=16,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=64,
-    num_source_layers=12,
-    window_tokens=128,
-    rope_theta=500000.0,
-    model_id="bench-1b-seed0",
-)
-MODEL_8B = ModelConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    num_source_layers=32,
-    rope_theta=500000.0,
-    model_id="bench-llama8b-shape-seed0",
-)
-MODEL_GEMMA3 = ModelConfig(
-    vocab_size=262144,
-    hidden_size=640,
-    intermediate_size=2048,
-    num_layers=18,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=256,
-    num_source_layers=18,
-    window_tokens=512,
-    windowed_layers=tuple(i for i in range(18) if i % 6 != 5),
-    block="gemma3",
-    rope_theta=1_000_000.0,
-    local_rope_theta=10_000.0,
-    query_pre_attn_scalar=256,
-    tie_word_embeddings=True,
-    model_id="bench-gemma3-270m-shape-seed0",
-)
-TINY = tiny_model_config(0)
-MODELS = {
-    "1b": MODEL_1B,
-    "8b": MODEL_8B,
-    "gemma3": MODEL_GEMMA3,
-    "tiny": TINY,
-    "tiny-full": TINY.replace(num_source_layers=TINY.num_layers, model_id="tiny-full-seed0"),
-}
 # The deterministic path's goal: at most this times the default path's time (issue 41).
 DETERMINISTIC_GOAL = 1.2
 CASES = ("cold", "l1", "l2", "l3", "l3_new", "decode")

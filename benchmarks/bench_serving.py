@@ -331,7 +331,7 @@ def model_flags(name: str | None, workdir: Path) -> list[str]:
         return []
     if name in ("smollm2", "gemma3") or Path(name).exists():
         return ["--model", name]
-    from benchmarks.bench_engine import MODELS
+    from benchmarks.engine_models import MODELS
     from engine_integration.engine.model.config import model_config_to_json
 
     if name not in MODELS:

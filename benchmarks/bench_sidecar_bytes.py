@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_engine import MODEL_GEMMA3  # noqa: E402
 from benchmarks.common import device_name, emit  # noqa: E402
+from benchmarks.engine_models import MODEL_GEMMA3  # noqa: E402
 from engine_integration.engine.core import Engine  # noqa: E402
 from engine_integration.engine.embedded import CacheSizes, build_cache, load_model  # noqa: E402
 from engine_integration.engine.model.config import EngineConfig  # noqa: E402
