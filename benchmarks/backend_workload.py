@@ -1,5 +1,5 @@
-"""What every side of a bench_backends.py case shares: the pages it moves (`Workload`), the
-layout label they are framed under, and how a figure is rounded. The ceilings
+"""What every side of a bench_backends.py case shares: the pages it moves (`Workload`) and the
+layout label they are framed under (a figure is rounded by `benchmarks.common.sig`). The ceilings
 (backend_ceilings.py), the servers and the latency probe (backend_servers.py) and the runner
 (bench_backends.py) build on it; it imports none of them."""
 

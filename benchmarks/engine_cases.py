@@ -1,7 +1,7 @@
 """One model's measurement for bench_engine.py: a cache-off and a cache-on engine over one
 cache (`Bench`), each prompt's TTFT cold and from every tier, its decode step, and the L3
 read and L2 load rates against their ceilings, as one row. bench_engine.py owns the command
-line, the models, the run over them and the tables."""
+line, the run over the models (engine_models.py) and the tables."""
 
 from __future__ import annotations
 
