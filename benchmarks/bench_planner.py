@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_serving  # noqa: E402
 from benchmarks.common import emit, git_revision  # noqa: E402
+from benchmarks.serving_deployment import Setup, model_flags, replica_flags  # noqa: E402
 from hicache.config import PolicyConfig  # noqa: E402
 from hicache.simulate import TracePlayer  # noqa: E402
 from hicache.simulate.calibrate import WARMUP_LENGTHS, calibrate  # noqa: E402
@@ -116,13 +117,13 @@ def calibrate_replica(serving, rounds: int, *, through_l3: bool = True) -> Hardw
     pages = -(-max(WARMUP_LENGTHS) // serving.page_size) + 2
     l1_pages, l2_pages = max(serving.l1_pages, pages), max(serving.l2_pages, 2 * pages)
     with tempfile.TemporaryDirectory(prefix="hicache-bench-planner-") as workdir:
-        setup = bench_serving.Setup(
-            tuple(bench_serving.model_flags(serving.model, Path(workdir))), serving.device,
+        setup = Setup(
+            tuple(model_flags(serving.model, Path(workdir))), serving.device,
             serving.dtype, 1, serving.routing, serving.page_size, serving.max_running,
             l1_pages, l2_pages, serving.l3_capacity, serving.threads, serving.seed,
         )  # fmt: skip
         l3_url = f"file://{workdir}/l3?capacity={serving.l3_capacity}"
-        flags = bench_serving.replica_flags(setup, "l1l2l3-file", l3_url)
+        flags = replica_flags(setup, "l1l2l3-file", l3_url)
         process = HttpProcess("engine", "serve", "--port", "0", "--name", "calibration", *flags)
         process.start(timeout_s=900)
         try:

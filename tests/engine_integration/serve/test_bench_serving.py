@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks import bench_serving
+from benchmarks.serving_client import prompt_ids
 from hicache.simulate.trace import Request
 from tests.support.benchmarks import BENCHMARKS
 
@@ -44,12 +45,12 @@ def test_prompts_share_exactly_the_shared_blocks():
     def request(ids, length):
         return Request(0.0, length, 1, block_ids=np.array(ids))
 
-    a = bench_serving.prompt_ids(request([7, 8, 9], 3 * 512), 16, 258)
-    b = bench_serving.prompt_ids(request([7, 8, 5], 2 * 512 + 100), 16, 258)
+    a = prompt_ids(request([7, 8, 9], 3 * 512), 16, 258)
+    b = prompt_ids(request([7, 8, 5], 2 * 512 + 100), 16, 258)
     assert len(a) == 48 and len(b) == 32 + 4  # the last block cut: ceil(100 * 16 / 512)
     assert a[:32] == b[:32] and a[32:36] != b[32:36]
     assert all(0 <= t < 258 for t in a + b)
-    assert bench_serving.prompt_ids(request([7], 1), 16, 258) == a[:1]
+    assert prompt_ids(request([7], 1), 16, 258) == a[:1]
 
 
 def test_bench_serving_off_and_shared_file_l3(tmp_path):
