@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -203,53 +204,70 @@ def raw_mooncake_ops(
     the workload's pool (registered too). With `extra_bytes`, objects that much larger than
     a page (a framed page's size: context), from and into buffers of their own. `threaded`:
     each call made on a worker thread and awaited, as an asyncio caller must make a blocking
-    call (context: what the hand-off to a thread and back costs)."""
+    call (context: what the hand-off to a thread and back costs). With the workload's
+    `streams` > 1, every call is made on a thread, one for each stream, all at once."""
     from mooncake.store import MooncakeDistributedStore
 
     from storage_backends.workers import WorkerPool
 
     client = MooncakeDistributedStore()
-    pool = WorkerPool(1, thread_name_prefix="raw-mooncake") if threaded else None
+    threaded = threaded or work.streams > 1
+    pools = [WorkerPool(1, thread_name_prefix=f"raw-mooncake-{j}") for j in range(work.streams)]
     args = ("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address)
-    if pool is None:
+    if not threaded:
         code = client.setup(*args)
     else:  # set up on the thread that calls it, as the backend's client is
-        code = pool.submit(client.setup, *args).result()
+        code = pools[0].submit(client.setup, *args).result()
     if code != 0:
         raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
-    size = work.page_bytes + extra_bytes
+    size, num = work.page_bytes + extra_bytes, len(work.pages)
     if extra_bytes:
         rng = np.random.default_rng(work.seed)
-        source = rng.integers(0, 256, size * len(work.pages), dtype=np.uint8)
-        target = np.zeros_like(source)
+        source = rng.integers(0, 256, size * num * work.streams, dtype=np.uint8)
+        target = np.zeros(size * num * work.streams, dtype=np.uint8)
     else:
         source = np.frombuffer(work.source, dtype=np.uint8)
         target = np.frombuffer(work.pool, dtype=np.uint8)
     for array in (source, target):
         if client.register_buffer(array.ctypes.data, array.nbytes) != 0:
             raise RuntimeError("the raw Mooncake client could not register a buffer")
-    sources = [source.ctypes.data + i * size for i in range(len(work.pages))]
-    targets = [target.ctypes.data + i * size for i in range(len(work.pages))]
-    sizes = [size] * len(work.pages)
+    sources, targets = (
+        [
+            [array.ctypes.data + (j * num + i) * size for i in range(num)]
+            for j in range(work.streams)
+        ]
+        for array in (source, target)
+    )
+    sizes = [size] * num
     prefix = f"raw{extra_bytes}{'t' if threaded else ''}:"
 
     def names(keys: list[bytes]) -> list[str]:
         return [prefix + key.hex() for key in keys]
 
-    async def call(method: Callable, *args: object) -> list[int]:
-        if pool is None:
+    async def call(stream: int, method: Callable, *args: object) -> list[int]:
+        if not threaded:
             return method(*args)
-        return await asyncio.wrap_future(pool.submit(method, *args))
+        return await asyncio.wrap_future(pools[stream].submit(method, *args))
 
-    async def put() -> None:
-        for keys in work.batches:
-            codes = await call(client.batch_put_from, names(keys), sources, sizes)
+    async def put_stream(stream: int, batches: list[list[bytes]]) -> None:
+        for keys in batches:
+            codes = await call(stream, client.batch_put_from, names(keys), sources[stream], sizes)
             assert all(code == 0 for code in codes), f"raw put failed: {codes}"
 
-    async def get() -> None:
-        for keys in work.batches:
-            codes = await call(client.batch_get_into, names(keys), targets, sizes)
+    async def get_stream(stream: int, batches: list[list[bytes]]) -> None:
+        for keys in batches:
+            codes = await call(stream, client.batch_get_into, names(keys), targets[stream], sizes)
             assert all(code == size for code in codes), f"raw get failed: {codes}"
+
+    async def put() -> None:
+        await asyncio.gather(
+            *itertools.starmap(put_stream, enumerate(work.streams_of(work.batches)))
+        )
+
+    async def get() -> None:
+        await asyncio.gather(
+            *itertools.starmap(get_stream, enumerate(work.streams_of(work.batches)))
+        )
 
     async def forget(batches: list[list[bytes]]) -> None:
         for keys in batches:
@@ -263,7 +281,7 @@ def raw_mooncake_ops(
         client.unregister_buffer(source.ctypes.data)
         client.unregister_buffer(target.ctypes.data)
         client.close()
-        if pool is not None:
+        for pool in pools:
             pool.shutdown()
 
     return put, get, close

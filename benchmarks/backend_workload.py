@@ -20,24 +20,32 @@ class Workload:
 
     Every repetition writes new keys (`start_rep`), as fresh traffic would: rewriting the same
     keys would measure the filesystem replacing files instead of storing pages.
+
+    With `streams` > 1 the batches are moved by that many callers at once (`streams_of`),
+    each reading into its own part of the pool (`intos`), as concurrent requests' loads do.
     """
 
-    def __init__(self, page_bytes: int, batch_pages: int, total_bytes: int, seed: int) -> None:
+    def __init__(
+        self, page_bytes: int, batch_pages: int, total_bytes: int, seed: int, streams: int = 1
+    ) -> None:
         rng = np.random.default_rng(seed)
         self.page_bytes = page_bytes
         self.seed = seed
-        self.num_batches = max(1, total_bytes // (page_bytes * batch_pages))
+        self.streams = streams
+        self.num_batches = max(streams, total_bytes // (page_bytes * batch_pages))
         self.pages = [rng.bytes(page_bytes) for _ in range(batch_pages)]
-        self.pool = bytearray(page_bytes * batch_pages)
+        self.pool = bytearray(page_bytes * batch_pages * streams)
         view = memoryview(self.pool)
-        self.into = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages)]
+        pages = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages * streams)]
+        self.intos = [pages[j * batch_pages : (j + 1) * batch_pages] for j in range(streams)]
+        self.into = self.intos[0]
         # The same pages as one "L2 pool" of their own, for a backend that takes a lent pool
-        # (and the raw Mooncake client, which puts from registered memory).
-        self.source = bytearray(b"".join(self.pages))
+        # (and the raw Mooncake client, which puts from registered memory): a copy for each
+        # stream, as concurrent requests put pages of their own.
+        self.source = bytearray(b"".join(self.pages) * streams)
         view = memoryview(self.source)
-        self.source_pages = [
-            view[i * page_bytes : (i + 1) * page_bytes] for i in range(len(self.pages))
-        ]
+        pages = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages * streams)]
+        self.sources = [pages[j * batch_pages : (j + 1) * batch_pages] for j in range(streams)]
         self.rep = 0
         self.all_batches: list[list[bytes]] = []
         # Untimed, after each repetition: sides that drop the repetition's pages (a store
@@ -55,6 +63,10 @@ class Workload:
             for b in range(self.num_batches)
         ]
         self.all_batches += self.batches
+
+    def streams_of(self, batches: list[list[bytes]]) -> list[list[list[bytes]]]:
+        """`batches` dealt out to the `streams` callers in turn."""
+        return [batches[j :: self.streams] for j in range(self.streams)]
 
     @property
     def total_bytes(self) -> int:

@@ -23,6 +23,10 @@ Claim (issue 4): with batches of 32 pages of 64 KiB, 256 KiB and 2 MiB,
   and the raw client with each call made on a worker thread and awaited, as a caller on an
   event loop must make a blocking call (`..._vs_raw_threaded_...`): what is left between that
   and the backend is the backend's own work (framing, checking, the copy through the arena).
+  With `--in-flight K`, K callers move the batches at once (as the loads of concurrent
+  requests do), each reading into its own part of the pool, against the raw client making K
+  calls at once from K threads: the rate under load, where one batch at a time gives the
+  rate a single caller sees.
 
 Also measured, as context: `memory` against a Python memcpy of the same bytes, and the file
 backend's way of doing I/O against `aiofiles` with one await per open/write/read/rename
@@ -37,6 +41,7 @@ random (seeded), so lz4 is off as it is by default. Prints one JSON line per cas
     python benchmarks/bench_backends.py                       # all cases
     python benchmarks/bench_backends.py --dir /mnt/nfs/kv     # the file ceiling is per directory
     python benchmarks/bench_backends.py --smoke               # tiny, for the test suite
+    python benchmarks/bench_backends.py --backends mooncake --in-flight 4   # under load
 """
 
 from __future__ import annotations
@@ -98,6 +103,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-pages", type=int, default=32)
     parser.add_argument("--total-bytes", type=int, default=256 << 20, help="per measurement")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        help="batches moved at once, by that many callers (as concurrent requests load "
+        "theirs); above 1, mooncake only, against the raw client making as many calls at once",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="directory for file:// (default: a temp dir)")
     parser.add_argument("--file-options", default="", help="extra file:// query, e.g. fsync=1")
@@ -107,6 +119,8 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one rep")
     args = parser.parse_args()
+    if args.in_flight < 1:
+        parser.error(f"--in-flight must be at least 1, got {args.in_flight}")
     if args.smoke:
         args.page_sizes, args.batch_pages, args.total_bytes, args.reps = "4096", 4, 64 << 10, 1
     return args
@@ -145,20 +159,26 @@ def backend_ops(url: str, work: Workload) -> tuple[Timed, Timed, Timed, Timed]:
     async def setup() -> None:
         state["store"] = open_backend(url, layout=LAYOUT)
         await state["store"].connect()
-        state["pages"] = work.pages
+        state["pages"] = [work.pages] * work.streams
         # Lend the pools, as the engine lends its L2 pool, where the backend takes them.
         if state["store"].lend(work.pool) and state["store"].lend(work.source):
-            state["pages"] = work.source_pages
+            state["pages"] = work.sources
 
-    async def put() -> None:
-        for keys in work.batches:
-            stored = await state["store"].batch_put(keys, state["pages"])
+    async def put_stream(batches: list[list[bytes]], pages: list) -> None:
+        for keys in batches:
+            stored = await state["store"].batch_put(keys, pages)
             assert all(stored), f"{url}: put failed: {state['store'].stats()}"
 
-    async def get() -> None:
-        for keys in work.batches:
-            found = await state["store"].batch_get(keys, work.into)
+    async def get_stream(batches: list[list[bytes]], into: list[memoryview]) -> None:
+        for keys in batches:
+            found = await state["store"].batch_get(keys, into)
             assert all(found), f"{url}: get missed: {state['store'].stats()}"
+
+    async def put() -> None:
+        await asyncio.gather(*map(put_stream, work.streams_of(work.batches), state["pages"]))
+
+    async def get() -> None:
+        await asyncio.gather(*map(get_stream, work.streams_of(work.batches), work.intos))
 
     async def teardown() -> None:
         for keys in work.all_batches:
@@ -208,7 +228,9 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         )
         more_put_ceilings["raw_framed_put"] = framed_put
         more_get_ceilings["raw_framed_get"] = framed_get
-        # and the raw client called through a worker thread, as an asyncio caller must
+    if name == "mooncake" and work.streams == 1:
+        # and the raw client called through a worker thread, as an asyncio caller must (with
+        # batches in flight, the raw client's calls are all made so)
         threaded_put, threaded_get, close_threaded = raw_mooncake_ops(
             env["mooncake"].address, work, threaded=True
         )
@@ -264,6 +286,7 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         await close_plain()
     if name == "mooncake":
         await close_framed()
+    if name == "mooncake" and work.streams == 1:
         await close_threaded()
     context = {}
     if name == "mooncake":
@@ -301,6 +324,7 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         "url": _query_of(env, name),
         "page_bytes": work.page_bytes,
         "batch_pages": len(work.pages),
+        "in_flight": work.streams,
         "bytes_per_measurement": nbytes,
         "reps": args.reps,
         "put_gbps": sig(med["put"]),
@@ -347,6 +371,8 @@ def print_table(rows: list[dict]) -> None:
                 f"   (put vs write + fsync per batch: {r['batch_fsync_put_ceiling_gbps']:.3f}"
                 f" = {r['put_ratio_vs_batch_fsync_put']:.0%})"
             )
+        if r["in_flight"] > 1:
+            target += f"   ({r['in_flight']} batches in flight, the raw client's too)"
         if "raw_framed_put_gbps" in r:
             target += (
                 f"   (raw client, objects of a framed page's size: put"
@@ -419,6 +445,11 @@ async def main_async(args: argparse.Namespace) -> None:
     unknown = set(names) - set(CEILINGS)
     if unknown:
         raise SystemExit(f"unknown backends {sorted(unknown)}; choose from {sorted(CEILINGS)}")
+    one_at_a_time = sorted(set(names) - {"mooncake"})
+    if args.in_flight > 1 and one_at_a_time:
+        raise SystemExit(
+            f"--in-flight {args.in_flight}: only mooncake takes it, not {one_at_a_time}"
+        )
     scratch = Path(tempfile.mkdtemp(prefix="hicache-bench-", dir=args.dir))
     env: dict = {"dir": scratch}
     redis_proc = None
@@ -433,6 +464,8 @@ async def main_async(args: argparse.Namespace) -> None:
             largest = max(int(size) for size in args.page_sizes.split(","))
             per_rep = args.total_bytes * (largest + header_size(LAYOUT) + 64) // largest
             lacking = sglang_missing() if args.sglang else "--no-sglang"
+            if args.in_flight > 1:
+                lacking = f"--in-flight {args.in_flight} (its calls are made one at a time)"
             if lacking:
                 print(f"not measuring SGLang's Mooncake backend: {lacking}", file=sys.stderr)
             env["sglang"] = lacking is None
@@ -440,7 +473,9 @@ async def main_async(args: argparse.Namespace) -> None:
             segment = max(64 << 20, clients * (args.reps + 2) * per_rep)
             env["mooncake"], holder = start_mooncake(scratch, segment)
         for page_bytes in [int(s) for s in args.page_sizes.split(",")]:
-            work = Workload(page_bytes, args.batch_pages, args.total_bytes, args.seed)
+            work = Workload(
+                page_bytes, args.batch_pages, args.total_bytes, args.seed, args.in_flight
+            )
             per_rep = work.total_bytes * (page_bytes + header_size(LAYOUT)) // page_bytes
             capacity = (args.reps + 2) * per_rep  # every repetition's pages fit: no eviction
             env["memory_url"] = lambda c=capacity: f"memory://?capacity={c}"
@@ -450,11 +485,13 @@ async def main_async(args: argparse.Namespace) -> None:
             if redis_proc is not None:
                 env["redis_url"] = lambda: f"redis://127.0.0.1:{env['redis_port']}/0?timeout=30s"
             if holder is not None:
-                # Room for two whole batches: each batch moves in one round (a round is half
-                # the buffer), as the raw client moves it in one call. A buffer cut to the bare
-                # object sizes split each batch into rounds of 31 + 1 pages (the read's slot
-                # keeps room for a signed or longer object), two transfers for one.
-                buffer = max(1 << 20, 2 * args.batch_pages * (page_bytes + 4096))
+                # Room for two whole batches, or one for each in flight: each batch moves in
+                # one round (a round is half the buffer), as the raw client moves it in one
+                # call. A buffer cut to the bare object sizes split each batch into rounds of
+                # 31 + 1 pages (the read's slot keeps room for a signed or longer object), two
+                # transfers for one.
+                slots = max(2, args.in_flight) * args.batch_pages
+                buffer = max(1 << 20, slots * (page_bytes + 4096))
                 env["mooncake_url"] = lambda b=buffer: (
                     f"mooncake://{env['mooncake'].address}?timeout=30s&buffer={b}"
                 )
