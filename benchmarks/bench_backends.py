@@ -61,18 +61,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.backend_ceilings import (  # noqa: E402
-    SGLANG_LAYER_BYTES,
-    aiofiles_ops,
-    bare_pack_ops,
-    memcpy_ops,
-    per_file_ops,
-    plain_redis_ops,
-    raw_file_ops,
-    raw_mooncake_ops,
-    sglang_missing,
-    sglang_mooncake_ops,
-)
+from benchmarks.backend_baselines import Baselines, baselines_of  # noqa: E402
+from benchmarks.backend_ceilings import aiofiles_ops, sglang_missing  # noqa: E402
 from benchmarks.backend_servers import mooncake_latency, start_mooncake, start_redis  # noqa: E402
 from benchmarks.backend_workload import LAYOUT, Timed, Workload  # noqa: E402
 from benchmarks.common import device_name, emit, sig  # noqa: E402
@@ -199,125 +189,26 @@ def backend_ops(url: str, work: Workload) -> tuple[Timed, Timed, Timed, Timed]:
 
 
 async def run_case(args, name: str, work: Workload, env: dict) -> dict:
-    """Interleave backend and ceiling; medians over reps after one warm-up."""
-    if name == "file_aiofiles":
-        setup, put, get, teardown = backend_ops(env["file_url"](), work)
-        ceiling_put, ceiling_get = put, get
+    """Interleave backend and baselines; medians over reps after one warm-up."""
+    if name == "file_aiofiles":  # aiofiles against the file backend's own way of doing I/O
+        setup, ceiling_put, ceiling_get, teardown = backend_ops(env["file_url"](), work)
         put, get = aiofiles_ops(env["dir"], work)
+        base = Baselines(ceiling_put, ceiling_get)
     else:
         setup, put, get, teardown = backend_ops(env[f"{name}_url"](), work)
-        if name == "memory":
-            ceiling_put, ceiling_get = memcpy_ops(work)
-        elif name.startswith("file"):
-            ceiling_put, ceiling_get = raw_file_ops(
-                env["dir"], work, fsync="end" if name == "file_fsync" else "none"
-            )
-        elif name == "mooncake":
-            ceiling_put, ceiling_get, close_plain = raw_mooncake_ops(env["mooncake"].address, work)
-        else:
-            ceiling_put, ceiling_get, close_plain = plain_redis_ops(env["redis_port"], work)
-    # More ceilings of the puts, timed in turn with the first: for `file` the issue's own
-    # (one large file written with fsync), for `file_fsync` the cost of answering each batch
-    # durably without hicache (an fsync after each batch's bytes).
-    more_put_ceilings: dict[str, Timed] = {}
-    more_get_ceilings: dict[str, Timed] = {}
-    close_sglang = None
-    if name == "mooncake":  # context: the raw client moving objects of a framed page's size
-        framed_put, framed_get, close_framed = raw_mooncake_ops(
-            env["mooncake"].address, work, extra_bytes=header_size(LAYOUT)
-        )
-        more_put_ceilings["raw_framed_put"] = framed_put
-        more_get_ceilings["raw_framed_get"] = framed_get
-    if name == "mooncake" and work.streams == 1:
-        # and the raw client called through a worker thread, as an asyncio caller must (with
-        # batches in flight, the raw client's calls are all made so)
-        threaded_put, threaded_get, close_threaded = raw_mooncake_ops(
-            env["mooncake"].address, work, threaded=True
-        )
-        more_put_ceilings["raw_threaded_put"] = threaded_put
-        more_get_ceilings["raw_threaded_get"] = threaded_get
-    if name == "mooncake" and env.get("sglang") and work.page_bytes % SGLANG_LAYER_BYTES:
-        print(f"not measuring SGLang's Mooncake backend at {work.page_bytes}-byte pages: its "
-              f"MHA pages come in {SGLANG_LAYER_BYTES}-byte layers", file=sys.stderr)  # fmt: skip
-    elif name == "mooncake" and env.get("sglang"):  # SGLang's own Mooncake backend, in turn
-        sglang_put, sglang_get, close_sglang = sglang_mooncake_ops(env["mooncake"].address, work)
-        more_put_ceilings["sglang_put"] = sglang_put
-        more_get_ceilings["sglang_get"] = sglang_get
-    if name == "file":
-        more_put_ceilings["fsync_put"] = raw_file_ops(env["dir"], work, fsync="end")[0]
-    elif name == "file_fsync":
-        more_put_ceilings["batch_fsync_put"] = raw_file_ops(env["dir"], work, fsync="batch")[0]
-    references = {}
-    if name in ("file", "file_fsync"):
-        references = {
-            "per_file": per_file_ops(env["dir"], work),
-            "bare_pack": bare_pack_ops(env["dir"], work),
-        }
+        base = baselines_of(name, work, env)
     await setup()
-    rates: dict[str, list[float]] = {"put": [], "get": [], "ceiling_put": [], "ceiling_get": []}
-    nbytes = work.total_bytes
-    for rep in range(args.reps + 1):
-        work.start_rep(rep)
-        rows = {}
-        # Rotate which of a group goes first, and let writeback finish before the reads:
-        # on a small machine the kernel's flusher threads take a core while dirty pages drain
-        # (`settle`).
-        groups = [
-            [("put", put), ("ceiling_put", ceiling_put), *more_put_ceilings.items()],
-            [("get", get), ("ceiling_get", ceiling_get), *more_get_ceilings.items()],
-        ]
-        for group in groups:
-            if group[0][0] == "get":
-                settle(env["dir"], min(nbytes, 64 << 20))
-            turn = rep % len(group)
-            for name_, timed in group[turn:] + group[:turn]:
-                rows[name_] = await measure(timed, nbytes)
-        for label, (ref_put, ref_get) in references.items():
-            rows[f"{label}_put"] = await measure(ref_put, nbytes)
-            settle(env["dir"], min(nbytes, 64 << 20))
-            rows[f"{label}_get"] = await measure(ref_get, nbytes)
-        for forget in work.forgetters:
-            await forget(work.batches)
-        if rep > 0:  # rep 0 warms up
-            for key, value in rows.items():
-                rates.setdefault(key, []).append(value)
+    rates = await time_reps(args.reps, work, env["dir"], put, get, base)
     await teardown()
-    if name in ("redis", "mooncake"):
-        await close_plain()
-    if name == "mooncake":
-        await close_framed()
-    if name == "mooncake" and work.streams == 1:
-        await close_threaded()
+    await base.close()
     context = {}
     if name == "mooncake":
         context = await mooncake_latency(env["mooncake_url"](), env["mooncake"].address, work)
-    med = {key: statistics.median(values) for key, values in rates.items()}
     for leftover in ("per-file", "aio", "bare-packs"):
         shutil.rmtree(env["dir"] / leftover, ignore_errors=True)
     for ceiling_file in env["dir"].glob("ceiling-*.bin"):
         ceiling_file.unlink()
-    if close_sglang is not None:
-        await close_sglang()
-    for label in more_get_ceilings:
-        context[f"{label}_gbps"] = sig(med[label])
-        context[f"get_ratio_vs_{label}"] = sig(_median_ratio(rates["get"], rates[label]))
-    for label in more_put_ceilings:
-        rate = f"{label}_gbps" if label.startswith(("sglang", "raw")) else f"{label}_ceiling_gbps"
-        context[rate] = sig(med[label])
-        context[f"put_ratio_vs_{label}"] = sig(_median_ratio(rates["put"], rates[label]))
-    if references:
-        context |= {
-            "per_file_put_gbps": sig(med["per_file_put"]),
-            "per_file_get_gbps": sig(med["per_file_get"]),
-            "per_file": "bare os calls, one file per page (context, not a ceiling)",
-            "bare_pack_put_gbps": sig(med["bare_pack_put"]),
-            "bare_pack_get_gbps": sig(med["bare_pack_get"]),
-            "bare_pack_get_ratio": round(
-                _median_ratio(rates["bare_pack_get"], rates["ceiling_get"]), 3
-            ),
-            "bare_pack": "bare os calls, a file per batch read as packs are, xxh3 per page "
-            "(context: the floor of a verified read)",
-        }
+    med = {key: statistics.median(values) for key, values in rates.items()}
     return {
         "bench": "backends",
         "backend": name,
@@ -325,7 +216,7 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         "page_bytes": work.page_bytes,
         "batch_pages": len(work.pages),
         "in_flight": work.streams,
-        "bytes_per_measurement": nbytes,
+        "bytes_per_measurement": work.total_bytes,
         "reps": args.reps,
         "put_gbps": sig(med["put"]),
         "get_gbps": sig(med["get"]),
@@ -338,9 +229,70 @@ async def run_case(args, name: str, work: Workload, env: dict) -> dict:
         "get_ratio": sig(_median_ratio(rates["get"], rates["ceiling_get"])),
         "target_ratio": TARGETS.get(name),
         **context,
+        **_baseline_figures(rates, med, base),
         "device": device_name("cpu"),
         "seed": args.seed,
     }
+
+
+async def time_reps(
+    reps: int, work: Workload, directory: Path, put: Timed, get: Timed, base: Baselines
+) -> dict[str, list[float]]:
+    """GB/s of each side, by label, in each repetition after the first (a warm-up)."""
+    rates: dict[str, list[float]] = {"put": [], "get": [], "ceiling_put": [], "ceiling_get": []}
+    nbytes = work.total_bytes
+    for rep in range(reps + 1):
+        work.start_rep(rep)
+        rows = {}
+        # Rotate which of a group goes first, and let writeback finish before the reads:
+        # on a small machine the kernel's flusher threads take a core while dirty pages drain
+        # (`settle`).
+        groups = [
+            [("put", put), ("ceiling_put", base.put), *base.more_puts.items()],
+            [("get", get), ("ceiling_get", base.get), *base.more_gets.items()],
+        ]
+        for group in groups:
+            if group[0][0] == "get":
+                settle(directory, min(nbytes, 64 << 20))
+            turn = rep % len(group)
+            for label, timed in group[turn:] + group[:turn]:
+                rows[label] = await measure(timed, nbytes)
+        for label, (ref_put, ref_get) in base.references.items():
+            rows[f"{label}_put"] = await measure(ref_put, nbytes)
+            settle(directory, min(nbytes, 64 << 20))
+            rows[f"{label}_get"] = await measure(ref_get, nbytes)
+        for forget in work.forgetters:
+            await forget(work.batches)
+        if rep > 0:  # rep 0 warms up
+            for key, value in rows.items():
+                rates.setdefault(key, []).append(value)
+    return rates
+
+
+def _baseline_figures(rates: dict, med: dict, base: Baselines) -> dict:
+    """Each further baseline's GB/s and the backend's ratio to it; the references' figures."""
+    figures = {}
+    for label in base.more_gets:
+        figures[f"{label}_gbps"] = sig(med[label])
+        figures[f"get_ratio_vs_{label}"] = sig(_median_ratio(rates["get"], rates[label]))
+    for label in base.more_puts:
+        rate = f"{label}_gbps" if label.startswith(("sglang", "raw")) else f"{label}_ceiling_gbps"
+        figures[rate] = sig(med[label])
+        figures[f"put_ratio_vs_{label}"] = sig(_median_ratio(rates["put"], rates[label]))
+    if base.references:
+        figures |= {
+            "per_file_put_gbps": sig(med["per_file_put"]),
+            "per_file_get_gbps": sig(med["per_file_get"]),
+            "per_file": "bare os calls, one file per page (context, not a ceiling)",
+            "bare_pack_put_gbps": sig(med["bare_pack_put"]),
+            "bare_pack_get_gbps": sig(med["bare_pack_get"]),
+            "bare_pack_get_ratio": round(
+                _median_ratio(rates["bare_pack_get"], rates["ceiling_get"]), 3
+            ),
+            "bare_pack": "bare os calls, a file per batch read as packs are, xxh3 per page "
+            "(context: the floor of a verified read)",
+        }
+    return figures
 
 
 def _median_ratio(values: list[float], ceilings: list[float]) -> float:
