@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,6 +110,7 @@ class MooncakeBackend(DirectPath, StagedPath, StorageBackend):
         self._config = self._replicate_config()
         self._complete = self._module.ReplicaStatus.COMPLETE
         self._lent = LentRegions()
+        self._registering = threading.Lock()  # one thread registers lent regions at a time
         plain = self._compression is Compression.NONE  # (lz4 objects vary in size)
         self._direct_bytes = options.direct_bytes if plain else 0
 
@@ -159,18 +161,22 @@ class MooncakeBackend(DirectPath, StagedPath, StorageBackend):
         self._register_lent()
 
     def _register_lent(self) -> None:
-        """Register the regions lent since the client last registered (a worker thread)."""
-        for start, end in self._lent.unregistered():
-            code = self._client.register_buffer(start, end - start)
-            if code != 0:
-                logger.warning(
-                    "%s: the client refused to register a lent region of %d bytes (%d); its "
-                    "pages move through the staging buffer",
-                    self.name,
-                    end - start,
-                    code,
-                )
-            self._lent.registered(start, code == 0)
+        """Register the regions lent since the client last registered (a worker thread).
+        Calls that come at once after a lending each find the region unregistered: one
+        registers it while the others wait, then find nothing left to do (a second
+        registration, which the client refuses, would drop a registered region as refused)."""
+        with self._registering:
+            for start, end in self._lent.unregistered():
+                code = self._client.register_buffer(start, end - start)
+                if code != 0:
+                    logger.warning(
+                        "%s: the client refused to register a lent region of %d bytes (%d); "
+                        "its pages move through the staging buffer",
+                        self.name,
+                        end - start,
+                        code,
+                    )
+                self._lent.registered(start, code == 0)
 
     async def _reconnect(self) -> None:
         """The client reconnects to the master by itself: keep it (opening a second client

@@ -481,6 +481,53 @@ def test_reads_into_a_lent_pool_land_in_place_and_check_out(
     run(body())
 
 
+class _SlowRegistration:
+    """The backend's client, with each registration of a buffer taking 0.2 s longer."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.registered: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def register_buffer(self, address: int, nbytes: int) -> int:
+        time.sleep(0.2)
+        self.registered.append(address)
+        return self._client.register_buffer(address, nbytes)
+
+
+def test_calls_at_once_after_a_lending_register_each_region_once(mooncake_url, pages):
+    """Calls that come at once while lent pools are not yet registered register each pool
+    once: a second registration of one the client has (refused by the client) had dropped it
+    from the lent regions while it stayed registered, and the next call failed on it."""
+    url = mooncake_url(direct="4KiB")
+    keys = [[pages.key(i, f"at-once-{j}") for i in range(4)] for j in range(3)]
+
+    async def body():
+        async with open_backend(url, layout=pages.LAYOUT) as store:
+            await store.connect()  # (a region lent before is registered as the client sets up)
+            client = store._client = _SlowRegistration(store._client)
+            pools = [pages.pool_views(4, PAGE_BYTES) for _ in keys]
+            for (pool, _), batch in zip(pools, keys, strict=True):
+                pool[:] = b"".join(pages.page(key, PAGE_BYTES) for key in batch)
+                assert store.lend(pool) is True
+            puts = (store.batch_put(b, views) for b, (_, views) in zip(keys, pools, strict=True))
+            assert await asyncio.gather(*puts) == [[True] * 4] * 3
+            assert sorted(client.registered) == sorted(set(client.registered))
+            assert len(client.registered) == 3
+            reads = [pages.pool_views(4, PAGE_BYTES) for _ in keys]
+            for pool, _ in reads:
+                assert store.lend(pool) is True
+            gets = (store.batch_get(b, views) for b, (_, views) in zip(keys, reads, strict=True))
+            assert await asyncio.gather(*gets) == [[True] * 4] * 3
+            assert [bytes(pool) for pool, _ in reads] == [bytes(pool) for pool, _ in pools]
+            assert len(client.registered) == 6
+            assert store.stats().num_errors == 0
+
+    run(body())
+
+
 def test_a_transfer_past_its_deadline_keeps_its_lent_pages_quarantined(own_store, pages):
     """A holder paused mid-read into a lent pool: the call returns misses at its deadline,
     but its pages stay quarantined while the transfer runs; a page handed in again then is
