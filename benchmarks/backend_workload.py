@@ -22,7 +22,8 @@ class Workload:
     keys would measure the filesystem replacing files instead of storing pages.
 
     With `streams` > 1 the batches are moved by that many callers at once (`streams_of`),
-    each reading into its own part of the pool (`intos`), as concurrent requests' loads do.
+    each putting from and reading into pages of its own (`sources`, `intos`), as concurrent
+    requests' loads do.
     """
 
     def __init__(
