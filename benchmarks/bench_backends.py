@@ -24,9 +24,9 @@ Claim (issue 4): with batches of 32 pages of 64 KiB, 256 KiB and 2 MiB,
   event loop must make a blocking call (`..._vs_raw_threaded_...`): what is left between that
   and the backend is the backend's own work (framing, checking, the copy through the arena).
   With `--in-flight K`, K callers move the batches at once (as the loads of concurrent
-  requests do), each reading into its own part of the pool, against the raw client making K
-  calls at once from K threads: the rate under load, where one batch at a time gives the
-  rate a single caller sees.
+  requests do), each putting from and reading into pages of its own, against the raw client
+  making K calls at once from K threads: the rate under load, where one batch at a time
+  gives the rate a single caller sees.
 
 Also measured, as context: `memory` against a Python memcpy of the same bytes, and the file
 backend's way of doing I/O against `aiofiles` with one await per open/write/read/rename
