@@ -13,7 +13,14 @@ import pytest
 
 from tests.support.benchmarks import BENCHMARKS
 
-BLOCK = 16  # tokens per hash id and per page
+# Tokens per hash id and per page. Whether a document comes from L3 or is recomputed is a
+# cost the live replica weighs with what it measures and the simulator with the calibrated
+# profile: at 16 tokens a document's compute (64 rows, about 5 ms of the tiny model here) was
+# only 2.5 times the floor of an L3 fetch (the 2 ms latency prior, or the lookups' if
+# longer), and under the slow lane's load the two sides once decided it apart (predicted no
+# L3 hit, measured 256 tokens). At 32 it is about 10 ms, five times the floor, and a
+# document's read stays under 1 MiB (no read-rate sample on either side).
+BLOCK = 32
 # Which 4-block document each request opens with. Twelve L1 pages hold two requests, the
 # 14 L2 pages a little more: a document back after one other (the fourth request) comes
 # from L2; back after five others, from L3 (or nowhere without one).
@@ -21,8 +28,8 @@ DOCS = (0, 1, 2, 0, 3, 4, 5, 1, 2, 6, 0, 3)
 
 
 def write_trace(path) -> None:
-    """Each request a document and a block of its own, 1.5 s apart: each is done (an
-    80-token prompt and 3 tokens of the tiny model: tens of ms, a few hundred on a box at
+    """Each request a document and a block of its own, 1.5 s apart: each is done (a
+    160-token prompt and 3 tokens of the tiny model: tens of ms, a few hundred on a box at
     load 10) before the next arrives, so that the live caches see the trace's order and
     one request at a time, as the simulator plays it, whatever the machine's load."""
     records = [
