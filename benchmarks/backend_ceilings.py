@@ -212,7 +212,8 @@ def raw_mooncake_ops(
 
     client = MooncakeDistributedStore()
     threaded = threaded or work.streams > 1
-    pools = [WorkerPool(1, thread_name_prefix=f"raw-mooncake-{j}") for j in range(work.streams)]
+    streams = range(work.streams if threaded else 0)  # calls made inline need no thread
+    pools = [WorkerPool(1, thread_name_prefix=f"raw-mooncake-{j}") for j in streams]
     args = ("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address)
     if not threaded:
         code = client.setup(*args)
