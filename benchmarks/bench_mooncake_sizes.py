@@ -1,0 +1,195 @@
+"""The raw Mooncake client's time for a batch of objects, by object size around a page: where
+the store's transport has a step in its cost, and what a framed page (the page and its
+header, as the backend stores it) costs against the bare page.
+
+    python benchmarks/bench_mooncake_sizes.py                          # 64 KiB pages
+    python benchmarks/bench_mooncake_sizes.py --page-bytes 2097152 --in-flight 1,4
+    python benchmarks/bench_mooncake_sizes.py --sizes 65480,65490,65536,65540
+
+A master and one holder start on loopback, as in bench_backends.py. Each size is put and
+read back as `--batch` objects a call and `--batches` calls a caller, by 1 and by 4 callers
+at once (threads), with fresh keys each repetition; within a repetition the sizes take turns,
+so drift falls on all of them alike. One JSON line per (callers, size), then a table: the
+median microseconds of a call, GB/s of object bytes, and the median over repetitions of this
+size's time over the page's (1.00 is the page; 1.13 takes 13 % longer for the same count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.backend_servers import start_mooncake  # noqa: E402
+from benchmarks.backend_workload import LAYOUT  # noqa: E402
+from benchmarks.common import device_name, emit, sig  # noqa: E402
+from storage_backends.objects import header_size  # noqa: E402
+
+
+def default_sizes(page: int) -> list[int]:
+    """Around the page: a page less 4 KiB and less a header, the page, four bytes more, a
+    framed page, 4 KiB more (those above zero)."""
+    head = header_size(LAYOUT)
+    sizes = [page - 4096, page - head, page, page + 4, page + head, page + 4096]
+    return [size for size in sizes if size > 0]
+
+
+class RawBatches:
+    """One raw client with registered source and destination memory for `callers` callers'
+    batches of objects of up to `largest` bytes; `run` times one size's puts, then its gets."""
+
+    def __init__(self, address: str, callers: int, batch: int, batches: int, largest: int):
+        from mooncake.store import MooncakeDistributedStore
+
+        self.client = MooncakeDistributedStore()
+        if self.client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
+            raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
+        self.batch, self.batches = batch, batches
+        self.slot = -(-largest // 4096) * 4096
+        nbytes = callers * batch * self.slot
+        self.src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, np.uint8)
+        for array in (self.src, self.dst):
+            if self.client.register_buffer(array.ctypes.data, array.nbytes) != 0:
+                raise RuntimeError("the raw Mooncake client could not register its buffers")
+        self.pool = ThreadPoolExecutor(callers)
+        self.made = 0
+
+    def run(self, callers: int, size: int) -> tuple[float, float]:
+        """Seconds for `callers` callers to put, then to get, their batches of `size`."""
+        self.made += 1
+        tag = f"sizes{self.made}"
+        names = [
+            [[f"{tag}:{c}:{b}:{i}" for i in range(self.batch)] for b in range(self.batches)]
+            for c in range(callers)
+        ]
+
+        def move(caller: int, put: bool) -> None:
+            base = (self.src if put else self.dst).ctypes.data + caller * self.batch * self.slot
+            addresses = [base + i * self.slot for i in range(self.batch)]
+            for keys in names[caller]:
+                if put:
+                    codes = self.client.batch_put_from(keys, addresses, [size] * self.batch)
+                    ok = codes == [0] * self.batch
+                else:
+                    codes = self.client.batch_get_into(keys, addresses, [size] * self.batch)
+                    ok = codes == [size] * self.batch
+                if not ok:
+                    raise RuntimeError(f"{'put' if put else 'get'} of {size} B objects: {codes}")
+
+        seconds = []
+        for put in (True, False):
+            began = time.perf_counter()
+            list(self.pool.map(lambda c, p=put: move(c, p), range(callers)))
+            seconds.append(time.perf_counter() - began)
+        for per_caller in names:
+            for keys in per_caller:
+                self.client.batch_remove(keys, True)
+        return seconds[0], seconds[1]
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.client.close()
+
+
+def measure(args: argparse.Namespace, raw: RawBatches, sizes: list[int]) -> list[dict]:
+    """Per (callers, size): each repetition's put and get seconds, after one to warm up."""
+    times: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for rep in range(args.reps + 1):
+        for callers in args.in_flight:
+            for size in sizes:
+                took = raw.run(callers, size)
+                if rep > 0:
+                    times.setdefault((callers, size), []).append(took)
+    rows = []
+    for callers in args.in_flight:
+        page = times[(callers, args.page_bytes)]
+        for size in sizes:
+            mine = times[(callers, size)]
+            calls = callers * args.batches
+            row = {"in_flight": callers, "object_bytes": size}
+            for j, op in enumerate(("put", "get")):
+                median_s = statistics.median(t[j] for t in mine)
+                row[f"{op}_us_per_call"] = sig(median_s / args.batches * 1e6)
+                row[f"{op}_gbps"] = sig(calls * args.batch * size / median_s / 1e9)
+                row[f"{op}_time_vs_page"] = sig(
+                    statistics.median(m[j] / p[j] for m, p in zip(mine, page, strict=True))
+                )
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], page: int) -> None:
+    framed = page + header_size(LAYOUT)
+    print(f"\n{'callers':>7} {'object B':>9}   {'put us':>7} {'GB/s':>6} {'x page':>6}"
+          f"   {'get us':>7} {'GB/s':>6} {'x page':>6}")  # fmt: skip
+    print("-" * 66)
+    for r in rows:
+        note = "  (a framed page)" if r["object_bytes"] == framed else ""
+        note = "  (the page)" if r["object_bytes"] == page else note
+        print(
+            f"{r['in_flight']:>7} {r['object_bytes']:>9}   {r['put_us_per_call']:>7.0f} "
+            f"{r['put_gbps']:>6.2f} {r['put_time_vs_page']:>6.2f}   {r['get_us_per_call']:>7.0f} "
+            f"{r['get_gbps']:>6.2f} {r['get_time_vs_page']:>6.2f}{note}"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--page-bytes", type=int, default=65536)
+    p.add_argument(
+        "--sizes", help="object sizes in bytes, comma-separated (default: around the page)"
+    )
+    p.add_argument("--in-flight", help="callers at once, comma-separated (default 1,4)")
+    p.add_argument("--batch", type=int, default=32, help="objects a call")
+    p.add_argument("--batches", type=int, default=8, help="calls a caller, each repetition")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.page_bytes, args.batch, args.batches, args.reps = 4096, 4, 2, 1
+    args.in_flight = args.in_flight or ("1,2" if args.smoke else "1,4")
+    args.in_flight = [int(k) for k in args.in_flight.split(",")]
+    args.sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else None
+    if any(k < 1 for k in args.in_flight) or args.batch < 1 or args.batches < 1 or args.reps < 1:
+        p.error("--in-flight, --batch, --batches and --reps take positive numbers")
+    if args.sizes and any(s < 1 for s in args.sizes):
+        p.error("--sizes takes positive byte counts")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    sizes = args.sizes or default_sizes(args.page_bytes)
+    if args.page_bytes not in sizes:
+        sizes = [args.page_bytes, *sizes]  # (every ratio is to the page's time)
+    callers = max(args.in_flight)
+    live = callers * args.batches * args.batch * max(sizes)
+    segment = max(64 << 20, -(-2 * live // (1 << 20)) << 20)
+    with tempfile.TemporaryDirectory() as scratch:
+        master, holder = start_mooncake(Path(scratch), segment)
+        raw = None
+        try:
+            raw = RawBatches(master.address, callers, args.batch, args.batches, max(sizes))
+            rows = measure(args, raw, sizes)
+        finally:
+            if raw is not None:
+                raw.close()
+            holder.stop()
+            master.stop()
+    for row in rows:
+        emit({"bench": "mooncake_sizes", "page_bytes": args.page_bytes, "batch": args.batch,
+              "reps": args.reps, **row, "device": device_name()})  # fmt: skip
+    print_table(rows, args.page_bytes)
+
+
+if __name__ == "__main__":
+    main()
