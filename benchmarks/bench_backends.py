@@ -17,9 +17,10 @@ Claim (issue 4): with batches of 32 pages of 64 KiB, 256 KiB and 2 MiB,
   registered with (lent to) the client. Also timed in turn, as a second baseline: SGLang's
   own Mooncake backend (`MooncakeStore`) with its real host pool on the CPU (the guards of
   tests/support/sglang_cpu.py), putting and getting the same number of bytes. And as
-  context, the raw client moving objects of a framed page's size (page + header): Mooncake's
-  TCP transport moves an object in steps of 64 KiB, so a 64 KiB page framed is one step
-  more than the page alone (`put_ratio_vs_raw_framed_put`, `get_ratio_vs_raw_framed_get`);
+  context, the raw client moving objects of a framed page's size (page + header): on this
+  loopback store an object past 64 KiB costs the raw client 10-20 % more than a 64 KiB one
+  (bench_mooncake_sizes.py), and a 64 KiB page framed is past it
+  (`put_ratio_vs_raw_framed_put`, `get_ratio_vs_raw_framed_get`);
   and the raw client with each call made on a worker thread and awaited, as a caller on an
   event loop must make a blocking call (`..._vs_raw_threaded_...`): what is left between that
   and the backend is the backend's own work (framing, checking, the copy through the arena).
