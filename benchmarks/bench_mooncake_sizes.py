@@ -1,6 +1,6 @@
 """The raw Mooncake client's time for a batch of objects, by object size around a page: where
-the store's transport has a step in its cost, and what a framed page (the page and its
-header, as the backend stores it) costs against the bare page.
+the store's cost steps up with size, and what a framed page (the page and its header, as
+the backend stores it) costs against the bare page.
 
     python benchmarks/bench_mooncake_sizes.py                          # 64 KiB pages
     python benchmarks/bench_mooncake_sizes.py --page-bytes 2097152 --in-flight 1,4
