@@ -31,19 +31,33 @@ class L3StorePreset:
     measured: str  # the command, and where it ran
 
 
+def _mooncake_over_tcp(
+    get_gbps: float, one_page_get_us: float, flags: str, machine: str
+) -> L3StorePreset:
+    """A preset from `bench_backends.py --backends mooncake` on a loopback store: the 2 MiB
+    row's get_gbps, and the 64 KiB row's one_page_get_us less the time that page takes at
+    that rate (the simulator adds bytes / bandwidth itself)."""
+    rate = get_gbps * 1e9
+    return L3StorePreset(
+        bandwidth_bytes_per_s=rate,
+        latency_s=one_page_get_us * 1e-6 - (64 << 10) / rate,
+        measured=f"python benchmarks/bench_backends.py --backends mooncake --page-sizes "
+        f"65536,2097152 {flags}: Mooncake Store over tcp on loopback (a master and a "
+        f"mooncake_client holding the pages), {machine}",
+    )
+
+
 STORE_PRESETS: dict[str, L3StorePreset] = {
-    # get_gbps of the 2 MiB row; latency: the 64 KiB row's one_page_get_us less the time
-    # that page takes at that rate (the simulator adds bytes / bandwidth itself).
     # The quiet runs of docs/performance.md's second Mooncake stop (c8200a2, load under
     # 1.5: one worker thread a batch): 2 MiB gets 1.15-1.34 GB/s, one-page gets 550-590 us
     # (the first stop, 8d86abd at load 5-7: 0.59-0.74 GB/s, 255-422 us).
-    "mooncake-tcp": L3StorePreset(
-        bandwidth_bytes_per_s=1.25e9,
-        latency_s=570e-6 - (64 << 10) / 1.25e9,
-        measured="python benchmarks/bench_backends.py --backends mooncake "
-        "--page-sizes 65536,2097152 --reps 7: Mooncake Store over tcp on loopback (a master "
-        "and a mooncake_client holding the pages), a 2-core VM shared with other work "
-        "(load under 1.5)",
+    "mooncake-tcp": _mooncake_over_tcp(
+        1.25, 570, "--reps 7", "a 2-core VM shared with other work (load under 1.5)"
+    ),
+    # Its seventh stop's third call (213744e), one batch at a time: 2 MiB gets 2.447 GB/s,
+    # one-page gets 414 us.
+    "mooncake-tcp-gpu-host": _mooncake_over_tcp(
+        2.447, 414, "--reps 7 --no-sglang", "a 16-core H100 server"
     ),
 }
 
