@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.backend_servers import raw_mooncake_client
 from benchmarks.backend_workload import LAYOUT, Timed, Workload
 from storage_backends.native import checks
 from storage_backends.objects import header_size
@@ -206,21 +207,12 @@ def raw_mooncake_ops(
     each call made on a worker thread and awaited, as an asyncio caller must make a blocking
     call (context: what the hand-off to a thread and back costs). With the workload's
     `streams` > 1, every call is made on a thread, one for each stream, all at once."""
-    from mooncake.store import MooncakeDistributedStore
-
     from storage_backends.workers import WorkerPool
 
-    client = MooncakeDistributedStore()
     threaded = threaded or work.streams > 1
     streams = range(work.streams if threaded else 0)  # calls made inline need no thread
     pools = [WorkerPool(1, thread_name_prefix=f"raw-mooncake-{j}") for j in streams]
-    args = ("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address)
-    if not threaded:
-        code = client.setup(*args)
-    else:  # set up on the thread that calls it, as the backend's client is
-        code = pools[0].submit(client.setup, *args).result()
-    if code != 0:
-        raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
+    client = raw_mooncake_client(address, pools[0] if pools else None)
     size, num = work.page_bytes + extra_bytes, len(work.pages)
     if extra_bytes:
         rng = np.random.default_rng(work.seed)
@@ -250,25 +242,23 @@ def raw_mooncake_ops(
             return method(*args)
         return await asyncio.wrap_future(pools[stream].submit(method, *args))
 
-    async def put_stream(stream: int, batches: list[list[bytes]]) -> None:
-        for keys in batches:
-            codes = await call(stream, client.batch_put_from, names(keys), sources[stream], sizes)
-            assert all(code == 0 for code in codes), f"raw put failed: {codes}"
+    def moving(method: Callable, addresses: list[list[int]], want: int, op: str) -> Timed:
+        """Every stream's batches moved by `method` at once, each code checked for `want`."""
 
-    async def get_stream(stream: int, batches: list[list[bytes]]) -> None:
-        for keys in batches:
-            codes = await call(stream, client.batch_get_into, names(keys), targets[stream], sizes)
-            assert all(code == size for code in codes), f"raw get failed: {codes}"
+        async def stream(j: int, batches: list[list[bytes]]) -> None:
+            for keys in batches:
+                codes = await call(j, method, names(keys), addresses[j], sizes)
+                assert all(code == want for code in codes), f"raw {op} failed: {codes}"
 
-    async def put() -> None:
-        await asyncio.gather(
-            *itertools.starmap(put_stream, enumerate(work.streams_of(work.batches)))
-        )
+        async def run() -> None:
+            await asyncio.gather(
+                *itertools.starmap(stream, enumerate(work.streams_of(work.batches)))
+            )
 
-    async def get() -> None:
-        await asyncio.gather(
-            *itertools.starmap(get_stream, enumerate(work.streams_of(work.batches)))
-        )
+        return run
+
+    put = moving(client.batch_put_from, sources, 0, "put")
+    get = moving(client.batch_get_into, targets, size, "get")
 
     async def forget(batches: list[list[bytes]]) -> None:
         for keys in batches:

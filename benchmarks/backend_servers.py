@@ -52,19 +52,29 @@ def start_mooncake(workdir: Path, segment_bytes: int):
     return master, holder
 
 
+def raw_mooncake_client(address: str, pool=None):
+    """A raw Mooncake client set up with the master at `address` on loopback, lending nothing
+    (set up on `pool`'s thread where one is given, as the backend's client is)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    args = ("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address)
+    code = client.setup(*args) if pool is None else pool.submit(client.setup, *args).result()
+    if code != 0:
+        raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
+    return client
+
+
 async def mooncake_latency(url: str, address: str, work: Workload, num: int = 50) -> dict:
     """Median seconds of a one-page `batch_get` through the backend and of the raw client's
     `batch_get_into` of the same page: the per-request latency `hicache simulate` models."""
-    from mooncake.store import MooncakeDistributedStore
-
     key, page, view = work.batches[0][0], work.pages[0], work.into[0]
     backend = open_backend(url, layout=LAYOUT)
-    raw = MooncakeDistributedStore()
+    raw = None
     try:
         await backend.connect()
         assert await backend.batch_put([key], [page]) == [True]
-        if raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
-            raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
+        raw = raw_mooncake_client(address)
         target = np.frombuffer(work.pool, dtype=np.uint8)
         raw.register_buffer(target.ctypes.data, target.nbytes)
         name = "latency:" + key.hex()
@@ -81,7 +91,8 @@ async def mooncake_latency(url: str, address: str, work: Workload, num: int = 50
         await backend.delete([key])
     finally:
         await backend.close()
-        raw.close()
+        if raw is not None:
+            raw.close()
     return {
         "one_page_get_us": sig(statistics.median(ours) * 1e6),
         "raw_one_page_get_us": sig(statistics.median(theirs) * 1e6),

@@ -36,17 +36,13 @@ class Workload:
         self.num_batches = max(streams, total_bytes // (page_bytes * batch_pages))
         self.pages = [rng.bytes(page_bytes) for _ in range(batch_pages)]
         self.pool = bytearray(page_bytes * batch_pages * streams)
-        view = memoryview(self.pool)
-        pages = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages * streams)]
-        self.intos = [pages[j * batch_pages : (j + 1) * batch_pages] for j in range(streams)]
+        self.intos = self._stream_pages(self.pool)
         self.into = self.intos[0]
         # The same pages as one "L2 pool" of their own, for a backend that takes a lent pool
         # (and the raw Mooncake client, which puts from registered memory): a copy for each
         # stream, as concurrent requests put pages of their own.
         self.source = bytearray(b"".join(self.pages) * streams)
-        view = memoryview(self.source)
-        pages = [view[i * page_bytes : (i + 1) * page_bytes] for i in range(batch_pages * streams)]
-        self.sources = [pages[j * batch_pages : (j + 1) * batch_pages] for j in range(streams)]
+        self.sources = self._stream_pages(self.source)
         self.rep = 0
         self.all_batches: list[list[bytes]] = []
         # Untimed, after each repetition: sides that drop the repetition's pages (a store
@@ -64,6 +60,14 @@ class Workload:
             for b in range(self.num_batches)
         ]
         self.all_batches += self.batches
+
+    def _stream_pages(self, buffer: bytearray) -> list[list[memoryview]]:
+        """`buffer`'s pages, a batch's worth for each stream in turn."""
+        view, size, per = memoryview(buffer), self.page_bytes, len(self.pages)
+        return [
+            [view[(j * per + i) * size : (j * per + i + 1) * size] for i in range(per)]
+            for j in range(self.streams)
+        ]
 
     def streams_of(self, batches: list[list[bytes]]) -> list[list[list[bytes]]]:
         """`batches` dealt out to the `streams` callers in turn."""

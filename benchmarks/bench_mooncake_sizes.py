@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.backend_servers import start_mooncake  # noqa: E402
+from benchmarks.backend_servers import raw_mooncake_client, start_mooncake  # noqa: E402
 from benchmarks.backend_workload import LAYOUT  # noqa: E402
 from benchmarks.common import device_name, emit, sig  # noqa: E402
 from storage_backends.objects import header_size  # noqa: E402
@@ -47,11 +47,7 @@ class RawBatches:
     batches of objects of up to `largest` bytes; `run` times one size's puts, then its gets."""
 
     def __init__(self, address: str, callers: int, batch: int, batches: int, largest: int):
-        from mooncake.store import MooncakeDistributedStore
-
-        self.client = MooncakeDistributedStore()
-        if self.client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", address) != 0:
-            raise RuntimeError(f"the raw Mooncake client could not set up with {address}")
+        self.client = raw_mooncake_client(address)
         self.batch, self.batches = batch, batches
         self.slot = -(-largest // 4096) * 4096
         nbytes = callers * batch * self.slot
@@ -72,23 +68,23 @@ class RawBatches:
             for c in range(callers)
         ]
 
-        def move(caller: int, put: bool) -> None:
-            base = (self.src if put else self.dst).ctypes.data + caller * self.batch * self.slot
+        sizes = [size] * self.batch
+        steps = (("put", self.client.batch_put_from, self.src, 0),
+                 ("get", self.client.batch_get_into, self.dst, size))  # fmt: skip
+
+        def move(caller: int, step: tuple) -> None:
+            op, method, array, want = step
+            base = array.ctypes.data + caller * self.batch * self.slot
             addresses = [base + i * self.slot for i in range(self.batch)]
             for keys in names[caller]:
-                if put:
-                    codes = self.client.batch_put_from(keys, addresses, [size] * self.batch)
-                    ok = codes == [0] * self.batch
-                else:
-                    codes = self.client.batch_get_into(keys, addresses, [size] * self.batch)
-                    ok = codes == [size] * self.batch
-                if not ok:
-                    raise RuntimeError(f"{'put' if put else 'get'} of {size} B objects: {codes}")
+                codes = method(keys, addresses, sizes)
+                if codes != [want] * self.batch:
+                    raise RuntimeError(f"{op} of {size} B objects: {codes}")
 
         seconds = []
-        for put in (True, False):
+        for step in steps:
             began = time.perf_counter()
-            list(self.pool.map(lambda c, p=put: move(c, p), range(callers)))
+            list(self.pool.map(lambda c, st=step: move(c, st), range(callers)))
             seconds.append(time.perf_counter() - began)
         for per_caller in names:
             for keys in per_caller:
