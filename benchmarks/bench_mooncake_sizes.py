@@ -5,11 +5,19 @@ the backend stores it) costs against the bare page.
     python benchmarks/bench_mooncake_sizes.py                          # 64 KiB pages
     python benchmarks/bench_mooncake_sizes.py --page-bytes 2097152 --in-flight 1,4
     python benchmarks/bench_mooncake_sizes.py --sizes 65480,65490,65536,65540
+    python benchmarks/bench_mooncake_sizes.py --movers tcp,tcp-64k     # the control alone
+
+Beside the client (`raw`), two controls move the same objects over plain loopback TCP,
+framed as Mooncake's TCP transport frames a request (loopback_tcp.py): `tcp` in as few
+system calls as the kernel allows, `tcp-64k` in operations of at most 64 KiB, as the
+transport's asio reads and writes move a body. A step that `tcp-64k` shows and `tcp` does
+not is the transport's, not the kernel's.
 
 A master and one holder start on loopback, as in bench_backends.py. Each size is put and
 read back as `--batch` objects a call and `--batches` calls a caller, by 1 and by 4 callers
-at once (threads), with fresh keys each repetition; within a repetition the sizes take turns,
-so drift falls on all of them alike. One JSON line per (callers, size), then a table: the
+at once (threads), with fresh keys each repetition; within a repetition the movers and sizes take
+turns, so drift falls on all of them alike. One JSON line per (mover, callers, size), then a
+table: the
 median microseconds of a call, GB/s of object bytes, and the median over repetitions of this
 size's time over the page's (1.00 is the page; 1.13 takes 13 % longer for the same count).
 """
@@ -22,6 +30,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.backend_servers import raw_mooncake_client, start_mooncake  # noqa: E402
 from benchmarks.backend_workload import LAYOUT  # noqa: E402
 from benchmarks.common import device_name, emit, sig  # noqa: E402
+from benchmarks.loopback_tcp import ASIO_OP_BYTES, LoopbackBatches  # noqa: E402
 from storage_backends.objects import header_size  # noqa: E402
 
 
@@ -96,22 +106,37 @@ class RawBatches:
         self.client.close()
 
 
-def measure(args: argparse.Namespace, raw: RawBatches, sizes: list[int]) -> list[dict]:
-    """Per (callers, size): each repetition's put and get seconds, after one to warm up."""
-    times: dict[tuple[int, int], list[tuple[float, float]]] = {}
+MOVERS = ("raw", "tcp", "tcp-64k")
+
+
+def start_store(stack: ExitStack, live: int) -> str:
+    """A master and one holder with room for twice `live` bytes, stopped when `stack`
+    closes; the master's address."""
+    scratch = stack.enter_context(tempfile.TemporaryDirectory())
+    master, holder = start_mooncake(Path(scratch), max(64 << 20, -(-2 * live >> 20) << 20))
+    stack.callback(master.stop)
+    stack.callback(holder.stop)
+    return master.address
+
+
+def measure(args: argparse.Namespace, movers: dict, sizes: list[int]) -> list[dict]:
+    """Per (mover, callers, size): each repetition's put and get seconds, after one to warm
+    up."""
+    times: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     for rep in range(args.reps + 1):
-        for callers in args.in_flight:
-            for size in sizes:
-                took = raw.run(callers, size)
-                if rep > 0:
-                    times.setdefault((callers, size), []).append(took)
+        for name, mover in movers.items():
+            for callers in args.in_flight:
+                for size in sizes:
+                    took = mover.run(callers, size)
+                    if rep > 0:
+                        times.setdefault((name, callers, size), []).append(took)
     rows = []
-    for callers in args.in_flight:
-        page = times[(callers, args.page_bytes)]
+    for name, callers in ((name, callers) for name in movers for callers in args.in_flight):
+        page = times[(name, callers, args.page_bytes)]
         for size in sizes:
-            mine = times[(callers, size)]
+            mine = times[(name, callers, size)]
             calls = callers * args.batches
-            row = {"in_flight": callers, "object_bytes": size}
+            row = {"mover": name, "in_flight": callers, "object_bytes": size}
             for j, op in enumerate(("put", "get")):
                 median_s = statistics.median(t[j] for t in mine)
                 row[f"{op}_us_per_call"] = sig(median_s / args.batches * 1e6)
@@ -125,14 +150,15 @@ def measure(args: argparse.Namespace, raw: RawBatches, sizes: list[int]) -> list
 
 def print_table(rows: list[dict], page: int) -> None:
     framed = page + header_size(LAYOUT)
-    print(f"\n{'callers':>7} {'object B':>9}   {'put us':>7} {'GB/s':>6} {'x page':>6}"
-          f"   {'get us':>7} {'GB/s':>6} {'x page':>6}")  # fmt: skip
-    print("-" * 66)
+    print(f"\n{'mover':>7} {'callers':>7} {'object B':>9}   {'put us':>7} {'GB/s':>6} "
+          f"{'x page':>6}   {'get us':>7} {'GB/s':>6} {'x page':>6}")  # fmt: skip
+    print("-" * 74)
     for r in rows:
         note = "  (a framed page)" if r["object_bytes"] == framed else ""
         note = "  (the page)" if r["object_bytes"] == page else note
         print(
-            f"{r['in_flight']:>7} {r['object_bytes']:>9}   {r['put_us_per_call']:>7.0f} "
+            f"{r['mover']:>7} {r['in_flight']:>7} {r['object_bytes']:>9}   "
+            f"{r['put_us_per_call']:>7.0f} "
             f"{r['put_gbps']:>6.2f} {r['put_time_vs_page']:>6.2f}   {r['get_us_per_call']:>7.0f} "
             f"{r['get_gbps']:>6.2f} {r['get_time_vs_page']:>6.2f}{note}"
         )
@@ -145,6 +171,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sizes", help="object sizes in bytes, comma-separated (default: around the page)"
     )
     p.add_argument("--in-flight", help="callers at once, comma-separated (default 1,4)")
+    p.add_argument(
+        "--movers", default=",".join(MOVERS),
+        help="raw (the Mooncake client), tcp and tcp-64k (plain loopback TCP, whole or in "
+        "64 KiB operations), comma-separated (default all three)",
+    )  # fmt: skip
     p.add_argument("--batch", type=int, default=32, help="objects a call")
     p.add_argument("--batches", type=int, default=8, help="calls a caller, each repetition")
     p.add_argument("--reps", type=int, default=15)
@@ -159,6 +190,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--in-flight, --batch, --batches and --reps take positive numbers")
     if args.sizes and any(s < 1 for s in args.sizes):
         p.error("--sizes takes positive byte counts")
+    args.movers = args.movers.split(",")
+    unknown = sorted(set(args.movers) - set(MOVERS))
+    if unknown or not args.movers:
+        p.error(f"--movers takes {', '.join(MOVERS)}, not {', '.join(unknown) or 'nothing'}")
     return args
 
 
@@ -168,19 +203,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.page_bytes not in sizes:
         sizes = [args.page_bytes, *sizes]  # (every ratio is to the page's time)
     callers = max(args.in_flight)
-    live = callers * args.batches * args.batch * max(sizes)
-    segment = max(64 << 20, -(-2 * live // (1 << 20)) << 20)
-    with tempfile.TemporaryDirectory() as scratch:
-        master, holder = start_mooncake(Path(scratch), segment)
-        raw = None
-        try:
-            raw = RawBatches(master.address, callers, args.batch, args.batches, max(sizes))
-            rows = measure(args, raw, sizes)
-        finally:
-            if raw is not None:
-                raw.close()
-            holder.stop()
-            master.stop()
+    shape = (callers, args.batch, args.batches, max(sizes))
+    with ExitStack() as stack:
+        movers = {}
+        for name in dict.fromkeys(args.movers):
+            if name == "raw":
+                address = start_store(stack, callers * args.batches * args.batch * max(sizes))
+                movers[name] = RawBatches(address, *shape)
+            else:
+                movers[name] = LoopbackBatches(*shape, ASIO_OP_BYTES if name == "tcp-64k" else None)
+            stack.callback(movers[name].close)
+        rows = measure(args, movers, sizes)
     for row in rows:
         emit({"bench": "mooncake_sizes", "page_bytes": args.page_bytes, "batch": args.batch,
               "reps": args.reps, **row, "device": device_name()})  # fmt: skip
