@@ -17,8 +17,9 @@ Claim (issue 4): with batches of 32 pages of 64 KiB, 256 KiB and 2 MiB,
   registered with (lent to) the client. Also timed in turn, as a second baseline: SGLang's
   own Mooncake backend (`MooncakeStore`) with its real host pool on the CPU (the guards of
   tests/support/sglang_cpu.py), putting and getting the same number of bytes. And as
-  context, the raw client moving objects of a framed page's size (page + header): on this
-  loopback store an object past 64 KiB costs the raw client 10-20 % more than a 64 KiB one
+  context, the raw client moving objects of a framed page's size (page + header): an
+  object past 64 KiB costs the raw client 10-20 % more than a 64 KiB one, since Mooncake's
+  TCP transport moves a body in socket operations of at most 64 KiB
   (bench_mooncake_sizes.py), and a 64 KiB page framed is past it
   (`put_ratio_vs_raw_framed_put`, `get_ratio_vs_raw_framed_get`);
   and the raw client with each call made on a worker thread and awaited, as a caller on an
