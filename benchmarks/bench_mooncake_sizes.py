@@ -15,11 +15,11 @@ not is the transport's, not the kernel's.
 
 A master and one holder start on loopback, as in bench_backends.py. Each size is put and
 read back as `--batch` objects a call and `--batches` calls a caller, by 1 and by 4 callers
-at once (threads), with fresh keys each repetition; within a repetition the movers and sizes take
-turns, so drift falls on all of them alike. One JSON line per (mover, callers, size), then a
-table: the
-median microseconds of a call, GB/s of object bytes, and the median over repetitions of this
-size's time over the page's (1.00 is the page; 1.13 takes 13 % longer for the same count).
+at once (threads), with fresh keys each repetition; within a repetition the movers and
+sizes take turns, so drift falls on all of them alike. One JSON line per (mover, callers,
+size), then a table: the median microseconds of a call, GB/s of object bytes, and the
+median over repetitions of this size's time over the page's (1.00 is the page; 1.13 takes
+13 % longer for the same count).
 """
 
 from __future__ import annotations
