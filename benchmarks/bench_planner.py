@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_serving  # noqa: E402
 from benchmarks.common import emit, git_revision  # noqa: E402
 from benchmarks.serving_deployment import Setup, model_flags, replica_flags  # noqa: E402
+from engine_integration.serve.replica_config import fetch_policies  # noqa: E402
 from hicache.config import PolicyConfig  # noqa: E402
 from hicache.simulate import TracePlayer  # noqa: E402
 from hicache.simulate.calibrate import WARMUP_LENGTHS, calibrate  # noqa: E402
@@ -163,7 +164,10 @@ def simulation_config(row: dict, profile: HardwareProfile, serving) -> Simulatio
         num_instances=row["replicas"],
         l3_bandwidth_bytes_per_s=profile.l3_read_bytes_per_s,
         l3_latency_s=profile.l3_latency_s,
-        policy=PolicyConfig(write_policy="write_through", prefetch_policy="timeout"),  # replica's
+        # the replicas' policies (engine_integration/serve/replica.py)
+        policy=PolicyConfig(
+            write_policy="write_through", **fetch_policies("both", row.get("l3_fetch"))
+        ),
         routing=row["routing"],
         profile=profile,
         engine_requests=True,

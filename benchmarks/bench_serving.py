@@ -2,7 +2,8 @@
 engine serve` replicas, once per cache configuration, on the same trace and machine.
 
 Configurations (`CONFIGS`), each with fresh replicas, router and L3, and the cache's
-load-or-recompute choice on (the default `l3_fetch_policy`):
+load-or-recompute choice on (`--l3-fetch measured`, the default; `always` reads every run L3
+holds, the same choice whatever a replica measures):
 
     off             no cache at all (`--no-cache`): every prompt computed whole; the baseline
     l1              L1 only
@@ -30,8 +31,8 @@ output throughput, TTFT p50/p90/p99, TPOT p50, goodput (requests per second whos
 Prints a table and one JSON line per configuration (also appended to `--json-out`); its
 keys are an interface (`benchmarks/bench_planner.py` compares them with the simulator's
 predictions): config, model, replicas, routing, trace, rate_scale, requests, l1_pages,
-l2_pages, l3_url, page_size, block_tokens, hit_tokens {l1, l2, l3, computed}, ttft_ms
-{p50, p90, p99}, tpot_ms {p50}, throughput_tok_s, goodput, ttft_target_ms, ...
+l2_pages, l3_url, l3_fetch, page_size, block_tokens, hit_tokens {l1, l2, l3, computed},
+ttft_ms {p50, p90, p99}, tpot_ms {p50}, throughput_tok_s, goodput, ttft_target_ms, ...
 
     python benchmarks/bench_serving.py --requests 40 --block-tokens 16 --page-size 16 \\
         --max-output-tokens 16                                # the tiny model on the CPU
@@ -55,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import device_name, emit  # noqa: E402
 from benchmarks.serving_client import MOONCAKE_BLOCK, prompt_ids, replay, summarize  # noqa: E402
 from benchmarks.serving_deployment import Deployment, Setup, model_flags  # noqa: E402
+from engine_integration.serve.replica_config import L3_FETCHES  # noqa: E402
 from hicache.routing import POLICIES  # noqa: E402
 from hicache.simulate.trace import Trace, load_trace  # noqa: E402
 
@@ -87,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--l1-pages", type=int, default=512, help="each replica's L1 (and `off`'s KV) pages")
     a("--l2-pages", type=int, default=2048, help="each replica's L2 pages (l1l2*)")
     a("--l3-capacity", default="4GiB", help="the shared L3's capacity (l1l2l3-*)")
+    a("--l3-fetch", default="measured", choices=L3_FETCHES,
+      help="the replicas' --l3-fetch: measured (load or recompute, by what each measures) "
+      "or always (every run L3 holds, whole)")  # fmt: skip
     a("--threads", type=int, default=0, help="torch CPU threads per replica (0: default)")
     a("--seed", type=int, default=0, help="the tiny model's weights")
     a("--ttft-target-ms", type=float, default=1000.0, help="goodput's TTFT target")
@@ -163,6 +168,7 @@ def run_config(setup: Setup, config: str, trace: Trace, args, work_cache: dict) 
         "l2_pages": args.l2_pages if cache_on and config != "l1" else 0,
         "l3_url": l3_url,
         "l3_capacity": args.l3_capacity if l3_url else None,
+        "l3_fetch": args.l3_fetch if l3_url else None,
         "page_size": args.page_size,
         "ttft_target_ms": args.ttft_target_ms,
         **result,
@@ -212,7 +218,7 @@ def main(argv=None) -> int:
         flags = tuple(model_flags(args.model, Path(workdir)))
         setup = Setup(flags, args.device, args.dtype, args.replicas, args.routing,
                       args.page_size, args.max_running, args.l1_pages, args.l2_pages,
-                      args.l3_capacity, args.threads, args.seed)  # fmt: skip
+                      args.l3_capacity, args.threads, args.seed, args.l3_fetch)  # fmt: skip
         print(f"bench_serving: {trace.num_requests} requests of {trace.name} over "
               f"{trace.duration_s / args.rate_scale:.1f} s, {args.replicas} replicas, "
               f"{args.routing} routing; configurations: {', '.join(args.configs)}",

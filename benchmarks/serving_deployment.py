@@ -30,6 +30,7 @@ class Setup:
     l3_capacity: str
     threads: int
     seed: int
+    l3_fetch: str = "measured"  # the replicas' --l3-fetch, where they have an L3
 
 
 def replica_flags(setup: Setup, config: str, l3_url: str | None) -> list[str]:
@@ -49,7 +50,7 @@ def replica_flags(setup: Setup, config: str, l3_url: str | None) -> list[str]:
     if config != "l1":
         flags += ["--l2-pages", str(setup.l2_pages)]
     if l3_url:
-        flags += ["--l3-url", l3_url]
+        flags += ["--l3-url", l3_url, "--l3-fetch", setup.l3_fetch]
     return flags
 
 

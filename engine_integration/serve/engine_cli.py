@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import sys
 
-from engine_integration.serve.replica_config import DTYPES, ROLES, ReplicaConfig
+from engine_integration.serve.replica_config import DTYPES, L3_FETCHES, ROLES, ReplicaConfig
 
 # The one line `hicache --help` shows for this subcommand.
 HELP = "serve the embedded engine over HTTP, OpenAI-compatible (`hicache engine serve`)"
@@ -66,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the shared L3: grpc://HOST:PORT (hicache serve), redis://HOST:PORT/0, "
         "mooncake://MASTER:PORT, file:///DIR",
+    )
+    a(
+        "--l3-fetch",
+        choices=L3_FETCHES,
+        default=None,
+        help="how a run found in L3 is read: measured fetches what beats recomputing it, by "
+        "the rates this replica measures; always fetches all of it and waits for it "
+        "(default: always for --role decode, else measured)",
     )
     a(
         "--events-endpoint",
@@ -149,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             cache=not args.no_cache,
             deterministic=args.deterministic,
+            l3_fetch=args.l3_fetch,
         )
     except ValueError as error:
         print(f"hicache engine serve: error: {error}", file=sys.stderr)

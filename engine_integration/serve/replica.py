@@ -17,7 +17,9 @@ Roles (`--role`): `both` serves everything. `prefill` is for a P/D deployment's 
 its `/hicache/prefill` computes a prompt and returns once its pages are in L3. `decode`
 matches what L3 holds, fetches all of it and waits for the whole prefetch (`l3_fetch_policy`
 `always`, prefetch policy `wait_complete`), so a handed-off prompt is computed only from its
-last page on. Both need `--l3-url`. `--no-cache` serves without hicache: the baseline.
+last page on. Both need `--l3-url`. `--l3-fetch always` reads L3 so on any role (the same
+choice on every run, whatever the machine measures). `--no-cache` serves without hicache:
+the baseline.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from engine_integration.serve.openai_api import (
     response,
     serve_until_stopped,
 )
-from engine_integration.serve.replica_config import ReplicaConfig
+from engine_integration.serve.replica_config import ReplicaConfig, fetch_policies
 from hicache.config import PolicyConfig
 from hicache.simulate.calibrate import INFO_PATH
 from hicache.simulate.profile import PROFILE_PATH
@@ -178,14 +180,10 @@ class Replica:
         warm_up(self.model, engine_config)
         self.cache = None
         if config.cache:
-            # Write-through, so that a page reaches L2 (and L3) as soon as it is inserted; a
-            # decode replica fetches all of a handed-off prompt (the prefill side computed it
-            # so that this side would not) and waits for the prefetch to complete.
-            decode = config.role == "decode"
+            # Write-through, so that a page reaches L2 (and L3) as soon as it is inserted; how
+            # a run L3 holds is read: `fetch_policies` (a decode replica fetches all of it).
             policy = PolicyConfig(
-                write_policy="write_through",
-                prefetch_policy="wait_complete" if decode else "timeout",
-                l3_fetch_policy="always" if decode else "measured",
+                write_policy="write_through", **fetch_policies(config.role, config.l3_fetch)
             )
             sizes = CacheSizes(config.l1_pages, config.l2_pages, config.l3_url, policy)
             self.cache = build_cache(self.model, engine_config, sizes)

@@ -9,6 +9,20 @@ from engine_integration.engine.model.config import ModelConfig
 
 ROLES = ("both", "prefill", "decode")
 DTYPES = ("float32", "bfloat16", "float16")
+L3_FETCHES = ("measured", "always")
+
+
+def fetch_policies(role: str, l3_fetch: str | None) -> dict[str, str]:
+    """The `PolicyConfig` fields that say how a replica reads a run L3 holds. `measured`
+    fetches what beats recomputing it by the rates the cache measures and waits for a
+    prefetch up to its timeout; `always` fetches the whole run and waits for all of it, as a
+    decode replica must (the prefill side computed the prompt so that it would not). None:
+    the role's own (`always` for decode, else `measured`)."""
+    fetch = l3_fetch or ("always" if role == "decode" else "measured")
+    return {
+        "l3_fetch_policy": fetch,
+        "prefetch_policy": "wait_complete" if fetch == "always" else "timeout",
+    }
 
 
 @dataclass(frozen=True)
@@ -36,6 +50,7 @@ class ReplicaConfig:
     dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA
     cache: bool = True  # False: no hicache at all (the baseline a cache is measured against)
     deterministic: bool = False  # EngineConfig.deterministic (CUDA)
+    l3_fetch: str | None = None  # `fetch_policies`; None: the role's own
 
     def __post_init__(self) -> None:
         if self.model_path and self.model_config:
@@ -67,5 +82,17 @@ class ReplicaConfig:
                 "--deterministic runs its kernels on CUDA (--device cuda); on the CPU the "
                 "engine is batch-invariant, bitwise, already"
             )
+        if self.l3_fetch is not None:
+            if self.l3_fetch not in L3_FETCHES:
+                raise ValueError(
+                    f"--l3-fetch must be one of {', '.join(L3_FETCHES)}, got {self.l3_fetch!r}"
+                )
+            if not self.l3_url:
+                raise ValueError("--l3-fetch says how to read L3: give --l3-url")
+            if self.role == "decode" and self.l3_fetch != "always":
+                raise ValueError(
+                    "--role decode fetches a handed-off prompt whole: --l3-fetch measured "
+                    "would recompute what the prefill side computed"
+                )
         if self.events_format not in ("vllm", "sglang"):
             raise ValueError(f"--events-format must be vllm or sglang, got {self.events_format!r}")

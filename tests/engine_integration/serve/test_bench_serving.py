@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks import bench_serving
 from benchmarks.serving_client import prompt_ids
+from benchmarks.serving_deployment import Setup, replica_flags
 from hicache.simulate.trace import Request
 from tests.support.benchmarks import BENCHMARKS
 
@@ -102,3 +103,12 @@ def test_bench_serving_refuses_bad_flags(flags, message, capsys):
     with pytest.raises(SystemExit):
         bench_serving.parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+def test_replicas_with_an_l3_are_told_how_to_read_it():
+    setup = Setup(("--model-config", "m.json"), "cpu", None, 1, "prefix", 16, 8, 12, 14,
+                  "1GiB", 1, 0, l3_fetch="always")  # fmt: skip
+    flags = replica_flags(setup, "l1l2l3-file", "file:///l3")
+    assert flags[flags.index("--l3-url") :] == ["--l3-url", "file:///l3", "--l3-fetch", "always"]
+    assert "--l3-fetch" not in replica_flags(setup, "l1l2", None)
+    assert bench_serving.parse_args([]).l3_fetch == "measured"

@@ -1,5 +1,5 @@
-"""`hicache engine serve`'s settings: --no-cache, --device and --dtype are checked before
-anything slow starts, and a mistake is one line naming the flag."""
+"""`hicache engine serve`'s settings: --no-cache, --device, --dtype and --l3-fetch are checked
+before anything slow starts, and a mistake is one line naming the flag."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from engine_integration.engine.model.config import (
     model_config_to_json,
     tiny_model_config,
 )
-from engine_integration.serve.replica_config import ReplicaConfig
+from engine_integration.serve.replica_config import ReplicaConfig, fetch_policies
+from hicache.config import PolicyConfig
 from tests.support.replicas import ROOT, get_json, post_stream, replica
 
 
@@ -29,11 +30,38 @@ from tests.support.replicas import ROOT, get_json, post_stream, replica
         ),
         ({"device": "tpu"}, "--device must be 'cpu' or 'cuda[:N]'"),
         ({"dtype": "int8"}, "--dtype must be one of float32, bfloat16, float16"),
+        (
+            {"l3_fetch": "sometimes", "l3_url": "file:///l3", "l2_pages": 8},
+            "--l3-fetch must be one of measured, always, got 'sometimes'",
+        ),
+        ({"l3_fetch": "always"}, "--l3-fetch says how to read L3: give --l3-url"),
+        (
+            {"role": "decode", "l3_url": "file:///l3", "l2_pages": 8, "l3_fetch": "measured"},
+            "--role decode fetches a handed-off prompt whole",
+        ),
     ],
 )
 def test_settings_a_replica_cannot_honour_are_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         ReplicaConfig(**changes)
+
+
+@pytest.mark.parametrize(
+    "role, l3_fetch, policies",
+    [
+        ("both", None, ("measured", "timeout")),
+        ("prefill", None, ("measured", "timeout")),
+        ("decode", None, ("always", "wait_complete")),
+        ("both", "always", ("always", "wait_complete")),
+        ("decode", "always", ("always", "wait_complete")),
+        ("both", "measured", ("measured", "timeout")),
+    ],
+)
+def test_a_replica_reads_l3_by_its_role_unless_told(role, l3_fetch, policies):
+    fields = fetch_policies(role, l3_fetch)
+    assert (fields["l3_fetch_policy"], fields["prefetch_policy"]) == policies
+    assert PolicyConfig(**fields).l3_fetch_policy == policies[0]  # names it takes
+    ReplicaConfig(role=role, l3_url="file:///l3", l2_pages=8, l3_fetch=l3_fetch)
 
 
 def test_no_cache_and_cuda_settings_are_accepted():
