@@ -25,10 +25,10 @@ median over repetitions of this size's time over the page's (1.00 is the page; 1
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.backend_servers import raw_mooncake_client, start_mooncake  # noqa: E402
 from benchmarks.backend_workload import LAYOUT  # noqa: E402
 from benchmarks.common import device_name, emit, sig  # noqa: E402
-from benchmarks.loopback_tcp import ASIO_OP_BYTES, LoopbackBatches  # noqa: E402
+from benchmarks.loopback_tcp import ASIO_OP_BYTES, LoopbackBatches, timed_at_once  # noqa: E402
 from storage_backends.objects import header_size  # noqa: E402
 
 
@@ -91,15 +91,13 @@ class RawBatches:
                 if codes != [want] * self.batch:
                     raise RuntimeError(f"{op} of {size} B objects: {codes}")
 
-        seconds = []
-        for step in steps:
-            began = time.perf_counter()
-            list(self.pool.map(lambda c, st=step: move(c, st), range(callers)))
-            seconds.append(time.perf_counter() - began)
+        put_s, get_s = timed_at_once(
+            self.pool, callers, [functools.partial(move, step=step) for step in steps]
+        )
         for per_caller in names:
             for keys in per_caller:
                 self.client.batch_remove(keys, True)
-        return seconds[0], seconds[1]
+        return put_s, get_s
 
     def close(self) -> None:
         self.pool.shutdown()

@@ -15,10 +15,12 @@ sizes under one mover say anything.
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 _REQUEST = struct.Struct("<QQB")  # size, address, opcode: the transport's session header
@@ -43,6 +45,19 @@ def _receive(sock: socket.socket, into: memoryview, op_bytes: int | None) -> boo
             return False
         got += n
     return True
+
+
+def timed_at_once(
+    pool: ThreadPoolExecutor, callers: int, steps: Sequence[Callable[[int], None]]
+) -> tuple[float, ...]:
+    """Seconds each step took, run by `callers` callers at once (`step(caller)` on `pool`),
+    one step after another: a mover's puts, then its gets."""
+    seconds = []
+    for step in steps:
+        began = time.perf_counter()
+        list(pool.map(step, range(callers)))
+        seconds.append(time.perf_counter() - began)
+    return tuple(seconds)
 
 
 def _connected_pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
@@ -107,12 +122,9 @@ class LoopbackBatches:
 
     def run(self, callers: int, size: int) -> tuple[float, float]:
         """Seconds for `callers` callers to write, then to read, their batches of `size`."""
-        seconds = []
-        for opcode in (_WRITE, _READ):
-            began = time.perf_counter()
-            list(self.pool.map(lambda c, op=opcode: self._calls(c, size, op), range(callers)))
-            seconds.append(time.perf_counter() - began)
-        return seconds[0], seconds[1]
+        steps = [functools.partial(self._calls, size=size, opcode=op) for op in (_WRITE, _READ)]
+        put_s, get_s = timed_at_once(self.pool, callers, steps)
+        return put_s, get_s
 
     def close(self) -> None:
         self.pool.shutdown()
