@@ -33,6 +33,13 @@ L2_LOAD_POLICIES = ("measured", "always")
 # base + per-1k x tokens/1000: even at this bound and 10**6 tokens, 3.6e6 s, in range.
 MAX_WAIT_S = 3600.0
 
+# How long a scheduler lets its L3 lookup of a waiting request stand: its admission, and each
+# step it waits for L1 room, match the index alone until then (`HiCache.match(ask_l3=False)`;
+# what L3 held is indexed), rather than a round trip each. Another writer's pages reach a
+# waiting request this much later at most; a new request always asks. The embedded engine's
+# default (`EngineConfig.l3_ask_again_s`), and the simulator's.
+L3_ASK_AGAIN_S = 0.5
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:

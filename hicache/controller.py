@@ -91,6 +91,7 @@ class HiCache(MatchSteps):
         priority: int = 0,
         record: bool = True,
         whole: bool = False,
+        ask_l3: bool = True,
     ) -> Match:
         """The longest cached prefix of `tokens`, ready for the engine to attend over.
 
@@ -104,7 +105,10 @@ class HiCache(MatchSteps):
         look at a sidecar, engine/sidecar.py), so not counted in the request and hit stats.
         `whole`: only all of it is of use (a sidecar), so its L2 part is loaded and the L3
         part found is fetched whole, not as much as beats recomputing them, and waited for
-        (`wait_complete`).
+        (`wait_complete`). `ask_l3=False`: the pages past the index are not looked up in L3
+        (the caller asked about this request a moment ago, with `prefetch` or an earlier
+        match, and L3's answer stands: what it held is indexed); L3 pages the index knows
+        are fetched as ever.
         """
         data = _request_tokens(tokens, namespace)
         with self._lock:
@@ -115,7 +119,7 @@ class HiCache(MatchSteps):
                 self._metrics.requests += 1
                 num_tokens = len(data) // 4 // self.page_size * self.page_size
                 self._metrics.requested_tokens += num_tokens
-            end, prefetch = self._start_prefetch(data, first, fetch_all=whole)
+            end, prefetch = self._start_prefetch(data, first, fetch_all=whole, ask_l3=ask_l3)
         landed = Landed()
         if prefetch is not None:
             landed = self._wait_prefetch(prefetch, end, wait_all=whole)

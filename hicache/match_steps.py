@@ -148,9 +148,10 @@ class MatchSteps:
     # ------------------------------------------------------------------ L3 lookup and wait
 
     def _start_prefetch(
-        self, data: bytes, first: MatchResult, *, fetch_all: bool = False
+        self, data: bytes, first: MatchResult, *, fetch_all: bool = False, ask_l3: bool = True
     ) -> tuple[Node, PrefetchOp | None]:
-        """Look past the match `first` in L3, index what L3 holds, and start fetching the L3
+        """Look past the match `first` in L3 (unless `ask_l3` is False: the caller's own
+        recent lookup of the request stands), index what L3 holds, and start fetching the L3
         part of the prefix into L2.
 
         Returns the deepest node of the request's path now, which the request's later steps
@@ -165,6 +166,9 @@ class MatchSteps:
                 return end, filling_op(run)  # another request is fetching these pages already
         total_pages = len(data) // 4 // self.page_size
         unmatched = total_pages - first.matched_pages
+        if unmatched and not ask_l3:
+            self._metrics.l3_lookups_spared += 1
+            unmatched = 0
         if first.num_l3_pages + unmatched < self._policy.prefetch_min_pages:
             return end, None
         found = 0
@@ -175,6 +179,7 @@ class MatchSteps:
             keys = self._tree.keys_after(end, data)
             began = self._executor.now()
             found = self._executor.l3_exists(keys, self.config.l3.exists_timeout_s)
+            self._metrics.l3_lookups += 1
             self._rates.record_lookup(self._executor.now() - began)
             if found:
                 end = self._tree.extend_l3(end, data, first.matched_pages + found).last_node

@@ -56,6 +56,8 @@ class HiCacheStats:
     prefetches_completed: int
     prefetches_cut_short: int  # the request went ahead before all its L3 pages arrived
     prefetch_pages_missing: int  # promised by an L3 lookup, then absent or corrupt
+    l3_lookups: int  # existence lookups sent to L3
+    l3_lookups_spared: int  # not sent: the caller's recent lookup of the request stood
     shortened_tokens: int  # matched, then cut by the engine (`HiCache.shorten`: KV missing)
     evicted_pages: dict[str, int]  # by tier
     writes_skipped: int  # backups or L3 writes skipped for lack of room
@@ -111,6 +113,8 @@ class Metrics:
         self.prefetches_completed = 0
         self.prefetches_cut_short = 0
         self.prefetch_pages_missing = 0
+        self.l3_lookups = 0
+        self.l3_lookups_spared = 0
         self.shortened_tokens = 0
         self.evicted_pages = dict.fromkeys(TIERS, 0)
         self.writes_skipped = 0
@@ -186,6 +190,12 @@ class PrometheusCollector:
             "prefetches_cut_short",
             "Requests that went ahead before their L3 prefetch finished",
             stats.prefetches_cut_short,
+        )
+        yield counter("l3_lookups", "L3 existence lookups sent", stats.l3_lookups)
+        yield counter(
+            "l3_lookups_spared",
+            "L3 lookups not sent: the caller's recent lookup of the request stood",
+            stats.l3_lookups_spared,
         )
         yield by_label("evicted_pages", "Pages evicted, by tier", "tier", stats.evicted_pages)
         yield counter("l3_errors", "L3 calls that failed or timed out", stats.l3_errors)

@@ -36,7 +36,8 @@ class PageSource(Protocol):
     # tokens: ids, or bytes in radix.keys.encode_tokens' encoding (a request's, encoded once)
     def prefetch(self, tokens: list[int] | bytes) -> None: ...
 
-    def match(self, tokens: list[int] | bytes) -> Match | None: ...
+    # ask_l3=False: past the index, L3's answer to this request's recent lookup stands
+    def match(self, tokens: list[int] | bytes, *, ask_l3: bool = True) -> Match | None: ...
 
     def alloc(self, num_pages: int) -> list[int]: ...
 
@@ -74,8 +75,8 @@ class CachedPages:
     def prefetch(self, tokens: list[int]) -> None:
         self.cache.prefetch(tokens, self.namespace)
 
-    def match(self, tokens: list[int]) -> Match:
-        return self.cache.match(tokens, self.namespace)
+    def match(self, tokens: list[int], *, ask_l3: bool = True) -> Match:
+        return self.cache.match(tokens, self.namespace, ask_l3=ask_l3)
 
     def alloc(self, num_pages: int) -> list[int]:
         return self.cache.alloc_device_pages(num_pages)
@@ -223,7 +224,7 @@ class PrivatePages:
     def prefetch(self, tokens: list[int]) -> None:
         pass
 
-    def match(self, tokens: list[int]) -> None:
+    def match(self, tokens: list[int], *, ask_l3: bool = True) -> None:
         return None
 
     def alloc(self, num_pages: int) -> list[int]:

@@ -77,6 +77,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     finish_reason: str | None = None
+    l3_asked_s: float | None = None  # when L3 was last asked about it (monotonic clock)
     # set on admission
     match: object | None = None  # hicache Match (locked) or None
     page_ids: list[int] = field(default_factory=list)  # match pages first, then our own

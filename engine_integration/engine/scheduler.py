@@ -5,7 +5,10 @@ is matched against the cache (all but its last token, whose logits are needed), 
 pages for the rest of its life (prompt + max_new_tokens) are reserved at once, so a
 running request never waits for memory and is never preempted. A request whose pages do
 not fit yet waits for running ones to finish; one that could never fit is refused at
-`add`.
+`add`. L3 is asked about a request when it is queued (`prefetch`), and again at an
+admission only once that answer is `EngineConfig.l3_ask_again_s` old: until then the match
+reads the index, which holds what L3 had, so a request waiting for room costs no round trip
+a step.
 
 Each step carries one decode row per decoding request and, within `prefill_chunk_tokens`,
 the next chunk of each prefilling request's prompt: replay rows first (after a hit), then
@@ -99,6 +102,7 @@ class Scheduler:
                 f"{self.page_size} tokens; the L1 pool has {self.num_pages}"
             )
         self.pages.prefetch(request.lookup_tokens)
+        request.l3_asked_s = time.monotonic()
         self.waiting.append(request)
 
     @property
@@ -125,7 +129,7 @@ class Scheduler:
             self.running.append(request)
 
     def _admit(self, request: Request) -> bool:
-        match = self.pages.match(request.lookup_tokens)
+        match = self.pages.match(request.lookup_tokens, ask_l3=self._ask_l3(request))
         indexed = match.num_tokens if match is not None else 0
         window = self._windowed_ring()
         whole = False
@@ -151,6 +155,17 @@ class Scheduler:
         request.page_table = as_index(request.page_ids, self.config.device)  # no device sync
         self._plan_prefill(request, hit)
         request.state = RequestState.PREFILL
+        return True
+
+    def _ask_l3(self, request: Request) -> bool:
+        """Whether this admission asks L3 about the request again: only once the answer to
+        its last lookup (when it was queued, or at an admission that found no room) is
+        `l3_ask_again_s` old, so that a request waiting for room costs no round trip a step."""
+        now = time.monotonic()
+        asked = request.l3_asked_s
+        if asked is not None and now - asked < self.config.l3_ask_again_s:
+            return False
+        request.l3_asked_s = now
         return True
 
     def _windowed_ring(self):

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config
+from hicache.config import L3_ASK_AGAIN_S, HiCacheConfig, L1Config, L2Config, L3Config
 from hicache.controller import CachedPrefix, HiCache, Match
 from hicache.routing import NOTHING_CACHED, Candidate, Router, RoutingConfig
 from hicache.simulate.config import SimulationConfig
@@ -84,6 +84,16 @@ class _Job:
     new_page_ids: list[int] | None = None
     decoded_s: float = 0.0  # when its last token is out (engine requests with a profile)
     estimate_s: float = 0.0  # prefill time without a cache (routing's load estimate)
+    l3_asked_s: float | None = None  # when L3 was last asked about it (as the engine's)
+
+
+def _ask_l3(job: _Job, now_s: float) -> bool:
+    """Whether the job's match asks L3 again, as the engine's admission decides
+    (`engine/scheduler.py`): once its last lookup is `L3_ASK_AGAIN_S` old."""
+    if job.l3_asked_s is not None and now_s - job.l3_asked_s < L3_ASK_AGAIN_S:
+        return False
+    job.l3_asked_s = now_s
+    return True
 
 
 class _Instance:
@@ -322,6 +332,7 @@ class TracePlayer:
         if instance.executor.has_l3:
             # the scheduler's hint for a queued request
             instance.cache.prefetch(job.lookup, self._namespace)
+            job.l3_asked_s = instance.executor.now()
 
     def _start(self, instance: _Instance, job: _Job, at_s: float) -> bool:
         """Run `job`'s match and prefill on `instance`; False (nothing changed but the
@@ -336,7 +347,7 @@ class TracePlayer:
         if decodes:
             executor.advance_to(executor.now() + instance.decode.wait_s(executor.now()))
         began_s = executor.now()  # later than at_s when the scheduler was blocked
-        match = cache.match(job.lookup, self._namespace)
+        match = cache.match(job.lookup, self._namespace, ask_l3=_ask_l3(job, began_s))
         matched_s = executor.now()
         length = job.request.input_length
         computed_from = min(match.num_tokens, length - 1)  # the last token is always computed

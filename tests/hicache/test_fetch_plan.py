@@ -327,6 +327,26 @@ def test_a_run_worth_fetching_is_looked_up_once(cache_with):
     assert lookups == [32] and cache.fetch_rates().lookups_skipped == 0
 
 
+def test_a_match_told_not_to_ask_l3_uses_what_the_index_holds(cache_with):
+    """`ask_l3=False` (the caller's recent lookup of the request stands, as at an engine's
+    admission): nothing past the index is looked up, so L3 pages the index has not heard of
+    are not found; those a queue-time prefetch indexed are fetched as ever."""
+    cache, store = cache_with(read_bytes_per_s=10e9)
+    report_engine_steps(cache, seconds_per_row=1e-4)
+    lookups = count_lookups(cache)
+    tokens = prompt(1)
+    store.put(page_keys(tokens, NS, PAGE), visible_s=0.0)
+    match = cache.match(tokens, NS, ask_l3=False)
+    cache.release(match)
+    assert match.num_pages == 0 and lookups == []
+    cache.prefetch(tokens, NS)
+    match = cache.match(tokens, NS, ask_l3=False)
+    cache.release(match)
+    assert match.num_l3_pages == 32 and lookups == [32]
+    stats = cache.stats()
+    assert (stats.l3_lookups, stats.l3_lookups_spared) == (1, 1)  # the second: none past
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     per_step_s=st.floats(0, 0.05),

@@ -117,11 +117,13 @@ def test_a_new_cache_weighs_its_first_l3_run_by_the_models_earlier_steps(
         output = run_one(reader, tokens)
         assert output.token_ids == expected.token_ids
         rates = reader.cache.fetch_rates()
-        return output.metrics.hit_tokens["l3"], rates.lookups_skipped, rates.pages_declined
+        unasked = rates.lookups_skipped + reader.cache.stats().l3_lookups_spared
+        return output.metrics.hit_tokens["l3"], unasked, rates.pages_declined
 
     try:
         # 7 pages, 84 KiB: 2 ms and 51 us at the priors against 11 ns of compute: neither
-        # the queue-time prefetch nor the match looks the run up
+        # the queue-time prefetch nor the match looks the run up (the match, as its
+        # admission comes within `l3_ask_again_s`, does not even weigh it)
         assert first_l3_hit(0.010, 1e-10) == (0, 2, 0)
         assert first_l3_hit(0.001, 1e-4) == (112, 0, 0)  # ... against 11 ms
     finally:
@@ -146,3 +148,29 @@ def test_best_effort_uses_what_the_queue_time_prefetch_brought(small_model, engi
         time.sleep(0.01)
     reader.run()
     assert request.metrics.hit_tokens["l3"] == 112
+
+
+@pytest.mark.parametrize("ask_again_s", [0.0, 60.0])
+def test_a_request_waiting_for_l1_pages_asks_l3_once(small_model, engines, tmp_path, ask_again_s):
+    """Six requests, two at a time fit L1: each is looked up in L3 when it is queued, and
+    again at its admission and at every step it waits for room, unless its last lookup
+    stands (`EngineConfig.l3_ask_again_s`, here longer than the test, so that no timing
+    counts)."""
+    config = dataclasses.replace(ENGINE, l3_ask_again_s=ask_again_s)
+    policy = PolicyConfig(write_policy="write_through", l3_fetch_policy="always")
+    url = f"file://{tmp_path}/l3?capacity=64MiB"
+    engine = engines(
+        small_model, l1_pages=20, l2_pages=40, l3_url=url, config=config, policy=policy
+    )
+    prompts = [random_prompt(60 + i, 130) for i in range(6)]
+    for tokens in prompts:
+        engine.add_request(tokens, GREEDY)
+    outputs = engine.run()
+    stats = engine.cache.stats()
+    if ask_again_s:
+        assert stats.l3_lookups == 6 and stats.l3_lookups_spared > 6
+    else:  # each admission asked again: six of them, and the steps spent waiting for room
+        assert stats.l3_lookups > 12 and stats.l3_lookups_spared == 0
+    by_prompt = {tuple(o.prompt_token_ids): o.token_ids for o in outputs}
+    for tokens in prompts:
+        assert by_prompt[tuple(tokens)] == run_one(cache_off(small_model), tokens).token_ids
