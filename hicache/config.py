@@ -33,13 +33,6 @@ L2_LOAD_POLICIES = ("measured", "always")
 # base + per-1k x tokens/1000: even at this bound and 10**6 tokens, 3.6e6 s, in range.
 MAX_WAIT_S = 3600.0
 
-# How long a scheduler lets its L3 lookup of a waiting request stand: its admission, and each
-# step it waits for L1 room, match the index alone until then (`HiCache.match(ask_l3=False)`;
-# what L3 held is indexed), rather than a round trip each. Another writer's pages reach a
-# waiting request this much later at most; a new request always asks. The embedded engine's
-# default (`EngineConfig.l3_ask_again_s`), and the simulator's.
-L3_ASK_AGAIN_S = 0.5
-
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -101,6 +94,12 @@ class L3Config:
     url: str | None = None
     write_policy: str = "on_backup"  # when L2 pages go to L3: on backup, or on L2 eviction
     exists_timeout_s: float = 0.5
+    # How long a scheduler lets its L3 lookup of a waiting request stand: its admission, and
+    # each step it waits for room, match the index alone until then (`HiCache.match(ask_l3=
+    # False)`: the index holds what L3 had), not a round trip each. Another writer's pages
+    # reach a waiting request this much later at most; a new request always asks. 0: ask
+    # every time. The embedded engine, the vLLM connector and the simulator read it.
+    ask_again_s: float = 0.5
     prefetch_chunk_pages: int = 32  # pages per read; a prefetch is usable chunk by chunk
     # A read batch holds at most this many bytes too (fewer pages of a large page), and up
     # to `read_batches` of them are in flight at once (0: one per core, at most 4), so a
@@ -131,6 +130,11 @@ class L3Config:
             0 < self.exists_timeout_s <= MAX_WAIT_S,
             f"L3Config.exists_timeout_s must be in (0, {MAX_WAIT_S:g}] seconds, got "
             f"{self.exists_timeout_s}",
+        )
+        _require(
+            0 <= self.ask_again_s <= MAX_WAIT_S,
+            f"L3Config.ask_again_s must be in [0, {MAX_WAIT_S:g}] seconds (0: ask every "
+            f"time), got {self.ask_again_s}",
         )
         _require(
             self.secret_file is None or (self.url is not None and bool(self.secret_file)),
@@ -310,6 +314,7 @@ ENV_VARIABLES = {
     "HICACHE_L3_READ_BATCHES": ("l3", "read_batches", int),
     "HICACHE_L3_READ_CHUNK": ("l3", "read_chunk_bytes", parse_size),
     "HICACHE_L3_EXISTS_TIMEOUT_S": ("l3", "exists_timeout_s", float),
+    "HICACHE_L3_ASK_AGAIN_S": ("l3", "ask_again_s", float),
     "HICACHE_L3_FETCH_POLICY": ("policy", "l3_fetch_policy", str),
     "HICACHE_L3_LATENCY_PRIOR_S": ("policy", "l3_latency_prior_s", float),
     "HICACHE_L2_LOAD_POLICY": ("policy", "l2_load_policy", str),

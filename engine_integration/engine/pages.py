@@ -29,6 +29,7 @@ from tiers.layout import KVLayout
 
 class PageSource(Protocol):
     page_size: int
+    l3_ask_again_s: float  # how long a request's L3 lookup stands (`L3Config.ask_again_s`)
     shape: sidecar.SidecarShape | None  # an interleaved model's sidecars (None: none)
 
     def layer(self, i: int) -> torch.Tensor: ...
@@ -67,6 +68,7 @@ class CachedPages:
         self.cache = cache
         self.namespace = namespace
         self.page_size = cache.page_size
+        self.l3_ask_again_s = cache.config.l3.ask_again_s
         self.shape = shape  # an interleaved model's sidecars (None: none)
 
     def layer(self, i: int) -> torch.Tensor:
@@ -216,6 +218,7 @@ class PrivatePages:
         self.pool = DevicePool(layout, num_pages, device)
         self.allocator = PageAllocator(num_pages, name="private L1")
         self.page_size = layout.page_size
+        self.l3_ask_again_s = 0.0  # (no L3)
         self.shape = None  # nothing outlives a request: no sidecars
 
     def layer(self, i: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ pages for the rest of its life (prompt + max_new_tokens) are reserved at once, s
 running request never waits for memory and is never preempted. A request whose pages do
 not fit yet waits for running ones to finish; one that could never fit is refused at
 `add`. L3 is asked about a request when it is queued (`prefetch`), and again at an
-admission only once that answer is `EngineConfig.l3_ask_again_s` old: until then the match
+admission only once that answer is `L3Config.ask_again_s` old: until then the match
 reads the index, which holds what L3 had, so a request waiting for room costs no round trip
 a step.
 
@@ -160,10 +160,11 @@ class Scheduler:
     def _ask_l3(self, request: Request) -> bool:
         """Whether this admission asks L3 about the request again: only once the answer to
         its last lookup (when it was queued, or at an admission that found no room) is
-        `l3_ask_again_s` old, so that a request waiting for room costs no round trip a step."""
+        `L3Config.ask_again_s` old, so that a request waiting for room costs no round trip a
+        step."""
         now = time.monotonic()
         asked = request.l3_asked_s
-        if asked is not None and now - asked < self.config.l3_ask_again_s:
+        if asked is not None and now - asked < self.pages.l3_ask_again_s:
             return False
         request.l3_asked_s = now
         return True

@@ -337,8 +337,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 for r in range(self._num_ranks)
             ]
 
-            def find(tokens: list[int], extra_key: str) -> Found:
-                return ask_all(self._clients, tokens, extra_key)
+            def find(tokens: list[int], extra_key: str, ask_l3: bool) -> Found:
+                return ask_all(self._clients, tokens, extra_key, ask_l3)
 
         self._planner = SchedulerPlanner(
             find,
@@ -346,6 +346,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._spec.block_size,
             min(config.l1.num_pages for config in self._configs),
             self._load_async,
+            ask_again_s=self._config.l3.ask_again_s,
         )
         return self._planner
 

@@ -10,7 +10,9 @@ rank holds its shard.
 
 After a lookup whose L3 part failed or ran into its timeout, the next `L3_QUIET_S` of
 lookups skip L3 (L1 and L2 still answer): a hung store must not hold every new request of
-vLLM's scheduler loop for the timeout.
+vLLM's scheduler loop for the timeout. A lookup with `ask_l3=False` skips it too: the
+scheduler asked about the same waiting request a moment ago (`plan.py`), and the index
+holds what L3 had.
 """
 
 from __future__ import annotations
@@ -70,11 +72,11 @@ class CacheLookup:
             extra_key=extra_key,
         )
 
-    def find(self, tokens: list[int], extra_key: str) -> Found:
+    def find(self, tokens: list[int], extra_key: str, ask_l3: bool = True) -> Found:
         namespace = self.namespace(extra_key)
         with self._lock:
             use_l3 = time.monotonic() >= self._l3_quiet_until
-        if use_l3:
+        if use_l3 and ask_l3:
             self._look_up_l3(tokens, namespace)
         found = self.cache.cached_prefix(tokens, namespace)
         return Found(found.num_l1_pages, found.num_l2_pages, found.num_l3_pages if use_l3 else 0)
@@ -108,10 +110,10 @@ class ModelLookup:
         self.lookups = lookups
         self.page_size = page_size
 
-    def find(self, tokens: list[int], extra_key: str) -> Found:
+    def find(self, tokens: list[int], extra_key: str, ask_l3: bool = True) -> Found:
         pairs = list(zip(self.groups, self.lookups, strict=True))
         found = shortest(
-            [look.find(tokens, extra_key) for g, look in pairs if g.window_tokens == 0]
+            [look.find(tokens, extra_key, ask_l3) for g, look in pairs if g.window_tokens == 0]
         )
         windows = [(group, look) for group, look in pairs if group.window_tokens]
         if not windows:
@@ -119,13 +121,15 @@ class ModelLookup:
         lowest = max(0, found.num_pages - MAX_WINDOW_PROBES)
         for num_pages in range(found.num_pages, lowest, -1):
             end = num_pages * self.page_size
-            if all(self._holds_window(g, look, tokens, extra_key, end) for g, look in windows):
+            if all(
+                self._holds_window(g, look, tokens, extra_key, end, ask_l3) for g, look in windows
+            ):
                 return shortest([found, Found(num_pages, 0, 0)])
         return NOTHING
 
-    def _holds_window(self, group, look, tokens, extra_key: str, end: int) -> bool:
+    def _holds_window(self, group, look, tokens, extra_key: str, end: int, ask_l3: bool) -> bool:
         entry = group.extent(tokens, extra_key, self.page_size, end)
-        window = look.find(entry.token_ids, entry.extra_key)
+        window = look.find(entry.token_ids, entry.extra_key, ask_l3)
         return window.num_pages * self.page_size >= len(entry.token_ids)
 
 
@@ -141,21 +145,24 @@ def lookup_address(engine_id: str, rank: int, data_parallel_rank: int = 0) -> st
     return f"ipc://{os.path.join(tempfile.gettempdir(), name)}"
 
 
-# The wire format: a request is two frames, the extra key (UTF-8) and the tokens
-# (little-endian uint32); a reply is three little-endian uint64 page counts. No pickle: the
-# socket is a file others on the host may reach.
+# The wire format: a request is three frames, the extra key (UTF-8), the tokens
+# (little-endian uint32) and whether to ask L3 (b"1" or b"0"); a reply is three little-endian
+# uint64 page counts. No pickle: the socket is a file others on the host may reach.
 _REPLY = struct.Struct("<3Q")
 MAX_REQUEST_BYTES = 64 << 20  # 16M tokens: larger requests are dropped by ZeroMQ
 
 
-def _encode_request(tokens: list[int], extra_key: str) -> list[bytes]:
-    return [extra_key.encode(), np.asarray(tokens, dtype="<u4").tobytes()]
+def _encode_request(tokens: list[int], extra_key: str, ask_l3: bool) -> list[bytes]:
+    flag = b"1" if ask_l3 else b"0"
+    return [extra_key.encode(), np.asarray(tokens, dtype="<u4").tobytes(), flag]
 
 
-def _decode_request(frames: list[bytes]) -> tuple[list[int], str]:
-    if len(frames) != 2 or len(frames[1]) % 4:
-        raise ValueError(f"a lookup is 2 frames, tokens in whole uint32s; got {len(frames)}")
-    return np.frombuffer(frames[1], dtype="<u4").tolist(), frames[0].decode()
+def _decode_request(frames: list[bytes]) -> tuple[list[int], str, bool]:
+    if len(frames) != 3 or len(frames[1]) % 4 or frames[2] not in (b"0", b"1"):
+        raise ValueError(
+            f"a lookup is 3 frames: key, tokens in whole uint32s, b'0' or b'1'; got {len(frames)}"
+        )
+    return np.frombuffer(frames[1], dtype="<u4").tolist(), frames[0].decode(), frames[2] == b"1"
 
 
 class LookupServer:
@@ -207,13 +214,13 @@ class LookupClient:
         self._context = zmq.Context()
         self._socket = None
 
-    def ask(self, tokens: list[int], extra_key: str) -> None:
+    def ask(self, tokens: list[int], extra_key: str, ask_l3: bool = True) -> None:
         """Send a lookup; `answer()` waits for it (ask every rank first, then wait)."""
         if self._socket is None:
             self._socket = self._context.socket(zmq.REQ)
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self._address)
-        self._socket.send_multipart(_encode_request(tokens, extra_key))
+        self._socket.send_multipart(_encode_request(tokens, extra_key, ask_l3))
 
     def answer(self) -> Found:
         if not self._socket.poll(self._timeout_ms):
@@ -234,10 +241,12 @@ class LookupClient:
         self._context.term()
 
 
-def ask_all(clients: list[LookupClient], tokens: list[int], extra_key: str) -> Found:
+def ask_all(
+    clients: list[LookupClient], tokens: list[int], extra_key: str, ask_l3: bool = True
+) -> Found:
     """Every rank's answer at once (a slow rank costs its timeout once), shortest first."""
     for client in clients:
-        client.ask(tokens, extra_key)
+        client.ask(tokens, extra_key, ask_l3)
     return shortest([client.answer() for client in clients])
 
 

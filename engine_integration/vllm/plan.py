@@ -12,7 +12,10 @@ per-step plan (loads and saves) it hands to the worker.
   WAITING_FOR_REMOTE_KVS until the worker reports it received. With asynchronous loads the
   lookup itself runs on a thread of the planner: the scheduler waits for it at most
   `LOOKUP_WAIT_S` (enough for an index-only answer), and otherwise gets None ("ask again
-  next step"), so an L3 `exists` never holds vLLM's scheduler loop.
+  next step"), so an L3 `exists` never holds vLLM's scheduler loop. vLLM asks again for a
+  request at every step it stays waiting (no blocks for it yet, or its lookup running):
+  only once the request's last L3 lookup is `ask_again_s` old (`L3Config.ask_again_s`) is
+  L3 asked again; until then the workers answer from their indexes, which hold what L3 had.
 - `after_alloc` records the load against the blocks vLLM gave the request.
 - `build_metadata`: the step's loads, and a save for every request whose prompt is fully
   computed by this step (its full pages, from vLLM's blocks, during this forward).
@@ -27,6 +30,7 @@ per-step plan (loads and saves) it hands to the worker.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -90,7 +94,8 @@ class StepPlan:
     final_saves: list[SaveSpec] = field(default_factory=list)
 
 
-Finder = Callable[[list[int], str], Found]  # (tokens, extra key) -> what the caches hold
+# (tokens, extra key, whether to ask L3 past the indexes) -> what the caches hold
+Finder = Callable[[list[int], str, bool], Found]
 
 
 class SchedulerPlanner:
@@ -103,8 +108,11 @@ class SchedulerPlanner:
         block_size: int,
         l1_pages: int,
         load_async: bool = False,
+        *,
+        ask_again_s: float,  # `L3Config.ask_again_s`
     ) -> None:
         self.find = find
+        self.ask_again_s = ask_again_s
         self.load_async = load_async
         self.page_size = page_size
         self.block_size = block_size
@@ -117,6 +125,7 @@ class SchedulerPlanner:
         self.sending: set[str] = set()  # finished requests whose blocks wait for a save
         self._promised_pages = 0
         self._finding: dict[str, Future] = {}
+        self._asked: dict[str, float] = {}  # req id -> when L3 was last asked about it
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="hicache-lookup") if load_async else None
         )
@@ -137,10 +146,11 @@ class SchedulerPlanner:
         tokens = list(request.all_token_ids[: request.num_tokens - 1])
         extra_key = request_extra_key(request)
         if self._pool is None:
-            return self.find(tokens, extra_key)
+            return self.find(tokens, extra_key, self._ask_l3(request.request_id))
         future = self._finding.get(request.request_id)
         if future is None:
-            future = self._pool.submit(self.find, tokens, extra_key)
+            ask_l3 = self._ask_l3(request.request_id)
+            future = self._pool.submit(self.find, tokens, extra_key, ask_l3)
             self._finding[request.request_id] = future
         try:
             found = future.result(timeout=LOOKUP_WAIT_S)
@@ -151,6 +161,16 @@ class SchedulerPlanner:
             found = Found(0, 0, 0)
         del self._finding[request.request_id]
         return found
+
+    def _ask_l3(self, req_id: str) -> bool:
+        """Whether this lookup asks L3 past the indexes: once the request's last one that
+        did is `ask_again_s` old (vLLM asks about a waiting request every step)."""
+        now = time.monotonic()
+        asked = self._asked.get(req_id)
+        if asked is not None and now - asked < self.ask_again_s:
+            return False
+        self._asked[req_id] = now
+        return True
 
     def close(self) -> None:
         if self._pool is not None:
@@ -236,6 +256,7 @@ class SchedulerPlanner:
         tracked = self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         self._finding.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
         if tracked is None:
             return False, None
         computed = min(request.num_computed_tokens, request.num_tokens - 1)  # KV in blocks

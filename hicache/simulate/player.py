@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.config import L3_ASK_AGAIN_S, HiCacheConfig, L1Config, L2Config, L3Config
+from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config
 from hicache.controller import CachedPrefix, HiCache, Match
 from hicache.routing import NOTHING_CACHED, Candidate, Router, RoutingConfig
 from hicache.simulate.config import SimulationConfig
@@ -87,10 +87,10 @@ class _Job:
     l3_asked_s: float | None = None  # when L3 was last asked about it (as the engine's)
 
 
-def _ask_l3(job: _Job, now_s: float) -> bool:
+def _ask_l3(job: _Job, now_s: float, ask_again_s: float) -> bool:
     """Whether the job's match asks L3 again, as the engine's admission decides
-    (`engine/scheduler.py`): once its last lookup is `L3_ASK_AGAIN_S` old."""
-    if job.l3_asked_s is not None and now_s - job.l3_asked_s < L3_ASK_AGAIN_S:
+    (`engine/scheduler.py`): once its last lookup is `ask_again_s` old."""
+    if job.l3_asked_s is not None and now_s - job.l3_asked_s < ask_again_s:
         return False
     job.l3_asked_s = now_s
     return True
@@ -347,7 +347,8 @@ class TracePlayer:
         if decodes:
             executor.advance_to(executor.now() + instance.decode.wait_s(executor.now()))
         began_s = executor.now()  # later than at_s when the scheduler was blocked
-        match = cache.match(job.lookup, self._namespace, ask_l3=_ask_l3(job, began_s))
+        ask_l3 = _ask_l3(job, began_s, cache.config.l3.ask_again_s)
+        match = cache.match(job.lookup, self._namespace, ask_l3=ask_l3)
         matched_s = executor.now()
         length = job.request.input_length
         computed_from = min(match.num_tokens, length - 1)  # the last token is always computed

@@ -103,6 +103,14 @@ def test_l3_exists_timeout_must_be_finite():
         L3Config(exists_timeout_s=float("inf"))
 
 
+def test_how_long_an_l3_lookup_stands_is_checked():
+    for seconds in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"ask_again_s must be in \[0, 3600\]"):
+            L3Config(ask_again_s=seconds)
+    config = HiCacheConfig.from_env(LAYOUT, {"HICACHE_L3_ASK_AGAIN_S": "0"})
+    assert config.l3.ask_again_s == 0.0 and L3Config().ask_again_s == 0.5
+
+
 def test_sizes_and_budgets():
     # The grammar itself is tested with storage_backends' (test_registry); here: it is the
     # same function, and the environment goes through it.

@@ -23,8 +23,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.config import L3_ASK_AGAIN_S, MAX_WAIT_S
-
 ROPE_SCALING_TYPES = ("linear", "llama3")
 # The transformer block: "llama" (pre-norm attention and SwiGLU MLP: Llama, Qwen2, Mistral) or
 # "gemma3" (Gemma 3: RMS norms scaling by 1 + weight in float32, norms before and after the
@@ -281,9 +279,6 @@ class EngineConfig:
                           never on a hit boundary, the chunking or the batch. Off by default;
                           on the CPU only under Triton's interpreter (tests): the CPU's own
                           path is `batch_invariant`. Not with batch_invariant=True.
-    l3_ask_again_s:       how long the L3 lookup of a queued request stands: its admission,
-                          and each step it waits for L1 pages, match the cache's index alone
-                          until then (`hicache.config.L3_ASK_AGAIN_S`); 0: ask every time.
     """
 
     device: str = "cpu"
@@ -294,7 +289,6 @@ class EngineConfig:
     block_tokens: int = 16
     dtype: str | None = None
     deterministic: bool = False
-    l3_ask_again_s: float = L3_ASK_AGAIN_S
 
     def __post_init__(self) -> None:
         _require(
@@ -319,11 +313,6 @@ class EngineConfig:
             f"got {self.dtype!r}",
         )
 
-        _require(
-            0 <= self.l3_ask_again_s <= MAX_WAIT_S,
-            f"EngineConfig.l3_ask_again_s must be in [0, {MAX_WAIT_S:g}] seconds (0: ask L3 "
-            f"at every admission), got {self.l3_ask_again_s}",
-        )
         _require(
             not (self.deterministic and self.batch_invariant),
             "EngineConfig.deterministic and batch_invariant=True are two paths: pick one "

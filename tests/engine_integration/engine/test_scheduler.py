@@ -8,9 +8,12 @@ import time
 import pytest
 import torch
 
+from engine_integration.engine.core import Engine
+from engine_integration.engine.embedded import CacheSizes, build_cache
 from engine_integration.engine.errors import RequestTooLargeError
 from engine_integration.engine.sampling import SamplingParams
 from hicache.config import PolicyConfig
+from hicache.controller import HiCache
 from hicache.fetch_plan import attention_pairs
 from tests.support.engines import ENGINE, GREEDY, cache_off, random_prompt, run_one
 
@@ -151,22 +154,25 @@ def test_best_effort_uses_what_the_queue_time_prefetch_brought(small_model, engi
 
 
 @pytest.mark.parametrize("ask_again_s", [0.0, 60.0])
-def test_a_request_waiting_for_l1_pages_asks_l3_once(small_model, engines, tmp_path, ask_again_s):
+def test_a_request_waiting_for_l1_pages_asks_l3_once(small_model, tmp_path, ask_again_s):
     """Six requests, two at a time fit L1: each is looked up in L3 when it is queued, and
     again at its admission and at every step it waits for room, unless its last lookup
-    stands (`EngineConfig.l3_ask_again_s`, here longer than the test, so that no timing
-    counts)."""
-    config = dataclasses.replace(ENGINE, l3_ask_again_s=ask_again_s)
+    stands (`L3Config.ask_again_s`, here longer than the test, so that no timing counts)."""
     policy = PolicyConfig(write_policy="write_through", l3_fetch_policy="always")
-    url = f"file://{tmp_path}/l3?capacity=64MiB"
-    engine = engines(
-        small_model, l1_pages=20, l2_pages=40, l3_url=url, config=config, policy=policy
-    )
-    prompts = [random_prompt(60 + i, 130) for i in range(6)]
-    for tokens in prompts:
-        engine.add_request(tokens, GREEDY)
-    outputs = engine.run()
-    stats = engine.cache.stats()
+    sizes = CacheSizes(20, 40, f"file://{tmp_path}/l3?capacity=64MiB", policy)
+    built = build_cache(small_model, ENGINE, sizes)
+    built.close()
+    l3 = dataclasses.replace(built.config.l3, ask_again_s=ask_again_s)
+    cache = HiCache(dataclasses.replace(built.config, l3=l3))
+    try:
+        engine = Engine(small_model, ENGINE, cache=cache)
+        prompts = [random_prompt(60 + i, 130) for i in range(6)]
+        for tokens in prompts:
+            engine.add_request(tokens, GREEDY)
+        outputs = engine.run()
+        stats = cache.stats()
+    finally:
+        cache.close()
     if ask_again_s:
         assert stats.l3_lookups == 6 and stats.l3_lookups_spared > 6
     else:  # each admission asked again: six of them, and the steps spent waiting for room

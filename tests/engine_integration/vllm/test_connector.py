@@ -271,6 +271,8 @@ def test_tensor_parallel_ranks_answer_over_their_sockets(vllm_engines):
     socket.connect(lookup_address("e0", 1))
     socket.send_multipart([b"", b"\x01\x02\x03"])
     assert socket.recv() == bytes(24)
+    socket.send_multipart([b"", bytes(64 * 4), b"yes"])  # L3 asked or not: b"1" or b"0"
+    assert socket.recv() == bytes(24)
     socket.close(linger=0)
     again = engine.request("b2", prompt[:64] + [7])
     assert engine.scheduler.get_num_new_matched_tokens(again, 0) == (64, False)

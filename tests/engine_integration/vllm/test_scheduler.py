@@ -523,3 +523,23 @@ def test_context_parallelism_is_refused_by_name(name):
     kv_cache_config = _config_of(FULL)
     with pytest.raises(ValueError, match=name):
         KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+
+
+@pytest.mark.parametrize("ask_again_s", [0, 60])
+def test_a_request_waiting_for_blocks_asks_l3_once(serving, tmp_path, ask_again_s):
+    """vLLM asks the connector about the request at the head of its queue at every step it
+    waits for blocks (here one request's worth of them at a time). L3 is asked about it
+    again only once its last lookup is `l3_ask_again_s` old (here longer than the test, so
+    that no timing counts); the workers' indexes answer meanwhile."""
+    url = f"file://{tmp_path / 'l3'}?capacity=64MiB"
+    shape = EngineShape(num_blocks=8, max_num_seqs=4)
+    engine = serving({"l3_url": url, "l3_ask_again_s": ask_again_s}, shape=shape)
+    for i in range(3):
+        engine.add(f"r{i}", random_prompt(50 + i, 90, vocab=1000), max_tokens=8)
+    engine.run()
+    lookups = engine.worker._shared.cache.stats().l3_lookups
+    if ask_again_s:
+        assert lookups == 3
+    else:  # one a step while it waited (21 here)
+        assert lookups > 3
+    assert engine.wrong_reads == []
