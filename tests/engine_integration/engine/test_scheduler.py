@@ -126,7 +126,7 @@ def test_a_new_cache_weighs_its_first_l3_run_by_the_models_earlier_steps(
     try:
         # 7 pages, 84 KiB: 2 ms and 51 us at the priors against 11 ns of compute: neither
         # the queue-time prefetch nor the match looks the run up (the match, as its
-        # admission comes within `l3_ask_again_s`, does not even weigh it)
+        # admission comes within `L3Config.ask_again_s`, does not even weigh it)
         assert first_l3_hit(0.010, 1e-10) == (0, 2, 0)
         assert first_l3_hit(0.001, 1e-4) == (112, 0, 0)  # ... against 11 ms
     finally:
