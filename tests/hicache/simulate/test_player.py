@@ -271,3 +271,18 @@ def test_l3_that_keeps_part_of_each_write_costs_hits_and_breaks_nothing(
         stats = cache.stats()
         assert stats.prefetch_pages_missing == 0  # the index never believed in a lost page
         cache.check_invariants()
+
+
+def test_a_queued_request_asks_l3_again_only_once_its_lookup_is_old(config_factory):
+    """As the engine's admission: the queue-time lookup stands for the match unless the
+    request waited `L3Config.ask_again_s` (0.5 s) or more behind the one running."""
+    config = config_factory(page_size=64, l1_pages=4000, l2_pages=4000, l3_pages=4000)
+    for first_tokens, lookups in ((1024, 2), (128 * 1024, 3)):
+        trace = trace_of((0.0, prompt(0, first_tokens)), (0.0, prompt(10**6, 1024)))
+        player = TracePlayer(config, trace)
+        player.run()
+        times = player.request_stats
+        waited_s = times.began_s[1] - times.arrival_s[1]  # 0.012 s, then 8.3 s
+        assert (waited_s < 0.5) == (lookups == 2), waited_s
+        stats = player.caches[0].stats()
+        assert (stats.l3_lookups, stats.l3_lookups_spared) == (lookups, 3 - lookups)
