@@ -18,9 +18,9 @@ from storage_backends import open_backend
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from tests.support.servers import free_port  # (not one the kernel may hand out meanwhile)
+
+    port = free_port()
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
          "--appendonly", "no", "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],

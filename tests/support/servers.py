@@ -19,13 +19,39 @@ _ports = random.Random(os.urandom(8))  # never the global generator: tests may s
 
 
 def free_port(*, with_cluster_bus: bool = False) -> int:
-    """A loopback port nobody listens on (and port + 10000 too, for a cluster node's bus)."""
+    """A loopback port nobody listens on (and port + 10000 too, for a cluster node's bus),
+    outside the kernel's ephemeral range. A port free now is not reserved: a server started
+    on it a moment later lost it, under load, to the local end of some outgoing connection
+    (redis-server: "bind: Address already in use"), which the kernel takes from that range.
+    Each pytest-xdist worker takes its own residue of the port number, so that two workers
+    never pick the same port at once."""
+    span = 10000 if with_cluster_bus else 0
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    ranges = [  # this worker's ports: those of its residue
+        range(r.start + (worker - r.start) % workers, r.stop, workers)
+        for r in _ports_outside_ephemeral(span)
+    ]
+    ranges = [r for r in ranges if len(r)]
     for _ in range(200):
-        port = _ports.randint(20000, 55000)
-        wanted = [port, port + 10000] if with_cluster_bus else [port]
+        (chosen,) = _ports.choices(ranges, weights=[len(r) for r in ranges])
+        port = _ports.choice(chosen)
+        wanted = [port, port + span] if span else [port]
         if all(_can_bind(p) for p in wanted):
             return port
     raise RuntimeError("no free loopback port found")
+
+
+def _ports_outside_ephemeral(span: int) -> list[range]:
+    """Ports p from 10000 up with p and p + span both outside the ephemeral range."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        low, high = (int(field) for field in text.split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    top = 65535 - span
+    below, above = range(10000, min(low - span, top + 1)), range(high + 1, top + 1)
+    return [r for r in (below, above) if len(r)]
 
 
 def _can_bind(port: int) -> bool:

@@ -1,5 +1,6 @@
 """The test harness's own promises about the servers it starts: a paused server is hung in
-every thread by the time `pause` returns, and a paused one still stops."""
+every thread by the time `pause` returns, and a paused one still stops; a free port is not
+one the kernel hands out to outgoing connections, nor another xdist worker's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.support.servers import ServerProcess, all_threads_stopped
+from tests.support.servers import ServerProcess, all_threads_stopped, free_port
 
 # Many runnable threads at the lowest priority: the thread picked to take a SIGSTOP often
 # waits for a core while the others run on, the window a bare `kill` returns into.
@@ -51,3 +52,14 @@ def test_a_paused_server_stops(busy):
     busy.pause()
     busy.stop()  # a stopped process hears no TERM until it is continued
     assert busy.proc.returncode == -15
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_the_other_workers(monkeypatch):
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+        low, high = (int(field) for field in ranges.read().split())
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    ports = [free_port() for _ in range(300)]
+    buses = [free_port(with_cluster_bus=True) for _ in range(100)]
+    assert all(not low <= port <= high and port % 3 == 1 for port in ports + buses)
+    assert all(not low <= bus + 10000 <= high and bus + 10000 <= 65535 for bus in buses)
