@@ -1,6 +1,7 @@
 """What a request holds: its `Match` (a locked run of the index, the engine's handle), and
 what `HiCache.match` holds on the way to it (`Landed`). `CachedPrefix` is the router's
-read-only answer. Torch-free, like the controller.
+read-only answer. `ask_l3_again` is the schedulers' rule for a waiting request's lookup.
+Torch-free, like the controller.
 """
 
 from __future__ import annotations
@@ -75,3 +76,11 @@ class Landed:
         for node in self.held:
             tree.unlock(node)
         self.held.clear()
+
+
+def ask_l3_again(asked_s: float | None, now_s: float, ask_again_s: float) -> bool:
+    """Whether a scheduler's match of a request asks L3 again (`HiCache.match`'s `ask_l3`):
+    when L3 was never asked about it, or last asked `ask_again_s` or more before `now_s`
+    (`L3Config.ask_again_s`). The embedded engine, the vLLM connector and the simulator's
+    player keep `asked_s` per request."""
+    return asked_s is None or now_s - asked_s >= ask_again_s

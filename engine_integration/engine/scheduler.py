@@ -51,6 +51,7 @@ from engine_integration.engine.model.step_rows import SeqRows
 from engine_integration.engine.model.window import LateWindow
 from engine_integration.engine.pages import PageSource
 from engine_integration.engine.request import Request, RequestState
+from hicache.match import ask_l3_again
 from tiers.errors import PoolExhaustedError
 
 logger = logging.getLogger(__name__)
@@ -163,8 +164,7 @@ class Scheduler:
         `L3Config.ask_again_s` old, so that a request waiting for room costs no round trip a
         step."""
         now = time.monotonic()
-        asked = request.l3_asked_s
-        if asked is not None and now - asked < self.pages.l3_ask_again_s:
+        if not ask_l3_again(request.l3_asked_s, now, self.pages.l3_ask_again_s):
             return False
         request.l3_asked_s = now
         return True

@@ -39,6 +39,7 @@ from typing import Any
 
 from engine_integration.vllm.config import request_extra_key
 from engine_integration.vllm.lookup import Found
+from hicache.match import ask_l3_again
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +167,7 @@ class SchedulerPlanner:
         """Whether this lookup asks L3 past the indexes: once the request's last one that
         did is `ask_again_s` old (vLLM asks about a waiting request every step)."""
         now = time.monotonic()
-        asked = self._asked.get(req_id)
-        if asked is not None and now - asked < self.ask_again_s:
+        if not ask_l3_again(self._asked.get(req_id), now, self.ask_again_s):
             return False
         self._asked[req_id] = now
         return True

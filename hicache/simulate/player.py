@@ -55,6 +55,7 @@ import numpy as np
 
 from hicache.config import HiCacheConfig, L1Config, L2Config, L3Config
 from hicache.controller import CachedPrefix, HiCache, Match
+from hicache.match import ask_l3_again
 from hicache.routing import NOTHING_CACHED, Candidate, Router, RoutingConfig
 from hicache.simulate.config import SimulationConfig
 from hicache.simulate.decode import DecodeSteps
@@ -90,7 +91,7 @@ class _Job:
 def _ask_l3(job: _Job, now_s: float, ask_again_s: float) -> bool:
     """Whether the job's match asks L3 again, as the engine's admission decides
     (`engine/scheduler.py`): once its last lookup is `ask_again_s` old."""
-    if job.l3_asked_s is not None and now_s - job.l3_asked_s < ask_again_s:
+    if not ask_l3_again(job.l3_asked_s, now_s, ask_again_s):
         return False
     job.l3_asked_s = now_s
     return True
